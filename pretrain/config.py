@@ -1,0 +1,419 @@
+"""The typed config tree of a run: one source of truth for model, parallelism, data and training.
+
+A run config is a YAML file whose top-level sections map onto the dataclasses below::
+
+    model:      {preset: tiny, ...}        # architecture (ModelConfig); presets in MODEL_PRESETS
+    parallel:   {tensor: 1, pipeline: 1}   # tensor / pipeline sizes; data parallel is derived
+    data:       {...}                      # corpus, tokenizer, dataset prefix (DataConfig)
+    train:      {...}                      # steps, batch, optimizer, schedule (TrainConfig)
+    checkpoint: {...}                      # where and how often to save (CheckpointConfig)
+    logging:    {...}                      # step-line cadence, tensorboard, wandb (LoggingConfig)
+    deepspeed:  ds_configs/zero2.json      # the DeepSpeed JSON whose "auto" fields we fill
+
+Loading is strict: unknown keys, duplicate keys and wrong types are errors that name the field.
+Each section validates itself in ``__post_init__``; cross-section checks (batch arithmetic
+against the world size, what DeepSpeed supports) live in `RunConfig.validate_for_world`, and
+the DeepSpeed JSON is resolved in `pretrain.ds_config`. Derived values (data-parallel size,
+gradient accumulation, padded vocabulary) are computed in exactly one place: here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pretrain.errors import ConfigError
+
+
+class Recompute(str, enum.Enum):
+    """Activation checkpointing: which transformer layers recompute their forward in backward."""
+
+    NONE = "none"  # keep all activations
+    FULL = "full"  # recompute every layer
+    EVERY_K = "every_k"  # recompute every k-th layer (model.activation_checkpointing_interval)
+
+
+class Precision(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"  # dynamic loss scaling
+
+
+def _fail(section: str, name: str, value: Any, fix: str) -> None:
+    raise ConfigError(f"{section}.{name}={value!r}: {fix}")
+
+
+@dataclass
+class ModelConfig:
+    """Llama decoder architecture. `preset` fills every field the YAML does not set."""
+
+    preset: str | None = None  # one of MODEL_PRESETS; explicit fields override it
+    vocab_size: int = 32000  # tokenizer's vocabulary; padded for the embedding (padded_vocab_size)
+    hidden_size: int = 4096  # d_model
+    num_layers: int = 32
+    num_heads: int = 32  # query heads
+    num_kv_heads: int = 32  # key-value heads; < num_heads is grouped-query attention
+    ffn_hidden_size: int = 11008  # SwiGLU inner size
+    seq_length: int = 4096  # training context length, also the rotary table length
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # share input embedding and output projection
+    init_std: float = 0.02  # normal init; output projections are scaled by 1/sqrt(2*num_layers)
+    activation_checkpointing: Recompute = Recompute.NONE
+    activation_checkpointing_interval: int = 1  # k for Recompute.EVERY_K
+    vocab_pad_multiple: int = 128  # vocabulary rounded up to a multiple of this x tensor size
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "ffn_hidden_size", "seq_length", "activation_checkpointing_interval",
+                     "vocab_pad_multiple"):
+            if getattr(self, name) < 1:
+                _fail("model", name, getattr(self, name), "must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            _fail("model", "hidden_size", self.hidden_size,
+                  f"must be divisible by model.num_heads={self.num_heads} "
+                  f"(e.g. hidden_size={self.num_heads * max(1, self.hidden_size // self.num_heads)})")
+        if self.num_heads % self.num_kv_heads:
+            _fail("model", "num_kv_heads", self.num_kv_heads,
+                  f"must divide model.num_heads={self.num_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            _fail("model", "hidden_size", self.hidden_size,
+                  f"gives an odd head_dim={self.head_dim}; rotary embeddings need an even one")
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            _fail("model", "rope_theta/norm_eps/init_std",
+                  (self.rope_theta, self.norm_eps, self.init_std), "must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
+        """Vocabulary rounded up so each tensor-parallel shard is a multiple of vocab_pad_multiple."""
+        multiple = self.vocab_pad_multiple * tensor_parallel
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_parameters(self, *, include_embeddings: bool = True) -> int:
+        """Parameter count of the unpadded model (what a Hugging Face export holds)."""
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h  # q,o + k,v + SwiGLU + 2 norms
+        n = L * per_layer + h  # final norm
+        if include_embeddings:
+            n += self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), without recomputation.
+
+        Matmuls: 6 * (non-embedding params + output projection) plus causal attention
+        QK^T and AV: 2 matmuls * 2 flops * seq * hidden per layer forward, halved for causality
+        is *not* applied (Megatron/PaLM convention: 12 * L * h * s for fwd+bwd).
+        """
+        n = self.num_parameters(include_embeddings=False) + self.vocab_size * self.hidden_size
+        return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * self.seq_length
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # tests: a few hundred thousand parameters, runs in milliseconds per step on CPU
+    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 ffn_hidden_size=176, seq_length=64),
+    # quickstart: ~16M parameters with an 8k vocabulary, trains visibly in minutes on 2 cores
+    "small": dict(vocab_size=8192, hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2,
+                  ffn_hidden_size=1024, seq_length=256, tie_embeddings=True),
+    # GPT-2 small's width/depth with a Llama block
+    "125m": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12,
+                 ffn_hidden_size=2048, seq_length=2048),
+    # TinyLlama-1.1B shape
+    "1b": dict(vocab_size=32000, hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4,
+               ffn_hidden_size=5632, seq_length=2048),
+    # Llama-2 shapes
+    "7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+               ffn_hidden_size=11008, seq_length=4096),
+    "13b": dict(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40,
+                ffn_hidden_size=13824, seq_length=4096),
+    "70b": dict(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                ffn_hidden_size=28672, seq_length=4096),
+}
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel sizes. Data parallel = world size / (tensor * pipeline), derived at launch."""
+
+    tensor: int = 1  # Megatron-style tensor parallel size (inside a node)
+    pipeline: int = 1  # DeepSpeed 1F1B pipeline stages (across nodes)
+    sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tensor > 1)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline"):
+            if getattr(self, name) < 1:
+                _fail("parallel", name, getattr(self, name), "must be a positive integer")
+
+
+@dataclass
+class DataConfig:
+    """Where the training tokens come from.
+
+    `dataset` is the prefix of a preprocessed .bin/.idx pair. If it does not exist yet and
+    `corpus` is given, `pretrain train` builds the tokenizer and the dataset first (rank 0).
+    """
+
+    corpus: list[str] = field(default_factory=list)  # files, globs, dirs, or "python-stdlib"
+    dataset: str = ""  # prefix of the .bin/.idx pair, e.g. runs/data/stdlib
+    tokenizer: str = ""  # sentencepiece .model path
+    tokenizer_vocab_size: int = 8192  # when training a tokenizer from the corpus
+    valid_fraction: float = 0.01  # documents held out for validation
+    seed: int = 1234  # document shuffle seed
+    num_workers: int = 1  # DataLoader workers per rank
+
+    def __post_init__(self) -> None:
+        if isinstance(self.corpus, str):
+            self.corpus = [self.corpus]
+        if not 0.0 <= self.valid_fraction < 1.0:
+            _fail("data", "valid_fraction", self.valid_fraction, "must be in [0, 1)")
+        if self.tokenizer_vocab_size < 64:
+            _fail("data", "tokenizer_vocab_size", self.tokenizer_vocab_size, "must be >= 64")
+        if self.num_workers < 0:
+            _fail("data", "num_workers", self.num_workers, "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation. The global batch is micro_batch_size * grad_accum * data_parallel."""
+
+    steps: int = 1000  # optimizer steps
+    micro_batch_size: int = 1  # samples per rank per forward
+    global_batch_size: int | None = None  # samples per optimizer step; None: micro * dp (accum 1)
+    lr: float = 3e-4
+    min_lr: float = 3e-5  # cosine decays to this
+    warmup_steps: int = 100  # linear warmup from 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
+    precision: Precision = Precision.BF16
+    seed: int = 1234  # model init and dropout
+    eval_interval: int = 100  # steps between validation passes; 0 disables
+    eval_batches: int = 10  # micro-batches per validation pass
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "eval_batches"):
+            if getattr(self, name) < 1:
+                _fail("train", name, getattr(self, name), "must be a positive integer")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            _fail("train", "global_batch_size", self.global_batch_size, "must be positive or null")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            _fail("train", "min_lr", self.min_lr, f"needs 0 <= min_lr <= lr={self.lr} and lr > 0")
+        if self.warmup_steps < 0 or self.eval_interval < 0 or self.grad_clip < 0:
+            _fail("train", "warmup_steps/eval_interval/grad_clip",
+                  (self.warmup_steps, self.eval_interval, self.grad_clip), "must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 0  # steps between DeepSpeed checkpoints; 0: only the final one
+    keep_last: int = 2  # DeepSpeed checkpoints kept (older ones deleted)
+    save_final: bool = True  # write a plain `final/` checkpoint that `pretrain generate` loads
+
+    def __post_init__(self) -> None:
+        if self.save_interval < 0 or self.keep_last < 1:
+            _fail("checkpoint", "save_interval/keep_last", (self.save_interval, self.keep_last),
+                  "need save_interval >= 0 and keep_last >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1  # steps between step lines (metrics.jsonl gets every step)
+    tensorboard: bool = True  # event files under <run_dir>/tensorboard
+    wandb_project: str = ""  # empty: wandb in offline mode under <run_dir>/wandb
+    wandb_mode: str = "offline"  # offline | online | disabled
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0: taken from the accelerator's table
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            _fail("logging", "log_interval", self.log_interval, "must be >= 1")
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            _fail("logging", "wandb_mode", self.wandb_mode, "use offline, online or disabled")
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/default"  # resolved config, checkpoints, logs, metrics.jsonl
+    deepspeed: str = "ds_configs/zero2.json"  # DeepSpeed JSON with "auto" fields
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # ---- derived values: the one place they are computed ------------------------------------
+    def data_parallel_size(self, world_size: int) -> int:
+        model_parallel = self.parallel.tensor * self.parallel.pipeline
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline "
+                f"= {self.parallel.tensor} x {self.parallel.pipeline} = {model_parallel}: "
+                f"launch a multiple of {model_parallel} ranks or change the parallel sizes")
+        return world_size // model_parallel
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        dp = self.data_parallel_size(world_size)
+        per_step = self.train.micro_batch_size * dp
+        gbs = self.train.global_batch_size or per_step
+        if gbs % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size x "
+                f"data-parallel size = {self.train.micro_batch_size} x {dp} = {per_step}: "
+                f"set it to a multiple of {per_step}")
+        return gbs // per_step
+
+    def global_batch_size(self, world_size: int) -> int:
+        return self.train.micro_batch_size * self.data_parallel_size(world_size) * \
+            self.grad_accum_steps(world_size)
+
+    def validate_for_world(self, world_size: int) -> None:
+        """Every check that needs the world size; raises ConfigError before any process group."""
+        self.grad_accum_steps(world_size)
+        p, m = self.parallel, self.model
+        if p.sequence_parallel and p.tensor == 1:
+            _fail("parallel", "sequence_parallel", True, "needs parallel.tensor > 1")
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+            if getattr(m, name) % p.tensor:
+                _fail("parallel", "tensor", p.tensor,
+                      f"must divide model.{name}={getattr(m, name)} (each rank holds a whole share)")
+        if p.pipeline > m.num_layers:
+            _fail("parallel", "pipeline", p.pipeline,
+                  f"exceeds model.num_layers={m.num_layers}: each stage needs at least one layer")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML loader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
+    mapping = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in mapping:
+            raise ConfigError(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}: "
+                              "each key may appear once per section")
+        mapping[key] = loader.construct_object(value_node, deep=deep)
+    return mapping
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _coerce(path: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against a field annotation; convert only lossless cases (int->float, enums)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(path, value, inner[0])
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
+        return _build(annotation, value, path)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        try:
+            return annotation(value)
+        except ValueError:
+            choices = ", ".join(e.value for e in annotation)
+            raise ConfigError(f"{path}={value!r}: choose one of {choices}") from None
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}={value!r}: expected a list")
+        return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-4 as a string
+            return float(value)
+        except ValueError:
+            pass
+    if annotation in (int, float, str, bool):
+        if type(value) is not annotation:
+            raise ConfigError(f"{path}={value!r}: expected {annotation.__name__}, "
+                              f"got {type(value).__name__}")
+        return value
+    return value
+
+
+def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]}: valid keys are "
+                          f"{', '.join(sorted(names))}")
+    raw = dict(raw)
+    if cls is ModelConfig and raw.get("preset") is not None:
+        preset = raw["preset"]
+        if preset not in MODEL_PRESETS:
+            raise ConfigError(f"model.preset={preset!r}: choose one of "
+                              f"{', '.join(MODEL_PRESETS)}")
+        raw = {**MODEL_PRESETS[preset], **raw}
+    kwargs = {k: _coerce(f"{path}.{k}" if path else k, v, hints[k]) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` -> (['train', 'lr'], 0.0003). The value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. train.lr=3e-4")
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.load(value, Loader=_UniqueKeyLoader)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a run config YAML (or the defaults), apply `--set` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"run config {str(path)!r} does not exist: pass a YAML file "
+                              "from configs/ or your own")
+        try:
+            raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"run config {str(path)!r} is not valid YAML: "
+                              f"{str(exc).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"run config {str(path)!r}: expected a mapping of sections")
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {k!r} is not a section")
+        node[keys[-1]] = value
+    return _build(RunConfig, raw, "")

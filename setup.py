@@ -1,0 +1,29 @@
+"""Installable package `pretrain`: Llama pretraining with tensor, pipeline and ZeRO data parallelism."""
+from setuptools import find_packages, setup
+
+# Tested versions live in launch/constraints.txt; install with
+#   pip install -c launch/constraints.txt -e .[test]
+# and install torch first (see README): an unpinned torch pulls a multi-GB CUDA build.
+setup(
+    name="pretrain",
+    version="0.1.0",
+    description="Pretrain Llama-style models with Megatron-style TP, DeepSpeed 1F1B pipelines and ZeRO",
+    packages=find_packages(include=["pretrain", "pretrain.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.19",
+        "transformers>=4.45",
+        "datasets>=3.0",
+        "sentencepiece>=0.2",
+        "wandb>=0.18",
+        "tensorboard>=2.15",
+        "tqdm>=4.66",
+        "pyyaml>=6.0",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "ninja",
+    ],
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8"]},
+    entry_points={"console_scripts": ["pretrain=pretrain.cli:main"]},
+)
