@@ -1,0 +1,302 @@
+"""The Llama decoder (Touvron et al. 2023), readable top to bottom.
+
+Architecture choices:
+
+- pre-norm residual blocks: x + attn(norm(x)), then x + mlp(norm(x)); a final RMSNorm,
+- rotary position embeddings on q and k (non-interleaved halves, Hugging Face's layout),
+- grouped-query attention (num_kv_heads <= num_heads) through PyTorch's fused
+  `scaled_dot_product_attention(is_causal=True, enable_gqa=True)`: the kv heads are never
+  materialised num_heads/num_kv_heads times (measured on CPU, torch 2.13: as fast as or faster
+  than repeating them, and Hugging Face's SDPA path makes the same choice),
+- SwiGLU MLP: down(silu(gate(x)) * up(x)),
+- no biases, no dropout; optional tied input/output embeddings,
+- a vocabulary padded to `cfg.padded_vocab_size(tp)` rows (a multiple of 128 x tp, for fast
+  matmuls and equal tensor-parallel shards); the padded logit columns are cut off before the
+  loss and before anything is returned, so they never affect training or generation.
+
+Parameter names are exactly those of Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn
+.q_proj.weight`, ...), so converting a checkpoint only drops or adds the padded vocabulary rows
+(`pretrain.model.hf`). Every projection is built by the tensor-parallel factories of
+`pretrain.model.layers`, the single place that changes when tensor parallelism arrives.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from pretrain.config import ModelConfig, Recompute
+from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
+                                   row_linear, vocab_embedding)
+
+
+def _tp_size(tp_group) -> int:
+    if tp_group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(tp_group)
+
+
+def torch_checkpoint(function, *args):
+    """Default `LlamaModel.checkpoint_fn`: PyTorch's non-reentrant activation checkpointing.
+
+    Non-reentrant because it supports inputs that do not require grad and nested autograd.
+    The trainer may substitute `deepspeed.checkpointing.checkpoint` (same call signature).
+    """
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean next-token cross-entropy over all labels that are not -100, computed in fp32.
+
+    `logits` (B, T, V_padded) may carry padded vocabulary columns: they are sliced off so that
+    whatever the padded lm_head rows hold cannot change the softmax. `labels` (B, T) are already
+    shifted by the caller (labels[:, t] is the token after input_ids[:, t]). The upcast follows
+    Hugging Face: a bf16 log-softmax over 32k+ classes loses digits of the loss.
+    A vocab-parallel cross-entropy replaces this function under tensor parallelism.
+    """
+    if logits.shape[-1] > vocab_size:
+        logits = logits[..., :vocab_size]
+    logits = logits.float().reshape(-1, vocab_size)  # (B*T, V)
+    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = column_linear(h, cfg.num_heads * hd, tp_group=tp_group)
+        self.k_proj = column_linear(h, cfg.num_kv_heads * hd, tp_group=tp_group)
+        self.v_proj = column_linear(h, cfg.num_kv_heads * hd, tp_group=tp_group)
+        self.o_proj = row_linear(cfg.num_heads * hd, h, tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds its share of the heads
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
+        k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.transpose(1, 2)  # (B, nkv, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        self.gate_proj = column_linear(h, f, tp_group=tp_group)
+        self.up_proj = column_linear(h, f, tp_group=tp_group)
+        self.down_proj = row_linear(f, h, tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block; attribute names follow Hugging Face's LlamaDecoderLayer."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg, tp_group=tp_group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg, tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    """The `model.` prefix of Hugging Face's names: embeddings, blocks, final norm, rotary table.
+
+    A container only; `LlamaModel` runs the layers so it can checkpoint them one by one.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None) -> None:
+        super().__init__()
+        self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp_group=tp_group)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+
+
+class LlamaModel(nn.Module):
+    """Llama causal language model with Hugging Face `LlamaForCausalLM` parameter names.
+
+    `forward(input_ids)` gives logits (B, T, vocab_size); `forward(input_ids, labels)` the mean
+    cross-entropy. `checkpoint_fn(function, *args)` runs the layers chosen by
+    `cfg.activation_checkpointing`; replace it to use DeepSpeed's activation checkpointing.
+    Weights are left at PyTorch's defaults: call `init_weights` (or use `build_model`).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tensor_parallel = _tp_size(tp_group)
+        self.padded_vocab_size = cfg.padded_vocab_size(self.tensor_parallel)
+        self.model = LlamaBackbone(cfg, padded_vocab_size=self.padded_vocab_size,
+                                   tp_group=tp_group)
+        self.lm_head = column_linear(cfg.hidden_size, self.padded_vocab_size, tp_group=tp_group)
+        if cfg.tie_embeddings:
+            # one Parameter under two names: named_parameters() yields it once, as the embedding
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.checkpoint_fn = torch_checkpoint
+
+    def recomputes_layer(self, index: int) -> bool:
+        """Whether layer `index` recomputes its activations in backward (cfg.activation_checkpointing)."""
+        mode = self.cfg.activation_checkpointing
+        if mode == Recompute.FULL:
+            return True
+        if mode == Recompute.EVERY_K:
+            return index % self.cfg.activation_checkpointing_interval == 0
+        return False
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states (B, T, C) of token ids (B, T)."""
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        cos, sin = self.model.rotary_emb(input_ids.shape[1], x.dtype)  # (T, hd) each
+        checkpointing = torch.is_grad_enabled()  # nothing to save for backward otherwise
+        for i, layer in enumerate(self.model.layers):
+            if checkpointing and self.recomputes_layer(i):
+                x = self.checkpoint_fn(layer, x, cos, sin)
+            else:
+                x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm_head(self.hidden_states(input_ids))  # (B, T, V_padded)
+        if labels is None:
+            return logits[..., :self.cfg.vocab_size]  # (B, T, V)
+        return causal_lm_loss(logits, labels, self.cfg.vocab_size)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 eos_id: int | None = None) -> torch.Tensor:
+        """Append up to `max_new_tokens` tokens to input_ids (B, T); returns (B, T + new).
+
+        temperature 0 is greedy; otherwise sample from softmax(logits / temperature), restricted
+        to the `top_k` most likely tokens if given. No KV cache: each step recomputes the prefix,
+        truncated to the last `seq_length` tokens (the rotary table's length). A row that produced
+        `eos_id` keeps producing it; generation stops when every row has.
+        """
+        vocab = self.cfg.vocab_size
+        ids = input_ids
+        finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        for _ in range(max_new_tokens):
+            context = ids[:, -self.cfg.seq_length:]
+            last = self.hidden_states(context)[:, -1]  # (B, C)
+            logits = self.lm_head(last)[:, :vocab].float()  # (B, V)
+            if temperature == 0.0:
+                next_ids = logits.argmax(dim=-1)  # (B,)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, vocab), dim=-1).values[:, -1:]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+            if eos_id is not None:
+                next_ids = torch.where(finished, torch.full_like(next_ids, eos_id), next_ids)
+                finished |= next_ids == eos_id
+            ids = torch.cat((ids, next_ids[:, None]), dim=1)  # (B, T + 1)
+            if eos_id is not None and bool(finished.all()):
+                break
+        return ids
+
+    def num_parameters(self) -> int:
+        """Unique parameters without the padded vocabulary rows (equals cfg.num_parameters())."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+        pad_rows = self.padded_vocab_size - self.cfg.vocab_size
+        n -= pad_rows * self.cfg.hidden_size * (1 if self.cfg.tie_embeddings else 2)
+        return n
+
+
+# ---- initialisation ----------------------------------------------------------------------------
+
+_OUTPUT_PROJECTION = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_VOCAB_MATRIX = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from (seed, canonical name), stable across processes and runs.
+
+    hashlib, not hash(): Python salts str hashes per process (PYTHONHASHSEED).
+    """
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def full_parameter_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """Unsharded, unpadded shape of the parameter called `name` (a Hugging Face name)."""
+    h, f, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    if name in _VOCAB_MATRIX:
+        return (cfg.vocab_size, h)
+    if name.endswith("norm.weight"):
+        return (h,)
+    shapes = {"q_proj": (cfg.num_heads * hd, h), "k_proj": (cfg.num_kv_heads * hd, h),
+              "v_proj": (cfg.num_kv_heads * hd, h), "o_proj": (h, cfg.num_heads * hd),
+              "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+    projection = name.rsplit(".", 2)[-2]
+    if projection not in shapes:
+        raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
+    return shapes[projection]
+
+
+def full_parameter_init(name: str, cfg: ModelConfig, *, seed: int) -> torch.Tensor:
+    """The initial value of parameter `name`, unsharded and unpadded, in fp32 on the CPU.
+
+    Norm weights are 1. Every matrix is normal(0, init_std), except the output projections that
+    write into the residual stream (o_proj, down_proj), whose std is init_std / sqrt(2 *
+    num_layers): 2 * num_layers of them add up along the residual path, so this keeps its
+    variance independent of depth (GPT-2, Megatron-LM's scaled init).
+    """
+    shape = full_parameter_shape(name, cfg)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = cfg.init_std
+    if _OUTPUT_PROJECTION.search(name):
+        std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_weights(model: LlamaModel, seed: int) -> None:
+    """Initialise every parameter from its own generator, seeded by (seed, parameter name).
+
+    Each value depends only on (seed, name, cfg), never on the order of construction, the device
+    or the parallel layout: the full unsharded tensor is generated on the CPU and the local part
+    copied in. Tensor-parallel ranks will copy their slice of it, pipeline stages initialise only
+    the names they hold, and every layout starts from the same model as a single process.
+    Padded vocabulary rows of the embedding and lm_head are 0 (they never reach the loss); the
+    real rows do not depend on the padding, so models padded for different tp sizes agree.
+    A tied lm_head is the embedding (named_parameters yields it once) and is not drawn again.
+    """
+    for name, param in model.named_parameters():
+        full = full_parameter_init(name, model.cfg, seed=seed)
+        if name in _VOCAB_MATRIX:
+            full = F.pad(full, (0, 0, 0, model.padded_vocab_size - full.shape[0]))
+        if full.shape != param.shape:
+            raise NotImplementedError(
+                f"{name}: local shape {tuple(param.shape)} differs from the full shape "
+                f"{tuple(full.shape)}; copying a tensor-parallel shard is not implemented yet")
+        param.copy_(full)

@@ -1,0 +1,286 @@
+"""The Llama model against Hugging Face's LlamaForCausalLM, and its own invariants.
+
+Hugging Face models are built offline from `to_hf_config` (nothing is downloaded) and use the
+eager attention path, so our SDPA attention is checked against an independent implementation.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pretrain.config import load_config
+from pretrain.errors import ConfigError
+from pretrain.model import LlamaModel, build_model, causal_lm_loss
+from pretrain.model.hf import from_hf_state_dict, to_hf_config, to_hf_state_dict
+from pretrain.model.layers import column_linear, row_linear, vocab_embedding
+from pretrain.model.llama import full_parameter_init, parameter_seed
+
+transformers.logging.set_verbosity_error()
+
+
+def tiny_cfg(**fields):
+    """The `tiny` preset (hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 512) with overrides."""
+    overrides = ["model.preset=tiny"] + [f"model.{k}={v}" for k, v in fields.items()]
+    return load_config(None, overrides).model
+
+
+def hf_twin(model: LlamaModel) -> transformers.LlamaForCausalLM:
+    """A Hugging Face model holding `model`'s weights (eager attention, fp32)."""
+    cfg = model.cfg
+    hf = transformers.LlamaForCausalLM(to_hf_config(cfg, attn_implementation="eager",
+                                                    bos_token_id=None, eos_token_id=None))
+    result = hf.load_state_dict(to_hf_state_dict(model.state_dict(), cfg), strict=False)
+    assert result.unexpected_keys == []
+    assert result.missing_keys == (["lm_head.weight"] if cfg.tie_embeddings else [])
+    return hf.eval()
+
+
+def batch(cfg, *, size=2, length=None, seed=0):
+    """Tokens (B, T + 1) and their split into inputs and shifted labels, as the data pipeline does."""
+    length = length or cfg.seq_length
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (size, length + 1), generator=g)
+    return tokens, tokens[:, :-1], tokens[:, 1:]
+
+
+VARIANTS = {
+    "gqa": dict(num_heads=4, num_kv_heads=2),
+    "mha": dict(num_heads=4, num_kv_heads=4),
+    "tied": dict(tie_embeddings="true"),
+    "vocab500_padded": dict(vocab_size=500),
+    "tied_vocab500_mqa": dict(vocab_size=500, tie_embeddings="true", num_kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_and_loss_match_hugging_face(variant):
+    cfg = tiny_cfg(num_layers=3, **VARIANTS[variant])
+    model = build_model(cfg, seed=7)
+    hf = hf_twin(model)
+    tokens, inputs, labels = batch(cfg, length=32)
+
+    with torch.no_grad():
+        ours = model(inputs)
+        theirs = hf(inputs).logits
+    assert ours.shape == (2, 32, cfg.vocab_size)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+    # Hugging Face shifts labels itself: it gets the unshifted tokens, we get them pre-shifted.
+    # Some positions are ignored (-100) in both, at the same target tokens.
+    labels = labels.clone()
+    hf_labels = tokens.clone()
+    labels[0, :5] = -100
+    hf_labels[0, 1:6] = -100
+    with torch.no_grad():
+        loss = model(inputs, labels)
+        hf_loss = hf(tokens, labels=hf_labels).loss
+    assert loss.dtype == torch.float32 and loss.ndim == 0
+    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_forward_close_to_hugging_face():
+    cfg = tiny_cfg()
+    model = build_model(cfg, seed=3)
+    hf = hf_twin(model)
+    model, hf = model.to(torch.bfloat16), hf.to(torch.bfloat16)
+    _, inputs, labels = batch(cfg, length=16)
+    with torch.no_grad():
+        ours, theirs = model(inputs), hf(inputs).logits
+        loss = model(inputs, labels)
+    assert ours.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.0, atol=2e-2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_state_dict_round_trip(tied):
+    cfg = tiny_cfg(vocab_size=500, tie_embeddings=tied)
+    model = build_model(cfg, seed=1)
+    ours = model.state_dict()
+
+    hf_sd = to_hf_state_dict(ours, cfg)
+    assert hf_sd["model.embed_tokens.weight"].shape == (500, cfg.hidden_size)
+    assert ("lm_head.weight" in hf_sd) is not tied
+    back = from_hf_state_dict(hf_sd, cfg)
+    assert back.keys() == ours.keys()
+    for key, value in ours.items():
+        assert torch.equal(back[key], value), key
+    if tied:
+        assert back["lm_head.weight"] is back["model.embed_tokens.weight"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_from_hugging_face_model(tied):
+    """A randomly initialised Hugging Face model loads into ours (strictly) and agrees with it."""
+    cfg = tiny_cfg(vocab_size=500, tie_embeddings=tied)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(to_hf_config(cfg, attn_implementation="eager")).eval()
+    model = LlamaModel(cfg)
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    _, inputs, _ = batch(cfg, length=16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs), hf(inputs).logits, rtol=1e-5, atol=1e-6)
+
+
+def _loss_and_grads(cfg, *, calls):
+    model = build_model(cfg, seed=5)
+    default_fn = model.checkpoint_fn
+
+    def counting_checkpoint(function, *args):
+        calls.append(function)
+        return default_fn(function, *args)
+
+    model.checkpoint_fn = counting_checkpoint
+    _, inputs, labels = batch(cfg, size=2, length=24)
+    loss = model(inputs, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, model
+
+
+@pytest.mark.parametrize("mode,interval,checkpointed", [("full", 1, [0, 1, 2, 3]),
+                                                        ("every_k", 2, [0, 2])])
+def test_activation_checkpointing_gives_same_loss_and_grads(mode, interval, checkpointed):
+    base = dict(num_layers=4, vocab_size=500)
+    calls_none = []
+    loss0, grads0, _ = _loss_and_grads(tiny_cfg(**base), calls=calls_none)
+    calls = []
+    cfg = tiny_cfg(**base, activation_checkpointing=mode,
+                   activation_checkpointing_interval=interval)
+    loss, grads, model = _loss_and_grads(cfg, calls=calls)
+
+    assert calls_none == []
+    assert calls == [model.model.layers[i] for i in checkpointed]
+    torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=0.0)
+    assert grads.keys() == grads0.keys()
+    for name, grad in grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, grads0[name], rtol=1e-5, atol=1e-7, msg=name)
+    # no recomputation (and no checkpoint calls) without autograd, e.g. in evaluation
+    calls.clear()
+    with torch.no_grad():
+        model(batch(cfg, length=8)[1])
+    assert calls == []
+
+
+def test_same_seed_same_weights_different_seed_different():
+    cfg = tiny_cfg(vocab_size=500)
+    a, b, c = (build_model(cfg, seed=s).state_dict() for s in (11, 11, 12))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(a[name], c[name]) and bool((a[name] == 1).all()), name
+        else:
+            assert not torch.equal(a[name], c[name]), name
+
+
+def test_parameter_seed_is_stable_across_processes():
+    # sha256-based: a changed value would silently change every model this code initialises
+    assert parameter_seed(1234, "lm_head.weight") == 6947349614781503708
+    assert parameter_seed(1234, "lm_head.weight") != parameter_seed(1235, "lm_head.weight")
+
+
+def test_init_is_per_name_and_independent_of_padding():
+    """Each parameter equals its standalone full-tensor init (what a pipeline stage or a tensor-
+    parallel shard will draw), and padding only appends zero rows."""
+    cfg = tiny_cfg(vocab_size=500)
+    model = build_model(cfg, seed=3)
+    for name, param in model.named_parameters():
+        full = full_parameter_init(name, cfg, seed=3)
+        assert torch.equal(param[:full.shape[0]], full), name
+    wide = build_model(tiny_cfg(vocab_size=500, vocab_pad_multiple=1000), seed=3)
+    assert wide.padded_vocab_size == 1000 and model.padded_vocab_size == 512
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        ours, theirs = model.state_dict()[key], wide.state_dict()[key]
+        assert torch.equal(ours[:500], theirs[:500])
+        assert bool((ours[500:] == 0).all()) and bool((theirs[500:] == 0).all())
+
+
+def test_init_statistics_scale_output_projections():
+    cfg = load_config(None, ["model.preset=tiny", "model.hidden_size=256", "model.num_heads=4",
+                             "model.num_kv_heads=4", "model.ffn_hidden_size=1024",
+                             "model.num_layers=8", "model.init_std=0.02"]).model
+    model = build_model(cfg, seed=0)
+    params = dict(model.named_parameters())
+    scaled = 0.02 / (2 * 8) ** 0.5
+    for name, std in [("model.embed_tokens.weight", 0.02), ("lm_head.weight", 0.02),
+                      ("model.layers.3.self_attn.q_proj.weight", 0.02),
+                      ("model.layers.3.mlp.gate_proj.weight", 0.02),
+                      ("model.layers.3.self_attn.o_proj.weight", scaled),
+                      ("model.layers.3.mlp.down_proj.weight", scaled)]:
+        values = params[name][:cfg.vocab_size]
+        assert abs(values.mean().item()) < 0.1 * std, name
+        assert values.std().item() == pytest.approx(std, rel=0.03), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_padded_vocab_rows_never_matter(tied):
+    cfg = tiny_cfg(vocab_size=500, tie_embeddings=tied)
+    model = build_model(cfg, seed=2)
+    _, inputs, labels = batch(cfg, length=16)
+    with torch.no_grad():
+        logits, loss = model(inputs), model(inputs, labels)
+        greedy = model.generate(inputs[:, :8], max_new_tokens=4)
+        model.lm_head.weight[500:] = 1e4  # tied: the embedding's padded rows too
+        assert model.lm_head.weight.shape[0] == 512
+        torch.testing.assert_close(model(inputs, labels), loss, rtol=0, atol=0)
+        torch.testing.assert_close(model(inputs), logits, rtol=0, atol=0)
+        assert torch.equal(model.generate(inputs[:, :8], max_new_tokens=4), greedy)
+    assert bool((greedy < 500).all())
+
+
+def test_causal_lm_loss_ignores_padded_columns():
+    logits = torch.randn(2, 3, 8)
+    labels = torch.randint(0, 6, (2, 3))
+    padded = torch.cat((logits[..., :6], torch.full((2, 3, 2), 1e6)), dim=-1)
+    expected = torch.nn.functional.cross_entropy(logits[..., :6].reshape(-1, 6), labels.reshape(-1))
+    torch.testing.assert_close(causal_lm_loss(padded, labels, 6), expected)
+
+
+def test_num_parameters_matches_config():
+    for tied in (False, True):
+        cfg = tiny_cfg(vocab_size=500, tie_embeddings=tied)
+        model = LlamaModel(cfg)
+        assert model.num_parameters() == cfg.num_parameters()
+        assert ("lm_head.weight" in dict(model.named_parameters())) is not tied
+
+
+def test_greedy_generate_matches_hugging_face():
+    cfg = tiny_cfg(vocab_size=500)
+    model = build_model(cfg, seed=4)
+    hf = hf_twin(model)
+    prompt = batch(cfg, size=2, length=10)[0]
+    ours = model.generate(prompt, max_new_tokens=6)
+    theirs = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert ours.shape == (2, 17)
+    assert torch.equal(ours, theirs)
+
+
+def test_generate_sampling_truncation_and_eos():
+    cfg = tiny_cfg(seq_length=16)
+    model = build_model(cfg, seed=4)
+    prompt = batch(cfg, size=2, length=20)[0]  # longer than seq_length: context is truncated
+    greedy = model.generate(prompt, max_new_tokens=3)
+    assert greedy.shape == (2, 24) and torch.equal(greedy[:, :21], prompt)
+    # top_k=1 sampling is greedy; a seeded generator makes sampling reproducible
+    assert torch.equal(model.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=1), greedy)
+    sample = [model.generate(prompt, max_new_tokens=5, temperature=1.0,
+                             generator=torch.Generator().manual_seed(9)) for _ in range(2)]
+    assert torch.equal(sample[0], sample[1])
+    # a row that emitted eos keeps emitting it; all rows finished stops early
+    eos = int(greedy[0, 21])
+    out = model.generate(prompt[:1], max_new_tokens=5, eos_id=eos)
+    assert out.shape == (1, 22) and int(out[0, -1]) == eos
+
+
+def test_hidden_not_divisible_by_heads_is_a_config_error():
+    with pytest.raises(ConfigError, match="num_heads"):
+        tiny_cfg(hidden_size=66, num_heads=4)
+
+
+def test_tensor_parallel_factories_refuse_groups_larger_than_one(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    for factory in (column_linear, row_linear, vocab_embedding):
+        with pytest.raises(NotImplementedError, match="tensor-parallel"):
+            factory(8, 8, tp_group=object())
+    assert isinstance(column_linear(8, 4), torch.nn.Linear)
+    assert column_linear(8, 4).bias is None and row_linear(8, 4).weight.shape == (4, 8)
