@@ -1,0 +1,151 @@
+"""Resolve a DeepSpeed JSON from `ds_configs/` against a run config.
+
+The JSON files choose *how* to shard and offload (ZeRO stage, offload devices, buckets); the run
+config chooses *what* to train (batch, optimizer, precision). Every ``"auto"`` value in the JSON is
+filled from the run config here; an explicit value that contradicts the run config is an error,
+raised before any process group exists. Checks of what DeepSpeed itself would refuse, or silently
+get wrong, live here too (see DESIGN.md "DeepSpeed pitfalls"):
+
+- pipeline parallelism works with ZeRO 0 or 1 only (DeepSpeed asserts on 2/3 with pipelines);
+- NVMe offload is a ZeRO-3 feature: ZeRO-2 with ``offload_optimizer: nvme`` runs but does no I/O;
+- parameter offload needs ZeRO-3;
+- the learning-rate schedule is ours (`pretrain.trainer.warmup_cosine`), so a ``"scheduler"``
+  block is refused rather than silently fighting it. DeepSpeed's WarmupCosineLR applies lr = 0 to
+  the first update, which we do not want.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pretrain.config import Precision, RunConfig
+from pretrain.errors import ConfigError
+
+AUTO = "auto"
+
+
+def load_ds_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config {str(path)!r} does not exist: choose one of "
+                          f"ds_configs/*.json or set deepspeed=<path> in the run config")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {exc.msg} at line "
+                          f"{exc.lineno} column {exc.colno}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"DeepSpeed config {str(path)!r}: expected a JSON object")
+    return data
+
+
+def _fill(section: dict[str, Any], key: str, value: Any, *, where: str) -> None:
+    """Set an "auto" (or absent) key; an explicit value must equal what the run config implies."""
+    current = section.get(key, AUTO)
+    if current == AUTO:
+        section[key] = value
+    elif current != value:
+        raise ConfigError(f"DeepSpeed config {where}{key}={current!r} contradicts the run config, "
+                          f"which gives {value!r}: set it to \"auto\" or change the run config")
+
+
+def _find_auto(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _find_auto(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")] if node == AUTO else []
+
+
+def _check_writable(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"NVMe offload path {path!r} is not writable ({exc.strerror}): set "
+                          "zero_optimization.offload_*.nvme_path to a writable local disk") from None
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def offload_devices(ds: dict[str, Any]) -> tuple[str, str]:
+    """(optimizer offload device, parameter offload device); 'none' when not offloaded."""
+    zero = ds.get("zero_optimization", {})
+    return (zero.get("offload_optimizer", {}).get("device", "none"),
+            zero.get("offload_param", {}).get("device", "none"))
+
+
+def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cpu",
+                      source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the DeepSpeed config dict with every "auto" filled; raise ConfigError on conflicts.
+
+    `accelerator` is DeepSpeed's accelerator name ("cpu", "cuda", ...): it decides whether the
+    optimizer is torch's AdamW (CPU, no offload) or DeepSpeed's fused / CPU Adam.
+    """
+    where_file = cfg.deepspeed
+    ds = copy.deepcopy(source if source is not None else load_ds_json(cfg.deepspeed))
+    cfg.validate_for_world(world_size)
+    t = cfg.train
+    _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, where="")
+    _fill(ds, "gradient_accumulation_steps", cfg.grad_accum_steps(world_size), where="")
+    _fill(ds, "train_batch_size", cfg.global_batch_size(world_size), where="")
+    _fill(ds, "gradient_clipping", float(t.grad_clip), where="")
+
+    stage = zero_stage(ds)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{where_file}: zero_optimization.stage={stage} must be 0, 1, 2 or 3")
+    opt_dev, param_dev = offload_devices(ds)
+    if cfg.parallel.pipeline > 1 and stage > 1:
+        raise ConfigError(f"{where_file}: ZeRO stage {stage} with parallel.pipeline="
+                          f"{cfg.parallel.pipeline}: DeepSpeed pipelines support ZeRO 0 or 1 only "
+                          "(gradients must stay whole across micro-batches); use ds_configs/zero1.json")
+    if "nvme" in (opt_dev, param_dev) and stage != 3:
+        raise ConfigError(f"{where_file}: NVMe offload needs ZeRO stage 3 (stage {stage} accepts "
+                          "it but does no NVMe I/O); use ds_configs/zero3_offload_nvme.json")
+    if param_dev != "none" and stage != 3:
+        raise ConfigError(f"{where_file}: offload_param needs ZeRO stage 3, got stage {stage}")
+    if "scheduler" in ds:
+        raise ConfigError(f"{where_file}: remove the \"scheduler\" block: the schedule is set by "
+                          "train.lr, train.min_lr, train.warmup_steps and train.steps")
+
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    h = cfg.model.hidden_size
+    if stage == 3:  # the Hugging Face Trainer's sizing rules for ZeRO-3 buckets
+        _fill(zero, "reduce_bucket_size", h * h, where="zero_optimization.")
+        _fill(zero, "stage3_prefetch_bucket_size", int(0.9 * h * h), where="zero_optimization.")
+        _fill(zero, "stage3_param_persistence_threshold", 10 * h, where="zero_optimization.")
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key, {})
+        if section.get("device") == "nvme":
+            if section.get("nvme_path", AUTO) == AUTO:
+                section["nvme_path"] = str(Path(cfg.run_dir) / "nvme_swap")
+            _check_writable(section["nvme_path"])
+
+    opt = ds.get("optimizer")
+    if opt is not None:
+        params = opt.setdefault("params", {})
+        _fill(params, "lr", t.lr, where="optimizer.params.")
+        _fill(params, "betas", [t.beta1, t.beta2], where="optimizer.params.")
+        _fill(params, "eps", t.eps, where="optimizer.params.")
+        _fill(params, "weight_decay", t.weight_decay, where="optimizer.params.")
+        # torch's AdamW on CPU without offload (DeepSpeed's FusedAdam would JIT-compile a CPU op);
+        # DeepSpeed's fused Adam on GPUs, and its CPU Adam whenever the optimizer is offloaded.
+        use_torch = accelerator == "cpu" and opt_dev == "none"
+        _fill(params, "torch_adam", use_torch, where="optimizer.params.")
+
+    precision = t.precision
+    bf16 = ds.setdefault("bf16", {})
+    fp16 = ds.setdefault("fp16", {})
+    _fill(bf16, "enabled", precision == Precision.BF16, where="bf16.")
+    _fill(fp16, "enabled", precision == Precision.FP16, where="fp16.")
+
+    left = _find_auto(ds)
+    if left:
+        raise ConfigError(f"{where_file}: no run-config value for \"auto\" field {left[0]}: "
+                          "set it explicitly")
+    return ds

@@ -1,0 +1,146 @@
+"""Config tree, DeepSpeed JSON resolution and the learning-rate schedule (single process)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pretrain.config import MODEL_PRESETS, Precision, Recompute, load_config
+from pretrain.ds_config import resolve_ds_config
+from pretrain.errors import ConfigError
+from pretrain.trainer import warmup_cosine
+
+
+def test_presets_have_published_shapes_and_sizes():
+    c70 = load_config(None, ["model.preset=70b"]).model
+    assert (c70.num_layers, c70.hidden_size, c70.num_heads, c70.num_kv_heads,
+            c70.ffn_hidden_size, c70.vocab_size, c70.seq_length) == (80, 8192, 64, 8, 28672, 32000, 4096)
+    # Llama-2 parameter counts (Touvron et al. 2023 / the Hugging Face checkpoints)
+    assert load_config(None, ["model.preset=7b"]).model.num_parameters() == 6_738_415_616
+    assert load_config(None, ["model.preset=13b"]).model.num_parameters() == 13_015_864_320
+    assert load_config(None, ["model.preset=70b"]).model.num_parameters() == 68_976_648_192
+    assert 10e6 < load_config(None, ["model.preset=small"]).model.num_parameters() < 30e6
+    assert set(MODEL_PRESETS) >= {"tiny", "125m", "1b", "7b", "13b", "70b"}
+
+
+def test_yaml_file_overrides_and_types(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: tiny\n  num_layers: 3\ntrain:\n  lr: 3e-4\n  precision: fp16\n")
+    cfg = load_config(path, ["train.steps=7", "model.activation_checkpointing=every_k",
+                             "data.corpus=[a.txt, b.txt]"])
+    assert cfg.model.num_layers == 3 and cfg.model.hidden_size == 64  # preset + explicit field
+    assert cfg.train.lr == 3e-4 and cfg.train.precision is Precision.FP16
+    assert cfg.train.steps == 7 and cfg.model.activation_checkpointing is Recompute.EVERY_K
+    assert cfg.data.corpus == ["a.txt", "b.txt"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.stepz=3"], "unknown config key train.stepz"),
+    (["bogus.x=1"], "unknown config key bogus"),
+    (["train.steps=ten"], "train.steps='ten': expected int"),
+    (["train.steps=0"], "train.steps=0: must be a positive integer"),
+    (["model.preset=tiny", "model.hidden_size=66"], "model.hidden_size=66: must be divisible by model.num_heads=4"),
+    (["model.preset=tiny", "model.num_kv_heads=3"], "model.num_kv_heads=3: must divide model.num_heads=4"),
+    (["model.preset=huge"], "model.preset='huge': choose one of"),
+    (["train.precision=fp8"], "train.precision='fp8': choose one of fp32, bf16, fp16"),
+    (["train.min_lr=1.0"], "train.min_lr=1.0"),
+    (["train.lr"], "expected section.key=value"),
+])
+def test_bad_values_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_duplicate_yaml_key_rejected(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match="duplicate key 'lr' at line 3"):
+        load_config(path)
+
+
+def test_derived_batch_values():
+    cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=64",
+                             "parallel.tensor=2", "model.preset=tiny"])
+    assert cfg.data_parallel_size(8) == 4
+    assert cfg.grad_accum_steps(8) == 4 and cfg.global_batch_size(8) == 64
+    with pytest.raises(ConfigError, match="not a multiple of train.micro_batch_size x data-parallel"):
+        cfg.grad_accum_steps(12)  # dp 6: 64 % 24 != 0
+    with pytest.raises(ConfigError, match="world size 7 is not divisible"):
+        cfg.data_parallel_size(7)
+
+
+def _resolve(tmp_path, ds: dict, overrides=(), world=2, accelerator="cpu"):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    cfg = load_config(None, ["model.preset=tiny", f"deepspeed={path}", f"run_dir={tmp_path}/run",
+                             "train.micro_batch_size=2", "train.global_batch_size=8", *overrides])
+    return resolve_ds_config(cfg, world_size=world, accelerator=accelerator)
+
+
+def test_shipped_ds_configs_resolve_completely(tmp_path):
+    import glob
+
+    for name in sorted(glob.glob("ds_configs/*.json")):
+        ds = _resolve(tmp_path, json.load(open(name)), ["train.precision=bf16"])
+        assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 2
+        assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["bf16"]["enabled"] is True
+        assert ds["fp16"]["enabled"] is False
+        assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
+        assert "auto" not in json.dumps(ds), name
+        offloaded = "offload" in name
+        assert ds["optimizer"]["params"]["torch_adam"] is (not offloaded), name
+
+
+def test_ds_auto_on_gpu_uses_fused_adam(tmp_path):
+    ds = _resolve(tmp_path, json.load(open("ds_configs/zero1.json")), accelerator="cuda")
+    assert ds["optimizer"]["params"]["torch_adam"] is False
+
+
+@pytest.mark.parametrize("ds, overrides, message", [
+    ({"train_batch_size": 16}, [], "train_batch_size=16 contradicts the run config, which gives 8"),
+    ({"gradient_accumulation_steps": 1}, [], "gradient_accumulation_steps=1 contradicts"),
+    ({"bf16": {"enabled": True}}, ["train.precision=fp32"], "bf16.enabled=True contradicts"),
+    ({"zero_optimization": {"stage": 2}}, ["parallel.pipeline=2"], "DeepSpeed pipelines support ZeRO 0 or 1 only"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+     [], "NVMe offload needs ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, [], "offload_param needs ZeRO stage 3"),
+    ({"scheduler": {"type": "WarmupLR"}}, [], 'remove the "scheduler" block'),
+    ({"zero_optimization": {"stage": 5}}, [], "stage=5 must be 0, 1, 2 or 3"),
+    ({"some_feature": {"size": "auto"}}, [], 'no run-config value for "auto" field some_feature.size'),
+])
+def test_ds_contradictions_are_errors(tmp_path, ds, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        _resolve(tmp_path, ds, overrides, world=4 if "parallel.pipeline=2" in overrides else 2)
+    assert message in str(info.value)
+
+
+def test_nvme_path_must_be_writable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    ds = json.load(open("ds_configs/zero3_offload_nvme.json"))
+    ds["zero_optimization"]["offload_param"]["nvme_path"] = str(blocker / "swap")
+    with pytest.raises(ConfigError, match="NVMe offload path .* is not writable"):
+        _resolve(tmp_path, ds)
+
+
+def test_ds_json_that_does_not_parse(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"train_batch_size": "auto",\n "zero_optimization": {"stage": 2,}}')
+    cfg = load_config(None, [f"deepspeed={path}"])
+    with pytest.raises(ConfigError, match="is not valid JSON: .* at line 2"):
+        resolve_ds_config(cfg, world_size=1)
+
+
+def test_warmup_cosine_schedule():
+    kw = dict(lr=1.0, min_lr=0.1, warmup=10, total=110)
+    assert warmup_cosine(1, **kw) == pytest.approx(0.1)  # the first update already learns
+    assert warmup_cosine(10, **kw) == pytest.approx(1.0)
+    assert warmup_cosine(60, **kw) == pytest.approx(0.1 + 0.9 * 0.5)  # half way down the cosine
+    assert warmup_cosine(110, **kw) == pytest.approx(0.1)
+    assert warmup_cosine(500, **kw) == pytest.approx(0.1)
+    lrs = [warmup_cosine(i, **kw) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert math.isclose(warmup_cosine(5, lr=1.0, min_lr=0.0, warmup=0, total=10),
+                        0.5 * (1 + math.cos(math.pi * 0.5)))
