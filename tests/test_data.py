@@ -358,8 +358,9 @@ def test_packed_samples_cover_the_stream_and_split_documents(stdlib_dataset):
         assert len(samples) == (len(stream) - 1) // seq_length
         rebuilt = []
         for i in range(len(samples)):
-            item = samples[i]
+            item = samples[int(np.flatnonzero(samples.order == i)[0])]
             tokens = samples.sample_tokens(i)
+            assert item["input_ids"].tolist() == tokens[:-1].tolist()
             assert item["input_ids"].dtype == torch.long and len(tokens) == seq_length + 1
             assert torch.equal(item["input_ids"][1:], item["labels"][:-1])
             assert tokens.tolist() == stream[i * seq_length:(i + 1) * seq_length + 1].tolist()
@@ -369,6 +370,23 @@ def test_packed_samples_cover_the_stream_and_split_documents(stdlib_dataset):
             rebuilt.append(tokens[:-1])
         rebuilt.append(tokens[-1:])
         assert np.concatenate(rebuilt).tolist() == stream[:len(samples) * seq_length + 1].tolist()
+
+
+def test_samples_are_served_in_a_seeded_shuffled_order(stdlib_dataset):
+    kwargs = dict(seq_length=32, split="train", valid_fraction=0.25)
+    shuffled = PackedSamples(stdlib_dataset, seed=7, **kwargs)
+    again = PackedSamples(stdlib_dataset, seed=7, **kwargs)
+    plain = PackedSamples(stdlib_dataset, seed=7, shuffle=False, **kwargs)
+    other_seed = PackedSamples(stdlib_dataset, seed=8, **kwargs)
+    n = len(shuffled)
+    assert sorted(shuffled.order.tolist()) == list(range(n))  # a permutation
+    assert shuffled.order.tolist() == again.order.tolist()  # deterministic for the seed
+    assert shuffled.order.tolist() != list(range(n))
+    assert plain.order.tolist() == list(range(n))
+    assert other_seed.order[:20].tolist() != shuffled.order[:20].tolist()
+    served = sorted(tuple(shuffled[i]["input_ids"].tolist()) for i in range(n))
+    stream = sorted(tuple(plain[i]["input_ids"].tolist()) for i in range(n))
+    assert served == stream  # the same samples, in another order
 
 
 def test_split_sizes():

@@ -15,6 +15,9 @@ Packing (Megatron-style, no padding):
 - The (sequence position, offset) of each sample's first token is computed with NumPy
   (cumulative sizes + searchsorted) and cached as ``prefix.<split>_<key>.npy``, keyed by the
   dataset's sizes and every parameter above, so a changed seq_length never reuses a stale index.
+- Samples are served in a seeded shuffled order (``PackedSamples.order``), so a batch holds
+  samples from all over the corpus; ``sample_tokens(i)`` is the i-th sample of the unshuffled
+  stream.
 
 Global order (`micro_batch_indices`): optimizer step s consumes samples ``[s*G, (s+1)*G)`` with
 ``G = micro_batch_size * grad_accum * dp_size``; micro-step a of step s reads the block of
@@ -84,7 +87,7 @@ class PackedSamples(Dataset):
     """
 
     def __init__(self, dataset: IndexedDataset | str | Path, *, seq_length: int, split: str,
-                 valid_fraction: float, seed: int) -> None:
+                 valid_fraction: float, seed: int, shuffle: bool = True) -> None:
         self.dataset = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)
         if seq_length < 1:
             raise DataError(f"seq_length must be >= 1, got {seq_length}")
@@ -113,6 +116,12 @@ class PackedSamples(Dataset):
         self._index = _load_or_build_index(self.cache_path, sizes=self._sequence_sizes,
                                            seq_length=seq_length, num_samples=num_samples)
 
+        # Sample i of the dataset is stream sample order[i]: a batch mixes samples from all over
+        # the corpus instead of consecutive chunks of a few files (Megatron's shuffle index).
+        # A seeded hash permutation, like the document order, so it never changes with NumPy.
+        self.order = seeded_permutation(num_samples, seed=seed + 1) if shuffle \
+            else np.arange(num_samples, dtype=np.int64)
+
     def __len__(self) -> int:
         return len(self._index)
 
@@ -132,7 +141,8 @@ class PackedSamples(Dataset):
         return np.concatenate(pieces)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        tokens = torch.from_numpy(self.sample_tokens(index).astype(np.int64))
+        """Sample `index` in shuffled order (`sample_tokens` indexes the unshuffled stream)."""
+        tokens = torch.from_numpy(self.sample_tokens(int(self.order[index])).astype(np.int64))
         return {"input_ids": tokens[:-1], "labels": tokens[1:]}
 
 

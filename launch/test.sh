@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's second command (and what CI runs): set up the environment, run the whole suite.
+#
+#   bash launch/test.sh                  # everything, 2 pytest workers
+#   bash launch/test.sh -k zero -x       # extra arguments go to pytest
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash launch/setup_env.sh
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --durations=15 "$@" tests

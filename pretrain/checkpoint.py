@@ -1,0 +1,109 @@
+"""Checkpoints: DeepSpeed engine checkpoints for resuming, a plain `final/` for using the model.
+
+Layout of a run directory::
+
+    <run_dir>/checkpoints/step<N>/...     DeepSpeed engine checkpoint (all ranks write their shards)
+    <run_dir>/checkpoints/latest          DeepSpeed's pointer to the newest complete tag
+    <run_dir>/final/model.safetensors     consolidated weights (fp32 copy of the module weights)
+    <run_dir>/final/config.yaml           the run config the weights belong to
+    <run_dir>/final/tokenizer.model       the tokenizer, copied so the directory is self-contained
+
+`final/` holds the module's working weights: with bf16 training these are the bf16 weights
+widened to fp32 (DeepSpeed keeps fp32 master weights inside the optimizer state of the engine
+checkpoint, which is what resuming uses).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+import yaml
+
+from pretrain.config import RunConfig, load_config
+from pretrain.errors import CheckpointError
+
+FINAL_WEIGHTS = "model.safetensors"
+
+
+def save_engine(engine, ckpt_dir: Path, *, step: int, client_state: dict[str, Any],
+                keep_last: int, main: bool) -> None:
+    """Save a DeepSpeed checkpoint tagged step<N> on every rank, then prune old ones (rank 0)."""
+    engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client_state)
+    torch_dist.barrier()
+    if main:
+        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
+                      key=lambda p: int(p.name[4:]))
+        for old in tags[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    torch_dist.barrier()
+
+
+def load_latest(engine, ckpt_dir: Path) -> dict[str, Any] | None:
+    """Load the newest DeepSpeed checkpoint of a run directory; None when there is none."""
+    if not (ckpt_dir / "latest").is_file():
+        return None
+    path, state = engine.load_checkpoint(str(ckpt_dir))
+    if path is None or state is None:
+        raise CheckpointError(f"could not load the checkpoint named by {ckpt_dir / 'latest'}: "
+                              "remove it to start over, or restore the missing files")
+    return state
+
+
+def save_final(engine, *, cfg: RunConfig, tokenizer, run_dir: Path, step: int,
+               main: bool) -> Path:
+    """Write `final/` with the consolidated module weights (gathered from ZeRO-3 shards)."""
+    import deepspeed
+    from safetensors.torch import save_file
+
+    out = run_dir / "final"
+    module = engine.module
+    params = list(module.parameters())
+    # Under ZeRO-3 each rank holds a shard: gather every parameter for the copy (collective).
+    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) \
+        if hasattr(params[0], "ds_id") else _NullContext()
+    with gather:
+        if main:
+            tensors = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    if main:
+        tmp = run_dir / "final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / FINAL_WEIGHTS), metadata={"step": str(step)})
+        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        shutil.copyfile(tokenizer.path, tmp / "tokenizer.model")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)  # readers never see a half-written final/
+    torch_dist.barrier()
+    return out
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def load_final(path: str | Path) -> tuple[RunConfig, dict[str, torch.Tensor], Path]:
+    """(run config, state dict, tokenizer path) of a `final/` directory or a run directory."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "final").is_dir():
+        path = path / "final"
+    weights = path / FINAL_WEIGHTS
+    if not weights.is_file() or not (path / "config.yaml").is_file():
+        raise CheckpointError(f"{str(path)!r} is not a final checkpoint (no {FINAL_WEIGHTS} and "
+                              "config.yaml): pass <run_dir> or <run_dir>/final of a finished run")
+    cfg = load_config(path / "config.yaml")
+    try:
+        state = load_file(str(weights))
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise CheckpointError(f"{str(weights)!r} cannot be read ({exc}): the file is damaged "
+                              "or incomplete") from None
+    return cfg, state, path / "tokenizer.model"

@@ -1,0 +1,111 @@
+"""Process environment: who am I, under which launcher, and the process group.
+
+`pretrain train` runs under the `deepspeed` launcher, `torchrun`, Slurm's `srun`, or as a plain
+single process. Each launcher describes the world differently; `discover_world` maps them all to
+the torch.distributed variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) before DeepSpeed looks at them. Without these DeepSpeed falls back to probing MPI
+(DESIGN.md pitfalls), so a plain process gets a world of one on a free local port.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    launcher: str  # deepspeed | torchrun | slurm | single
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_master_addr() -> str:
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                             text=True, check=True, timeout=30).stdout.split()
+        return out[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "127.0.0.1"
+
+
+def discover_world() -> World:
+    """Read the launcher's environment and export the torch.distributed variables."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # deepspeed launcher or torchrun (or set by hand)
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, one task per device
+        launcher = "slurm"
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+        env.setdefault("MASTER_ADDR", _slurm_master_addr())
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    else:
+        launcher = "single"
+        env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    local_world = int(env.get("LOCAL_WORLD_SIZE", "0")) or _guess_local_world(int(env["WORLD_SIZE"]))
+    env["LOCAL_WORLD_SIZE"] = str(local_world)
+    return World(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                 local_rank=int(env["LOCAL_RANK"]), local_world_size=local_world,
+                 launcher=launcher)
+
+
+def _guess_local_world(world_size: int) -> int:
+    # The deepspeed launcher does not export LOCAL_WORLD_SIZE; CROSS_SIZE is its node count.
+    nodes = int(os.environ.get("CROSS_SIZE", "1")) or 1
+    return max(1, world_size // nodes)
+
+
+def set_cpu_threads(world: World) -> int:
+    """Give each rank its share of the cores unless the user or launcher chose already.
+
+    Oversubscribed intra-op threads made a 2-rank loop 2x slower on 2 cores (DESIGN.md).
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        # A launcher that bound this rank to its cores (--bind_cores_to_rank) already shrank
+        # the affinity mask; otherwise split the node's cores between its ranks.
+        total = os.cpu_count() or 1
+        threads = cores if cores < total else max(1, total // world.local_world_size)
+    torch.set_num_threads(max(1, threads))
+    return torch.get_num_threads()
+
+
+def init_distributed(world: World, *, timeout_minutes: float = 30.0) -> None:
+    """Create the default process group through DeepSpeed (NCCL on GPUs, gloo/ccl on CPU)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if torch.distributed.is_initialized():
+        return
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        accel.set_device(world.local_rank)
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(),
+                               timeout=datetime.timedelta(minutes=timeout_minutes),
+                               verbose=False)

@@ -1,0 +1,148 @@
+"""Measured numbers for the step line and `metrics.jsonl`: memory, peak FLOP/s, MFU, sinks.
+
+`metrics.jsonl` (rank 0, one JSON object per line, flushed as written) is the run's
+machine-readable record. Fields:
+
+``{"kind": "train", ...}`` once per optimizer step
+    step, loss (mean over the global batch), lr, grad_norm (global, before clipping; null if
+    DeepSpeed did not compute one), tokens_per_s (whole job), tflops_per_device (model FLOPs),
+    mfu (model FLOPs utilisation against `peak_tflops`), peak_mem_gb (this rank's allocator peak on
+    GPUs; process peak RSS on CPU), data_wait_s (time waiting for the data loader this step),
+    step_time_s, consumed_samples, skipped_steps (cumulative, fp16 overflow), loss_scale (fp16).
+``{"kind": "eval", ...}`` once per validation pass
+    step, loss, ppl, tokens.
+``{"kind": "run", ...}`` first line: world size, layout, parameters, peak_tflops, versions.
+"""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
+KNOWN_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0,
+                         "L40S": 362.0, "V100": 125.0}
+
+
+def peak_memory_gb() -> float:
+    """Peak memory of this rank: the accelerator allocator's peak, or the process's peak RSS."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        return accel.max_memory_allocated() / 2**30
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    return kb / 2**20
+
+
+def measure_matmul_tflops(dtype: torch.dtype, *, device: str = "cpu", n: int = 1024,
+                          seconds: float = 1.0, trials: int = 5) -> float:
+    """Achieved TFLOP/s of an n x n matmul loop: the peak MFU is measured against on CPUs."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b  # warm-up (oneDNN / cuBLAS picks its kernel)
+    best = 0.0
+    for _ in range(trials):  # the best of several short trials: a peak, not a busy moment
+        iters, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / trials:
+            a @ b
+            iters += 1
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = max(best, 2.0 * n**3 * iters / (time.perf_counter() - start) / 1e12)
+    return best
+
+
+def device_peak_tflops(dtype: torch.dtype, configured: float = 0.0) -> tuple[float, str]:
+    """(peak TFLOP/s per device, where the number came from)."""
+    if configured > 0:
+        return configured, "logging.peak_tflops"
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if accel.device_name() == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, peak in KNOWN_GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return (peak if dtype != torch.float32 else peak / 2), f"data sheet ({name})"
+        return measure_matmul_tflops(dtype, device="cuda"), f"measured matmul ({name})"
+    return measure_matmul_tflops(dtype), f"measured {str(dtype).split('.')[-1]} matmul on this rank"
+
+
+def mfu(*, flops_per_token: float, tokens_per_s_per_device: float, peak_tflops: float) -> float:
+    return flops_per_token * tokens_per_s_per_device / (peak_tflops * 1e12) if peak_tflops else 0.0
+
+
+def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
+    gn = rec.get("grad_norm")
+    parts = [f"step {rec['step']:>{len(str(total_steps))}}/{total_steps}",
+             f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
+             f"gnorm {gn:.3f}" if gn is not None else "gnorm -",
+             f"{rec['tokens_per_s']:,.0f} tok/s", f"MFU {100 * rec['mfu']:.1f}%",
+             f"mem {rec['peak_mem_gb']:.2f}GB", f"data {1000 * rec['data_wait_s']:.0f}ms"]
+    if rec.get("skipped_steps"):
+        parts.append(f"skipped {rec['skipped_steps']}")
+    return " | ".join(parts)
+
+
+class MetricsSink:
+    """Writes records to metrics.jsonl, tensorboard and wandb (rank 0 only; no-op elsewhere)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, wandb_mode: str,
+                 wandb_project: str, run_config: dict[str, Any]):
+        self.enabled = enabled
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project or "pretrain", dir=str(run_dir),
+                                     mode=wandb_mode, config=run_config, name=run_dir.name,
+                                     settings=wandb.Settings(silent=True, console="off"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        step = record.get("step")
+        numbers = {f"{record['kind']}/{k}": v for k, v in clean.items()
+                   if isinstance(v, (int, float)) and v is not None and k != "step"}
+        if self._tb is not None and step is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None and step is not None:
+            self._wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def log(msg: str, *, main: bool = True) -> None:
+    """Print from rank 0 only, through tqdm so an active progress bar is not broken."""
+    if not main:
+        return
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stdout)
+    sys.stdout.flush()

@@ -1,0 +1,306 @@
+"""The training loop: build the DeepSpeed engine, step, evaluate, log, checkpoint.
+
+One optimizer step consumes one global batch of `micro_batch_size * grad_accum * dp` packed
+samples in a fixed global order (`pretrain.data.DistributedPackedSampler`), so a run's data stream
+does not depend on how many ranks it used. DeepSpeed owns sharding (ZeRO), mixed precision,
+gradient accumulation and clipping; this module owns the schedule, the data, the telemetry and
+when to save.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as torch_dist
+import yaml
+
+# DeepSpeed 0.19.8's ZeRO-2 calls a torch.distributed function that torch 2.13 deprecates, once
+# per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
+
+from pretrain import checkpoint, telemetry
+from pretrain.config import Precision, RunConfig
+from pretrain.data import DistributedPackedSampler, IndexedDataset, PackedSamples, Tokenizer
+from pretrain.dist import World
+from pretrain.ds_config import offload_devices, zero_stage
+from pretrain.errors import ConfigError, DataError
+from pretrain.model import build_model
+
+DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
+          Precision.FP16: torch.float16}
+
+
+def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """Learning rate of optimizer update number `update` (1-based).
+
+    Linear warmup from lr/warmup to lr over the first `warmup` updates, then cosine decay from lr
+    to min_lr at update `total` (and min_lr after it). Update 1 already learns: DeepSpeed's
+    WarmupCosineLR would give it lr = 0.
+    """
+    if update <= warmup:
+        return lr * update / warmup
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (linears, embeddings), none on vectors (RMSNorm gains)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # one per optimizer step of this process
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    final_step: int = 0
+    final_dir: Path | None = None
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, world: World, ds_config: dict[str, Any]):
+        """`ds_config` is the resolved DeepSpeed config (`pretrain.ds_config.resolve_ds_config`)."""
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        self.cfg, self.world, self.ds_config = cfg, world, ds_config
+        self.main = world.is_main
+        self.run_dir = Path(cfg.run_dir)
+        self.device = get_accelerator().current_device_name()
+        self.dp_size = cfg.data_parallel_size(world.world_size)
+        self.dp_rank = world.rank  # tensor/pipeline groups arrive with the topology issue
+        self.grad_accum = cfg.grad_accum_steps(world.world_size)
+        self.global_batch = cfg.global_batch_size(world.world_size)
+        self.tokenizer, self.train_data, self.valid_data = self._load_data()
+
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            (self.run_dir / "ds_config.json").write_text(
+                json.dumps(self.ds_config, indent=2))
+
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        t = cfg.train
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, t.weight_decay),
+            config=self.ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
+                                             warmup=t.warmup_steps, total=t.steps)))
+        self.step, self.consumed_samples = 0, 0
+        self._norm_before_step = zero_stage(ds_config) == 0
+        self._grad_norm: float | None = None
+        self._resume()
+        self.flops_per_token = cfg.model.flops_per_token()
+        self.peak_tflops, self.peak_source = telemetry.device_peak_tflops(
+            DTYPES[t.precision], cfg.logging.peak_tflops)
+        self.metrics = telemetry.MetricsSink(
+            self.run_dir, enabled=self.main, tensorboard=cfg.logging.tensorboard,
+            wandb_mode=cfg.logging.wandb_mode, wandb_project=cfg.logging.wandb_project,
+            run_config=cfg.to_dict())
+        self._announce(model)
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _load_data(self) -> tuple[Tokenizer, PackedSamples, PackedSamples | None]:
+        d, m = self.cfg.data, self.cfg.model
+        if not d.dataset:
+            raise ConfigError("data.dataset is empty: set it to the prefix written by "
+                              "`pretrain preprocess --output-prefix PREFIX`")
+        if not d.tokenizer:
+            raise ConfigError("data.tokenizer is empty: set it to the .model file written by "
+                              "`pretrain tokenizer`")
+        tokenizer = Tokenizer.load(d.tokenizer)
+        if tokenizer.vocab_size != m.vocab_size:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} but the tokenizer {d.tokenizer!r} "
+                              f"has {tokenizer.vocab_size} tokens: set "
+                              f"model.vocab_size={tokenizer.vocab_size}")
+        indexed = IndexedDataset(d.dataset)
+        # Rank 0 builds (and caches) the sample index; the others then load the cached file.
+        if not self.main:
+            torch_dist.barrier()
+        train = PackedSamples(indexed, seq_length=m.seq_length, split="train",
+                              valid_fraction=d.valid_fraction, seed=d.seed)
+        valid = None
+        if d.valid_fraction > 0 and self.cfg.train.eval_interval > 0:
+            try:
+                valid = PackedSamples(indexed, seq_length=m.seq_length, split="valid",
+                                      valid_fraction=d.valid_fraction, seed=d.seed)
+            except DataError as exc:
+                telemetry.log(f"[data] no validation: {exc}", main=self.main)
+        if self.main:
+            torch_dist.barrier()
+        return tokenizer, train, valid
+
+    def _loader(self, dataset: PackedSamples, *, consumed: int,
+                workers: int) -> Iterator[dict[str, torch.Tensor]]:
+        sampler = DistributedPackedSampler(len(dataset), micro_batch_size=self.cfg.train.micro_batch_size,
+                                           dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                           consumed_samples=consumed)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=workers,
+            pin_memory=self.device.startswith("cuda"), persistent_workers=workers > 0,
+            prefetch_factor=4 if workers > 0 else None)
+        return iter(loader)
+
+    def _resume(self) -> None:
+        state = checkpoint.load_latest(self.engine, self.run_dir / "checkpoints")
+        if state is not None:
+            self.step, self.consumed_samples = state["step"], state["consumed_samples"]
+            telemetry.log(f"[resume] from step {self.step} ({self.consumed_samples} samples "
+                          f"consumed)", main=self.main)
+
+    def _announce(self, model: torch.nn.Module) -> None:
+        cfg, w = self.cfg, self.world
+        stage = zero_stage(self.ds_config)
+        opt_dev, param_dev = offload_devices(self.ds_config)
+        n_params = cfg.model.num_parameters()
+        self.metrics.write({"kind": "run", "world_size": w.world_size, "launcher": w.launcher,
+                            "tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
+                            "data_parallel": self.dp_size, "zero_stage": stage,
+                            "parameters": n_params, "global_batch": self.global_batch,
+                            "grad_accum": self.grad_accum, "precision": cfg.train.precision.value,
+                            "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
+                            "torch": torch.__version__,
+                            "deepspeed": __import__("deepspeed").__version__})
+        telemetry.log(
+            f"[run] {n_params / 1e6:.1f}M parameters | world {w.world_size} ({w.launcher}) = "
+            f"tp {cfg.parallel.tensor} x pp {cfg.parallel.pipeline} x dp {self.dp_size} | "
+            f"ZeRO-{stage} offload opt={opt_dev} param={param_dev} | {cfg.train.precision.value} | "
+            f"global batch {self.global_batch} = micro {cfg.train.micro_batch_size} x accum "
+            f"{self.grad_accum} x dp {self.dp_size} | {len(self.train_data)} train samples of "
+            f"{cfg.model.seq_length} tokens | peak {self.peak_tflops:.2f} TFLOP/s/device "
+            f"({self.peak_source}) | run dir {self.run_dir}", main=self.main)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        value = value.detach().float().to(self.device)
+        if self.dp_size > 1:
+            torch_dist.all_reduce(value)
+            value /= self.dp_size
+        return value.item()
+
+    def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over `grad_accum` micro-batches; returns (mean loss, data wait)."""
+        engine, total, wait = self.engine, torch.zeros((), device=self.device), 0.0
+        self._grad_norm = None
+        for micro in range(self.grad_accum):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            wait += time.perf_counter() - t0
+            loss = engine(batch["input_ids"].to(self.device, non_blocking=True),
+                          labels=batch["labels"].to(self.device, non_blocking=True))
+            engine.backward(loss)
+            if self._norm_before_step and micro == self.grad_accum - 1:
+                # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads.
+                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                self._grad_norm = torch.nn.utils.get_total_norm(grads).item()
+            engine.step()
+            total += loss.detach().float()
+        return self._mean_over_dp(total / self.grad_accum), wait
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        assert self.valid_data is not None
+        self.engine.eval()
+        batches = self._loader(self.valid_data, consumed=0, workers=0)
+        n = min(self.cfg.train.eval_batches,
+                max(1, len(self.valid_data) // (self.cfg.train.micro_batch_size * self.dp_size)))
+        total = torch.zeros((), device=self.device)
+        for _ in range(n):
+            batch = next(batches)
+            total += self.engine(batch["input_ids"].to(self.device),
+                                 labels=batch["labels"].to(self.device)).float()
+        self.engine.train()
+        return self._mean_over_dp(total / n)
+
+    def train(self) -> TrainResult:
+        from tqdm import tqdm
+
+        cfg, t = self.cfg, self.cfg.train
+        result = TrainResult()
+        batches = self._loader(self.train_data, consumed=self.consumed_samples,
+                               workers=cfg.data.num_workers)
+        tokens_per_step = self.global_batch * cfg.model.seq_length
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (self.main and cfg.logging.progress_bar))
+        while self.step < t.steps:
+            start = time.perf_counter()
+            lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
+            loss, wait = self.train_step(batches)
+            self.step += 1
+            self.consumed_samples += self.global_batch
+            elapsed = time.perf_counter() - start
+            result.losses.append(loss)
+            rec = self._step_record(loss=loss, lr=lr, wait=wait, elapsed=elapsed,
+                                    tokens=tokens_per_step)
+            self.metrics.write(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            if self.main and (self.step % cfg.logging.log_interval == 0 or self.step == t.steps):
+                bar.write(telemetry.format_step_line(rec, t.steps))
+            if self.valid_data is not None and t.eval_interval and (
+                    self.step % t.eval_interval == 0 or self.step == t.steps):
+                self._log_eval(result)
+            if cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0 \
+                    and self.step < t.steps:
+                self.save()
+        bar.close()
+        result.final_step = self.step
+        if cfg.checkpoint.save_final:
+            self.save()
+            result.final_dir = checkpoint.save_final(
+                self.engine, cfg=cfg, tokenizer=self.tokenizer, run_dir=self.run_dir,
+                step=self.step, main=self.main)
+            telemetry.log(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
+        self.metrics.close()
+        return result
+
+    def _step_record(self, *, loss: float, lr: float, wait: float, elapsed: float,
+                     tokens: int) -> dict[str, Any]:
+        engine = self.engine
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = self._grad_norm
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = grad_norm.item()
+        tokens_per_s = tokens / elapsed
+        rec: dict[str, Any] = {
+            "kind": "train", "step": self.step, "loss": loss,
+            "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+            "tflops_per_device": self.flops_per_token * tokens_per_s / self.world.world_size / 1e12,
+            "mfu": telemetry.mfu(flops_per_token=self.flops_per_token,
+                                 tokens_per_s_per_device=tokens_per_s / self.world.world_size,
+                                 peak_tflops=self.peak_tflops),
+            "peak_mem_gb": telemetry.peak_memory_gb(), "data_wait_s": wait, "step_time_s": elapsed,
+            "consumed_samples": self.consumed_samples, "skipped_steps": engine.skipped_steps,
+        }
+        if self.cfg.train.precision == Precision.FP16:
+            rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", float("nan")))
+        return rec
+
+    def _log_eval(self, result: TrainResult) -> None:
+        loss = self.evaluate()
+        result.eval_losses.append((self.step, loss))
+        ppl = math.exp(min(loss, 50.0))
+        self.metrics.write({"kind": "eval", "step": self.step, "loss": loss, "ppl": ppl})
+        telemetry.log(f"[eval] step {self.step} | valid loss {loss:.4f} | ppl {ppl:.2f}",
+                      main=self.main)
+
+    def save(self) -> None:
+        checkpoint.save_engine(self.engine, self.run_dir / "checkpoints", step=self.step,
+                               client_state={"step": self.step,
+                                             "consumed_samples": self.consumed_samples,
+                                             "config": self.cfg.to_dict(),
+                                             "tokenizer": {"path": self.tokenizer.path,
+                                                           "sha256": self.tokenizer.sha256}},
+                               keep_last=self.cfg.checkpoint.keep_last, main=self.main)

@@ -1,0 +1,51 @@
+"""Shared fixtures: a tiny tokenized corpus, and running `pretrain` under real launchers."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# DeepSpeed's JIT ops (shared-memory comm, CPU Adam, async io) compile once per machine into the
+# repository's ignored build folder, shared by every test process.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".build" / "torch_extensions"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# A fixed slice of the bundled corpus (the interpreter's standard library): small enough that
+# tokenizer training and preprocessing take seconds, real enough that a model can learn from it.
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+TINY_CORPUS_FILES = sorted(p for d in ("json", "email", "logging", "concurrent")
+                           for p in (STDLIB / d).rglob("*.py") if "test" not in p.parts)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> dict[str, str]:
+    """A 512-token sentencepiece model and a .bin/.idx dataset of a few stdlib packages."""
+    from pretrain.data import preprocess, train_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_data")
+    model = train_tokenizer(TINY_CORPUS_FILES, model_prefix=out / "sp512", vocab_size=512).path
+    preprocess(TINY_CORPUS_FILES, tokenizer_path=model, output_prefix=out / "corpus", workers=1,
+               show_progress=False)
+    return {"tokenizer": str(model), "dataset": str(out / "corpus")}
+
+
+@pytest.fixture(scope="session")
+def libaio() -> None:
+    """DeepSpeed's async-io op (NVMe offload) compiles against Debian's libaio-dev: install it."""
+    if Path("/usr/include/libaio.h").exists():
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.fail("NVMe offload needs Debian's libaio-dev: run `apt-get install -y libaio-dev` "
+                    "as root (the test setup does this when it runs as root)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "libaio-dev"], check=True, env=env,
+                   capture_output=True)
+    assert Path("/usr/include/libaio.h").exists()

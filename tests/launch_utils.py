@@ -1,0 +1,84 @@
+"""Run `pretrain` as a user would: through the real launchers, in subprocesses."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records if r["kind"] == "train"]
+
+    def check(self) -> "Run":
+        assert self.returncode == 0, f"exit {self.returncode}\n{self.stdout[-3000:]}\n{self.stderr[-6000:]}"
+        return self
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_prefix(launcher: str, nprocs: int) -> list[str]:
+    port = str(free_port())
+    if launcher == "single":
+        assert nprocs == 1
+        return [str(BIN / "python"), "-m", "pretrain"]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", port,
+                "-m", "pretrain"]
+    if launcher == "deepspeed":
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", port,
+                "--no_local_rank", "--module", "pretrain"]
+    raise ValueError(launcher)
+
+
+def run_pretrain(args: list[str], *, run_dir: Path, launcher: str = "single", nprocs: int = 1,
+                 timeout: float = 900, env: dict[str, str] | None = None) -> Run:
+    """`pretrain <args>` under a launcher; each rank gets one thread (2-core CI machines)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(var, None)
+    proc = subprocess.run(launcher_prefix(launcher, nprocs) + args, cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def train(tmp_path: Path, data: dict[str, str], *, overrides: list[str] = (), nprocs: int = 1,
+          launcher: str | None = None, name: str = "run", config: str = "configs/tiny.yaml",
+          timeout: float = 900) -> Run:
+    """Train the tiny config on `data` with `overrides`; returns the finished Run (checked)."""
+    run_dir = tmp_path / name
+    args = ["train", "--config", config, "--set", f"run_dir={run_dir}",
+            "--set", f"data.tokenizer={data['tokenizer']}", "--set", f"data.dataset={data['dataset']}"]
+    for o in overrides:
+        args += ["--set", o]
+    launcher = launcher or ("single" if nprocs == 1 else "torchrun")
+    return run_pretrain(args, run_dir=run_dir, launcher=launcher, nprocs=nprocs,
+                        timeout=timeout).check()
+
+
+def rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
