@@ -7,16 +7,18 @@
   real and imaginary parts), so checkpoints convert without permuting q/k rows.
 
 The three factories `column_linear`, `row_linear` and `vocab_embedding` are the *swap points* for
-tensor parallelism. Today they return plain `nn.Linear(bias=False)` / `nn.Embedding` and refuse a
-tensor-parallel group of more than one rank; the tensor-parallel issue makes them return
-Megatron-style column-, row- and vocab-parallel layers (same parameter names, sharded rows or
-columns). The model builds every projection through them and nothing else, so that change touches
-this file only.
+tensor parallelism: with no group or a one-rank group they return plain `nn.Linear(bias=False)` /
+`nn.Embedding`, with a larger group the Megatron-style layers of
+`pretrain.model.tensor_parallel` (same parameter name `weight`, sharded rows or columns). The
+model builds every projection through them and nothing else.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from pretrain.model.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                            VocabParallelEmbedding, copy_to_tp, tp_world_size)
 
 
 class RMSNorm(nn.Module):
@@ -25,17 +27,23 @@ class RMSNorm(nn.Module):
     The statistics are computed in fp32 and the normalised activations cast back to the input
     dtype *before* the weight multiply; this is Hugging Face's order of operations, which makes
     bf16 outputs bitwise comparable with a Hugging Face model holding the same weights.
+
+    Under sequence parallelism the norm sees only this rank's T/tp tokens, so its weight
+    gradient is a partial sum: pass the tensor-parallel group as `sequence_parallel_group` and
+    the weight goes through `copy_to_tp` (identity forward, all-reduce backward), so every rank
+    (and DeepSpeed) sees the complete gradient of the replicated weight.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, sequence_parallel_group=None) -> None:
         super().__init__()
         self.eps = eps
+        self.sequence_parallel_group = sequence_parallel_group
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.type_as(x)
+        return copy_to_tp(self.weight, self.sequence_parallel_group) * x32.type_as(x)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -88,50 +96,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
 
 # ---- tensor-parallel swap points ---------------------------------------------------------------
 
-def _require_single_rank(tp_group, what: str) -> None:
-    if tp_group is None:
-        return
-    import torch.distributed as dist
-
-    size = dist.get_world_size(tp_group)
-    if size != 1:
-        raise NotImplementedError(
-            f"{what} with a tensor-parallel group of {size} ranks: tensor-parallel layers are not "
-            "implemented yet; run with parallel.tensor=1")
-
-
 def column_linear(in_features: int, out_features: int, *, tp_group=None,
                   device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> nn.Module:
-    """A bias-free linear layer whose *output* features will be sharded over `tp_group`.
+    """A bias-free linear layer whose *output* features are sharded over `tp_group`.
 
-    Used for q/k/v, gate/up and the lm_head. With tensor parallelism each rank will hold
-    out_features / tp rows of the weight and produce its share of the outputs.
+    Used for q/k/v, gate/up and the lm_head. With tensor parallelism each rank holds
+    out_features / tp rows of the weight and produces its share of the outputs; its input must
+    come through `tensor_parallel.column_parallel_input` (see `ColumnParallelLinear`).
     """
-    _require_single_rank(tp_group, "column_linear")
-    return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+    if tp_world_size(tp_group) == 1:
+        return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+    return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, device=device,
+                                dtype=dtype)
 
 
 def row_linear(in_features: int, out_features: int, *, tp_group=None,
-               device: torch.device | str | None = None,
+               sequence_parallel: bool = False, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None) -> nn.Module:
-    """A bias-free linear layer whose *input* features will be sharded over `tp_group`.
+    """A bias-free linear layer whose *input* features are sharded over `tp_group`.
 
     Used for o_proj and down_proj, which consume a column-parallel output; with tensor
-    parallelism each rank multiplies its input shard and the partial sums are all-reduced.
+    parallelism each rank multiplies its input shard and the partial sums are all-reduced
+    (reduce-scattered along the sequence under sequence parallelism).
     """
-    _require_single_rank(tp_group, "row_linear")
-    return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+    if tp_world_size(tp_group) == 1:
+        return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+    return RowParallelLinear(in_features, out_features, tp_group=tp_group,
+                             sequence_parallel=sequence_parallel, device=device, dtype=dtype)
 
 
 def vocab_embedding(num_embeddings: int, dim: int, *, tp_group=None,
-                    device: torch.device | str | None = None,
+                    sequence_parallel: bool = False, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> nn.Module:
-    """A token embedding whose rows (the vocabulary) will be sharded over `tp_group`.
+    """A token embedding whose rows (the vocabulary) are sharded over `tp_group`.
 
     `num_embeddings` is the padded vocabulary (`ModelConfig.padded_vocab_size`), a multiple of
     the tensor-parallel size so every rank holds an equal slice.
     """
-    _require_single_rank(tp_group, "vocab_embedding")
-    return nn.Embedding(num_embeddings, dim, device=device, dtype=dtype)
-
+    if tp_world_size(tp_group) == 1:
+        return nn.Embedding(num_embeddings, dim, device=device, dtype=dtype)
+    return VocabParallelEmbedding(num_embeddings, dim, tp_group=tp_group,
+                                  sequence_parallel=sequence_parallel, device=device, dtype=dtype)

@@ -14,10 +14,23 @@ Architecture choices:
   matmuls and equal tensor-parallel shards); the padded logit columns are cut off before the
   loss and before anything is returned, so they never affect training or generation.
 
+Tensor parallelism (Megatron-LM; `pretrain.model.tensor_parallel`), when a group of tp > 1
+ranks is given:
+
+- attention: each rank holds num_heads/tp query heads and num_kv_heads/tp kv heads (q/k/v
+  column-parallel, o_proj row-parallel); SwiGLU: gate/up column-parallel, down row-parallel.
+  A block's forward then has one all-reduce after attention and one after the MLP,
+- embedding and lm_head are vocab-parallel (rows of the padded vocabulary); the loss is the
+  vocab-parallel cross entropy, so the full logits are never gathered in training; a tied
+  lm_head is the embedding's shard,
+- sequence parallelism (Korthikanti et al. 2022): the residual stream and the norms hold T/tp
+  tokens per rank; the all-reduces become an all-gather before each block's projections and a
+  reduce-scatter after them (same bytes, 1/tp of the norm activations).
+
 Parameter names are exactly those of Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn
 .q_proj.weight`, ...), so converting a checkpoint only drops or adds the padded vocabulary rows
-(`pretrain.model.hf`). Every projection is built by the tensor-parallel factories of
-`pretrain.model.layers`, the single place that changes when tensor parallelism arrives.
+(`pretrain.model.hf`); `gather_full_state_dict` turns tensor-parallel shards into that full
+state dict. Every projection is built by the factories of `pretrain.model.layers`.
 """
 from __future__ import annotations
 
@@ -31,16 +44,22 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from pretrain.config import ModelConfig, Recompute
+from pretrain.errors import ConfigError
 from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
                                    row_linear, vocab_embedding)
+from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
+                                            gather_from_sequence, gather_from_tp, tp_rank,
+                                            tp_world_size, vocab_parallel_cross_entropy)
 
 
-def _tp_size(tp_group) -> int:
-    if tp_group is None:
-        return 1
-    import torch.distributed as dist
-
-    return dist.get_world_size(tp_group)
+def check_tensor_parallel(cfg: ModelConfig, tensor_parallel: int) -> None:
+    """Each rank must hold whole query heads, whole kv heads and an equal slice of the MLP."""
+    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        if getattr(cfg, name) % tensor_parallel:
+            raise ConfigError(
+                f"tensor-parallel size {tensor_parallel} does not divide model.{name}="
+                f"{getattr(cfg, name)}: each rank must hold a whole share; choose parallel.tensor "
+                f"dividing num_heads, num_kv_heads and ffn_hidden_size")
 
 
 def torch_checkpoint(function, *args):
@@ -59,7 +78,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) 
     whatever the padded lm_head rows hold cannot change the softmax. `labels` (B, T) are already
     shifted by the caller (labels[:, t] is the token after input_ids[:, t]). The upcast follows
     Hugging Face: a bf16 log-softmax over 32k+ classes loses digits of the loss.
-    A vocab-parallel cross-entropy replaces this function under tensor parallelism.
+    Under tensor parallelism `vocab_parallel_cross_entropy` replaces this function.
     """
     if logits.shape[-1] > vocab_size:
         logits = logits[..., :vocab_size]
@@ -70,16 +89,22 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings."""
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.head_dim = hd
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        # q heads h*hd..(h+1)*hd are weight rows, so a row shard is a set of whole heads; rank r's
+        # query heads use kv heads r*nkv/tp.. (query head i reads kv head i // (nh/nkv))
         self.q_proj = column_linear(h, cfg.num_heads * hd, tp_group=tp_group)
         self.k_proj = column_linear(h, cfg.num_kv_heads * hd, tp_group=tp_group)
         self.v_proj = column_linear(h, cfg.num_kv_heads * hd, tp_group=tp_group)
-        self.o_proj = row_linear(cfg.num_heads * hd, h, tp_group=tp_group)
+        self.o_proj = row_linear(cfg.num_heads * hd, h, tp_group=tp_group,
+                                 sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # (B, T, C) on every TP rank; under sequence parallelism gathered from (B, T/tp, C)
+        x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds its share of the heads
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
@@ -91,32 +116,37 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
-        return self.o_proj(y)
+        return self.o_proj(y)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.gate_proj = column_linear(h, f, tp_group=tp_group)
         self.up_proj = column_linear(h, f, tp_group=tp_group)
-        self.down_proj = row_linear(f, h, tp_group=tp_group)
+        self.down_proj = row_linear(f, h, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # f/tp inner features
 
 
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block; attribute names follow Hugging Face's LlamaDecoderLayer."""
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg, tp_group=tp_group)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg, tp_group=tp_group)
+        norm_group = tp_group if sequence_parallel else None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
+                                       sequence_parallel_group=norm_group)
+        self.self_attn = Attention(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
+                                                sequence_parallel_group=norm_group)
+        self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -129,12 +159,16 @@ class LlamaBackbone(nn.Module):
     A container only; `LlamaModel` runs the layers so it can checkpoint them one by one.
     """
 
-    def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None) -> None:
+    def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp_group=tp_group)
-                                    for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
+                                            sequence_parallel=sequence_parallel)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+            for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
+                            sequence_parallel_group=tp_group if sequence_parallel else None)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
 
 
@@ -145,18 +179,31 @@ class LlamaModel(nn.Module):
     cross-entropy. `checkpoint_fn(function, *args)` runs the layers chosen by
     `cfg.activation_checkpointing`; replace it to use DeepSpeed's activation checkpointing.
     Weights are left at PyTorch's defaults: call `init_weights` (or use `build_model`).
+
+    `tp_group`: the tensor-parallel process group (None or one rank: no tensor parallelism);
+    every rank of it gets the same input_ids and labels. `sequence_parallel` needs tp > 1 and
+    sequence lengths divisible by tp.
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tensor_parallel = _tp_size(tp_group)
+        self.tp_group = tp_group
+        self.tensor_parallel = tp_world_size(tp_group)
+        check_tensor_parallel(cfg, self.tensor_parallel)
+        self.tensor_parallel_rank = tp_rank(tp_group)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel and self.tensor_parallel == 1:
+            raise ConfigError("sequence_parallel=True needs a tensor-parallel group of more "
+                              "than one rank: set parallel.tensor > 1 or "
+                              "parallel.sequence_parallel=false")
         self.padded_vocab_size = cfg.padded_vocab_size(self.tensor_parallel)
         self.model = LlamaBackbone(cfg, padded_vocab_size=self.padded_vocab_size,
-                                   tp_group=tp_group)
+                                   tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.lm_head = column_linear(cfg.hidden_size, self.padded_vocab_size, tp_group=tp_group)
         if cfg.tie_embeddings:
-            # one Parameter under two names: named_parameters() yields it once, as the embedding
+            # one Parameter under two names: named_parameters() yields it once, as the embedding;
+            # under TP both are the same (V/tp, C) row shard of the vocabulary
             self.lm_head.weight = self.model.embed_tokens.weight
         self.checkpoint_fn = torch_checkpoint
 
@@ -170,9 +217,15 @@ class LlamaModel(nn.Module):
         return False
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states (B, T, C) of token ids (B, T)."""
-        x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        cos, sin = self.model.rotary_emb(input_ids.shape[1], x.dtype)  # (T, hd) each
+        """Final-norm hidden states (B, T, C) of token ids (B, T); under sequence parallelism
+        this rank's shard (B, T/tp, C) of them."""
+        T = input_ids.shape[1]
+        if self.sequence_parallel and T % self.tensor_parallel:
+            raise ValueError(f"sequence parallelism splits each sequence over the "
+                             f"{self.tensor_parallel} tensor-parallel ranks, but it has {T} "
+                             f"tokens: use a sequence length divisible by {self.tensor_parallel}")
+        x = self.model.embed_tokens(input_ids)  # (B, T, C), or (B, T/tp, C) under SP
+        cos, sin = self.model.rotary_emb(T, x.dtype)  # (T, hd) each
         checkpointing = torch.is_grad_enabled()  # nothing to save for backward otherwise
         for i, layer in enumerate(self.model.layers):
             if checkpointing and self.recomputes_layer(i):
@@ -181,11 +234,20 @@ class LlamaModel(nn.Module):
                 x = layer(x, cos, sin)
         return self.model.norm(x)
 
+    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard (B, T, V_padded/tp) of the logits of `hidden_states`."""
+        hidden = column_parallel_input(hidden, self.tp_group,
+                                       sequence_parallel=self.sequence_parallel)  # (B, T, C)
+        return self.lm_head(hidden)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.lm_head(self.hidden_states(input_ids))  # (B, T, V_padded)
-        if labels is None:
-            return logits[..., :self.cfg.vocab_size]  # (B, T, V)
-        return causal_lm_loss(logits, labels, self.cfg.vocab_size)
+        logits = self.vocab_logits(self.hidden_states(input_ids))  # (B, T, V_padded/tp)
+        if labels is None:  # evaluation / generation: gather the vocabulary shards
+            return gather_from_tp(logits, self.tp_group)[..., :self.cfg.vocab_size]  # (B, T, V)
+        if self.tensor_parallel == 1:
+            return causal_lm_loss(logits, labels, self.cfg.vocab_size)
+        return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.cfg.vocab_size,
+                                            tp_group=self.tp_group)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
@@ -196,15 +258,24 @@ class LlamaModel(nn.Module):
         temperature 0 is greedy; otherwise sample from softmax(logits / temperature), restricted
         to the `top_k` most likely tokens if given. No KV cache: each step recomputes the prefix,
         truncated to the last `seq_length` tokens (the rotary table's length). A row that produced
-        `eos_id` keeps producing it; generation stops when every row has.
+        `eos_id` keeps producing it; generation stops when every row has. Under tensor
+        parallelism every rank of the group calls it with the same arguments (and generator
+        state) and gets the same tokens.
         """
         vocab = self.cfg.vocab_size
         ids = input_ids
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         for _ in range(max_new_tokens):
             context = ids[:, -self.cfg.seq_length:]
-            last = self.hidden_states(context)[:, -1]  # (B, C)
-            logits = self.lm_head(last)[:, :vocab].float()  # (B, V)
+            T = context.shape[1]
+            if self.sequence_parallel:  # pad on the right to a multiple of tp: causal attention
+                pad = -T % self.tensor_parallel  # keeps positions < T exact
+                context = F.pad(context, (0, pad))
+            hidden = self.hidden_states(context)
+            if self.sequence_parallel:
+                hidden = gather_from_sequence(hidden, self.tp_group)  # (B, T + pad, C)
+            last = hidden[:, T - 1]  # (B, C)
+            logits = gather_from_tp(self.lm_head(last), self.tp_group)[:, :vocab].float()  # (B, V)
             if temperature == 0.0:
                 next_ids = logits.argmax(dim=-1)  # (B,)
             else:
@@ -223,17 +294,28 @@ class LlamaModel(nn.Module):
         return ids
 
     def num_parameters(self) -> int:
-        """Unique parameters without the padded vocabulary rows (equals cfg.num_parameters())."""
-        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+        """Unique parameters of the whole (unsharded) model without the padded vocabulary rows
+        (equals cfg.num_parameters())."""
+        # parameters() yields a tied weight once; a tensor-parallel shard stands for tp of them
+        n = sum(p.numel() * (self.tensor_parallel if _is_sharded(p) else 1)
+                for p in self.parameters())
         pad_rows = self.padded_vocab_size - self.cfg.vocab_size
         n -= pad_rows * self.cfg.hidden_size * (1 if self.cfg.tie_embeddings else 2)
         return n
 
 
-# ---- initialisation ----------------------------------------------------------------------------
+def _is_sharded(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+# ---- initialisation and tensor-parallel layout ---------------------------------------------------
 
 _OUTPUT_PROJECTION = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB_MATRIX = ("model.embed_tokens.weight", "lm_head.weight")
+# dimension split over tensor-parallel ranks: output rows of column-parallel projections,
+# input columns of row-parallel ones
+_PARTITION_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
+                  "o_proj": 1, "down_proj": 1}
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -279,24 +361,89 @@ def full_parameter_init(name: str, cfg: ModelConfig, *, seed: int) -> torch.Tens
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
+def tensor_partition_dim(name: str) -> int | None:
+    """The dimension of parameter `name` split over tensor-parallel ranks (None: replicated)."""
+    if name in _VOCAB_MATRIX:
+        return 0  # vocabulary rows
+    if name.endswith("norm.weight"):
+        return None
+    projection = name.rsplit(".", 2)[-2]
+    if projection not in _PARTITION_DIM:
+        raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
+    return _PARTITION_DIM[projection]
+
+
+def shard_of(full: torch.Tensor, name: str, *, cfg: ModelConfig, tp_rank: int,
+             tp_size: int) -> torch.Tensor:
+    """Tensor-parallel rank `tp_rank`'s part of the full parameter `name` (a view when possible).
+
+    Vocabulary matrices may come unpadded (vocab_size rows, e.g. from Hugging Face) or padded to
+    `cfg.padded_vocab_size(tp_size)`; unpadded ones get zero rows appended first.
+    """
+    if name in _VOCAB_MATRIX:
+        padded = cfg.padded_vocab_size(tp_size)
+        if full.shape[0] not in (cfg.vocab_size, padded):
+            raise ValueError(f"{name} has {full.shape[0]} rows; expected model.vocab_size="
+                             f"{cfg.vocab_size} or the padded {padded} of tensor-parallel size "
+                             f"{tp_size}")
+        full = F.pad(full, (0, 0, 0, padded - full.shape[0]))
+    dim = tensor_partition_dim(name)
+    if dim is None or tp_size == 1:
+        return full
+    if full.shape[dim] % tp_size:
+        raise ValueError(f"{name}: dimension {dim} of {tuple(full.shape)} does not split into "
+                         f"{tp_size} tensor-parallel shards")
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
 @torch.no_grad()
 def init_weights(model: LlamaModel, seed: int) -> None:
     """Initialise every parameter from its own generator, seeded by (seed, parameter name).
 
     Each value depends only on (seed, name, cfg), never on the order of construction, the device
     or the parallel layout: the full unsharded tensor is generated on the CPU and the local part
-    copied in. Tensor-parallel ranks will copy their slice of it, pipeline stages initialise only
-    the names they hold, and every layout starts from the same model as a single process.
-    Padded vocabulary rows of the embedding and lm_head are 0 (they never reach the loss); the
-    real rows do not depend on the padding, so models padded for different tp sizes agree.
-    A tied lm_head is the embedding (named_parameters yields it once) and is not drawn again.
+    copied in. Tensor-parallel ranks copy their shard of it (`shard_of`), pipeline stages
+    initialise only the names they hold, and every layout starts from bitwise the same model as
+    a single process. Padded vocabulary rows of the embedding and lm_head are 0 (they never
+    reach the loss); the real rows do not depend on the padding, so models padded for different
+    tp sizes agree. A tied lm_head is the embedding (named_parameters yields it once) and is not
+    drawn again.
     """
     for name, param in model.named_parameters():
         full = full_parameter_init(name, model.cfg, seed=seed)
+        local = shard_of(full, name, cfg=model.cfg, tp_rank=model.tensor_parallel_rank,
+                         tp_size=model.tensor_parallel)
+        if local.shape != param.shape:
+            raise RuntimeError(f"{name}: local shape {tuple(param.shape)} differs from its "
+                               f"tensor-parallel shard {tuple(local.shape)} of the full "
+                               f"{tuple(full.shape)}")
+        param.copy_(local)
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """The full, unsharded state dict with Hugging Face names and `vocab_size` vocabulary rows.
+
+    Collective over the model's tensor-parallel group (every rank calls it and every rank gets
+    the result, on the CPU). Keys are those of `LlamaModel.state_dict()` at tp=1: a tied
+    `lm_head.weight` is the embedding tensor itself. `pretrain.model.hf.to_hf_state_dict` turns
+    it into a Hugging Face checkpoint. Parameters must be whole on each rank: under ZeRO-3 call
+    it inside `deepspeed.zero.GatheredParameters`.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())  # NCCL gathers device tensors
+    cfg, tied = model.cfg, model.cfg.tie_embeddings
+    full: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        dim = tensor_partition_dim(name)
+        if dim is not None and model.tensor_parallel > 1:
+            tensor = all_gather_along(tensor.to(device), model.tp_group, dim)
         if name in _VOCAB_MATRIX:
-            full = F.pad(full, (0, 0, 0, model.padded_vocab_size - full.shape[0]))
-        if full.shape != param.shape:
-            raise NotImplementedError(
-                f"{name}: local shape {tuple(param.shape)} differs from the full shape "
-                f"{tuple(full.shape)}; copying a tensor-parallel shard is not implemented yet")
-        param.copy_(full)
+            tensor = tensor[:cfg.vocab_size]
+        full[name] = tensor.detach().cpu().clone()
+    if tied:
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
+    return full

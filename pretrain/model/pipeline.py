@@ -1,0 +1,456 @@
+"""The Llama model as DeepSpeed pipeline stages: one model definition, two ways to run it.
+
+`pipeline_layer_specs(cfg)` writes `LlamaModel` as a flat list of DeepSpeed `LayerSpec`s::
+
+    index 0           EmbeddingPipe      model.embed_tokens         input_ids -> activations
+    index 1 .. L      DecoderLayerPipe   model.layers.{index - 1}   activations -> activations
+    index L + 1       FinalNormPipe      model.norm                 activations -> activations
+    index L + 2       LMHeadPipe         lm_head                    activations -> logits
+    loss              PipelineLoss       the flat model's loss      (logits, labels) -> loss
+
+- `build_pipeline_model(cfg, seed=, num_stages=)` cuts that list into stages
+  (`deepspeed.pipe.PipelineModule`), for `deepspeed.initialize` and the 1F1B `PipelineEngine`;
+  `build_flat_pipeline(cfg, seed=)` / `flatten(specs)` runs the *same* specs one after another
+  in one process, without torch.distributed (tests, tools).
+- Stages exchange `StageActivations`, a dataclass of named tensors. DeepSpeed's p2p moves only a
+  tensor or a tuple of tensors, so every stage boundary converts with `to_tuple()` /
+  `from_tuple()`, and the field order is the dataclass's, defined once. Rotary cos/sin are not
+  sent: each stage holds one `RotaryEmbedding` table shared by its decoder layers. Labels reach
+  the last stage through DeepSpeed's `(input_ids, labels)` batch tuple (first stage reads
+  element 0, last stage element 1).
+- Tied embeddings (`cfg.tie_embeddings`): the embedding and the head are `TiedLayerSpec`s with
+  the key "embed"; the head runs `EmbeddingPipe.project_to_vocab` on the embedding module.
+  DeepSpeed broadcasts the tied weight at start-up and all-reduces its gradient across the
+  stages that hold it (`_exec_reduce_tied_grads`), counting it once in the gradient norm.
+- Initialisation is ours, not DeepSpeed's (`seed_layers` stays False: with `type:` partitioning
+  it fails on a NumPy integer seed). Every parameter is mapped to its Hugging Face name
+  (`pipeline_to_canonical_name`) and drawn by `llama.full_parameter_init(name, cfg, seed=)`,
+  sharded by `llama.shard_of` under tensor parallelism: every stage holds bitwise the values of
+  the flat `LlamaModel` built with the same seed. `stage_state_dict` gives a stage's parameters
+  under those names (checkpoint export).
+- Partitioning (`partition_method`): "parameters" balances parameter counts (DeepSpeed's
+  default; the embedding and head weigh as much as their matrices), "uniform" gives every stage
+  the same number of specs (embedding, norm and head count as one each), "type:DecoderLayerPipe"
+  balances decoder layers only (the embedding joins stage 0, norm and head the last stage).
+  E.g. 4 layers (7 specs) on 2 stages: "uniform" splits [0, 4, 7) (3 decoder layers, then 1),
+  "parameters" with the tiny preset splits [0, 3, 7) (2 and 2).
+- Activation checkpointing: `activation_checkpoint_interval=k` recomputes groups of k
+  consecutive specs in backward, but only groups made entirely of decoder layers
+  (`checkpointable_layers=["DecoderLayerPipe"]`): the embedding's integer input and the head
+  never go through the checkpoint function. The function defaults to the flat model's
+  (`llama.torch_checkpoint`, non-reentrant) so both recompute the same way. Note the meaning
+  differs from `cfg.activation_checkpointing=every_k` of the flat model (every k-th layer).
+
+DeepSpeed on CPU (0.19.8, gloo; checked by tests/test_pipeline.py): the p2p layer uses plain
+`dist.send`/`dist.recv`, which gloo implements, and 1F1B training, evaluation, tied-gradient
+all-reduce and ZeRO-1 across data-parallel replicas run unchanged; no workaround is needed.
+Quirks a caller must know:
+
+- `deepspeed.initialize(model=pipeline_module)` must get no `mpu`: the module's own grid
+  (built from `topology`) is the mpu (DeepSpeed asserts `mpu is None`).
+- A `PipelineModule` needs torch.distributed initialised even for one stage on one rank
+  (it creates process groups in its constructor); `build_flat_pipeline` does not.
+- `PipelineModule.forward` with an interval > 0 skips every layer until the checkpointable
+  groups are precomputed (the engine does it); `build_pipeline_model` calls
+  `set_checkpoint_interval`, so the module also works before `deepspeed.initialize`.
+- A one-tensor tuple reaches a layer as a bare tensor when it crosses DeepSpeed's checkpoint
+  function; `StageActivations.from_tuple` accepts both.
+- The "parameters" partitioning builds every layer once on every rank to count parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+from pretrain.config import ModelConfig
+from pretrain.errors import ConfigError
+from pretrain.model.layers import RMSNorm, RotaryEmbedding, column_linear, vocab_embedding
+from pretrain.model.llama import (DecoderLayer, causal_lm_loss, check_tensor_parallel,
+                                  full_parameter_init, shard_of, torch_checkpoint)
+from pretrain.model.tensor_parallel import (column_parallel_input, gather_from_tp, tp_rank,
+                                            tp_world_size, vocab_parallel_cross_entropy)
+
+TIED_EMBEDDING_KEY = "embed"
+PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
+
+
+# ---- what travels between stages -----------------------------------------------------------------
+
+@dataclass
+class StageActivations:
+    """The tensors one stage hands to the next, by name; the field order is the wire order."""
+
+    hidden: torch.Tensor  # residual stream (B, T, C); (B, T/tp, C) under sequence parallelism
+
+    def to_tuple(self) -> tuple[torch.Tensor, ...]:
+        """The tuple DeepSpeed sends: the fields in declaration order."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @classmethod
+    def from_tuple(cls, values: torch.Tensor | tuple[torch.Tensor, ...]) -> "StageActivations":
+        """Inverse of `to_tuple`; a bare tensor stands for a one-field tuple (DeepSpeed unwraps
+        one-element tuples when it calls a checkpointed group of layers)."""
+        if isinstance(values, torch.Tensor):
+            values = (values,)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if len(values) != len(names):
+            raise ValueError(f"a stage received {len(values)} tensors, expected {len(names)} "
+                             f"({', '.join(names)}): stages built from different code?")
+        return cls(*values)
+
+
+# ---- the stage layers --------------------------------------------------------------------------
+
+def _sequence_shards(tp_group, sequence_parallel: bool) -> int:
+    """How many ranks share each sequence: the factor between local and full T."""
+    return tp_world_size(tp_group) if sequence_parallel else 1
+
+
+class EmbeddingPipe(nn.Module):
+    """input_ids (B, T) -> StageActivations; with tied embeddings also the output projection."""
+
+    def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
+                                            sequence_parallel=sequence_parallel)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shards, T = _sequence_shards(self.tp_group, self.sequence_parallel), input_ids.shape[1]
+        if T % shards:
+            raise ValueError(f"sequence parallelism splits each sequence over the {shards} "
+                             f"tensor-parallel ranks, but it has {T} tokens: use a sequence "
+                             f"length divisible by {shards}")
+        return StageActivations(hidden=self.embed_tokens(input_ids)).to_tuple()
+
+    def project_to_vocab(self, activations) -> torch.Tensor:
+        """The tied lm_head: logits (B, T, V_padded/tp) = hidden @ embedding^T."""
+        hidden = StageActivations.from_tuple(activations).hidden
+        hidden = column_parallel_input(hidden, self.tp_group,
+                                       sequence_parallel=self.sequence_parallel)  # (B, T, C)
+        return F.linear(hidden, self.embed_tokens.weight)
+
+
+class DecoderLayerPipe(DecoderLayer):
+    """`DecoderLayer` (same parameter names) on StageActivations, with its stage's rotary table."""
+
+    def __init__(self, cfg: ModelConfig, *, rotary: RotaryEmbedding, tp_group=None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        # one table object shared by the stage's layers: non-persistent buffers, no parameters
+        self.rotary_emb = rotary
+        self.sequence_shards = _sequence_shards(tp_group, sequence_parallel)
+
+    def forward(self, activations) -> tuple[torch.Tensor, ...]:
+        state = StageActivations.from_tuple(activations)
+        T = state.hidden.shape[1] * self.sequence_shards  # full sequence length
+        cos, sin = self.rotary_emb(T, state.hidden.dtype)  # (T, hd) each
+        hidden = super().forward(state.hidden, cos, sin)
+        return dataclasses.replace(state, hidden=hidden).to_tuple()
+
+
+class FinalNormPipe(nn.Module):
+    """The final RMSNorm (`model.norm`) on StageActivations."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
+                            sequence_parallel_group=tp_group if sequence_parallel else None)
+
+    def forward(self, activations) -> tuple[torch.Tensor, ...]:
+        state = StageActivations.from_tuple(activations)
+        return dataclasses.replace(state, hidden=self.norm(state.hidden)).to_tuple()
+
+
+class LMHeadPipe(nn.Module):
+    """The untied output projection (`lm_head`): StageActivations -> logits (B, T, V_padded/tp)."""
+
+    def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.lm_head = column_linear(cfg.hidden_size, padded_vocab_size, tp_group=tp_group)
+
+    def forward(self, activations) -> torch.Tensor:
+        hidden = StageActivations.from_tuple(activations).hidden
+        hidden = column_parallel_input(hidden, self.tp_group,
+                                       sequence_parallel=self.sequence_parallel)  # (B, T, C)
+        return self.lm_head(hidden)
+
+
+class PipelineLoss:
+    """`loss_fn(logits, labels)` of the last stage: the loss `LlamaModel.forward` computes.
+
+    Padded vocabulary columns are cut inside `causal_lm_loss`; under tensor parallelism the
+    vocab-parallel cross entropy works on the logits' shards without gathering them.
+    """
+
+    def __init__(self, *, vocab_size: int, tp_group=None) -> None:
+        self.vocab_size, self.tp_group = vocab_size, tp_group
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if tp_world_size(self.tp_group) == 1:
+            return causal_lm_loss(logits, labels, self.vocab_size)
+        return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size,
+                                            tp_group=self.tp_group)
+
+
+# ---- the model definition ------------------------------------------------------------------------
+
+def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None,
+                         sequence_parallel: bool = False) -> list[LayerSpec]:
+    """`LlamaModel` as DeepSpeed layer specs: embedding, cfg.num_layers decoder layers, final
+    norm, lm_head (see the module docstring for the index of each)."""
+    tensor_parallel = tp_world_size(tp_group)
+    check_tensor_parallel(cfg, tensor_parallel)
+    if sequence_parallel and tensor_parallel == 1:
+        raise ConfigError("sequence_parallel=True needs a tensor-parallel group of more than one "
+                          "rank: set parallel.tensor > 1 or parallel.sequence_parallel=false")
+    parallel = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
+    vocab = dict(padded_vocab_size=cfg.padded_vocab_size(tensor_parallel))
+    rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+    if cfg.tie_embeddings:
+        embedding = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, cfg, **vocab, **parallel,
+                                  tied_weight_attr=["embed_tokens.weight"])
+        head = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, cfg, **vocab, **parallel,
+                             forward_fn=EmbeddingPipe.project_to_vocab,
+                             tied_weight_attr=["embed_tokens.weight"])
+    else:
+        embedding = LayerSpec(EmbeddingPipe, cfg, **vocab, **parallel)
+        head = LayerSpec(LMHeadPipe, cfg, **vocab, **parallel)
+    return [embedding,
+            *(LayerSpec(DecoderLayerPipe, cfg, rotary=rotary, **parallel)
+              for _ in range(cfg.num_layers)),
+            LayerSpec(FinalNormPipe, cfg, **parallel),
+            head]
+
+
+def _check_pipeline_args(cfg: ModelConfig, *, num_stages: int, partition_method: str,
+                         activation_checkpoint_interval: int) -> None:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ConfigError(f"pipeline stages={num_stages!r}: must be a positive integer")
+    if num_stages > cfg.num_layers:
+        raise ConfigError(f"{num_stages} pipeline stages for model.num_layers={cfg.num_layers}: "
+                          f"every stage needs at least one decoder layer; set parallel.pipeline "
+                          f"<= {cfg.num_layers}")
+    if partition_method not in PARTITION_METHODS:
+        raise ConfigError(f"partition_method={partition_method!r}: choose one of "
+                          f"{', '.join(PARTITION_METHODS)}")
+    if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
+        raise ConfigError(f"activation_checkpoint_interval={activation_checkpoint_interval!r}: "
+                          "must be 0 (off) or a positive number of layers")
+
+
+def _deepspeed_topology(topology, *, num_stages: int, tp_group):
+    """DeepSpeed's ProcessTopology for `topology` (ours or DeepSpeed's), checked against the
+    stage count and the tensor-parallel group; None lets DeepSpeed make pipe x data."""
+    import torch.distributed as dist
+
+    tensor_parallel = tp_world_size(tp_group)
+    if topology is None:
+        if tensor_parallel > 1:
+            raise ConfigError(f"a tensor-parallel group of {tensor_parallel} ranks needs "
+                              "topology=Topology(tensor=, pipeline=, world_size=): without it "
+                              "DeepSpeed would treat the tensor-parallel ranks as data parallel")
+        world = dist.get_world_size()
+        if world % num_stages:
+            raise ConfigError(f"{num_stages} pipeline stages do not divide the world of {world} "
+                              f"ranks: launch a multiple of {num_stages} ranks")
+        return None
+    if hasattr(topology, "deepspeed_topology"):  # pretrain.topology.Topology
+        topology = topology.deepspeed_topology()
+    stages = topology.get_dim("pipe")
+    model = max(topology.get_dim("model"), 1)  # get_dim is 0 for an absent axis
+    if stages != num_stages:
+        raise ConfigError(f"num_stages={num_stages} but the topology has {stages} pipeline "
+                          "stages: build both from parallel.pipeline")
+    if model != tensor_parallel:
+        raise ConfigError(f"the topology has tensor size {model} but the tensor-parallel group "
+                          f"has {tensor_parallel} ranks: pass the group of the same Topology")
+    return topology
+
+
+def build_pipeline_model(cfg: ModelConfig, *, seed: int, num_stages: int, topology=None,
+                         tp_group=None, sequence_parallel: bool = False,
+                         partition_method: str = "parameters",
+                         activation_checkpoint_interval: int = 0,
+                         activation_checkpoint_func: Callable = torch_checkpoint
+                         ) -> PipelineModule:
+    """This rank's stage of the pipelined `LlamaModel`, initialised like `build_model(cfg, seed=)`.
+
+    Collective: every rank of the world calls it (DeepSpeed creates process groups).
+    `topology`: a `pretrain.topology.Topology` or DeepSpeed `ProcessTopology`; required with
+    tensor parallelism (then `tp_group` is this rank's group of it), otherwise DeepSpeed lays
+    out pipe x data. Pass the result to `deepspeed.initialize(model=..., config=...)` without
+    `mpu` and train with `engine.train_batch(iter_of((input_ids, labels)))`.
+    """
+    import torch.distributed as dist
+
+    _check_pipeline_args(cfg, num_stages=num_stages, partition_method=partition_method,
+                         activation_checkpoint_interval=activation_checkpoint_interval)
+    if not dist.is_initialized():
+        raise RuntimeError("build_pipeline_model needs torch.distributed initialised on every "
+                           "rank (deepspeed.init_distributed); for one process without it use "
+                           "build_flat_pipeline")
+    ds_topology = _deepspeed_topology(topology, num_stages=num_stages, tp_group=tp_group)
+    specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    module = PipelineModule(
+        layers=specs, num_stages=None if ds_topology else num_stages, topology=ds_topology,
+        loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
+        seed_layers=False, partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        activation_checkpoint_func=activation_checkpoint_func,
+        checkpointable_layers=[DecoderLayerPipe.__name__])
+    # forward() only runs layers whose checkpoint groups were precomputed (the engine does it
+    # too): do it now so the module is usable on its own
+    module.set_checkpoint_interval(activation_checkpoint_interval)
+    init_pipeline_weights(module, cfg, seed=seed, tp_group=tp_group)
+    return module
+
+
+# ---- one process: the same specs in sequence --------------------------------------------------
+
+class SequentialPipeline(nn.Module):
+    """Every layer spec built in this process and run in order: a one-stage pipeline without
+    torch.distributed. Parameter names are those of a one-stage `PipelineModule`
+    ("{index}.<local name>", tied modules under "tied_modules.<key>.")."""
+
+    def __init__(self, specs: Iterable[LayerSpec], *, loss_fn: Callable | None = None,
+                 vocab_size: int | None = None, tp_group=None) -> None:
+        super().__init__()
+        self.specs = list(specs)
+        self.loss_fn, self.vocab_size, self.tp_group = loss_fn, vocab_size, tp_group
+        self.tied_modules = nn.ModuleDict()
+        self.forward_funcs: list[Callable] = []
+        for index, spec in enumerate(self.specs):
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                tied = self.tied_modules[spec.key]
+                self.forward_funcs.append(
+                    tied if spec.forward_fn is None else _bind(spec.forward_fn, tied))
+            else:
+                module = spec.build()
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Like `LlamaModel.forward`: the loss with labels, else the logits (B, T, vocab_size)."""
+        x: Any = input_ids
+        for function in self.forward_funcs:
+            x = function(x)
+        if labels is not None:
+            return self.loss_fn(x, labels)
+        logits = gather_from_tp(x, self.tp_group)
+        return logits if self.vocab_size is None else logits[..., :self.vocab_size]
+
+
+def _bind(function: Callable, module: nn.Module) -> Callable:
+    return lambda x: function(module, x)
+
+
+def flatten(specs: Iterable[LayerSpec], *, loss_fn: Callable | None = None,
+            vocab_size: int | None = None, tp_group=None) -> SequentialPipeline:
+    """Run pipeline layer specs sequentially in one process (weights left at their defaults)."""
+    return SequentialPipeline(specs, loss_fn=loss_fn, vocab_size=vocab_size, tp_group=tp_group)
+
+
+def build_flat_pipeline(cfg: ModelConfig, *, seed: int, tp_group=None,
+                        sequence_parallel: bool = False) -> SequentialPipeline:
+    """The pipeline's specs as one sequential model, initialised like `build_model(cfg, seed=)`."""
+    specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    model = flatten(specs, loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
+                    vocab_size=cfg.vocab_size, tp_group=tp_group)
+    init_pipeline_weights(model, cfg, seed=seed, tp_group=tp_group)
+    return model
+
+
+# ---- canonical (Hugging Face) names, initialisation, export --------------------------------------
+
+def canonical_name(spec_index: int, local_name: str, *, num_layers: int) -> str:
+    """Hugging Face name of parameter `local_name` of the layer spec at `spec_index`."""
+    if spec_index == 0:
+        return f"model.{local_name}"  # embed_tokens.weight
+    if 1 <= spec_index <= num_layers:
+        return f"model.layers.{spec_index - 1}.{local_name}"
+    if spec_index == num_layers + 1:
+        return f"model.{local_name}"  # norm.weight
+    if spec_index == num_layers + 2 and local_name in ("lm_head.weight", "embed_tokens.weight"):
+        return "lm_head.weight"  # untied head, or the tied embedding acting as the head
+    raise KeyError(f"no Llama parameter {local_name!r} at layer spec {spec_index} of a model "
+                   f"with {num_layers} decoder layers")
+
+
+def pipeline_to_canonical_name(name: str, *, num_layers: int) -> str:
+    """Hugging Face name of a `PipelineModule` / `SequentialPipeline` parameter name.
+
+    "3.mlp.up_proj.weight" -> "model.layers.2.mlp.up_proj.weight"; a tied module's parameter
+    ("tied_modules.embed.embed_tokens.weight") is the embedding, as `LlamaModel`'s
+    `named_parameters()` yields a tied weight once, as `model.embed_tokens.weight`.
+    """
+    prefix = f"tied_modules.{TIED_EMBEDDING_KEY}."
+    if name.startswith(prefix):
+        return canonical_name(0, name[len(prefix):], num_layers=num_layers)
+    index, _, local_name = name.partition(".")
+    if not index.isdigit():
+        raise KeyError(f"{name!r} is not a pipeline parameter name")
+    return canonical_name(int(index), local_name, num_layers=num_layers)
+
+
+def _local_layers(module: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(spec index, built module) of each layer this stage runs; tied ones are the tied module."""
+    if isinstance(module, PipelineModule):
+        specs, indices = module._layer_specs, range(module._local_start, module._local_stop)
+    else:
+        specs, indices = module.specs, range(len(module.specs))
+    layers = []
+    for index in indices:
+        spec = specs[index]
+        if isinstance(spec, TiedLayerSpec):
+            layers.append((index, module.tied_modules[spec.key]))
+        else:
+            layers.append((index, module.get_submodule(str(index))))
+    return layers
+
+
+def stage_state_dict(module: nn.Module, *, num_layers: int) -> dict[str, torch.Tensor]:
+    """This stage's parameters under Hugging Face names (tensor-parallel shards under TP).
+
+    With tied embeddings the stage running the head lists the tied weight as `lm_head.weight`
+    (and the embedding's stage as `model.embed_tokens.weight`), so the union over stages has
+    exactly the keys of `LlamaModel.state_dict()`. Tensors are the live parameters, detached.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for index, layer in _local_layers(module):
+        for local_name, param in layer.named_parameters():
+            state[canonical_name(index, local_name, num_layers=num_layers)] = param.detach()
+    return state
+
+
+@torch.no_grad()
+def init_pipeline_weights(module: nn.Module, cfg: ModelConfig, *, seed: int,
+                          tp_group=None) -> None:
+    """Give every parameter of this stage the value `llama.init_weights` gives it in the flat
+    model: drawn by canonical name from (seed, name), then this rank's tensor-parallel shard."""
+    tensor_parallel, rank = tp_world_size(tp_group), tp_rank(tp_group)
+    for name, param in module.named_parameters():
+        canonical = pipeline_to_canonical_name(name, num_layers=cfg.num_layers)
+        full = full_parameter_init(canonical, cfg, seed=seed)
+        local = shard_of(full, canonical, cfg=cfg, tp_rank=rank, tp_size=tensor_parallel)
+        if local.shape != param.shape:
+            raise RuntimeError(f"{name} ({canonical}): local shape {tuple(param.shape)} differs "
+                               f"from its tensor-parallel shard {tuple(local.shape)}")
+        param.copy_(local)
+
+
+__all__ = ["DecoderLayerPipe", "EmbeddingPipe", "FinalNormPipe", "LMHeadPipe", "PipelineLoss",
+           "SequentialPipeline", "StageActivations", "build_flat_pipeline",
+           "build_pipeline_model", "canonical_name", "flatten", "init_pipeline_weights",
+           "pipeline_layer_specs", "pipeline_to_canonical_name", "stage_state_dict"]

@@ -1,0 +1,280 @@
+"""The rank grid TP x DP x PP, its process groups, and the `mpu` adapter DeepSpeed queries.
+
+`Topology(tensor=, pipeline=, world_size=)` is built once at start-up and passed down; there is
+no module-level parallel state. Its methods are pure arithmetic (usable without
+torch.distributed, e.g. by the planner's dry run); `create_groups()` makes the process groups.
+
+Rank order puts tensor parallelism innermost (consecutive ranks = the GPUs of one node, where
+TP's per-layer all-reduces need NVLink), then data parallelism, then pipeline parallelism
+outermost (a pipeline stage's point-to-point traffic is the cheapest to send across nodes)::
+
+    rank = pipeline * (data_size * tensor_size) + data * tensor_size + tensor
+
+which is DeepSpeed's `PipeModelDataParallelTopology(num_pp, num_mp, num_dp)` (axes pipe, data,
+model), so a `PipelineModule` given `Topology.deepspeed_topology()` places its stages on the same
+ranks as our groups. The "model-parallel" group of a rank is every rank holding a piece of the
+same model replica (its TP x PP ranks); DeepSpeed sums gradient norms over it.
+
+A worked example: 16 ranks (two nodes of eight GPUs) with tp=2, pp=2, hence dp=4.
+
+>>> topo = Topology(tensor=2, pipeline=2, world_size=16)
+>>> print(topo.describe())
+tensor=2 x data=4 x pipeline=2 = 16 ranks; each cell is the tensor group of (data index, stage)
+            stage 0    stage 1
+    dp 0    [0, 1]     [8, 9]
+    dp 1    [2, 3]     [10, 11]
+    dp 2    [4, 5]     [12, 13]
+    dp 3    [6, 7]     [14, 15]
+>>> topo.tensor_groups()  # all-reduce activations every layer: inside a node
+[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+>>> topo.data_groups()  # all-reduce / reduce-scatter gradients (ZeRO) once per step
+[[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+>>> topo.pipeline_groups()  # send activations stage to stage: across nodes
+[[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+>>> topo.model_groups()  # one model replica (tp x pp): gradient-norm and overflow reductions
+[[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+>>> topo.coords(13)
+RankCoords(tensor=1, data=2, pipeline=1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pretrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """A rank's position in the grid: its index along each parallel dimension."""
+
+    tensor: int
+    data: int
+    pipeline: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The TP x DP x PP grid of `world_size` ranks; `rank` is this process (for `my_coords`)."""
+
+    tensor: int
+    pipeline: int
+    world_size: int
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"topology {name}={value!r}: must be a positive integer")
+        model_parallel = self.tensor * self.pipeline
+        if self.world_size % model_parallel:
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by parallel.tensor x "
+                f"parallel.pipeline = {self.tensor} x {self.pipeline} = {model_parallel}: launch "
+                f"a multiple of {model_parallel} ranks or change parallel.tensor/pipeline")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
+
+    @classmethod
+    def from_parallel_config(cls, parallel: Any, *, world_size: int, rank: int = 0) -> "Topology":
+        """From `RunConfig.parallel` (a `ParallelConfig`)."""
+        return cls(tensor=parallel.tensor, pipeline=parallel.pipeline, world_size=world_size,
+                   rank=rank)
+
+    # ---- arithmetic ------------------------------------------------------------------------
+    @property
+    def data(self) -> int:
+        """Data-parallel size: world / (tensor x pipeline)."""
+        return self.world_size // (self.tensor * self.pipeline)
+
+    def rank_of(self, *, tensor: int, data: int, pipeline: int) -> int:
+        return (pipeline * self.data + data) * self.tensor + tensor
+
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        return RankCoords(tensor=rank % self.tensor, data=(rank // self.tensor) % self.data,
+                          pipeline=rank // (self.tensor * self.data))
+
+    @property
+    def my_coords(self) -> RankCoords:
+        return self.coords(self.rank)
+
+    def tensor_groups(self) -> list[list[int]]:
+        """Ranks that share one layer's shards (same data and pipeline index)."""
+        return [[self.rank_of(tensor=t, data=d, pipeline=p) for t in range(self.tensor)]
+                for p in range(self.pipeline) for d in range(self.data)]
+
+    def data_groups(self) -> list[list[int]]:
+        """Replicas of the same shard of the same stage (same tensor and pipeline index)."""
+        return [[self.rank_of(tensor=t, data=d, pipeline=p) for d in range(self.data)]
+                for p in range(self.pipeline) for t in range(self.tensor)]
+
+    def pipeline_groups(self) -> list[list[int]]:
+        """The stages of one pipeline (same tensor and data index)."""
+        return [[self.rank_of(tensor=t, data=d, pipeline=p) for p in range(self.pipeline)]
+                for d in range(self.data) for t in range(self.tensor)]
+
+    def model_groups(self) -> list[list[int]]:
+        """All ranks holding one model replica (TP x PP, same data index), in rank order."""
+        return [sorted(self.rank_of(tensor=t, data=d, pipeline=p)
+                       for p in range(self.pipeline) for t in range(self.tensor))
+                for d in range(self.data)]
+
+    def describe(self) -> str:
+        """The grid as a table: one row per data-parallel index, one column per stage."""
+        cells = [[str([self.rank_of(tensor=t, data=d, pipeline=p) for t in range(self.tensor)])
+                  for p in range(self.pipeline)] for d in range(self.data)]
+        width = max(len(c) for row in cells for c in row + [f"stage {self.pipeline - 1}"]) + 3
+        lines = [f"tensor={self.tensor} x data={self.data} x pipeline={self.pipeline} = "
+                 f"{self.world_size} ranks; each cell is the tensor group of (data index, stage)",
+                 " " * 12 + "".join(f"stage {p}".ljust(width) for p in range(self.pipeline))]
+        for d, row in enumerate(cells):
+            lines.append(f"    dp {d}".ljust(12) + "".join(c.ljust(width) for c in row))
+        return "\n".join(line.rstrip() for line in lines)
+
+    def deepspeed_topology(self):
+        """DeepSpeed's `PipeModelDataParallelTopology` of the same grid (for `PipelineModule`)."""
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        return PipeModelDataParallelTopology(num_pp=self.pipeline, num_mp=self.tensor,
+                                             num_dp=self.data)
+
+    # ---- process groups --------------------------------------------------------------------
+    def create_groups(self) -> "ProcessGroups":
+        """Create every TP, DP, PP and model-parallel group; return this rank's four.
+
+        `torch.distributed.new_group` is collective over the whole world and NCCL needs every
+        rank to create every group in the same order, including groups it is not part of:
+        all ranks therefore run the same loops and keep only their own groups.
+        """
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("create_groups needs torch.distributed: initialise the default "
+                               "process group first (pretrain.dist.init_distributed)")
+        if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+            raise ConfigError(
+                f"topology built for rank {self.rank} of {self.world_size}, but this process is "
+                f"rank {dist.get_rank()} of {dist.get_world_size()}: build the Topology from the "
+                "launcher's RANK and WORLD_SIZE")
+        mine = {}
+        for kind, lists in (("tensor", self.tensor_groups()), ("data", self.data_groups()),
+                            ("pipeline", self.pipeline_groups()), ("model", self.model_groups())):
+            for ranks in lists:
+                group = dist.new_group(ranks=ranks)
+                if self.rank in ranks:
+                    mine[kind] = (group, ranks)
+        return ProcessGroups(topology=self, tensor=mine["tensor"][0], data=mine["data"][0],
+                             pipeline=mine["pipeline"][0], model=mine["model"][0],
+                             data_ranks=tuple(mine["data"][1]))
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's process groups, from `Topology.create_groups()`; `.mpu` for DeepSpeed."""
+
+    topology: Topology
+    tensor: Any  # torch.distributed.ProcessGroup of the tp ranks
+    data: Any
+    pipeline: Any
+    model: Any  # tp x pp ranks of one replica
+    data_ranks: tuple[int, ...]
+
+    @property
+    def mpu(self) -> "DeepSpeedMPU":
+        return DeepSpeedMPU(self)
+
+
+class DeepSpeedMPU:
+    """The model-parallel unit `deepspeed.initialize(..., mpu=)` expects, over our groups.
+
+    DeepSpeed 0.19.8 calls (grep of the installed package for ``mpu.``):
+
+    - `get_data_parallel_{rank,world_size,group,group_ranks}`: ZeRO's partitioning and gradient
+      all-reduce group, the batch-size arithmetic (`train_batch_size = micro x accum x dp`), the
+      data sampler, the broadcast of initial weights;
+    - `get_model_parallel_{rank,world_size,group}` (TP x PP of one replica): the gradient-norm
+      and overflow all-reduces, checkpoint file names (`mp_rank_XX`);
+    - `get_tensor_model_parallel_{rank,world_size,group}` (+ the older `get_slice_parallel_*`
+      spelling, which the universal-checkpoint loader prefers): a gradient is counted in the
+      norm if its parameter is tensor-parallel (`param.tensor_model_parallel`) or this is TP
+      rank 0, so replicated weights (norms) are counted once per replica;
+    - `get_pipeline_model_parallel_*` / `get_pipe_parallel_*`: checkpoint metadata, MoE norms.
+
+    Deliberately absent: `initialize_sequence_parallel` and `get_sequence_parallel_*` /
+    `get_sequence_data_parallel_*`. DeepSpeed's "sequence parallel" is Ulysses (the sequence
+    split over extra data-parallel-like ranks, ZeRO sharding over both); its mere presence
+    (`hasattr`) switches the engine to that mode and disables the model-parallel grad-norm
+    reduction. Megatron sequence parallelism lives inside the TP group and DeepSpeed never
+    needs to know about it.
+    """
+
+    def __init__(self, groups: ProcessGroups) -> None:
+        self._groups = groups
+        self._topo = groups.topology
+        self._coords = groups.topology.my_coords
+
+    def get_global_rank(self) -> int:
+        return self._topo.rank
+
+    # data parallel
+    def get_data_parallel_rank(self) -> int:
+        return self._coords.data
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._topo.data
+
+    def get_data_parallel_group(self):
+        return self._groups.data
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self._groups.data_ranks)
+
+    # model parallel = tensor x pipeline (DeepSpeed's PipelineParallelGrid convention)
+    def get_model_parallel_rank(self) -> int:
+        return self._coords.pipeline * self._topo.tensor + self._coords.tensor
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._topo.tensor * self._topo.pipeline
+
+    def get_model_parallel_group(self):
+        return self._groups.model
+
+    # tensor parallel
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self._coords.tensor
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self._topo.tensor
+
+    def get_tensor_model_parallel_group(self):
+        return self._groups.tensor
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's tensor group."""
+        return self._topo.rank - self._coords.tensor
+
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_group = get_tensor_model_parallel_group
+
+    # pipeline parallel
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self._coords.pipeline
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self._topo.pipeline
+
+    def get_pipeline_model_parallel_group(self):
+        return self._groups.pipeline
+
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+
+    def __repr__(self) -> str:
+        c = self._coords
+        return (f"DeepSpeedMPU(rank={self._topo.rank}, tensor={c.tensor}/{self._topo.tensor}, "
+                f"data={c.data}/{self._topo.data}, pipeline={c.pipeline}/{self._topo.pipeline})")
