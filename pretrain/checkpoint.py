@@ -4,13 +4,17 @@ Layout of a run directory::
 
     <run_dir>/checkpoints/step<N>/...     DeepSpeed engine checkpoint (all ranks write their shards)
     <run_dir>/checkpoints/latest          DeepSpeed's pointer to the newest complete tag
-    <run_dir>/final/model.safetensors     consolidated weights (fp32 copy of the module weights)
+    <run_dir>/final/model.safetensors     consolidated fp32 weights, Hugging Face names and shapes
     <run_dir>/final/config.yaml           the run config the weights belong to
     <run_dir>/final/tokenizer.model       the tokenizer, copied so the directory is self-contained
 
-`final/` holds the module's working weights: with bf16 training these are the bf16 weights
-widened to fp32 (DeepSpeed keeps fp32 master weights inside the optimizer state of the engine
-checkpoint, which is what resuming uses).
+`final/` holds the module's working weights, whatever the layout (ZeRO-3 shards and tensor-parallel
+shards gathered, padded vocabulary rows dropped, a tied lm_head stored once as Hugging Face
+does), so `transformers` can load `model.safetensors` as a `LlamaForCausalLM`. With bf16 training
+these are the bf16 weights widened to fp32 (DeepSpeed keeps the fp32 master weights in the
+optimizer state of the engine checkpoint, which is what resuming uses). Rank 0 holds the whole
+model in CPU memory while writing it: for models that do not fit, set `checkpoint.save_final:
+false` and convert the engine checkpoint instead.
 """
 from __future__ import annotations
 
@@ -59,16 +63,20 @@ def save_final(engine, *, cfg: RunConfig, tokenizer, run_dir: Path, step: int,
     import deepspeed
     from safetensors.torch import save_file
 
+    from pretrain.model import gather_full_state_dict
+    from pretrain.model.hf import to_hf_state_dict
+
     out = run_dir / "final"
     module = engine.module
     params = list(module.parameters())
-    # Under ZeRO-3 each rank holds a shard: gather every parameter for the copy (collective).
+    # Under ZeRO-3 each rank holds a shard: gather every parameter for the copy (collective),
+    # then the tensor-parallel shards (collective over the TP group).
     gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) \
         if hasattr(params[0], "ds_id") else _NullContext()
     with gather:
-        if main:
-            tensors = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+        full = gather_full_state_dict(module)
     if main:
+        tensors = {k: v.float().contiguous() for k, v in to_hf_state_dict(full, cfg.model).items()}
         tmp = run_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -90,7 +98,8 @@ class _NullContext:
 
 
 def load_final(path: str | Path) -> tuple[RunConfig, dict[str, torch.Tensor], Path]:
-    """(run config, state dict, tokenizer path) of a `final/` directory or a run directory."""
+    """(run config, Hugging Face-format state dict, tokenizer path) of a `final/` directory or
+    a run directory; `pretrain.model.hf.from_hf_state_dict` pads it for `LlamaModel`."""
     from safetensors.torch import load_file
 
     path = Path(path)

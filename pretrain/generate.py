@@ -28,11 +28,12 @@ def generate(checkpoint: str, prompt: str, *, max_new_tokens: int, temperature: 
     from pretrain.checkpoint import load_final
     from pretrain.data import Tokenizer
     from pretrain.model import LlamaModel
+    from pretrain.model.hf import from_hf_state_dict
 
     cfg, state, tokenizer_path = load_final(checkpoint)
     tokenizer = Tokenizer.load(tokenizer_path)
     model = LlamaModel(cfg.model)
-    model.load_state_dict(state)
+    model.load_state_dict(from_hf_state_dict(state, cfg.model))
     model.eval()
     ids = tokenizer.encode(prompt)
     prompt_ids = torch.tensor([ids or [tokenizer.bos_id]], dtype=torch.long)

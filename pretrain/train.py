@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> TrainResult:
                                   accelerator=get_accelerator().device_name())
     set_cpu_threads(world)
     init_distributed(world)
+    from pretrain.topology import Topology
     from pretrain.trainer import Trainer
 
-    return Trainer(cfg, world, ds_config).train()
+    groups = Topology.from_parallel_config(cfg.parallel, world_size=world.world_size,
+                                           rank=world.rank).create_groups()
+    return Trainer(cfg, world, ds_config, groups).train()

@@ -31,6 +31,7 @@ from pretrain.dist import World
 from pretrain.ds_config import offload_devices, zero_stage
 from pretrain.errors import ConfigError, DataError
 from pretrain.model import build_model
+from pretrain.topology import ProcessGroups
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
           Precision.FP16: torch.float16}
@@ -68,17 +69,20 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, world: World, ds_config: dict[str, Any]):
-        """`ds_config` is the resolved DeepSpeed config (`pretrain.ds_config.resolve_ds_config`)."""
+    def __init__(self, cfg: RunConfig, world: World, ds_config: dict[str, Any],
+                 groups: ProcessGroups):
+        """`ds_config` is the resolved DeepSpeed config (`pretrain.ds_config.resolve_ds_config`);
+        `groups` this rank's process groups (`pretrain.topology.Topology.create_groups`)."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        self.cfg, self.world, self.ds_config = cfg, world, ds_config
+        self.cfg, self.world, self.ds_config, self.groups = cfg, world, ds_config, groups
         self.main = world.is_main
         self.run_dir = Path(cfg.run_dir)
         self.device = get_accelerator().current_device_name()
         self.dp_size = cfg.data_parallel_size(world.world_size)
-        self.dp_rank = world.rank  # tensor/pipeline groups arrive with the topology issue
+        # Ranks of one tensor-parallel group read the same samples: the data follows the dp index.
+        self.dp_rank = groups.topology.my_coords.data
         self.grad_accum = cfg.grad_accum_steps(world.world_size)
         self.global_batch = cfg.global_batch_size(world.world_size)
         self.tokenizer, self.train_data, self.valid_data = self._load_data()
@@ -89,11 +93,14 @@ class Trainer:
             (self.run_dir / "ds_config.json").write_text(
                 json.dumps(self.ds_config, indent=2))
 
-        model = build_model(cfg.model, seed=cfg.train.seed)
+        tp_group = groups.tensor if cfg.parallel.tensor > 1 else None
+        model = build_model(cfg.model, seed=cfg.train.seed, tp_group=tp_group,
+                            sequence_parallel=cfg.parallel.sequence_parallel)
         t = cfg.train
+        # Without `mpu` DeepSpeed treats every rank as data parallel (wrong losses under TP).
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, t.weight_decay),
-            config=self.ds_config,
+            config=self.ds_config, mpu=groups.mpu,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                 opt, lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
                                              warmup=t.warmup_steps, total=t.steps)))
@@ -185,7 +192,7 @@ class Trainer:
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         value = value.detach().float().to(self.device)
         if self.dp_size > 1:
-            torch_dist.all_reduce(value)
+            torch_dist.all_reduce(value, group=self.groups.data)
             value /= self.dp_size
         return value.item()
 
@@ -201,9 +208,11 @@ class Trainer:
                           labels=batch["labels"].to(self.device, non_blocking=True))
             engine.backward(loss)
             if self._norm_before_step and micro == self.grad_accum - 1:
-                # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads.
-                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-                self._grad_norm = torch.nn.utils.get_total_norm(grads).item()
+                # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads
+                # (max_norm=inf measures without clipping; mpu counts TP shards once each).
+                self._grad_norm = float(clip_grad_norm_(
+                    parameters=engine.module.parameters(), max_norm=float("inf"),
+                    mpu=self.groups.mpu))
             engine.step()
             total += loss.detach().float()
         return self._mean_over_dp(total / self.grad_accum), wait

@@ -70,3 +70,38 @@ def test_nvme_offload_matches_zero3(libaio, tiny_data, tmp_path, zero3_fp32):
     for rank in (0, 1):
         assert (swap / "optimizer" / f"rank{rank}").is_dir(), list(swap.rglob("*"))
         assert list(swap.glob(f"*params/rank{rank}")), list(swap.rglob("*"))
+
+
+def test_activation_checkpointing_under_zero3_gives_the_same_losses(tiny_data, tmp_path, zero3_fp32):
+    run = train(tmp_path, tiny_data, nprocs=2, name="zero3_recompute",
+                overrides=[f"train.steps={STEPS}", "deepspeed=ds_configs/zero3.json",
+                           "model.activation_checkpointing=full"])
+    assert rel_diff(run.losses, zero3_fp32) < 1e-6, (run.losses, zero3_fp32)
+
+
+def test_srun_style_environment_trains_like_torchrun(tiny_data, tmp_path, single_fp32):
+    """Under `srun`, each task only has SLURM_* variables: the world is read from those."""
+    import os
+    import subprocess
+    import sys
+
+    from launch_utils import REPO, Run, free_port
+
+    run_dir = tmp_path / "srun"
+    port = free_port()
+    args = [sys.executable, "-m", "pretrain", "train", "--config", "configs/tiny.yaml",
+            "--set", f"run_dir={run_dir}", "--set", f"data.tokenizer={tiny_data['tokenizer']}",
+            "--set", f"data.dataset={tiny_data['dataset']}", "--set", f"train.steps={STEPS}"]
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=600) for p in procs]
+    run = Run(procs[0].returncode, outs[0][0], outs[0][1] + outs[1][1], run_dir).check()
+    assert procs[1].returncode == 0, outs[1][1][-3000:]
+    assert run.records[0]["launcher"] == "slurm" and run.records[0]["world_size"] == 2
+    assert rel_diff(run.losses, single_fp32) < 1e-5
