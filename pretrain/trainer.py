@@ -60,6 +60,27 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def global_grad_norm(parameters, groups: ProcessGroups, *, device: str) -> float:
+    """L2 norm of the whole model's gradient, each element counted once across the grid.
+
+    Tensor-parallel shards (`tensor_model_parallel`) count on every TP rank; replicated weights
+    (norms) on TP rank 0 only; a pipeline-tied weight (`ds_pipe_replicated`) on its first stage
+    only; then the squares are summed over the model-parallel (TP x PP) group. DeepSpeed's own
+    `clip_grad_norm_` counts replicated weights on model-parallel rank 0 only, which drops the
+    norms of every later pipeline stage.
+    """
+    tp_rank0 = groups.topology.my_coords.tensor == 0
+    total = torch.zeros((), device=device)
+    for p in parameters:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if getattr(p, "tensor_model_parallel", False) or tp_rank0:
+            total += p.grad.detach().float().pow(2).sum().to(device)
+    if groups.topology.tensor * groups.topology.pipeline > 1:
+        torch_dist.all_reduce(total, group=groups.model)
+    return total.sqrt().item()
+
+
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step of this process
@@ -208,11 +229,9 @@ class Trainer:
                           labels=batch["labels"].to(self.device, non_blocking=True))
             engine.backward(loss)
             if self._norm_before_step and micro == self.grad_accum - 1:
-                # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads
-                # (max_norm=inf measures without clipping; mpu counts TP shards once each).
-                self._grad_norm = float(clip_grad_norm_(
-                    parameters=engine.module.parameters(), max_norm=float("inf"),
-                    mpu=self.groups.mpu))
+                # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads.
+                self._grad_norm = global_grad_norm(engine.module.parameters(), self.groups,
+                                                   device=self.device)
             engine.step()
             total += loss.detach().float()
         return self._mean_over_dp(total / self.grad_accum), wait
