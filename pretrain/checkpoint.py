@@ -57,24 +57,23 @@ def load_latest(engine, ckpt_dir: Path) -> dict[str, Any] | None:
     return state
 
 
-def save_final(engine, *, cfg: RunConfig, tokenizer, run_dir: Path, step: int,
+def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step: int,
                main: bool) -> Path:
     """Write `final/` with the consolidated module weights (gathered from ZeRO-3 shards)."""
     import deepspeed
     from safetensors.torch import save_file
 
-    from pretrain.model import gather_full_state_dict
     from pretrain.model.hf import to_hf_state_dict
 
     out = run_dir / "final"
     module = engine.module
     params = list(module.parameters())
     # Under ZeRO-3 each rank holds a shard: gather every parameter for the copy (collective),
-    # then the tensor-parallel shards (collective over the TP group).
+    # then the tensor-parallel shards (collective over the TP group), then the stages.
     gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) \
         if hasattr(params[0], "ds_id") else _NullContext()
     with gather:
-        full = gather_full_state_dict(module)
+        full = _gather_model(module, cfg=cfg, groups=groups)
     if main:
         tensors = {k: v.float().contiguous() for k, v in to_hf_state_dict(full, cfg.model).items()}
         tmp = run_dir / "final.tmp"
@@ -87,6 +86,35 @@ def save_final(engine, *, cfg: RunConfig, tokenizer, run_dir: Path, step: int,
         os.replace(tmp, out)  # readers never see a half-written final/
     torch_dist.barrier()
     return out
+
+
+def _gather_model(module, *, cfg: RunConfig, groups) -> dict[str, torch.Tensor]:
+    """The whole model's weights (Hugging Face names, unpadded) on global rank 0.
+
+    Flat model: gathered over the tensor-parallel group. Pipeline: each stage gathers its
+    tensor-parallel shards, then the first replica's stages send theirs to rank 0.
+    """
+    from deepspeed.pipe import PipelineModule
+
+    from pretrain.model import gather_full_state_dict
+    from pretrain.model.llama import gather_tensor_parallel_state
+    from pretrain.model.pipeline import stage_state_dict
+
+    if not isinstance(module, PipelineModule):
+        return gather_full_state_dict(module)
+    tp_group = groups.tensor if cfg.parallel.tensor > 1 else None
+    stage = gather_tensor_parallel_state(stage_state_dict(module, num_layers=cfg.model.num_layers),
+                                         cfg=cfg.model, tp_group=tp_group)
+    coords = groups.topology.my_coords
+    full: dict[str, torch.Tensor] = {}
+    if coords.tensor == 0 and coords.data == 0:  # rank 0's pipeline: one copy of every stage
+        parts = [None] * cfg.parallel.pipeline if groups.topology.rank == 0 else None
+        torch_dist.gather_object(stage, parts, dst=0, group=groups.pipeline)
+        for part in parts or []:
+            full.update(part)
+    if cfg.model.tie_embeddings and full:
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
+    return full
 
 
 class _NullContext:

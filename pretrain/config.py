@@ -149,11 +149,18 @@ class ParallelConfig:
     tensor: int = 1  # Megatron-style tensor parallel size (inside a node)
     pipeline: int = 1  # DeepSpeed 1F1B pipeline stages (across nodes)
     sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tensor > 1)
+    # how layers are cut into stages: "parameters" (balance parameter counts), "uniform"
+    # (equal numbers of layers), or "type:DecoderLayerPipe" (balance decoder layers only)
+    pipeline_partition: str = "parameters"
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline"):
             if getattr(self, name) < 1:
                 _fail("parallel", name, getattr(self, name), "must be a positive integer")
+        choices = ("parameters", "uniform", "type:DecoderLayerPipe")
+        if self.pipeline_partition not in choices:
+            _fail("parallel", "pipeline_partition", self.pipeline_partition,
+                  f"choose one of {', '.join(choices)}")
 
 
 @dataclass
@@ -293,6 +300,13 @@ class RunConfig:
         if p.pipeline > m.num_layers:
             _fail("parallel", "pipeline", p.pipeline,
                   f"exceeds model.num_layers={m.num_layers}: each stage needs at least one layer")
+        if p.pipeline > 1 and m.activation_checkpointing == Recompute.EVERY_K:
+            _fail("model", "activation_checkpointing", m.activation_checkpointing.value,
+                  "with parallel.pipeline > 1 use none or full (DeepSpeed's pipeline "
+                  "recomputes every decoder layer of a stage)")
+        if p.sequence_parallel and m.seq_length % p.tensor:
+            _fail("model", "seq_length", m.seq_length,
+                  f"must be divisible by parallel.tensor={p.tensor} for sequence parallelism")
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))

@@ -109,3 +109,10 @@ def init_distributed(world: World, *, timeout_minutes: float = 30.0) -> None:
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(),
                                timeout=datetime.timedelta(minutes=timeout_minutes),
                                verbose=False)
+
+
+def close_distributed() -> None:
+    """Wait for every rank, then destroy all process groups (a clean exit on every rank)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -109,6 +109,15 @@ def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
                           "it but does no NVMe I/O); use ds_configs/zero3_offload_nvme.json")
     if param_dev != "none" and stage != 3:
         raise ConfigError(f"{where_file}: offload_param needs ZeRO stage 3, got stage {stage}")
+    if cfg.parallel.pipeline > 1 and cfg.parallel.sequence_parallel:
+        # DeepSpeed's default partitioned p2p assumes every TP rank holds the same activations;
+        # under sequence parallelism each holds its own slice (pretrain.model.pipeline).
+        from pretrain.model.pipeline import check_deepspeed_pipeline_config
+
+        section = ds.setdefault("pipeline", {})
+        section.setdefault("pipe_partitioned", False)
+        section.setdefault("grad_partitioned", False)
+        check_deepspeed_pipeline_config(ds, sequence_parallel=True)
     if "scheduler" in ds:
         raise ConfigError(f"{where_file}: remove the \"scheduler\" block: the schedule is set by "
                           "train.lr, train.min_lr, train.warmup_steps and train.steps")

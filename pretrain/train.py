@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> TrainResult:
     from pretrain.config import load_config
-    from pretrain.dist import discover_world, init_distributed, set_cpu_threads
+    from pretrain.dist import close_distributed, discover_world, init_distributed, set_cpu_threads
     from pretrain.ds_config import resolve_ds_config
 
     overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"] if args.deepspeed_config else [])
@@ -44,4 +44,8 @@ def run(args: argparse.Namespace) -> TrainResult:
 
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world.world_size,
                                            rank=world.rank).create_groups()
-    return Trainer(cfg, world, ds_config, groups).train()
+    result = Trainer(cfg, world, ds_config, groups).train()
+    # Tear the process groups down before the interpreter exits: gloo's worker threads alive
+    # at exit made a rank abort ("terminate called without an active exception", exit -6).
+    close_distributed()
+    return result

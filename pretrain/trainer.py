@@ -25,7 +25,7 @@ import yaml
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
 from pretrain import checkpoint, telemetry
-from pretrain.config import Precision, RunConfig
+from pretrain.config import Precision, Recompute, RunConfig
 from pretrain.data import DistributedPackedSampler, IndexedDataset, PackedSamples, Tokenizer
 from pretrain.dist import World
 from pretrain.ds_config import offload_devices, zero_stage
@@ -81,6 +81,22 @@ def global_grad_norm(parameters, groups: ProcessGroups, *, device: str) -> float
     return total.sqrt().item()
 
 
+class _TimedBatches:
+    """(input_ids, labels) tuples for DeepSpeed's pipeline engine, timing the waits for data."""
+
+    def __init__(self, batches: Iterator[dict[str, torch.Tensor]]):
+        self.batches, self.wait = batches, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        batch = next(self.batches)
+        self.wait += time.perf_counter() - start
+        return batch["input_ids"], batch["labels"]
+
+
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step of this process
@@ -114,19 +130,32 @@ class Trainer:
             (self.run_dir / "ds_config.json").write_text(
                 json.dumps(self.ds_config, indent=2))
 
-        tp_group = groups.tensor if cfg.parallel.tensor > 1 else None
-        model = build_model(cfg.model, seed=cfg.train.seed, tp_group=tp_group,
-                            sequence_parallel=cfg.parallel.sequence_parallel)
-        t = cfg.train
-        # Without `mpu` DeepSpeed treats every rank as data parallel (wrong losses under TP).
+        t, p = cfg.train, cfg.parallel
+        tp_group = groups.tensor if p.tensor > 1 else None
+        self.pipelined = p.pipeline > 1
+        if self.pipelined:
+            from pretrain.model.pipeline import build_pipeline_model
+
+            model = build_pipeline_model(
+                cfg.model, seed=t.seed, num_stages=p.pipeline, topology=groups.topology,
+                tp_group=tp_group, sequence_parallel=p.sequence_parallel,
+                partition_method=p.pipeline_partition,
+                activation_checkpoint_interval=int(
+                    cfg.model.activation_checkpointing == Recompute.FULL))
+            mpu = None  # a PipelineModule brings its own grid (DeepSpeed asserts mpu is None)
+        else:
+            model = build_model(cfg.model, seed=t.seed, tp_group=tp_group,
+                                sequence_parallel=p.sequence_parallel)
+            mpu = groups.mpu  # without it DeepSpeed treats every rank as data parallel
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, t.weight_decay),
-            config=self.ds_config, mpu=groups.mpu,
+            config=self.ds_config, mpu=mpu,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                 opt, lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
                                              warmup=t.warmup_steps, total=t.steps)))
         self.step, self.consumed_samples = 0, 0
-        self._norm_before_step = zero_stage(ds_config) == 0
+        # The pipeline engine steps inside train_batch: at ZeRO-0 it reports no norm (null).
+        self._norm_before_step = zero_stage(ds_config) == 0 and not self.pipelined
         self._grad_norm: float | None = None
         self._resume()
         self.flops_per_token = cfg.model.flops_per_token()
@@ -219,6 +248,10 @@ class Trainer:
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over `grad_accum` micro-batches; returns (mean loss, data wait)."""
+        if self.pipelined:  # DeepSpeed's 1F1B schedule pulls the micro-batches itself
+            timed = _TimedBatches(batches)
+            loss = self.engine.train_batch(data_iter=timed)
+            return self._mean_over_dp(loss), timed.wait
         engine, total, wait = self.engine, torch.zeros((), device=self.device), 0.0
         self._grad_norm = None
         for micro in range(self.grad_accum):
@@ -243,6 +276,10 @@ class Trainer:
         batches = self._loader(self.valid_data, consumed=0, workers=0)
         n = min(self.cfg.train.eval_batches,
                 max(1, len(self.valid_data) // (self.cfg.train.micro_batch_size * self.dp_size)))
+        if self.pipelined:  # the inference schedule; the loss comes back on every stage
+            loss = self.engine.eval_batch(_TimedBatches(batches), num_micro_batches=n)
+            self.engine.train()
+            return self._mean_over_dp(loss)
         total = torch.zeros((), device=self.device)
         for _ in range(n):
             batch = next(batches)
@@ -287,7 +324,8 @@ class Trainer:
         if cfg.checkpoint.save_final:
             self.save()
             result.final_dir = checkpoint.save_final(
-                self.engine, cfg=cfg, tokenizer=self.tokenizer, run_dir=self.run_dir,
+                self.engine, cfg=cfg, groups=self.groups, tokenizer=self.tokenizer,
+                run_dir=self.run_dir,
                 step=self.step, main=self.main)
             telemetry.log(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
         self.metrics.close()

@@ -86,6 +86,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) 
     return F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
 
 
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
+            tp_group=None) -> torch.Tensor:
+    """The training loss of both model forms (`LlamaModel`, the pipeline's last stage): the
+    plain cross entropy on whole logits, or the vocab-parallel one on this rank's shard."""
+    if tp_world_size(tp_group) == 1:
+        return causal_lm_loss(logits, labels, vocab_size)
+    return vocab_parallel_cross_entropy(logits, labels, vocab_size=vocab_size, tp_group=tp_group)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings."""
 
@@ -244,10 +253,7 @@ class LlamaModel(nn.Module):
         logits = self.vocab_logits(self.hidden_states(input_ids))  # (B, T, V_padded/tp)
         if labels is None:  # evaluation / generation: gather the vocabulary shards
             return gather_from_tp(logits, self.tp_group)[..., :self.cfg.vocab_size]  # (B, T, V)
-        if self.tensor_parallel == 1:
-            return causal_lm_loss(logits, labels, self.cfg.vocab_size)
-        return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.cfg.vocab_size,
-                                            tp_group=self.tp_group)
+        return lm_loss(logits, labels, vocab_size=self.cfg.vocab_size, tp_group=self.tp_group)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
@@ -430,20 +436,34 @@ def gather_full_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     it into a Hugging Face checkpoint. Parameters must be whole on each rank: under ZeRO-3 call
     it inside `deepspeed.zero.GatheredParameters`.
     """
+    cfg = model.cfg
+    state = model.state_dict()
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    full = gather_tensor_parallel_state(state, cfg=cfg, tp_group=model.tp_group)
+    if cfg.tie_embeddings:
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
+    return full
+
+
+@torch.no_grad()
+def gather_tensor_parallel_state(state: dict[str, torch.Tensor], *, cfg: ModelConfig,
+                                 tp_group=None) -> dict[str, torch.Tensor]:
+    """Whole CPU tensors, `vocab_size` rows, from a {Hugging Face name: local shard} dict.
+
+    Collective over `tp_group`; used for the flat model and for each pipeline stage's
+    `pipeline.stage_state_dict`.
+    """
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())  # NCCL gathers device tensors
-    cfg, tied = model.cfg, model.cfg.tie_embeddings
+    tensor_parallel = tp_world_size(tp_group)
     full: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
+    for name, tensor in state.items():
         dim = tensor_partition_dim(name)
-        if dim is not None and model.tensor_parallel > 1:
-            tensor = all_gather_along(tensor.to(device), model.tp_group, dim)
+        if dim is not None and tensor_parallel > 1:
+            tensor = all_gather_along(tensor.to(device), tp_group, dim)
         if name in _VOCAB_MATRIX:
             tensor = tensor[:cfg.vocab_size]
         full[name] = tensor.detach().cpu().clone()
-    if tied:
-        full["lm_head.weight"] = full["model.embed_tokens.weight"]
     return full

@@ -38,13 +38,16 @@
   consecutive specs in backward, but only groups made entirely of decoder layers
   (`checkpointable_layers=["DecoderLayerPipe"]`): the embedding's integer input and the head
   never go through the checkpoint function. The function defaults to the flat model's
-  (`llama.torch_checkpoint`, non-reentrant) so both recompute the same way. Note the meaning
-  differs from `cfg.activation_checkpointing=every_k` of the flat model (every k-th layer).
+  (`llama.torch_checkpoint`, non-reentrant) so both recompute the same way;
+  `deepspeed.checkpointing.checkpoint` also works on CPU and gives the same losses. Note the
+  meaning differs from `cfg.activation_checkpointing=every_k` of the flat model (every k-th
+  layer).
 
-DeepSpeed on CPU (0.19.8, gloo; checked by tests/test_pipeline.py): the p2p layer uses plain
-`dist.send`/`dist.recv`, which gloo implements, and 1F1B training, evaluation, tied-gradient
-all-reduce and ZeRO-1 across data-parallel replicas run unchanged; no workaround is needed.
-Quirks a caller must know:
+DeepSpeed on CPU (0.19.8, torch 2.13, gloo; checked by tests/test_pipeline.py): the p2p layer
+uses plain `dist.send`/`dist.recv`, which gloo implements, and 1F1B training, evaluation, the
+tied-gradient all-reduce, ZeRO-1 across data-parallel replicas and tensor x pipeline
+parallelism run unchanged: no CPU-specific workaround is needed. Quirks a caller must know
+(none specific to CPU):
 
 - `deepspeed.initialize(model=pipeline_module)` must get no `mpu`: the module's own grid
   (built from `topology`) is the mpu (DeepSpeed asserts `mpu is None`).
@@ -54,7 +57,16 @@ Quirks a caller must know:
   groups are precomputed (the engine does it); `build_pipeline_model` calls
   `set_checkpoint_interval`, so the module also works before `deepspeed.initialize`.
 - A one-tensor tuple reaches a layer as a bare tensor when it crosses DeepSpeed's checkpoint
-  function; `StageActivations.from_tuple` accepts both.
+  function or its tensor-parallel activation partitioning; `StageActivations.from_tuple`
+  accepts both.
+- Tensor x pipeline parallelism with sequence parallelism needs `"pipeline":
+  {"pipe_partitioned": false, "grad_partitioned": false}` in the DeepSpeed config, or the
+  losses are silently wrong (`check_deepspeed_pipeline_config` says so before start-up).
+- The DeepSpeed config's `pipeline.activation_checkpoint_interval` (if > 0) overrides the
+  module's, and `pipeline.use_reentrant: false` replaces the checkpoint function by DeepSpeed's.
+- `PipelineModule`'s constructor broadcasts tied weights in place with grad mode on, which
+  makes autograd warn in every backward (c10d::broadcast_ has no autograd kernel);
+  `build_pipeline_model` constructs it under `torch.no_grad()`.
 - The "parameters" partitioning builds every layer once on every rank to count parameters.
 """
 from __future__ import annotations
@@ -64,6 +76,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -71,10 +84,10 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, column_linear, vocab_embedding
-from pretrain.model.llama import (DecoderLayer, causal_lm_loss, check_tensor_parallel,
-                                  full_parameter_init, shard_of, torch_checkpoint)
+from pretrain.model.llama import (DecoderLayer, check_tensor_parallel, full_parameter_init,
+                                  lm_loss, shard_of, torch_checkpoint)
 from pretrain.model.tensor_parallel import (column_parallel_input, gather_from_tp, tp_rank,
-                                            tp_world_size, vocab_parallel_cross_entropy)
+                                            tp_world_size)
 
 TIED_EMBEDDING_KEY = "embed"
 PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
@@ -95,7 +108,8 @@ class StageActivations:
     @classmethod
     def from_tuple(cls, values: torch.Tensor | tuple[torch.Tensor, ...]) -> "StageActivations":
         """Inverse of `to_tuple`; a bare tensor stands for a one-field tuple (DeepSpeed unwraps
-        one-element tuples when it calls a checkpointed group of layers)."""
+        one-element tuples when it calls a checkpointed group of layers, and when it
+        reassembles activations partitioned over tensor-parallel ranks)."""
         if isinstance(values, torch.Tensor):
             values = (values,)
         names = [f.name for f in dataclasses.fields(cls)]
@@ -186,20 +200,13 @@ class LMHeadPipe(nn.Module):
 
 
 class PipelineLoss:
-    """`loss_fn(logits, labels)` of the last stage: the loss `LlamaModel.forward` computes.
-
-    Padded vocabulary columns are cut inside `causal_lm_loss`; under tensor parallelism the
-    vocab-parallel cross entropy works on the logits' shards without gathering them.
-    """
+    """`loss_fn(logits, labels)` of the last stage: `llama.lm_loss`, as in `LlamaModel.forward`."""
 
     def __init__(self, *, vocab_size: int, tp_group=None) -> None:
         self.vocab_size, self.tp_group = vocab_size, tp_group
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if tp_world_size(self.tp_group) == 1:
-            return causal_lm_loss(logits, labels, self.vocab_size)
-        return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size,
-                                            tp_group=self.tp_group)
+        return lm_loss(logits, labels, vocab_size=self.vocab_size, tp_group=self.tp_group)
 
 
 # ---- the model definition ------------------------------------------------------------------------
@@ -238,8 +245,8 @@ def _check_pipeline_args(cfg: ModelConfig, *, num_stages: int, partition_method:
         raise ConfigError(f"pipeline stages={num_stages!r}: must be a positive integer")
     if num_stages > cfg.num_layers:
         raise ConfigError(f"{num_stages} pipeline stages for model.num_layers={cfg.num_layers}: "
-                          f"every stage needs at least one decoder layer; set parallel.pipeline "
-                          f"<= {cfg.num_layers}")
+                          f"more stages than decoder layers leaves stages idle; set "
+                          f"parallel.pipeline <= {cfg.num_layers}")
     if partition_method not in PARTITION_METHODS:
         raise ConfigError(f"partition_method={partition_method!r}: choose one of "
                           f"{', '.join(PARTITION_METHODS)}")
@@ -251,8 +258,6 @@ def _check_pipeline_args(cfg: ModelConfig, *, num_stages: int, partition_method:
 def _deepspeed_topology(topology, *, num_stages: int, tp_group):
     """DeepSpeed's ProcessTopology for `topology` (ours or DeepSpeed's), checked against the
     stage count and the tensor-parallel group; None lets DeepSpeed make pipe x data."""
-    import torch.distributed as dist
-
     tensor_parallel = tp_world_size(tp_group)
     if topology is None:
         if tensor_parallel > 1:
@@ -274,6 +279,9 @@ def _deepspeed_topology(topology, *, num_stages: int, tp_group):
     if model != tensor_parallel:
         raise ConfigError(f"the topology has tensor size {model} but the tensor-parallel group "
                           f"has {tensor_parallel} ranks: pass the group of the same Topology")
+    if topology.world_size() != dist.get_world_size():
+        raise ConfigError(f"the topology has {topology.world_size()} ranks but the world has "
+                          f"{dist.get_world_size()}: build it from the launcher's WORLD_SIZE")
     return topology
 
 
@@ -291,8 +299,6 @@ def build_pipeline_model(cfg: ModelConfig, *, seed: int, num_stages: int, topolo
     out pipe x data. Pass the result to `deepspeed.initialize(model=..., config=...)` without
     `mpu` and train with `engine.train_batch(iter_of((input_ids, labels)))`.
     """
-    import torch.distributed as dist
-
     _check_pipeline_args(cfg, num_stages=num_stages, partition_method=partition_method,
                          activation_checkpoint_interval=activation_checkpoint_interval)
     if not dist.is_initialized():
@@ -301,18 +307,43 @@ def build_pipeline_model(cfg: ModelConfig, *, seed: int, num_stages: int, topolo
                            "build_flat_pipeline")
     ds_topology = _deepspeed_topology(topology, num_stages=num_stages, tp_group=tp_group)
     specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    module = PipelineModule(
-        layers=specs, num_stages=None if ds_topology else num_stages, topology=ds_topology,
-        loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
-        seed_layers=False, partition_method=partition_method,
-        activation_checkpoint_interval=activation_checkpoint_interval,
-        activation_checkpoint_func=activation_checkpoint_func,
-        checkpointable_layers=[DecoderLayerPipe.__name__])
+    # no_grad: the constructor broadcasts tied weights in place; with grad mode on, autograd
+    # records that c10d::broadcast_ (which has no autograd kernel) and warns in every backward
+    with torch.no_grad():
+        module = PipelineModule(
+            layers=specs, num_stages=None if ds_topology else num_stages, topology=ds_topology,
+            loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
+            seed_layers=False, partition_method=partition_method,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+            activation_checkpoint_func=activation_checkpoint_func,
+            checkpointable_layers=[DecoderLayerPipe.__name__])
     # forward() only runs layers whose checkpoint groups were precomputed (the engine does it
     # too): do it now so the module is usable on its own
     module.set_checkpoint_interval(activation_checkpoint_interval)
     init_pipeline_weights(module, cfg, seed=seed, tp_group=tp_group)
     return module
+
+
+def check_deepspeed_pipeline_config(ds_config: dict, *, sequence_parallel: bool) -> None:
+    """Refuse DeepSpeed "pipeline" settings that silently break this model; call it on the
+    resolved DeepSpeed config before `deepspeed.initialize`.
+
+    With tensor parallelism DeepSpeed sends each TP rank's 1/tp part of the stage output and
+    all-gathers it on the next stage (`pipe_partitioned`, and `grad_partitioned` for the
+    gradients; both on by default), which assumes every TP rank holds the same activations.
+    Under sequence parallelism each holds a different T/tp slice of the sequence, and the
+    gathered tensor mixes them: measured at tp=2 x pp=2, the first loss is off by 7e-4 and no
+    error is raised. Both must be false then (each rank sends its own slice whole).
+    """
+    section = ds_config.get("pipeline", {})
+    if sequence_parallel:
+        on = [key for key in ("pipe_partitioned", "grad_partitioned") if section.get(key, True)]
+        if on:
+            raise ConfigError(
+                f"DeepSpeed pipeline {' and '.join(on)} (default true) with sequence "
+                "parallelism mixes the tensor-parallel ranks' sequence slices between stages: "
+                'set "pipeline": {"pipe_partitioned": false, "grad_partitioned": false} in '
+                "the DeepSpeed config")
 
 
 # ---- one process: the same specs in sequence --------------------------------------------------
@@ -452,5 +483,6 @@ def init_pipeline_weights(module: nn.Module, cfg: ModelConfig, *, seed: int,
 
 __all__ = ["DecoderLayerPipe", "EmbeddingPipe", "FinalNormPipe", "LMHeadPipe", "PipelineLoss",
            "SequentialPipeline", "StageActivations", "build_flat_pipeline",
-           "build_pipeline_model", "canonical_name", "flatten", "init_pipeline_weights",
-           "pipeline_layer_specs", "pipeline_to_canonical_name", "stage_state_dict"]
+           "build_pipeline_model", "canonical_name", "check_deepspeed_pipeline_config", "flatten",
+           "init_pipeline_weights", "pipeline_layer_specs", "pipeline_to_canonical_name",
+           "stage_state_dict"]
