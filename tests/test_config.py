@@ -144,3 +144,35 @@ def test_warmup_cosine_schedule():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
     assert math.isclose(warmup_cosine(5, lr=1.0, min_lr=0.0, warmup=0, total=10),
                         0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.tensor=3"], 6, "parallel.tensor=3: must divide model.num_heads=4"),
+    (["parallel.tensor=4", "model.num_kv_heads=2"], 4, "parallel.tensor=4: must divide model.num_kv_heads=2"),
+    (["parallel.pipeline=3"], 3, "parallel.pipeline=3: exceeds model.num_layers=2"),
+    (["parallel.tensor=2", "parallel.pipeline=2"], 6, "world size 6 is not divisible by parallel.tensor x parallel.pipeline = 2 x 2 = 4"),
+    (["parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel=True: needs parallel.tensor > 1"),
+    (["parallel.pipeline=2", "model.activation_checkpointing=every_k"], 2, "use none or full"),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true", "model.seq_length=63"], 2,
+     "model.seq_length=63: must be divisible by parallel.tensor=2"),
+])
+def test_forbidden_layouts_are_refused_before_launch(overrides, world, message):
+    """What `pretrain train` checks before any process group exists (RunConfig.validate_for_world)."""
+    cfg = load_config(None, ["model.preset=tiny", *overrides])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate_for_world(world)
+    assert message in str(info.value)
+
+
+def test_pipeline_with_sequence_parallel_gets_unpartitioned_p2p(tmp_path):
+    ds = _resolve(tmp_path, json.load(open("ds_configs/zero1.json")),
+                  ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
+                   "train.global_batch_size=2", "train.micro_batch_size=2"], world=4)
+    assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    explicit = json.load(open("ds_configs/zero1.json"))
+    explicit["pipeline"] = {"pipe_partitioned": True}
+    with pytest.raises(ConfigError, match="pipe_partitioned"):
+        _resolve(tmp_path, explicit, ["parallel.tensor=2", "parallel.pipeline=2",
+                                      "parallel.sequence_parallel=true",
+                                      "train.global_batch_size=2", "train.micro_batch_size=2"],
+                 world=4)
