@@ -208,7 +208,7 @@ class TrainConfig:
     precision: Precision = Precision.BF16
     seed: int = 1234  # model init and dropout
     eval_interval: int = 100  # steps between validation passes; 0 disables
-    eval_batches: int = 10  # micro-batches per validation pass
+    eval_batches: int = 10  # global batches per validation pass (capped by the validation set)
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "eval_batches"):

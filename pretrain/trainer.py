@@ -278,8 +278,10 @@ class Trainer:
         assert self.valid_data is not None
         self.engine.eval()
         batches = self._loader(self.valid_data, consumed=0, workers=0)
+        # `eval_batches` global batches, read in the training order: the same samples whatever
+        # the layout, since the global batch is (each rank: accum micro-batches per batch).
         n = min(self.cfg.train.eval_batches,
-                max(1, len(self.valid_data) // (self.cfg.train.micro_batch_size * self.dp_size)))
+                max(1, len(self.valid_data) // self.global_batch)) * self.grad_accum
         if self.pipelined:  # the inference schedule; the loss comes back on every stage
             loss = self.engine.eval_batch(_TimedBatches(batches), num_micro_batches=n)
             self.engine.train()

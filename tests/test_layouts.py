@@ -12,12 +12,19 @@ import torch
 from launch_utils import rel_diff, train
 
 STEPS = 10
+EVAL = ["train.eval_interval=5", "train.eval_batches=2"]  # validation at steps 5 and 10
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_data, tmp_path_factory):
     return train(tmp_path_factory.mktemp("ref"), tiny_data, name="single",
-                 overrides=[f"train.steps={STEPS}"])
+                 overrides=[f"train.steps={STEPS}", *EVAL])
+
+
+def _eval_losses(run) -> list[float]:
+    losses = [r["loss"] for r in run.records if r["kind"] == "eval"]
+    assert len(losses) == 2, run.records
+    return losses
 
 
 def _grad_norms(run) -> list[float]:
@@ -28,7 +35,7 @@ def _layout(tmp_path, tiny_data, *, tp, pp, dp, zero, extra=(), launcher=None, n
     return train(tmp_path, tiny_data, nprocs=tp * pp * dp, launcher=launcher, name=name,
                  overrides=[f"train.steps={STEPS}", f"parallel.tensor={tp}",
                             f"parallel.pipeline={pp}", f"deepspeed=ds_configs/zero{zero}.json",
-                            *extra])
+                            *EVAL, *extra])
 
 
 @pytest.mark.parametrize("tp, pp, dp, zero", [
@@ -48,6 +55,8 @@ def test_layout_matches_single_process(tp, pp, dp, zero, tiny_data, tmp_path, re
     assert rel_diff(run.losses, reference.losses) < 1e-4, (run.losses, reference.losses)
     # the global gradient norm counts every shard once (DeepSpeed's mpu / our ZeRO-0 norm)
     assert rel_diff(_grad_norms(run), _grad_norms(reference)) < 1e-4
+    # validation (the pipeline engine's inference schedule when pp > 1) sees the same loss
+    assert rel_diff(_eval_losses(run), _eval_losses(reference)) < 1e-4
 
 
 def test_sequence_parallel_matches_single_process(tiny_data, tmp_path, reference):
