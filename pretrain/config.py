@@ -239,16 +239,18 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 1  # steps between step lines (metrics.jsonl gets every step)
     tensorboard: bool = True  # event files under <run_dir>/tensorboard
-    wandb_project: str = ""  # empty: wandb in offline mode under <run_dir>/wandb
-    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = ""  # wandb project; with WANDB_API_KEY set, "auto" mode goes online
+    wandb_mode: str = "auto"  # auto (online with a project and a key, else offline) | offline |
+    # online | disabled; offline runs are kept under <run_dir>/wandb for `wandb sync`
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: taken from the accelerator's table
     progress_bar: bool = True
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             _fail("logging", "log_interval", self.log_interval, "must be >= 1")
-        if self.wandb_mode not in ("offline", "online", "disabled"):
-            _fail("logging", "wandb_mode", self.wandb_mode, "use offline, online or disabled")
+        if self.wandb_mode not in ("auto", "offline", "online", "disabled"):
+            _fail("logging", "wandb_mode", self.wandb_mode,
+                  "use auto, offline, online or disabled")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -91,6 +92,13 @@ def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def resolve_wandb_mode(mode: str, *, project: str, env) -> str:
+    """"auto": online when the user named a project and wandb has a key, else offline."""
+    if mode != "auto":
+        return mode
+    return "online" if project and env.get("WANDB_API_KEY") else "offline"
+
+
 class MetricsSink:
     """Writes records to metrics.jsonl, tensorboard and wandb (rank 0 only; no-op elsewhere)."""
 
@@ -106,6 +114,7 @@ class MetricsSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        wandb_mode = resolve_wandb_mode(wandb_mode, project=wandb_project, env=os.environ)
         if wandb_mode != "disabled":
             import wandb
 

@@ -176,3 +176,15 @@ def test_pipeline_with_sequence_parallel_gets_unpartitioned_p2p(tmp_path):
                                       "parallel.sequence_parallel=true",
                                       "train.global_batch_size=2", "train.micro_batch_size=2"],
                  world=4)
+
+
+def test_wandb_goes_online_only_with_a_project_and_a_key():
+    from pretrain.telemetry import resolve_wandb_mode
+
+    assert load_config(None).logging.wandb_mode == "auto"
+    assert resolve_wandb_mode("auto", project="", env={"WANDB_API_KEY": "k"}) == "offline"
+    assert resolve_wandb_mode("auto", project="llama", env={}) == "offline"
+    assert resolve_wandb_mode("auto", project="llama", env={"WANDB_API_KEY": "k"}) == "online"
+    assert resolve_wandb_mode("disabled", project="llama", env={"WANDB_API_KEY": "k"}) == "disabled"
+    with pytest.raises(ConfigError, match="logging.wandb_mode='cloud'"):
+        load_config(None, ["logging.wandb_mode=cloud"])
