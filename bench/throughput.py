@@ -16,14 +16,19 @@ rounds by more than the difference being measured. Target: ratio >= 1.0.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import machine, median, run_pretrain_train, stdlib_dataset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from common import machine, median, stdlib_dataset  # noqa: E402
+from launch_utils import run_pretrain  # noqa: E402
 
 
 def hf_tokens_per_s(cfg, *, micro_batch: int, steps: int, warmup: int, lr: float) -> float:
@@ -73,7 +78,13 @@ def main() -> None:
     ours, theirs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            records = run_pretrain_train(overrides, run_dir=Path(tmp) / f"run{r}")
+            run_dir = Path(tmp) / f"run{r}"
+            args_ = ["train"] + [a for o in overrides for a in ("--set", o)] + \
+                ["--set", f"run_dir={run_dir}"]
+            # all cores, as the baseline has (the test helper defaults to one thread per rank)
+            run = run_pretrain(args_, run_dir=run_dir,
+                               env={"OMP_NUM_THREADS": str(os.cpu_count())}).check()
+            records = [x for x in run.records if x["kind"] == "train"]
             ours.append(median([x["tokens_per_s"] for x in records[args.warmup:]]))
             theirs.append(hf_tokens_per_s(cfg, micro_batch=args.micro_batch, steps=args.steps,
                                           warmup=args.warmup, lr=3e-4))

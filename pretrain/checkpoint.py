@@ -18,6 +18,7 @@ false` and convert the engine checkpoint instead.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -25,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
-import yaml
 
 from pretrain.config import RunConfig, load_config
 from pretrain.errors import CheckpointError
@@ -71,7 +71,7 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
     # Under ZeRO-3 each rank holds a shard: gather every parameter for the copy (collective),
     # then the tensor-parallel shards (collective over the TP group), then the stages.
     gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) \
-        if hasattr(params[0], "ds_id") else _NullContext()
+        if hasattr(params[0], "ds_id") else contextlib.nullcontext()
     with gather:
         full = _gather_model(module, cfg=cfg, groups=groups)
     if main:
@@ -80,7 +80,7 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / FINAL_WEIGHTS), metadata={"step": str(step)})
-        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        cfg.save(tmp / "config.yaml")
         shutil.copyfile(tokenizer.path, tmp / "tokenizer.model")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)  # readers never see a half-written final/
@@ -115,14 +115,6 @@ def _gather_model(module, *, cfg: RunConfig, groups) -> dict[str, torch.Tensor]:
     if cfg.model.tie_embeddings and full:
         full["lm_head.weight"] = full["model.embed_tokens.weight"]
     return full
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def load_final(path: str | Path) -> tuple[RunConfig, dict[str, torch.Tensor], Path]:

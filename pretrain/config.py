@@ -313,6 +313,10 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
 
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML that `load_config` reads back."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
 
 # ---- loading ----------------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ class World:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -63,7 +64,7 @@ def discover_world() -> World:
         launcher = "single"
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(_free_port()))
+        env.setdefault("MASTER_PORT", str(free_port()))
     env.setdefault("LOCAL_RANK", "0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     local_world = int(env.get("LOCAL_WORLD_SIZE", "0")) or _guess_local_world(int(env["WORLD_SIZE"]))

@@ -18,7 +18,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as torch_dist
-import yaml
 
 # DeepSpeed 0.19.8's ZeRO-2 calls a torch.distributed function that torch 2.13 deprecates, once
 # per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
@@ -82,7 +81,8 @@ def global_grad_norm(parameters, groups: ProcessGroups, *, device: str) -> float
 
 
 class _TimedBatches:
-    """(input_ids, labels) tuples for DeepSpeed's pipeline engine, timing the waits for data."""
+    """(input_ids, labels) pairs from a loader's batches (the tuple DeepSpeed's pipeline engine
+    takes), adding up the time spent waiting for them in `wait`."""
 
     def __init__(self, batches: Iterator[dict[str, torch.Tensor]]):
         self.batches, self.wait = batches, 0.0
@@ -126,7 +126,7 @@ class Trainer:
 
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            cfg.save(self.run_dir / "config.yaml")
             (self.run_dir / "ds_config.json").write_text(
                 json.dumps(self.ds_config, indent=2))
 
@@ -252,18 +252,16 @@ class Trainer:
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over `grad_accum` micro-batches; returns (mean loss, data wait)."""
+        timed = _TimedBatches(batches)
         if self.pipelined:  # DeepSpeed's 1F1B schedule pulls the micro-batches itself
-            timed = _TimedBatches(batches)
             loss = self.engine.train_batch(data_iter=timed)
             return self._mean_over_dp(loss), timed.wait
-        engine, total, wait = self.engine, torch.zeros((), device=self.device), 0.0
+        engine, total = self.engine, torch.zeros((), device=self.device)
         self._grad_norm = None
         for micro in range(self.grad_accum):
-            t0 = time.perf_counter()
-            batch = next(batches)
-            wait += time.perf_counter() - t0
-            loss = engine(batch["input_ids"].to(self.device, non_blocking=True),
-                          labels=batch["labels"].to(self.device, non_blocking=True))
+            input_ids, labels = next(timed)
+            loss = engine(input_ids.to(self.device, non_blocking=True),
+                          labels=labels.to(self.device, non_blocking=True))
             engine.backward(loss)
             if self._norm_before_step and micro == self.grad_accum - 1:
                 # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads.
@@ -271,7 +269,7 @@ class Trainer:
                                                    device=self.device)
             engine.step()
             total += loss.detach().float()
-        return self._mean_over_dp(total / self.grad_accum), wait
+        return self._mean_over_dp(total / self.grad_accum), timed.wait
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -282,15 +280,15 @@ class Trainer:
         # the layout, since the global batch is (each rank: accum micro-batches per batch).
         n = min(self.cfg.train.eval_batches,
                 max(1, len(self.valid_data) // self.global_batch)) * self.grad_accum
+        pairs = _TimedBatches(batches)
         if self.pipelined:  # the inference schedule; the loss comes back on every stage
-            loss = self.engine.eval_batch(_TimedBatches(batches), num_micro_batches=n)
+            loss = self.engine.eval_batch(pairs, num_micro_batches=n)
             self.engine.train()
             return self._mean_over_dp(loss)
         total = torch.zeros((), device=self.device)
         for _ in range(n):
-            batch = next(batches)
-            total += self.engine(batch["input_ids"].to(self.device),
-                                 labels=batch["labels"].to(self.device)).float()
+            input_ids, labels = next(pairs)
+            total += self.engine(input_ids.to(self.device), labels=labels.to(self.device)).float()
         self.engine.train()
         return self._mean_over_dp(total / n)
 

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from pretrain.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -34,12 +35,6 @@ class Run:
         return self
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launcher_prefix(launcher: str, nprocs: int) -> list[str]:
     port = str(free_port())
     if launcher == "single":
@@ -57,7 +52,11 @@ def launcher_prefix(launcher: str, nprocs: int) -> list[str]:
 def run_pretrain(args: list[str], *, run_dir: Path, launcher: str = "single", nprocs: int = 1,
                  timeout: float = 900, env: dict[str, str] | None = None) -> Run:
     """`pretrain <args>` under a launcher; each rank gets one thread (2-core CI machines)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+                "TORCH_EXTENSIONS_DIR": os.environ.get(
+                    "TORCH_EXTENSIONS_DIR", str(REPO / ".build" / "torch_extensions")),
+                **(env or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(var, None)
     proc = subprocess.run(launcher_prefix(launcher, nprocs) + args, cwd=REPO, env=full_env,
