@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-EXIT_USER_ERROR = 2
+from pretrain.errors import EXIT_USER_ERROR
 
 
 def _quiet_imports() -> None:
