@@ -8,6 +8,7 @@ boundary marker that packed training samples rely on.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pretrain.data.corpus import ReadStats, iter_documents
+from pretrain.data.corpus import DEFAULT_TEXT_FIELD, ReadStats, iter_documents
 from pretrain.data.indexed import IndexedDatasetWriter, best_dtype
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.errors import DataError
@@ -27,17 +28,20 @@ from pretrain.errors import DataError
 _CHUNK_CHARACTERS = 1 << 20  # ~1 MB of text per task: large enough to amortise the pickling
 _CHUNK_DOCUMENTS = 512  # ... and bounded in count for corpora of many short documents
 _TASKS_PER_WORKER = 2  # chunks in flight per worker: keeps workers busy, bounds memory
+_ROW_SUFFIXES = (".jsonl", ".parquet")  # files holding many documents
 
 Chunk = list[str]
 Encoded = list[np.ndarray]
 
 
 def preprocess(paths: Sequence[Path], *, tokenizer_path: str | Path, output_prefix: str | Path,
-               workers: int = 1, append_eod: bool = True, show_progress: bool = True) -> dict:
-    """Tokenize the documents of `paths` into ``output_prefix.bin/.idx``.
+               workers: int = 1, text_field: str = DEFAULT_TEXT_FIELD, append_eod: bool = True,
+               show_progress: bool = True) -> dict:
+    """Tokenize the documents of `paths` (see `resolve_corpus`) into ``output_prefix.bin/.idx``.
 
-    Returns ``{"documents", "tokens", "replaced_utf8_files", "seconds"}``. On any error the
-    temporary files are removed and no ``.bin``/``.idx`` is created.
+    Returns ``{"documents", "tokens", "replaced_utf8_files", "replaced_utf8_documents",
+    "seconds"}``. On any error the temporary files are removed and no ``.bin``/``.idx`` is
+    created. The progress bar shows documents/s and tokens/s.
     """
     if workers < 1:
         raise DataError(f"preprocessing workers must be >= 1, got {workers}")
@@ -47,10 +51,10 @@ def preprocess(paths: Sequence[Path], *, tokenizer_path: str | Path, output_pref
                         "with: train one with `pretrain tokenizer` (eos id 2)")
     paths = [Path(path) for path in paths]
     read_stats = ReadStats()
-    chunks = _chunk_documents(iter_documents(paths, stats=read_stats))
-    # Each non-empty text file is one document; a .jsonl file holds an unknown number.
-    total = None if any(path.suffix == ".jsonl" for path in paths) else \
-        sum(1 for path in paths if path.is_file() and path.stat().st_size > 0)
+    chunks = _chunk_documents(iter_documents(paths, text_field=text_field, stats=read_stats))
+    # Each non-empty text file is one document; other inputs hold an unknown number of rows.
+    total = None if any(not path.is_file() or path.suffix in _ROW_SUFFIXES for path in paths) \
+        else sum(1 for path in paths if path.stat().st_size > 0)
     start = time.perf_counter()
     tokens = 0
     with IndexedDatasetWriter(output_prefix, dtype=best_dtype(tokenizer.vocab_size)) as writer, \
@@ -69,6 +73,7 @@ def preprocess(paths: Sequence[Path], *, tokenizer_path: str | Path, output_pref
         documents = writer.num_documents
     return {"documents": documents, "tokens": tokens,
             "replaced_utf8_files": read_stats.replaced_utf8_files,
+            "replaced_utf8_documents": read_stats.replaced_utf8_documents,
             "seconds": time.perf_counter() - start}
 
 
@@ -137,6 +142,8 @@ _worker_state: dict = {}  # per worker process: the tokenizer and append_eod, se
 
 
 def _init_worker(tokenizer_path: str, sha256: str, append_eod: bool) -> None:
+    # One process per core already: a Rust tokenizer's own thread pool would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer = Tokenizer.load(tokenizer_path)
     if tokenizer.sha256 != sha256:
         raise DataError(f"tokenizer {tokenizer_path!r} changed while preprocessing: "

@@ -1,6 +1,12 @@
-"""A sentencepiece tokenizer that round-trips source code exactly.
+"""Tokenizers: sentencepiece models (trained here or loaded) and Hugging Face tokenizers.
 
-Training choices, and why:
+`Tokenizer.load(path)` is the one entry point: a file is a sentencepiece ``.model``, a
+directory is a Hugging Face tokenizer (``save_pretrained`` output, loaded with
+``AutoTokenizer``). Both give the same interface: ``vocab_size``, ``eos_id``, ``bos_id``,
+``encode``/``encode_batch``/``decode``, ``path`` and ``sha256`` (of the file, or of every file
+of the directory), which checkpoints record so that a run is tied to its tokenizer.
+
+Sentencepiece training choices, and why:
 
 - BPE with ``byte_fallback``: any character the vocabulary lacks (a rare symbol, an emoji, a
   tab) is encoded as its UTF-8 bytes instead of ``<unk>``, so ``decode(encode(text)) == text``
@@ -24,13 +30,14 @@ import hashlib
 import io
 import os
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 
-from pretrain.data.corpus import iter_documents
+from pretrain.data.corpus import DEFAULT_TEXT_FIELD, iter_documents
 from pretrain.data.indexed import atomic_file
 from pretrain.errors import DataError
 
@@ -41,8 +48,8 @@ _MODEL_TYPES = ("bpe", "unigram")
 
 
 def train_tokenizer(paths: Sequence[Path], *, model_prefix: str | Path, vocab_size: int,
-                    model_type: str = "bpe",
-                    sample_bytes: int = DEFAULT_SAMPLE_BYTES) -> Tokenizer:
+                    model_type: str = "bpe", text_field: str = DEFAULT_TEXT_FIELD,
+                    sample_bytes: int = DEFAULT_SAMPLE_BYTES) -> SentencePieceTokenizer:
     """Train a tokenizer on a sample of the corpus files `paths`; write ``model_prefix.model``.
 
     Sentences are streamed to the trainer and the model comes back in memory, so the model file
@@ -52,7 +59,7 @@ def train_tokenizer(paths: Sequence[Path], *, model_prefix: str | Path, vocab_si
     if model_type not in _MODEL_TYPES:
         raise DataError(f"tokenizer model_type {model_type!r} is not supported: use one of "
                         f"{', '.join(_MODEL_TYPES)}")
-    sentences = _training_sample(paths, sample_bytes=sample_bytes)
+    sentences = _training_sample(paths, text_field=text_field, sample_bytes=sample_bytes)
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -73,10 +80,11 @@ def train_tokenizer(paths: Sequence[Path], *, model_prefix: str | Path, vocab_si
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as out:
         out.write(model.getvalue())
-    return Tokenizer.load(path)
+    return SentencePieceTokenizer.load(path)
 
 
-def _training_sample(paths: Sequence[Path], *, sample_bytes: int) -> list[str]:
+def _training_sample(paths: Sequence[Path], *, text_field: str,
+                     sample_bytes: int) -> list[str]:
     """The lines of whole documents, in a seeded file order, up to about `sample_bytes`.
 
     Whole files in a shuffled order (rather than the first files alphabetically) give a sample
@@ -86,7 +94,7 @@ def _training_sample(paths: Sequence[Path], *, sample_bytes: int) -> list[str]:
     random.Random(_SAMPLE_SEED).shuffle(order)
     sentences: list[str] = []
     size = 0
-    for document in iter_documents(order):
+    for document in iter_documents(order, text_field=text_field):
         for line in document.split("\n"):
             if line:
                 sentences.append(line)
@@ -98,16 +106,66 @@ def _training_sample(paths: Sequence[Path], *, sample_bytes: int) -> list[str]:
     return sentences
 
 
-class Tokenizer:
-    """A loaded sentencepiece model with the ids the data pipeline needs.
+class Tokenizer(ABC):
+    """What the data pipeline needs of a tokenizer; `Tokenizer.load` picks the implementation.
 
-    Picklable (it carries the serialized model, not a path that may change), so it can be
-    sent to DataLoader workers.
+    Picklable, so it can be sent to DataLoader and preprocessing workers.
+    """
+
+    path: Path
+    sha256: str  # recorded in checkpoints: the run is tied to these exact tokenizer files
+
+    @staticmethod
+    def load(path: str | Path) -> Tokenizer:
+        """A sentencepiece ``.model`` file or a Hugging Face tokenizer directory.
+
+        `DataError` when the path is missing or holds no tokenizer.
+        """
+        path = Path(path)
+        if path.is_dir():
+            return HuggingFaceTokenizer.load(path)
+        return SentencePieceTokenizer.load(path)
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Token ids are in [0, vocab_size): the model's embedding rows."""
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int:
+        """End of document; appended to every document by preprocessing. -1 when undefined."""
+
+    @property
+    @abstractmethod
+    def bos_id(self) -> int:
+        """Beginning of sequence (prompts of `pretrain generate`); -1 when undefined."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without bos/eos."""
+        return self.encode_batch([text])[0]
+
+    @abstractmethod
+    def encode_batch(self, texts: Iterable[str], *, num_threads: int = 1) -> list[list[int]]:
+        """Token ids of each text, without bos/eos."""
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`; special tokens decode to nothing."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A loaded sentencepiece model.
+
+    Pickles the serialized model, not a path that may change.
     """
 
     def __init__(self, model_bytes: bytes, *, path: Path) -> None:
         self.path = Path(path)
-        self.sha256 = hashlib.sha256(model_bytes).hexdigest()  # recorded in checkpoints
+        self.sha256 = hashlib.sha256(model_bytes).hexdigest()
         self._model_bytes = model_bytes
         self._processor = spm.SentencePieceProcessor()
         try:
@@ -118,7 +176,7 @@ class Tokenizer:
                             ) from error
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
+    def load(cls, path: str | Path) -> SentencePieceTokenizer:
         """Load a ``.model`` file; `DataError` when it is missing or not a sentencepiece model."""
         path = Path(path)
         if not path.is_file():
@@ -138,7 +196,6 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        """End of document; appended to every document by preprocessing. -1 when undefined."""
         return self._processor.eos_id()
 
     @property
@@ -150,7 +207,6 @@ class Tokenizer:
         return self._processor.unk_id()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without bos/eos."""
         return self._processor.encode(text, out_type=int)
 
     def encode_batch(self, texts: Iterable[str], *, num_threads: int = 1) -> list[list[int]]:
@@ -162,5 +218,67 @@ class Tokenizer:
         """The text of `ids` (a list or a NumPy array); special tokens decode to nothing."""
         return self._processor.decode(np.asarray(ids, dtype=np.int64).tolist())
 
-    def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+class HuggingFaceTokenizer(Tokenizer):
+    """Any tokenizer ``AutoTokenizer`` loads from a local directory (offline: no hub access).
+
+    ``vocab_size`` counts added tokens (``len(tokenizer)``), the size the embedding needs.
+    Pickles its path and hash; the receiving process reloads and checks the hash.
+    """
+
+    def __init__(self, path: str | Path, *, expected_sha256: str | None = None) -> None:
+        self.path = Path(path)
+        self.sha256 = directory_sha256(self.path)
+        if expected_sha256 is not None and self.sha256 != expected_sha256:
+            raise DataError(f"tokenizer {str(self.path)!r} changed (sha256 {self.sha256[:12]}, "
+                            f"expected {expected_sha256[:12]}): do not modify a tokenizer "
+                            "during a run")
+        from transformers import AutoTokenizer  # ~2-9 s: only for Hugging Face tokenizers
+
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise DataError(f"{str(self.path)!r} is not a Hugging Face tokenizer directory "
+                            f"({str(error).splitlines()[0]}): give a sentencepiece .model or a "
+                            "directory written by `save_pretrained`") from error
+
+    @classmethod
+    def load(cls, path: str | Path) -> HuggingFaceTokenizer:
+        return cls(path)
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], expected_sha256=state["sha256"])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    @property
+    def eos_id(self) -> int:
+        eos = self._tokenizer.eos_token_id
+        return -1 if eos is None else int(eos)
+
+    @property
+    def bos_id(self) -> int:
+        bos = self._tokenizer.bos_token_id
+        return -1 if bos is None else int(bos)
+
+    def encode_batch(self, texts: Iterable[str], *, num_threads: int = 1) -> list[list[int]]:
+        """Token ids of each text, without special tokens (the library's batch encoding)."""
+        return self._tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist(),
+                                      skip_special_tokens=True)
+
+
+def directory_sha256(directory: Path) -> str:
+    """A sha256 over the names and contents of the files of `directory`, in sorted order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
