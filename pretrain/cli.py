@@ -5,6 +5,7 @@
     pretrain merge-datasets  concatenate .bin/.idx datasets (e.g. preprocessed shards) into one
     pretrain train       train under any launcher (deepspeed, torchrun, srun) or as one process
     pretrain generate    continue a prompt with a trained checkpoint
+    pretrain plan        dry-run a config for N ranks; memory / speed planner; --search
 
 Errors in the user's input (config, data, checkpoint) print one `error:` line and exit 2.
 """
@@ -28,6 +29,7 @@ def _quiet_imports() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pretrain import generate, train
+    from pretrain import plan_command
     from pretrain.data import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                   train.add_arguments, train.run),
         "generate": ("continue a prompt with a trained checkpoint", generate.add_arguments,
                      generate.run),
+        "plan": ("dry-run a config for N ranks; per-GPU memory, step time and MFU; --search",
+                 plan_command.add_arguments, plan_command.run),
     }
     for name, (help_text, add_args, func) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -1,0 +1,81 @@
+"""Cluster descriptions for the planner, and the efficiency assumptions it predicts with.
+
+A `Cluster` is what `pretrain plan` needs to know about the hardware: how many GPUs, how much
+memory each has, its dense bf16 peak, and the bandwidth a GPU gets to its node neighbours
+(NVLink) and to other nodes (its share of the InfiniBand / RoCE NICs).
+
+The efficiency constants below are the planner's honest assumptions, one set for every cluster
+and every run (they are not tuned per run; `tests/test_plan.py` checks the two published runs
+with these same numbers):
+
+- `MATMUL_EFFICIENCY`: the fraction of the data-sheet peak that large transformer GEMMs reach
+  (cuBLAS on A100/H100 with hidden sizes >= 4096 sustains roughly 60-75%; we take the low end
+  because layer norms, rotary, softmax and the optimizer step also take time and are not counted
+  as FLOPs).
+- `COLLECTIVE_EFFICIENCY`: the fraction of link bandwidth a ring all-reduce / reduce-scatter
+  achieves as bus bandwidth (NCCL measures ~80% on NVLink and InfiniBand at large messages).
+- Tensor-parallel collectives are *not* overlapped with compute (Megatron-style TP in this
+  stack, and in DeepSpeed, runs them on the critical path).
+- Data-parallel gradient communication overlaps only the backward pass of the micro-batch it
+  runs alongside (the last one for ZeRO 0/1; every one for ZeRO 2/3, which reduce per
+  micro-batch); what does not fit behind it is exposed.
+- A GPU is usable up to `MEMORY_USABLE_FRACTION` of its memory: the rest goes to the CUDA
+  context, NCCL buffers and allocator fragmentation, which the breakdown does not model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretrain.errors import ConfigError
+
+MATMUL_EFFICIENCY = 0.60
+COLLECTIVE_EFFICIENCY = 0.80
+MEMORY_USABLE_FRACTION = 0.90
+# DeepSpeed's CPU Adam (AVX-512) updates roughly this many parameters per second per GPU's share
+# of host cores (8-12 cores per GPU): used for the optimizer step under ZeRO-Offload.
+CPU_ADAM_PARAMS_PER_S = 1.0e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous GPU cluster. Bandwidths are per GPU, one direction, in GB/s."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float  # GiB of device memory per GPU
+    peak_tflops: float  # dense bf16/fp16 peak per GPU (no sparsity)
+    intra_node_gbps: float  # NVLink bandwidth of one GPU to its node's others
+    inter_node_gbps: float  # one GPU's share of the node's NICs
+    pcie_gbps: float = 25.0  # host <-> device, for CPU offload
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"cluster {name}={getattr(self, name)!r}: must be a positive integer")
+        for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
+                     "pcie_gbps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"cluster {name}={getattr(self, name)!r}: must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# Data-sheet numbers. A100: 312 TFLOP/s bf16, NVLink 3 (600 GB/s bidirectional), 8x HDR 200 Gb/s
+# per node. H100 SXM: 989 TFLOP/s bf16, NVLink 4 (900 GB/s bidirectional), 8x NDR 400 Gb/s.
+CLUSTER_PRESETS: dict[str, dict] = {
+    "a100-80gb": dict(gpus_per_node=8, gpu_memory_gb=80.0, peak_tflops=312.0,
+                      intra_node_gbps=300.0, inter_node_gbps=25.0, pcie_gbps=25.0),
+    "h100-80gb": dict(gpus_per_node=8, gpu_memory_gb=80.0, peak_tflops=989.0,
+                      intra_node_gbps=450.0, inter_node_gbps=50.0, pcie_gbps=50.0),
+}
+
+
+def make_cluster(preset: str, *, nodes: int, **overrides: float | int | None) -> Cluster:
+    """A `Cluster` from a preset with any field overridden (None values are ignored)."""
+    if preset not in CLUSTER_PRESETS:
+        raise ConfigError(f"cluster preset {preset!r}: choose one of {', '.join(CLUSTER_PRESETS)}")
+    fields = {**CLUSTER_PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    return Cluster(name=preset, nodes=nodes, **fields)

@@ -1,0 +1,81 @@
+"""`pretrain plan` as the Slurm scripts call it: a dry run of a full config for N ranks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch_utils import REPO
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pretrain", "plan", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _one_error_line(out: subprocess.CompletedProcess, *expected: str) -> str:
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    for text in expected:
+        assert text in errors[0], errors[0]
+    return errors[0]
+
+
+def test_dry_run_accepts_the_70b_config_on_128_ranks():
+    out = _plan("--config", "configs/llama_70b.yaml", "--world-size", "128")
+    assert out.returncode == 0, out.stderr
+    assert "tp 8 x pp 4 x dp 4 = 128 ranks" in out.stdout
+    assert "global batch 1024 = micro 1 x accum 256 x dp 4" in out.stdout
+    assert "ZeRO-1" in out.stdout and "recompute full" in out.stdout
+    assert "-> fits" in out.stdout
+    # the data lives on the cluster, not here: a warning, not an error
+    assert "warning: data.tokenizer" in out.stderr
+
+
+def test_dry_run_json_is_one_object():
+    out = _plan("--config", "configs/llama_70b.yaml", "--world-size", "128", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["ok"] and plan["world_size"] == 128
+    assert plan["layout"]["data"] == 4 and plan["layout"]["grad_accum"] == 256
+    assert plan["deepspeed"]["train_batch_size"] == 1024
+    assert plan["deepspeed"]["zero_optimization"]["stage"] == 1
+    mem = plan["memory_gb"]
+    parts = sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "buffers"))
+    assert mem["total"] == pytest.approx(parts)
+    assert 0 < plan["mfu"] < plan["hfu"] < 1  # full recompute: hardware FLOPs > model FLOPs
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--world-size", "100"], ["world size 100", "parallel.tensor x parallel.pipeline"]),
+    (["--world-size", "128", "--set", "parallel.tensor=3"], ["world size 128", "3 x 4 = 12"]),
+    # model-build failures caught without building: heads not divisible by tp, layers < pp
+    (["--world-size", "96", "--set", "parallel.tensor=3", "--set", "parallel.pipeline=1"],
+     ["parallel.tensor=3", "model.num_heads=64"]),
+    (["--world-size", "768", "--set", "parallel.pipeline=96"],
+     ["parallel.pipeline=96", "model.num_layers=80"]),
+    (["--world-size", "128", "--set", "train.global_batch_size=1022"],
+     ["train.global_batch_size=1022", "multiple of 4"]),
+    (["--world-size", "128", "--deepspeed-config", "ds_configs/zero3.json"],
+     ["ZeRO stage 3 with parallel.pipeline=4", "zero1.json"]),
+    (["--world-size", "128", "--set", "parallel.sequence_parallel=true",
+      "--set", "model.seq_length=4100"], ["model.seq_length=4100", "parallel.tensor=8"]),
+])
+def test_dry_run_rejects_bad_configs_with_one_line(extra, expected):
+    _one_error_line(_plan("--config", "configs/llama_70b.yaml", *extra), *expected)
+
+
+def test_dry_run_checks_the_tokenizer_when_present(tiny_data):
+    out = _plan("--config", "configs/tiny.yaml", "--world-size", "2", "--accelerator", "cpu",
+                "--set", f"data.tokenizer={tiny_data['tokenizer']}",
+                "--set", f"data.dataset={tiny_data['dataset']}", "--set", "model.vocab_size=1024")
+    _one_error_line(out, "model.vocab_size=1024", "512 tokens")
+    ok = _plan("--config", "configs/tiny.yaml", "--world-size", "2", "--accelerator", "cpu",
+               "--set", f"data.tokenizer={tiny_data['tokenizer']}",
+               "--set", f"data.dataset={tiny_data['dataset']}")
+    assert ok.returncode == 0, ok.stderr
+    assert "warning" not in ok.stderr
