@@ -2,11 +2,23 @@
 
 Layout of a run directory::
 
-    <run_dir>/checkpoints/step<N>/...     DeepSpeed engine checkpoint (all ranks write their shards)
-    <run_dir>/checkpoints/latest          DeepSpeed's pointer to the newest complete tag
-    <run_dir>/final/model.safetensors     consolidated fp32 weights, Hugging Face names and shapes
-    <run_dir>/final/config.yaml           the run config the weights belong to
-    <run_dir>/final/tokenizer.model       the tokenizer, copied so the directory is self-contained
+    <run_dir>/checkpoints/step<N>/...            DeepSpeed engine checkpoint (every rank's shards)
+    <run_dir>/checkpoints/step<N>/rng_rank<R>.pt  Python / NumPy / torch RNG states of rank R
+    <run_dir>/checkpoints/step<N>/meta.json      step, consumed samples, layout, config, tokenizer,
+                                                 git commit (small: read without loading tensors)
+    <run_dir>/checkpoints/step<N>/manifest.json  size of every file: written last, it marks the
+                                                 checkpoint complete
+    <run_dir>/checkpoints/latest                 the newest complete tag (DeepSpeed's format)
+    <run_dir>/final/model.safetensors            consolidated fp32 weights, Hugging Face names
+    <run_dir>/final/config.yaml, tokenizer.model the run config and the tokenizer
+
+A save is complete only when every rank has written its files: all ranks write, meet at a barrier,
+then rank 0 writes `meta.json`, `manifest.json` and (tmp + rename) `latest`. DeepSpeed's own
+`latest` is written by rank 0 before the other ranks are done, so it is switched off
+(`save_latest=False`). A crash during a save leaves a directory without a manifest, which
+resuming skips. Resuming checks every file of the manifest (present, same size), that the
+model and tokenizer match the run, and that the layout matches (or the checkpoint is universal);
+automatic resume falls back to the previous complete checkpoint and says why.
 
 `final/` holds the module's working weights, whatever the layout (ZeRO-3 shards and tensor-parallel
 shards gathered, padded vocabulary rows dropped, a tied lm_head stored once as Hugging Face
@@ -19,11 +31,16 @@ false` and convert the engine checkpoint instead.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import random
 import shutil
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as torch_dist
 
@@ -31,32 +48,272 @@ from pretrain.config import RunConfig, load_config
 from pretrain.errors import CheckpointError
 
 FINAL_WEIGHTS = "model.safetensors"
+LATEST = "latest"
+META = "meta.json"
+MANIFEST = "manifest.json"
+# What DeepSpeed's ds_to_universal requires in the client state of every checkpoint (DESIGN.md).
+UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
 
 
-def save_engine(engine, ckpt_dir: Path, *, step: int, client_state: dict[str, Any],
-                keep_last: int, main: bool) -> None:
-    """Save a DeepSpeed checkpoint tagged step<N> on every rank, then prune old ones (rank 0)."""
-    engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client_state)
-    torch_dist.barrier()
-    if main:
-        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
-                      key=lambda p: int(p.name[4:]))
-        for old in tags[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    torch_dist.barrier()
+def tag_step(path: Path) -> int | None:
+    """N of a `step<N>` directory, None for anything else."""
+    name = path.name
+    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
 
 
-def load_latest(engine, ckpt_dir: Path) -> dict[str, Any] | None:
-    """Load the newest DeepSpeed checkpoint of a run directory; None when there is none."""
-    if not (ckpt_dir / "latest").is_file():
-        return None
-    path, state = engine.load_checkpoint(str(ckpt_dir))
-    if path is None or state is None:
-        raise CheckpointError(f"could not load the checkpoint named by {ckpt_dir / 'latest'}: "
-                              "remove it to start over, or restore the missing files")
+def git_commit() -> str:
+    """The commit of the code that wrote a checkpoint ("unknown" outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers see the old or the new file, never half of one
+
+
+def _rng_state() -> dict[str, Any]:
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if accel.device_name() != "cpu":
+        state["accelerator"] = accel.get_rng_state()
     return state
 
 
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state:
+        get_accelerator().set_rng_state(state["accelerator"])
+
+
+def write_manifest(tag_dir: Path, meta: dict[str, Any]) -> None:
+    """Write meta.json, then manifest.json (sizes of every file): the completion marker."""
+    _write_atomic(tag_dir / META, json.dumps(meta, indent=2))
+    files = {str(p.relative_to(tag_dir)): p.stat().st_size
+             for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    _write_atomic(tag_dir / MANIFEST, json.dumps({"files": files}, indent=1))
+
+
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    _write_atomic(ckpt_dir / LATEST, tag)
+
+
+def save(engine, *, ckpt_dir: Path, meta: dict[str, Any], client_state: dict[str, Any],
+         keep_last: int, keep_every: int, rank: int) -> Path:
+    """Save a checkpoint tagged step<meta['step']> on every rank (collective); its directory.
+
+    Every rank writes its DeepSpeed shards and its RNG states; after a barrier rank 0 writes the
+    manifest and moves `latest`, then prunes: the newest `keep_last` complete checkpoints stay,
+    and every step that is a multiple of `keep_every` (when > 0) stays forever.
+    """
+    tag = f"step{meta['step']}"
+    tag_dir = ckpt_dir / tag
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tag_dir.exists():  # a save of this step that crashed half-way: start it over
+            shutil.rmtree(tag_dir)
+    torch_dist.barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, **UNIVERSAL_INFO},
+                           save_latest=False)
+    torch.save(_rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
+    torch_dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        write_manifest(tag_dir, meta)
+        write_latest(ckpt_dir, tag)
+        _prune(ckpt_dir, keep_last=keep_last, keep_every=keep_every)
+    torch_dist.barrier()
+    return tag_dir
+
+
+def _prune(ckpt_dir: Path, *, keep_last: int, keep_every: int) -> None:
+    complete = sorted((p for p in ckpt_dir.iterdir()
+                       if tag_step(p) is not None and (p / MANIFEST).is_file()), key=tag_step)
+    for old in complete[:-keep_last]:
+        if not (keep_every and tag_step(old) % keep_every == 0):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- resume ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path  # the step<N> directory
+    meta: dict[str, Any]
+
+    @property
+    def universal(self) -> bool:
+        return bool(self.meta.get("universal"))
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def verify(tag_dir: Path) -> str | None:
+    """What is wrong with a checkpoint directory (None: complete and undamaged).
+
+    Checks that the save finished (manifest present) and that every file it lists is there
+    with the size it had when written: a truncated or missing shard is found without reading it.
+    """
+    if not (tag_dir / MANIFEST).is_file():
+        return "incomplete (no manifest.json: the save did not finish)"
+    try:
+        files = json.loads((tag_dir / MANIFEST).read_text())["files"]
+        json.loads((tag_dir / META).read_text())
+    except (OSError, ValueError, KeyError) as exc:
+        return f"unreadable manifest.json / meta.json ({exc})"
+    for name, size in files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            return f"missing file {name}"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written (truncated?)"
+    return None
+
+
+def _candidates(path: Path) -> list[Path]:
+    """Checkpoint directories under a run dir, a checkpoints dir or a step dir, newest first."""
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if tag_step(path) is not None or (path / META).is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    return sorted((p for p in path.iterdir() if p.is_dir() and tag_step(p) is not None),
+                  key=tag_step, reverse=True)
+
+
+def _mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) -> str | None:
+    """Why a checkpoint cannot be loaded into this run (None: it can)."""
+    saved_model, model = meta["config"]["model"], cfg.to_dict()["model"]
+    diff = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
+    if diff:
+        return ("it was written for another model: " +
+                ", ".join(f"model.{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items()) +
+                "; use the run's own config or start a new run_dir")
+    if meta.get("universal"):
+        return None
+    saved = meta["layout"]
+    here = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
+            "data": cfg.data_parallel_size(world_size)}
+    if any(saved[k] != v for k, v in here.items()):
+        return (f"it was written by layout tp {saved['tensor']} x pp {saved['pipeline']} x dp "
+                f"{saved['data']}, this run is tp {here['tensor']} x pp {here['pipeline']} x dp "
+                f"{here['data']}: convert it with `pretrain convert-checkpoint --to universal` and "
+                "resume with --resume-from the converted directory")
+    return None
+
+
+def find_resume(cfg: RunConfig, *, world_size: int, resume_from: str | None,
+                log: Callable[[str], None]) -> ResumePoint | None:
+    """The checkpoint this run starts from, read from files only (runs before any collective).
+
+    `resume_from` None: the newest complete checkpoint of `<run_dir>/checkpoints` (None when
+    there is none); damaged ones are skipped with a message. With `resume_from` (a run dir, a
+    checkpoints dir or a step dir) a damaged checkpoint is an error. A checkpoint of another
+    model or another layout is always an error: falling back would not fix the config.
+    """
+    explicit = resume_from is not None
+    root = Path(resume_from) if explicit else Path(cfg.run_dir) / "checkpoints"
+    candidates = _candidates(root)
+    if explicit and not candidates:
+        raise CheckpointError(f"--resume-from {str(root)!r} holds no checkpoint: pass a run "
+                              "directory, its checkpoints/ directory or a checkpoints/step<N> one")
+    problems = []
+    for tag_dir in candidates:
+        problem = verify(tag_dir)
+        if problem is not None:
+            problems.append(f"{tag_dir.name}: {problem}")
+            if explicit and len(candidates) == 1:
+                raise CheckpointError(f"checkpoint {str(tag_dir)!r} is damaged: {problem}")
+            log(f"[resume] skipping {tag_dir}: {problem}; trying the previous checkpoint")
+            continue
+        meta = json.loads((tag_dir / META).read_text())
+        mismatch = _mismatch(meta, cfg, world_size=world_size)
+        if mismatch:
+            raise CheckpointError(f"checkpoint {str(tag_dir)!r} does not match this run: {mismatch}")
+        if problems:
+            log(f"[resume] falling back to {tag_dir} (newer ones are damaged or incomplete)")
+        return ResumePoint(tag_dir, meta)
+    if any("incomplete" not in p for p in problems):
+        raise CheckpointError(f"no usable checkpoint under {str(root)!r} ({'; '.join(problems)}): "
+                              "restore the files, or move the directory away to start over")
+    if problems:
+        log(f"[resume] no complete checkpoint under {root}: starting from step 0")
+    return None
+
+
+def load(engine, point: ResumePoint, *, rank: int, world_size: int) -> None:
+    """Load a checkpoint into the engine (collective) and this rank's RNG states.
+
+    RNG states are restored only on the layout that saved them; after resharding each rank's
+    generators start from the run seed (the model has no dropout: losses do not depend on them).
+    """
+    try:
+        path, _ = engine.load_checkpoint(str(point.path.parent), tag=point.path.name,
+                                         load_module_strict=True)
+    except (RuntimeError, OSError, KeyError, ValueError, EOFError) as exc:
+        raise CheckpointError(f"checkpoint {str(point.path)!r} cannot be loaded ({exc}); "
+                              "move it away to resume from an older one") from None
+    if path is None:
+        raise CheckpointError(f"DeepSpeed found no checkpoint in {str(point.path)!r}: its "
+                              "model_states files are missing")
+    rng = point.path / f"rng_rank{rank:05d}.pt"
+    if rng.is_file() and point.meta["layout"]["world_size"] == world_size:
+        _set_rng_state(torch.load(rng, weights_only=False))
+
+
+def to_universal(src: Path, dst: Path) -> Path:
+    """Convert a checkpoint (run dir, checkpoints dir or step dir) to DeepSpeed's universal
+    format in `dst/step<N>`, loadable on another data-parallel size; returns that directory.
+
+    `pretrain train --resume-from DST` then resumes with `checkpoint.load_universal`, keeping
+    the saved global batch (gradient accumulation is recomputed for the new dp).
+    """
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    candidates = [p for p in _candidates(Path(src)) if verify(p) is None]
+    if not candidates:
+        raise CheckpointError(f"no complete checkpoint under {str(src)!r} to convert")
+    tag_dir = candidates[0]
+    meta = json.loads((tag_dir / META).read_text())
+    if meta.get("universal"):
+        raise CheckpointError(f"{str(tag_dir)!r} is already a universal checkpoint")
+    if meta["layout"]["zero_stage"] == 0:
+        raise CheckpointError(
+            f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "
+            "checkpoint (it is built from ZeRO optimizer partitions): resume it on the same "
+            "layout, or train with ds_configs/zero1.json (or 2, 3) to reshard later")
+    out = Path(dst) / tag_dir.name
+    if out.exists():
+        raise CheckpointError(f"{str(out)!r} exists: remove it or choose another destination")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ds_to_universal.main(Namespace(input_folder=str(tag_dir), output_folder=str(out),
+                                   num_extract_workers=1, num_merge_workers=1,
+                                   keep_temp_folder=False, strict=True,
+                                   inject_missing_state=False))
+    write_manifest(out, {**meta, "universal": True, "converted_from": str(tag_dir.resolve())})
+    write_latest(out.parent, out.name)
+    return out
+
+
+# ---- final weights ---------------------------------------------------------------------------
 def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step: int,
                main: bool) -> Path:
     """Write `final/` with the consolidated module weights (gathered from ZeRO-3 shards)."""

@@ -209,8 +209,20 @@ class TrainConfig:
     seed: int = 1234  # model init and dropout
     eval_interval: int = 100  # steps between validation passes; 0 disables
     eval_batches: int = 10  # global batches per validation pass (capped by the validation set)
+    # Faults (pretrain/faults.py): a NaN/Inf step is skipped; this many in a row stop the run.
+    max_nonfinite_steps: int = 5
+    loss_spike_factor: float = 2.0  # log a spike when a loss exceeds this x its running mean
+    collective_timeout_minutes: float = 10.0  # a collective waiting longer: a rank is dead/stuck
+    exit_after_minutes: float = 0.0  # wall-time limit: save and exit 75 after this; 0: none
 
     def __post_init__(self) -> None:
+        if self.max_nonfinite_steps < 1 or self.loss_spike_factor <= 1.0 \
+                or self.collective_timeout_minutes <= 0 or self.exit_after_minutes < 0:
+            _fail("train", "max_nonfinite_steps/loss_spike_factor/collective_timeout_minutes/"
+                  "exit_after_minutes", (self.max_nonfinite_steps, self.loss_spike_factor,
+                                         self.collective_timeout_minutes, self.exit_after_minutes),
+                  "need max_nonfinite_steps >= 1, loss_spike_factor > 1, "
+                  "collective_timeout_minutes > 0 and exit_after_minutes >= 0")
         for name in ("steps", "micro_batch_size", "eval_batches"):
             if getattr(self, name) < 1:
                 _fail("train", name, getattr(self, name), "must be a positive integer")
@@ -226,13 +238,18 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     save_interval: int = 0  # steps between DeepSpeed checkpoints; 0: only the final one
+    save_interval_minutes: float = 0.0  # also save every this many minutes of wall time; 0: off
     keep_last: int = 2  # DeepSpeed checkpoints kept (older ones deleted)
+    keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple; 0: none
     save_final: bool = True  # write a plain `final/` checkpoint that `pretrain generate` loads
 
     def __post_init__(self) -> None:
-        if self.save_interval < 0 or self.keep_last < 1:
-            _fail("checkpoint", "save_interval/keep_last", (self.save_interval, self.keep_last),
-                  "need save_interval >= 0 and keep_last >= 1")
+        if self.save_interval < 0 or self.keep_last < 1 or self.keep_every < 0 \
+                or self.save_interval_minutes < 0:
+            _fail("checkpoint", "save_interval/keep_last/keep_every/save_interval_minutes",
+                  (self.save_interval, self.keep_last, self.keep_every, self.save_interval_minutes),
+                  "need save_interval >= 0, keep_last >= 1, keep_every >= 0 and "
+                  "save_interval_minutes >= 0")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`pretrain train`: parse -> validate -> build -> train -> close.
+"""`pretrain train`: parse -> validate -> find the checkpoint -> build -> train -> close.
 
 Runs the same under `deepspeed`, `torchrun`, `srun` and as a plain process (a world of one)::
 
@@ -6,10 +6,16 @@ Runs the same under `deepspeed`, `torchrun`, `srun` and as a plain process (a wo
     torchrun --nproc_per_node 2 -m pretrain train --config configs/quickstart.yaml
     srun python -m pretrain train --config configs/llama_70b.yaml
     pretrain train --config configs/tiny.yaml --set train.steps=10
+
+Exit statuses (pretrain/errors.py): 0 done; 2 bad config / data / checkpoint; 3 the run stopped
+itself (a rank died or a collective timed out, too many non-finite steps); 75 a checkpoint was
+saved because of SIGTERM / SIGUSR1 / --exit-after-minutes: requeue the job and it resumes.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from pretrain.trainer import TrainResult
 
@@ -20,32 +26,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one config field, e.g. --set train.lr=3e-4 (repeatable)")
     parser.add_argument("--deepspeed-config", metavar="JSON",
                         help="DeepSpeed JSON to use instead of the run config's `deepspeed` field")
+    parser.add_argument("--resume-from", metavar="PATH",
+                        help="start from this checkpoint (a run dir, its checkpoints/ dir, a "
+                             "step<N> dir, or a universal checkpoint) instead of the newest one "
+                             "of run_dir")
+    parser.add_argument("--exit-after-minutes", type=float, metavar="M",
+                        help="wall-time limit: save a checkpoint and exit 75 after M minutes "
+                             "(same as --set train.exit_after_minutes=M)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help=argparse.SUPPRESS)  # passed by launchers; LOCAL_RANK is what we read
 
 
 def run(args: argparse.Namespace) -> TrainResult:
+    from pretrain import telemetry
+    from pretrain.checkpoint import find_resume
     from pretrain.config import load_config
     from pretrain.dist import close_distributed, discover_world, init_distributed, set_cpu_threads
     from pretrain.ds_config import resolve_ds_config
+    from pretrain.errors import EXIT_REQUEUE
 
     overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"] if args.deepspeed_config else [])
+    if args.exit_after_minutes is not None:
+        overrides.append(f"train.exit_after_minutes={args.exit_after_minutes}")
     cfg = load_config(args.config, overrides)
     world = discover_world()
     from deepspeed.accelerator import get_accelerator  # after the world: picks the device type
 
     # Every check that can fail does so here, before a process group or an engine exists.
+    resume = find_resume(cfg, world_size=world.world_size, resume_from=args.resume_from,
+                         log=lambda text: telemetry.log(text, main=world.is_main))
+    if resume is not None and cfg.train.global_batch_size is None:
+        # Resharding keeps the global batch: gradient accumulation follows the new dp size.
+        cfg.train.global_batch_size = resume.meta["global_batch"]
     ds_config = resolve_ds_config(cfg, world_size=world.world_size,
                                   accelerator=get_accelerator().device_name())
+    if resume is not None and resume.universal:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     set_cpu_threads(world)
-    init_distributed(world)
+    init_distributed(world, timeout_minutes=cfg.train.collective_timeout_minutes)
     from pretrain.topology import Topology
     from pretrain.trainer import Trainer
 
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world.world_size,
                                            rank=world.rank).create_groups()
-    result = Trainer(cfg, world, ds_config, groups).train()
+    try:
+        result = Trainer(cfg, world, ds_config, groups, resume=resume).train()
+    except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
+        _exit_on_fault(exc, rank=world.rank)
+        raise
     # Tear the process groups down before the interpreter exits: gloo's worker threads alive
     # at exit made a rank abort ("terminate called without an active exception", exit -6).
     close_distributed()
+    if result.stop_reason:
+        sys.exit(EXIT_REQUEUE)
     return result
+
+
+def _exit_on_fault(exc: Exception, *, rank: int) -> None:
+    """A dead peer, a collective timeout or a diverged run: one line, then EXIT_FAULT at once.
+
+    The process groups are not torn down (that would wait for the dead rank); os._exit skips
+    the interpreter's teardown, where gloo's threads would abort the process instead.
+    """
+    from pretrain.faults import TrainingFault, is_collective_failure
+
+    if isinstance(exc, TrainingFault):
+        reason = str(exc)
+    elif is_collective_failure(exc):
+        reason = (f"rank {rank}: a collective failed, another rank died or stopped answering "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}); "
+                  "restart the job: it resumes from the last complete checkpoint")
+    else:
+        return
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(TrainingFault.exit_code)

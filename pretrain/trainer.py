@@ -23,7 +23,7 @@ import torch.distributed as torch_dist
 # per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
-from pretrain import checkpoint, telemetry
+from pretrain import checkpoint, faults, telemetry
 from pretrain.config import Precision, Recompute, RunConfig
 from pretrain.data import DistributedPackedSampler, IndexedDataset, PackedSamples, Tokenizer
 from pretrain.dist import World
@@ -103,13 +103,16 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     final_step: int = 0
     final_dir: Path | None = None
+    stop_reason: str | None = None  # set when a signal or time limit stopped the run early
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, world: World, ds_config: dict[str, Any],
-                 groups: ProcessGroups):
+                 groups: ProcessGroups, *, resume: checkpoint.ResumePoint | None = None):
         """`ds_config` is the resolved DeepSpeed config (`pretrain.ds_config.resolve_ds_config`);
-        `groups` this rank's process groups (`pretrain.topology.Topology.create_groups`)."""
+        `groups` this rank's process groups (`pretrain.topology.Topology.create_groups`);
+        `resume` the checkpoint to start from (`pretrain.checkpoint.find_resume`), whose
+        `checkpoint.load_universal` the DeepSpeed config already carries when it is universal."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -161,7 +164,16 @@ class Trainer:
         # The pipeline engine steps inside train_batch: at ZeRO-0 it reports no norm (null).
         self._norm_before_step = zero_stage(ds_config) == 0 and not self.pipelined
         self._grad_norm: float | None = None
-        self._resume()
+        if resume is not None:
+            self._resume(resume)
+        log = lambda text: telemetry.log(text, main=self.main)  # noqa: E731
+        self.control = faults.RunControl(
+            device=self.device, save_interval_minutes=cfg.checkpoint.save_interval_minutes,
+            exit_after_minutes=t.exit_after_minutes, log=log)
+        self.guard = faults.NonFiniteGuard(self.engine, max_in_a_row=t.max_nonfinite_steps,
+                                           spike_factor=t.loss_spike_factor, device=self.device,
+                                           rank=world.rank, log=log)
+        self._git_commit = checkpoint.git_commit()  # recorded in every checkpoint's meta.json
         self.flops_per_token = cfg.model.flops_per_token()
         self.peak_tflops, self.peak_source = telemetry.device_peak_tflops(
             DTYPES[t.precision], cfg.logging.peak_tflops)
@@ -213,12 +225,17 @@ class Trainer:
             prefetch_factor=4 if workers > 0 else None)
         return iter(loader)
 
-    def _resume(self) -> None:
-        state = checkpoint.load_latest(self.engine, self.run_dir / "checkpoints")
-        if state is not None:
-            self.step, self.consumed_samples = state["step"], state["consumed_samples"]
-            telemetry.log(f"[resume] from step {self.step} ({self.consumed_samples} samples "
-                          f"consumed)", main=self.main)
+    def _resume(self, point: checkpoint.ResumePoint) -> None:
+        start = time.perf_counter()
+        checkpoint.load(self.engine, point, rank=self.world.rank, world_size=self.world.world_size)
+        self.step, self.consumed_samples = point.step, point.meta["consumed_samples"]
+        if point.meta["global_batch"] != self.global_batch:
+            raise ConfigError(f"{point.path} was trained with a global batch of "
+                              f"{point.meta['global_batch']}, this run has {self.global_batch}: set "
+                              f"train.global_batch_size={point.meta['global_batch']}")
+        telemetry.log(f"[resume] from {point.path} at step {self.step} ({self.consumed_samples} "
+                      f"samples consumed{', universal' if point.universal else ''}) in "
+                      f"{time.perf_counter() - start:.1f}s", main=self.main)
 
     def _announce(self, model: torch.nn.Module) -> None:
         cfg, w = self.cfg, self.world
@@ -262,6 +279,7 @@ class Trainer:
             input_ids, labels = next(timed)
             loss = engine(input_ids.to(self.device, non_blocking=True),
                           labels=labels.to(self.device, non_blocking=True))
+            loss = self.guard.maybe_inject(loss, step=self.step + 1, micro=micro)
             engine.backward(loss)
             if self._norm_before_step and micro == self.grad_accum - 1:
                 # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads.
@@ -305,6 +323,7 @@ class Trainer:
         while self.step < t.steps:
             start = time.perf_counter()
             lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
+            skipped_before = self.engine.skipped_steps
             loss, wait = self.train_step(batches)
             self.step += 1
             self.consumed_samples += self.global_batch
@@ -312,6 +331,8 @@ class Trainer:
             result.losses.append(loss)
             rec = self._step_record(loss=loss, lr=lr, wait=wait, elapsed=elapsed,
                                     tokens=tokens_per_step)
+            rec.update(self.guard.after_step(step=self.step, loss=loss,
+                                              skipped_before=skipped_before))
             self.metrics.write(rec)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -320,11 +341,22 @@ class Trainer:
             if self.valid_data is not None and t.eval_interval and (
                     self.step % t.eval_interval == 0 or self.step == t.steps):
                 self._log_eval(result)
-            if cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0 \
-                    and self.step < t.steps:
+            stop, save_due = self.control.poll()  # the same answer on every rank
+            if stop and self.step < t.steps:
+                result.stop_reason = stop
+                telemetry.log(f"[stop] {stop}: saving step {self.step}, then exiting to be "
+                              "requeued", main=self.main)
+                self.save()
+                break
+            if (save_due or cfg.checkpoint.save_interval
+                    and self.step % cfg.checkpoint.save_interval == 0) and self.step < t.steps:
                 self.save()
         bar.close()
+        self.control.restore_handlers()
         result.final_step = self.step
+        if result.stop_reason:
+            self.metrics.close()
+            return result
         if cfg.checkpoint.save_final:
             self.save()
             result.final_dir = checkpoint.save_final(
@@ -367,10 +399,19 @@ class Trainer:
                       main=self.main)
 
     def save(self) -> None:
-        checkpoint.save_engine(self.engine, self.run_dir / "checkpoints", step=self.step,
-                               client_state={"step": self.step,
-                                             "consumed_samples": self.consumed_samples,
-                                             "config": self.cfg.to_dict(),
-                                             "tokenizer": {"path": self.tokenizer.path,
-                                                           "sha256": self.tokenizer.sha256}},
-                               keep_last=self.cfg.checkpoint.keep_last, main=self.main)
+        """A checkpoint of this step (collective): DeepSpeed's state plus ours (`meta.json`)."""
+        cfg, topo = self.cfg, self.groups.topology
+        state = {"step": self.step, "consumed_samples": self.consumed_samples,
+                 "config": cfg.to_dict(),
+                 "tokenizer": {"path": str(self.tokenizer.path), "sha256": self.tokenizer.sha256}}
+        meta = {**state, "global_batch": self.global_batch, "git_commit": self._git_commit,
+                "layout": {"tensor": topo.tensor, "pipeline": topo.pipeline, "data": self.dp_size,
+                           "world_size": self.world.world_size,
+                           "zero_stage": zero_stage(self.ds_config)},
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        start = time.perf_counter()
+        path = checkpoint.save(self.engine, ckpt_dir=self.run_dir / "checkpoints", meta=meta,
+                               client_state=state, keep_last=cfg.checkpoint.keep_last,
+                               keep_every=cfg.checkpoint.keep_every, rank=self.world.rank)
+        self.control.mark_saved()
+        telemetry.log(f"[checkpoint] {path} in {time.perf_counter() - start:.1f}s", main=self.main)

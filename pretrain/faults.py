@@ -1,0 +1,163 @@
+"""Faults a long run must survive: preemption signals, wall-time limits, dead ranks, NaNs.
+
+- `RunControl`: SIGTERM / SIGUSR1 only set a flag; once per step every rank all-reduces (MAX)
+  its flags, so all ranks stop (or save on the wall-clock cadence) at the same step even when the
+  signal reached only some of them. The trainer then saves and exits with EXIT_REQUEUE (75).
+- `NonFiniteGuard`: a step whose loss or gradient norm is NaN/Inf is not applied (DeepSpeed's ZeRO
+  and bf16 optimizers skip it themselves; the plain torch optimizer of ZeRO-0 is wrapped to do
+  the same), counted and logged; after `max_in_a_row` such steps in a row the run stops with
+  `TrainingFault` (EXIT_FAULT). Loss spikes and fp16 loss-scale changes are logged.
+- `is_collective_failure`: tells a peer's death or a collective timeout from other errors, so
+  `pretrain train` exits with EXIT_FAULT and a one-line reason instead of a traceback or a hang.
+
+Testing aid: `PRETRAIN_INJECT_NAN_STEP=k` makes global rank 0 multiply its first micro-batch loss
+of step k by NaN (flat models only; the pipeline engine computes the loss inside its schedule).
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as torch_dist
+
+from pretrain.errors import EXIT_FAULT
+
+INJECT_NAN_ENV = "PRETRAIN_INJECT_NAN_STEP"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class TrainingFault(Exception):
+    """The run stopped itself (too many non-finite steps, a dead rank): exit EXIT_FAULT."""
+
+    exit_code = EXIT_FAULT
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A failed or timed-out collective (a peer died or hangs), as raised by gloo / NCCL."""
+    if isinstance(exc, torch_dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "nccl", "connection closed", "connection reset",
+                            "timed out", "timeout", "broken pipe"))
+
+
+class RunControl:
+    """When to stop or save, agreed by all ranks once per step (one 3-element all-reduce)."""
+
+    def __init__(self, *, device: str, save_interval_minutes: float, exit_after_minutes: float,
+                 log: Callable[[str], None]):
+        self.device, self.log = device, log
+        self.save_every_s = save_interval_minutes * 60.0
+        self.deadline = time.monotonic() + exit_after_minutes * 60.0 if exit_after_minutes else None
+        self.last_save = time.monotonic()
+        self.received: str | None = None
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only a flag: the step in flight finishes, then every rank learns of it in `poll`.
+        self.received = signal.Signals(signum).name
+
+    def restore_handlers(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def mark_saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def poll(self) -> tuple[str | None, bool]:
+        """(why to stop now or None, whether the wall-clock save cadence is due), same on all
+        ranks: signal, time limit and save cadence are each the MAX over the world."""
+        now = time.monotonic()
+        flags = torch.tensor([float(self.received is not None),
+                              float(self.deadline is not None and now >= self.deadline),
+                              float(self.save_every_s > 0 and now - self.last_save >= self.save_every_s)],
+                             device=self.device)
+        if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
+        signalled, out_of_time, save_due = (bool(v) for v in flags.tolist())
+        if signalled:
+            return f"signal {self.received or 'received by another rank'}", True
+        if out_of_time:
+            return "--exit-after-minutes reached", True
+        return None, save_due
+
+
+def _has_nonfinite_grad(params: list[torch.nn.Parameter], device: str) -> bool:
+    """True when any gradient on any rank holds NaN/Inf (collective over the world)."""
+    bad = torch.zeros((), device=device)
+    for p in params:
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            bad.fill_(1.0)
+            break
+    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+        torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+class NonFiniteGuard:
+    """Skip, count and log non-finite steps; log loss spikes and loss-scale changes."""
+
+    def __init__(self, engine, *, max_in_a_row: int, spike_factor: float, device: str,
+                 rank: int, log: Callable[[str], None]):
+        self.engine, self.max_in_a_row, self.spike_factor = engine, max_in_a_row, spike_factor
+        self.log, self.rank = log, rank
+        self.total = self.in_a_row = 0
+        self.mean_loss: float | None = None  # running mean (EMA) of finite losses
+        self.loss_scale = self._loss_scale()
+        self.inject_step = int(os.environ.get(INJECT_NAN_ENV, "0") or 0)
+        optimizer = engine.optimizer
+        if not hasattr(optimizer, "overflow"):
+            # ZeRO-0 hands DeepSpeed a plain torch optimizer, which would apply NaN gradients:
+            # give it DeepSpeed's overflow protocol (the engine then counts the step as skipped
+            # and does not advance the lr schedule, as for the ZeRO optimizers).
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            step = optimizer.step
+
+            def guarded_step(*args, **kwargs):
+                optimizer.overflow = _has_nonfinite_grad(params, device)
+                return None if optimizer.overflow else step(*args, **kwargs)
+
+            optimizer.overflow = False
+            optimizer.step = guarded_step
+
+    def _loss_scale(self) -> float | None:
+        scale = getattr(self.engine.optimizer, "cur_scale", None)
+        return float(scale) if scale is not None else None
+
+    def maybe_inject(self, loss: torch.Tensor, *, step: int, micro: int) -> torch.Tensor:
+        """`loss` * NaN on rank 0 at the first micro-batch of step `inject_step` (testing aid)."""
+        if step == self.inject_step and micro == 0 and self.rank == 0:
+            return loss * float("nan")
+        return loss
+
+    def after_step(self, *, step: int, loss: float, skipped_before: int) -> dict[str, Any]:
+        """Account for the step just taken; the fields it adds to the step record."""
+        skipped = self.engine.skipped_steps > skipped_before
+        nonfinite = not math.isfinite(loss) or (skipped and self.loss_scale is None)
+        if nonfinite:
+            self.total += 1
+            self.in_a_row += 1
+            self.log(f"[fault] step {step}: non-finite loss/grad norm (loss {loss}); update "
+                     f"{'skipped' if skipped else 'NOT skipped'} ({self.in_a_row} in a row, "
+                     f"{self.total} in total)")
+            if self.in_a_row >= self.max_in_a_row:
+                raise TrainingFault(
+                    f"{self.in_a_row} non-finite steps in a row (up to step {step}): the run "
+                    "diverged; lower train.lr, raise warmup, or resume from an earlier checkpoint "
+                    f"(train.max_nonfinite_steps={self.max_in_a_row})")
+        else:
+            self.in_a_row = 0
+            if self.mean_loss is not None and loss > self.spike_factor * self.mean_loss:
+                self.log(f"[fault] step {step}: loss spike {loss:.4f} > {self.spike_factor} x "
+                         f"running mean {self.mean_loss:.4f}")
+            self.mean_loss = loss if self.mean_loss is None else 0.9 * self.mean_loss + 0.1 * loss
+        scale = self._loss_scale()
+        if scale is not None and scale != self.loss_scale:
+            self.log(f"[fp16] step {step}: loss scale {self.loss_scale:g} -> {scale:g}")
+            self.loss_scale = scale
+        return {"update_skipped": skipped, "nonfinite_steps": self.total}
