@@ -167,23 +167,41 @@ class ParallelConfig:
 class DataConfig:
     """Where the training tokens come from.
 
-    `dataset` is the prefix of a preprocessed .bin/.idx pair. If it does not exist yet and
-    `corpus` is given, `pretrain train` builds the tokenizer and the dataset first (rank 0).
+    `dataset` is the prefix of a preprocessed .bin/.idx pair (`pretrain preprocess`); or
+    `blend` lists several prefixes with weights (see `pretrain.data.blend`). `corpus`,
+    `text_field` and `tokenizer_vocab_size` describe how the data was (or will be) built.
     """
 
-    corpus: list[str] = field(default_factory=list)  # files, globs, dirs, or "python-stdlib"
+    corpus: list[str] = field(default_factory=list)  # files, globs, dirs, .jsonl, .parquet, ...
+    text_field: str = "text"  # the text field of .jsonl / parquet / datasets inputs
     dataset: str = ""  # prefix of the .bin/.idx pair, e.g. runs/data/stdlib
-    tokenizer: str = ""  # sentencepiece .model path
+    blend: list = field(default_factory=list)  # ["0.7 runs/data/code", "0.3 runs/data/prose"]
+    tokenizer: str = ""  # sentencepiece .model path or Hugging Face tokenizer directory
     tokenizer_vocab_size: int = 8192  # when training a tokenizer from the corpus
     valid_fraction: float = 0.01  # documents held out for validation
-    seed: int = 1234  # document shuffle seed
+    test_fraction: float = 0.0  # documents held out for testing (never trained or validated on)
+    seed: int = 1234  # document and sample shuffle seed
     num_workers: int = 1  # DataLoader workers per rank
 
     def __post_init__(self) -> None:
         if isinstance(self.corpus, str):
             self.corpus = [self.corpus]
-        if not 0.0 <= self.valid_fraction < 1.0:
-            _fail("data", "valid_fraction", self.valid_fraction, "must be in [0, 1)")
+        for name in ("valid_fraction", "test_fraction"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail("data", name, getattr(self, name), "must be in [0, 1)")
+        if self.valid_fraction + self.test_fraction >= 1.0:
+            _fail("data", "valid_fraction + test_fraction",
+                  self.valid_fraction + self.test_fraction, "must be < 1 to leave training data")
+        if self.blend:
+            from pretrain.data.blend import parse_blend
+            from pretrain.errors import DataError
+
+            if self.dataset:
+                _fail("data", "dataset", self.dataset, "give data.dataset or data.blend, not both")
+            try:
+                parse_blend(self.blend)
+            except DataError as error:
+                _fail("data", "blend", self.blend, str(error))
         if self.tokenizer_vocab_size < 64:
             _fail("data", "tokenizer_vocab_size", self.tokenizer_vocab_size, "must be >= 64")
         if self.num_workers < 0:

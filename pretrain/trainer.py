@@ -25,7 +25,8 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprec
 
 from pretrain import checkpoint, faults, telemetry
 from pretrain.config import Precision, Recompute, RunConfig
-from pretrain.data import DistributedPackedSampler, IndexedDataset, PackedSamples, Tokenizer
+from pretrain.data import DistributedPackedSampler, Tokenizer
+from pretrain.data.build import Samples, build_datasets
 from pretrain.dist import World
 from pretrain.ds_config import offload_devices, zero_stage
 from pretrain.errors import ConfigError, DataError
@@ -184,37 +185,28 @@ class Trainer:
         self._announce(model)
 
     # ---- setup ------------------------------------------------------------------------------
-    def _load_data(self) -> tuple[Tokenizer, PackedSamples, PackedSamples | None]:
+    def _load_data(self) -> tuple[Tokenizer, Samples, Samples | None]:
         d, m = self.cfg.data, self.cfg.model
-        if not d.dataset:
-            raise ConfigError("data.dataset is empty: set it to the prefix written by "
-                              "`pretrain preprocess --output-prefix PREFIX`")
         if not d.tokenizer:
             raise ConfigError("data.tokenizer is empty: set it to the .model file written by "
-                              "`pretrain tokenizer`")
+                              "`pretrain tokenizer` (or a Hugging Face tokenizer directory)")
         tokenizer = Tokenizer.load(d.tokenizer)
         if tokenizer.vocab_size != m.vocab_size:
             raise ConfigError(f"model.vocab_size={m.vocab_size} but the tokenizer {d.tokenizer!r} "
                               f"has {tokenizer.vocab_size} tokens: set "
                               f"model.vocab_size={tokenizer.vocab_size}")
-        indexed = IndexedDataset(d.dataset)
-        # Rank 0 builds (and caches) the sample index; the others then load the cached file.
+        # Rank 0 builds (and caches) the sample indices; the others then load the cached files.
         if not self.main:
             torch_dist.barrier()
-        train = PackedSamples(indexed, seq_length=m.seq_length, split="train",
-                              valid_fraction=d.valid_fraction, seed=d.seed)
-        valid = None
-        if d.valid_fraction > 0 and self.cfg.train.eval_interval > 0:
-            try:
-                valid = PackedSamples(indexed, seq_length=m.seq_length, split="valid",
-                                      valid_fraction=d.valid_fraction, seed=d.seed)
-            except DataError as exc:
-                telemetry.log(f"[data] no validation: {exc}", main=self.main)
+        train, valid = build_datasets(
+            d, seq_length=m.seq_length, train_samples=self.cfg.train.steps * self.global_batch,
+            with_valid=self.cfg.train.eval_interval > 0,
+            log=lambda message: telemetry.log(message, main=self.main))
         if self.main:
             torch_dist.barrier()
         return tokenizer, train, valid
 
-    def _loader(self, dataset: PackedSamples, *, consumed: int,
+    def _loader(self, dataset: Samples, *, consumed: int,
                 workers: int) -> Iterator[dict[str, torch.Tensor]]:
         sampler = DistributedPackedSampler(len(dataset), micro_batch_size=self.cfg.train.micro_batch_size,
                                            dp_rank=self.dp_rank, dp_size=self.dp_size,

@@ -441,7 +441,9 @@ def test_packed_samples_errors(tmp_path):
     with pytest.raises(DataError, match="valid split of .* has no documents: 1 documents"):
         PackedSamples(write_dataset(tmp_path / "one", [[3, 4, EOS]]), seq_length=2,
                       split="valid", valid_fraction=0.5, seed=0)
-    with pytest.raises(DataError, match="split 'test' is not one of train, valid"):
+    with pytest.raises(DataError, match="split 'eval' is not one of train, valid, test"):
+        PackedSamples(dataset, seq_length=2, split="eval", valid_fraction=0.25, seed=0)
+    with pytest.raises(DataError, match="test split of .* has no documents: .* test_fraction 0.0"):
         PackedSamples(dataset, seq_length=2, split="test", valid_fraction=0.25, seed=0)
 
 

@@ -2,9 +2,11 @@
 
 Packing (Megatron-style, no padding):
 
-- Documents are split into train/valid by a seeded permutation of document ids: the last
-  ``ceil(valid_fraction * N)`` documents of the permutation are validation (at least one when
-  ``valid_fraction > 0`` and N > 1, never all of them). The permutation is a hash of
+- Documents are split into train/valid/test by a seeded permutation of document ids: the
+  permutation is cut into [train | valid | test], with ``ceil(valid_fraction * N)`` validation
+  and ``ceil(test_fraction * N)`` test documents (at least one each when its fraction is > 0,
+  and never all of them: train keeps at least one). With ``test_fraction = 0`` the split is
+  what it was before the test split existed. The permutation is a hash of
   (document id, seed), not NumPy's RNG, so the split and the order never change with a NumPy
   upgrade, which would silently break exact resume.
 - A split's documents, in permuted order, form one token stream. Sample i is
@@ -42,7 +44,7 @@ from torch.utils.data import Dataset, Sampler
 from pretrain.data.indexed import IndexedDataset, atomic_file
 from pretrain.errors import DataError
 
-SPLITS = ("train", "valid")
+SPLITS = ("train", "valid", "test")
 SAMPLE_INDEX_VERSION = 1  # bump when the index layout or its derivation changes
 
 
@@ -63,20 +65,28 @@ def seeded_permutation(n: int, *, seed: int) -> np.ndarray:
 
 
 def split_documents(num_documents: int, *, split: str, valid_fraction: float,
-                    seed: int) -> np.ndarray:
+                    test_fraction: float = 0.0, seed: int) -> np.ndarray:
     """The document ids of `split`, in the order they are packed into its token stream."""
     if split not in SPLITS:
         raise DataError(f"split {split!r} is not one of {', '.join(SPLITS)}")
-    if not 0.0 <= valid_fraction < 1.0:
-        raise DataError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
-    num_valid = 0
-    if valid_fraction > 0 and num_documents > 1:
-        # The epsilon keeps float noise (0.1 * 30 = 3.0000000000000004) from adding a document.
-        num_valid = math.ceil(valid_fraction * num_documents - 1e-9)
-        num_valid = min(max(num_valid, 1), num_documents - 1)  # both splits non-empty
-    num_train = num_documents - num_valid
-    permutation = seeded_permutation(num_documents, seed=seed)
-    return permutation[:num_train] if split == "train" else permutation[num_train:]
+    if not (0.0 <= valid_fraction < 1.0 and 0.0 <= test_fraction < 1.0
+            and valid_fraction + test_fraction < 1.0):
+        raise DataError(f"valid_fraction {valid_fraction} and test_fraction {test_fraction} "
+                        "must each be in [0, 1) and leave documents for training")
+    num_valid = _held_out(valid_fraction, num_documents, available=num_documents - 1)
+    num_test = _held_out(test_fraction, num_documents, available=num_documents - 1 - num_valid)
+    num_train = num_documents - num_valid - num_test
+    bounds = {"train": (0, num_train), "valid": (num_train, num_train + num_valid),
+              "test": (num_train + num_valid, num_documents)}[split]
+    return seeded_permutation(num_documents, seed=seed)[bounds[0]:bounds[1]]
+
+
+def _held_out(fraction: float, num_documents: int, *, available: int) -> int:
+    """Documents held out for a fraction: ceil(fraction * N), at least 1, at most `available`."""
+    if fraction <= 0 or available < 1:
+        return 0
+    # The epsilon keeps float noise (0.1 * 30 = 3.0000000000000004) from adding a document.
+    return min(max(math.ceil(fraction * num_documents - 1e-9), 1), available)
 
 
 class PackedSamples(Dataset):
@@ -87,14 +97,16 @@ class PackedSamples(Dataset):
     """
 
     def __init__(self, dataset: IndexedDataset | str | Path, *, seq_length: int, split: str,
-                 valid_fraction: float, seed: int, shuffle: bool = True) -> None:
+                 valid_fraction: float, test_fraction: float = 0.0, seed: int,
+                 shuffle: bool = True) -> None:
         self.dataset = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)
         if seq_length < 1:
             raise DataError(f"seq_length must be >= 1, got {seq_length}")
         self.seq_length = seq_length
         self.split = split
         self.documents = split_documents(self.dataset.num_documents, split=split,
-                                         valid_fraction=valid_fraction, seed=seed)
+                                         valid_fraction=valid_fraction,
+                                         test_fraction=test_fraction, seed=seed)
         self._sequences = _sequences_of(self.dataset.document_indices, self.documents)
         self._sequence_sizes = self.dataset.sizes[self._sequences].astype(np.int64)
         self.num_tokens = int(self._sequence_sizes.sum())
@@ -102,16 +114,17 @@ class PackedSamples(Dataset):
             raise DataError(
                 f"the {split} split of {str(self.dataset.prefix)!r} has no documents: "
                 f"{self.dataset.num_documents} documents with valid_fraction {valid_fraction} "
-                "leave none for it; use more documents or a valid_fraction in (0, 1)")
+                f"and test_fraction {test_fraction} leave none for it; use more documents or "
+                f"a {split}_fraction in (0, 1)")
         num_samples = max(self.num_tokens - 1, 0) // seq_length
         if num_samples < 1:
             raise DataError(
                 f"the {split} split of {str(self.dataset.prefix)!r} has {self.num_tokens} tokens "
                 f"in {len(self.documents)} documents, and one sample of seq_length {seq_length} "
                 f"needs {seq_length + 1}: use a shorter seq_length, more data"
-                + (" or a larger valid_fraction" if split == "valid" else ""))
+                + (f" or a larger {split}_fraction" if split != "train" else ""))
         key = _cache_key(self.dataset, seq_length=seq_length, split=split,
-                         valid_fraction=valid_fraction, seed=seed)
+                         fractions=(valid_fraction, test_fraction), seed=seed)
         self.cache_path = Path(f"{self.dataset.prefix}.{split}_{key[:16]}.npy")
         self._index = _load_or_build_index(self.cache_path, sizes=self._sequence_sizes,
                                            seq_length=seq_length, num_samples=num_samples)
@@ -164,14 +177,14 @@ def build_sample_index(sizes: np.ndarray, *, seq_length: int, num_samples: int) 
     return np.stack([positions, first_tokens - stream_starts[positions]], axis=1)
 
 
-def _cache_key(dataset: IndexedDataset, *, seq_length: int, split: str, valid_fraction: float,
-               seed: int) -> str:
+def _cache_key(dataset: IndexedDataset, *, seq_length: int, split: str,
+               fractions: tuple[float, float], seed: int) -> str:
     """A sha256 over everything the sample index depends on."""
     sizes_hash = hashlib.sha256(np.ascontiguousarray(dataset.sizes).tobytes())
     sizes_hash.update(np.ascontiguousarray(dataset.document_indices).tobytes())
     fields = {"version": SAMPLE_INDEX_VERSION, "documents": dataset.num_documents,
               "sizes": sizes_hash.hexdigest(), "seq_length": seq_length, "seed": seed,
-              "valid_fraction": repr(float(valid_fraction)), "split": split}
+              "fractions": [repr(float(f)) for f in fractions], "split": split}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
