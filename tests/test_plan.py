@@ -1,0 +1,178 @@
+"""The planner's arithmetic: memory by ZeRO stage / offload / recompute / SP, and two published runs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from launch_utils import REPO
+from pretrain.clusters import MATMUL_EFFICIENCY, make_cluster
+from pretrain.config import MODEL_PRESETS, ModelConfig, Precision, Recompute
+from pretrain.errors import ConfigError
+from pretrain.plan import (GB, Layout, estimate, layer_activation_elements, search,
+                           stage_items, stage_parameters)
+
+LLAMA_7B = ModelConfig(**MODEL_PRESETS["7b"])
+H100 = make_cluster("h100-80gb", nodes=1)
+
+
+def _mem(layout: Layout, model: ModelConfig = LLAMA_7B):
+    return estimate(model, layout, H100).memory
+
+
+def test_model_states_follow_zero_stage_by_stage():
+    """Mixed precision: 2 + 2 + 12 bytes per parameter; ZeRO shards 12, then 2, then 2 by dp."""
+    base = Layout(data=8, global_batch=8, precision=Precision.BF16)
+    n = stage_parameters(LLAMA_7B, base, stage_items(LLAMA_7B, base)[0])
+    assert n == LLAMA_7B.num_parameters() + (LLAMA_7B.padded_vocab_size() - 32000) * 4096 * 2
+    z1, z2, z3 = (_mem(replace(base, zero_stage=s)) for s in (1, 2, 3))
+    assert (z1.params, z1.grads, z1.optimizer) == (2 * n, 2 * n, 12 * n / 8)
+    assert (z2.params, z2.grads, z2.optimizer) == (2 * n, 2 * n / 8, 12 * n / 8)
+    assert (z3.params, z3.grads, z3.optimizer) == (2 * n / 8, 2 * n / 8, 12 * n / 8)
+    assert z3.model_states == pytest.approx(16 * n / 8)  # the 16 bytes / parameter / dp theory
+    z0 = _mem(replace(base, zero_stage=0))  # DeepSpeed's bf16 ZeRO-0: no fp32 master
+    assert (z0.params, z0.grads, z0.optimizer) == (2 * n, 2 * n, 4 * n)
+    fp32 = _mem(replace(base, zero_stage=0, precision=Precision.FP32))
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * n, 4 * n, 8 * n)
+
+
+def test_offload_moves_states_to_the_host():
+    base = Layout(data=8, global_batch=8, zero_stage=3)
+    on_gpu = _mem(base)
+    opt = _mem(replace(base, offload_optimizer="cpu"))
+    both = _mem(replace(base, offload_optimizer="cpu", offload_param="cpu"))
+    assert opt.optimizer == 0 and opt.params == on_gpu.params
+    assert opt.host == pytest.approx(on_gpu.optimizer + 4 * on_gpu.parameters_count / 8)
+    assert both.params == 0 and both.host == pytest.approx(opt.host + on_gpu.params)
+    assert both.total < opt.total < on_gpu.total
+
+
+def test_activations_by_recompute_and_sequence_parallel():
+    """Korthikanti et al.: full recompute keeps each layer's input only (s*b*h, /t with SP);
+    SP divides the replicated part by t; 1F1B's first stage holds pp micro-batches."""
+    m = LLAMA_7B
+    tokens = 2 * m.seq_length
+    base = Layout(tensor=4, data=2, micro_batch=2, global_batch=64, zero_stage=1)
+    rep, shard = layer_activation_elements(m, base)
+    assert shard == pytest.approx((3 * 4096 + 2 * 4096 + 4 * 11008) / 4)
+    rep_sp, shard_sp = layer_activation_elements(m, replace(base, sequence_parallel=True))
+    assert (rep_sp, shard_sp) == (pytest.approx(rep / 4), shard)
+
+    none, full = _mem(base), _mem(replace(base, recompute=Recompute.FULL))
+    head = tokens * (m.padded_vocab_size(4) // 4) * (2 + 4) + tokens * 4096 * 2
+    layer = (rep + shard) * tokens * 2
+    assert none.activations == pytest.approx(32 * layer + tokens * 4096 * 2 + head)
+    inputs = tokens * 4096 * 2
+    assert full.activations == pytest.approx(32 * inputs + layer + inputs + head)
+    full_sp = _mem(replace(base, recompute=Recompute.FULL, sequence_parallel=True))
+    assert full_sp.activations < full.activations
+
+    pp = replace(base, pipeline=4, data=1, global_batch=64)
+    stages = stage_items(m, pp)
+    assert sum(s.count("layer") for s in stages) == 32
+    plan = estimate(m, pp, H100)
+    first = plan.stages[0]
+    assert plan.memory.stage == 0 and first["embedding"]
+    # stage 0 keeps 4 micro-batches in flight; with 2 micro-batches per step only 2
+    few = estimate(m, replace(pp, global_batch=4), H100).memory
+    assert few.activations == pytest.approx(plan.memory.activations / 2, rel=0.01)
+
+
+def test_hardware_flops_exceed_model_flops_with_recompute():
+    base = Layout(data=8, global_batch=64, zero_stage=1)
+    plain, full = estimate(LLAMA_7B, base, H100), \
+        estimate(LLAMA_7B, replace(base, recompute=Recompute.FULL), H100)
+    assert plain.hfu == pytest.approx(plain.mfu)
+    assert full.hfu > full.mfu and full.hardware_tflops_per_gpu > full.model_tflops_per_gpu
+    assert full.time.step > plain.time.step
+
+
+def test_invalid_layouts_are_refused():
+    with pytest.raises(ConfigError, match="pipelines support ZeRO 0 or 1"):
+        estimate(LLAMA_7B, Layout(pipeline=2, data=4, global_batch=8, zero_stage=2), H100)
+    with pytest.raises(ConfigError, match="tensor=3 must divide"):
+        estimate(LLAMA_7B, Layout(tensor=3, global_batch=1), H100)
+    with pytest.raises(ConfigError, match="NVMe offload needs ZeRO stage 3"):
+        estimate(LLAMA_7B, Layout(data=2, global_batch=2, zero_stage=2,
+                                  offload_optimizer="nvme"), H100)
+
+
+# ---- the published runs: one set of efficiency constants for both ---------------------------
+
+def test_megatron_core_70b_on_768_h100():
+    """Megatron-Core's 70B GPT benchmark: TP 8, PP 2, DP 48, vocab 131072, seq 4096, global batch
+    384 on 768 H100: about 42% MFU, 420 TFLOP/s per GPU. Llama-3-70B shape, SP, distributed
+    optimizer (ZeRO-1), no recomputation."""
+    model = ModelConfig(vocab_size=131072, hidden_size=8192, num_layers=80, num_heads=64,
+                        num_kv_heads=8, ffn_hidden_size=28672, seq_length=4096)
+    layout = Layout(tensor=8, pipeline=2, data=48, micro_batch=1, global_batch=384,
+                    zero_stage=1, sequence_parallel=True, partition="uniform")
+    plan = estimate(model, layout, make_cluster("h100-80gb", nodes=96))
+    assert plan.fits
+    assert plan.mfu == pytest.approx(0.42, rel=0.20)
+    assert plan.model_tflops_per_gpu == pytest.approx(420, rel=0.20)
+    assert plan.mfu < MATMUL_EFFICIENCY  # communication and the bubble cost something
+
+
+def test_bloom_176b_on_384_a100():
+    """BLOOM-176B: 70 layers, hidden 14336, 112 heads, vocab 250880, seq 2048, global batch 2048,
+    TP 4, PP 12, DP 8 on 384 A100-80GB, micro-batch 2, full recomputation, ZeRO-1: about 150
+    TFLOP/s per GPU counting recomputation. Its GPT block (4h GeLU MLP, 12 h^2 per layer) is
+    given as a Llama block with the same parameters (SwiGLU inner size ~8h/3, divisible by TP); BLOOM ties
+    its embeddings."""
+    model = ModelConfig(vocab_size=250880, hidden_size=14336, num_layers=70, num_heads=112,
+                        num_kv_heads=112, ffn_hidden_size=38228, seq_length=2048,
+                        tie_embeddings=True)
+    assert model.num_parameters() == pytest.approx(176e9, rel=0.02)
+    layout = Layout(tensor=4, pipeline=12, data=8, micro_batch=2, global_batch=2048,
+                    zero_stage=1, recompute=Recompute.FULL)
+    plan = estimate(model, layout, make_cluster("a100-80gb", nodes=48))
+    assert plan.fits
+    assert plan.hardware_tflops_per_gpu == pytest.approx(150, rel=0.20)
+    assert plan.hfu == pytest.approx(150 / 312, rel=0.20)
+    # recompute: layers run 4 passes of which 3 count; the output layer is not recomputed
+    assert 0.75 * plan.hfu < plan.mfu < 0.8 * plan.hfu
+
+
+# ---- search and the command line -------------------------------------------------------------
+
+def test_search_finds_fitting_layouts_fastest_first():
+    model = ModelConfig(**MODEL_PRESETS["13b"])
+    plans = search(model, make_cluster("a100-80gb", nodes=2), global_batch=64)
+    assert plans and all(p.fits for p in plans)
+    assert [p.tokens_per_s for p in plans] == sorted((p.tokens_per_s for p in plans), reverse=True)
+    assert all(p.layout.world_size == 16 for p in plans)
+    assert all(p.layout.pipeline == 1 or p.layout.zero_stage <= 1 for p in plans)
+    # a 13B model's 16-byte states do not fit one 80 GB GPU without sharding
+    assert all(p.layout.zero_stage > 0 or p.layout.tensor * p.layout.pipeline > 1 for p in plans)
+
+
+def test_search_refuses_impossible_models():
+    huge = ModelConfig(**MODEL_PRESETS["70b"])
+    tiny_cluster = make_cluster("a100-80gb", nodes=1, gpus_per_node=1, gpu_memory_gb=16)
+    assert search(huge, tiny_cluster, global_batch=8) == []
+
+
+def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pretrain", "plan", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_search_cli_json_and_refusal():
+    out = _plan_cli("--set", "model.preset=7b", "--set", "train.global_batch_size=64",
+                    "--cluster", "a100-80gb", "--nodes", "1", "--search", "--json", "--top", "3")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["count"] >= 3 and len(result["plans"]) == 3
+    best = result["plans"][0]
+    assert best["fits"] and best["memory_gb"]["total"] <= best["memory_limit_gb"]
+    text = _plan_cli("--set", "model.preset=7b", "--set", "train.global_batch_size=64",
+                     "--cluster", "a100-80gb", "--nodes", "1", "--search", "--top", "2")
+    assert text.returncode == 0 and "layouts of 8 GPUs" in text.stdout
+    bad = _plan_cli("--set", "model.preset=70b", "--set", "train.global_batch_size=8",
+                    "--gpus-per-node", "1", "--gpu-memory-gb", "16", "--search")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "error: no layout of 1 GPUs fits" in bad.stderr
