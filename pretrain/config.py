@@ -279,6 +279,8 @@ class LoggingConfig:
     # online | disabled; offline runs are kept under <run_dir>/wandb for `wandb sync`
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: taken from the accelerator's table
     progress_bar: bool = True
+    profile_steps: str = ""  # "a:b": torch profiler Chrome trace of steps a..b (1-based,
+    # inclusive), one file per rank under <run_dir>/profile; "" disables
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
@@ -286,6 +288,17 @@ class LoggingConfig:
         if self.wandb_mode not in ("auto", "offline", "online", "disabled"):
             _fail("logging", "wandb_mode", self.wandb_mode,
                   "use auto, offline, online or disabled")
+        self.profile_range()
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first, last) step of logging.profile_steps, or None when profiling is off."""
+        if not self.profile_steps:
+            return None
+        first, sep, last = str(self.profile_steps).partition(":")
+        if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+            _fail("logging", "profile_steps", self.profile_steps,
+                  "use FIRST:LAST with 1 <= FIRST <= LAST, e.g. 3:5")
+        return int(first), int(last)
 
 
 @dataclass

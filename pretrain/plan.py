@@ -121,7 +121,7 @@ def _layer_params(m: ModelConfig) -> tuple[int, int]:
         2 * m.hidden_size
 
 
-def _layer_forward_flops_per_token(m: ModelConfig) -> float:
+def layer_forward_flops_per_token(m: ModelConfig) -> float:
     """Forward matmul FLOPs of one layer per token: 2 per weight plus causal attention's QK^T and
     AV counted whole (4 * seq * hidden), the convention of `ModelConfig.flops_per_token`."""
     return 2.0 * _layer_params(m)[0] + 4.0 * m.seq_length * m.hidden_size
@@ -179,7 +179,7 @@ def stage_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
 def stage_flops_per_token(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[float, float]:
     """(model, hardware) training FLOPs per token of this stage on one GPU: forward + backward is
     3x forward; recomputed layers run their forward once more (hardware FLOPs only)."""
-    layer_fwd = _layer_forward_flops_per_token(m)
+    layer_fwd = layer_forward_flops_per_token(m)
     layers = items.count("layer")
     model = 3.0 * layer_fwd * layers
     if "head" in items:
@@ -188,12 +188,26 @@ def stage_flops_per_token(m: ModelConfig, layout: Layout, items: list[str]) -> t
     return model / layout.tensor, hardware / layout.tensor
 
 
-def _recomputed_layers(layout: Layout, layers: int) -> int:
-    if layout.recompute == Recompute.FULL:
+def recomputed_layers(recompute: Recompute, *, interval: int, layers: int) -> int:
+    """How many of `layers` decoder layers run their forward twice (layer i recomputes under
+    every_k when i % interval == 0, as `LlamaModel.recomputes_layer`)."""
+    if recompute == Recompute.FULL:
         return layers
-    if layout.recompute == Recompute.EVERY_K:
-        return math.ceil(layers / layout.recompute_interval)
+    if recompute == Recompute.EVERY_K:
+        return math.ceil(layers / interval)
     return 0
+
+
+def _recomputed_layers(layout: Layout, layers: int) -> int:
+    return recomputed_layers(layout.recompute, interval=layout.recompute_interval, layers=layers)
+
+
+def hardware_flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs per token the hardware executes: `ModelConfig.flops_per_token` plus the
+    forward of every recomputed layer (the telemetry's HFU; MFU counts the former only)."""
+    extra = recomputed_layers(m.activation_checkpointing,
+                              interval=m.activation_checkpointing_interval, layers=m.num_layers)
+    return m.flops_per_token() + extra * layer_forward_flops_per_token(m)
 
 
 # ---- memory -------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ machine-readable record. Fields:
 ``{"kind": "train", ...}`` once per optimizer step
     step, loss (mean over the global batch), lr, grad_norm (global, before clipping; null if
     DeepSpeed did not compute one), tokens_per_s (whole job), tflops_per_device (model FLOPs),
-    mfu (model FLOPs utilisation against `peak_tflops`), peak_mem_gb (this rank's allocator peak on
+    mfu (model FLOPs utilisation against `peak_tflops`), hw_tflops_per_device and hfu (hardware
+    FLOPs, counting the forward of recomputed layers), peak_mem_gb (this rank's allocator peak on
     GPUs; process peak RSS on CPU), data_wait_s (time waiting for the data loader this step),
-    step_time_s, consumed_samples, skipped_steps (cumulative, fp16 overflow), loss_scale (fp16).
+    step_time_s, consumed_samples, skipped_steps (cumulative, fp16 overflow), loss_scale (fp16),
+    and on GPUs gpu_util_pct, gpu_temp_c, gpu_mem_used_gb (NVML, rank 0's device).
 ``{"kind": "eval", ...}`` once per validation pass
     step, loss, ppl, tokens.
 ``{"kind": "run", ...}`` first line: world size, layout, parameters, peak_tflops, versions.
@@ -80,12 +82,65 @@ def mfu(*, flops_per_token: float, tokens_per_s_per_device: float, peak_tflops: 
     return flops_per_token * tokens_per_s_per_device / (peak_tflops * 1e12) if peak_tflops else 0.0
 
 
+def gpu_stats() -> dict[str, float]:
+    """This rank's GPU utilisation (%), temperature (C) and used memory (GB) through NVML
+    (`torch.cuda` reads it with pynvml, mapping CUDA_VISIBLE_DEVICES); {} without a GPU or
+    without pynvml. Not exercised on the CPU machines the tests run on."""
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        free, total = torch.cuda.mem_get_info()
+        return {"gpu_util_pct": float(torch.cuda.utilization()),
+                "gpu_temp_c": float(torch.cuda.temperature()),
+                "gpu_mem_used_gb": (total - free) / 2**30}
+    except (ModuleNotFoundError, RuntimeError):  # no pynvml, or NVML refused
+        return {}
+
+
+class StepProfiler:
+    """Torch profiler over optimizer steps `first..last` (1-based, inclusive), exported as a
+    Chrome trace (chrome://tracing, Perfetto) per rank: <run_dir>/profile/rank<R>_steps<A>-<B>.json.
+
+    The trainer calls `begin(step)` before and `end(step)` after each step; outside the range
+    both do nothing.
+    """
+
+    def __init__(self, steps: tuple[int, int] | None, *, run_dir: Path, rank: int):
+        self.steps, self.rank, self._prof = steps, rank, None
+        self.path = None if steps is None else \
+            Path(run_dir) / "profile" / f"rank{rank}_steps{steps[0]}-{steps[1]}.json"
+
+    def begin(self, step: int) -> None:
+        if self.steps is None or step != self.steps[0]:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self._prof = profile(activities=activities, record_shapes=True)
+        self._prof.start()
+
+    def end(self, step: int) -> Path | None:
+        """Stop and write the trace after the last profiled step; returns its path then."""
+        if self._prof is None or step != self.steps[1]:
+            return None
+        self._prof.stop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._prof.export_chrome_trace(str(self.path))
+        self._prof = None
+        return self.path
+
+
 def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
     gn = rec.get("grad_norm")
+    utilisation = f"MFU {100 * rec['mfu']:.1f}%"
+    if rec.get("hfu", rec["mfu"]) != rec["mfu"]:  # recomputation: the hardware did more
+        utilisation += f" (HFU {100 * rec['hfu']:.1f}%)"
     parts = [f"step {rec['step']:>{len(str(total_steps))}}/{total_steps}",
              f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
              f"gnorm {gn:.3f}" if gn is not None else "gnorm -",
-             f"{rec['tokens_per_s']:,.0f} tok/s", f"MFU {100 * rec['mfu']:.1f}%",
+             f"{rec['tokens_per_s']:,.0f} tok/s", utilisation,
              f"mem {rec['peak_mem_gb']:.2f}GB", f"data {1000 * rec['data_wait_s']:.0f}ms"]
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")

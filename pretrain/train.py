@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one config field, e.g. --set train.lr=3e-4 (repeatable)")
     parser.add_argument("--deepspeed-config", metavar="JSON",
                         help="DeepSpeed JSON to use instead of the run config's `deepspeed` field")
+    parser.add_argument("--profile-steps", metavar="A:B",
+                        help="export a torch profiler Chrome trace of steps A..B to "
+                        "<run_dir>/profile/ (logging.profile_steps)")
     parser.add_argument("--resume-from", metavar="PATH",
                         help="start from this checkpoint (a run dir, its checkpoints/ dir, a "
                              "step<N> dir, or a universal checkpoint) instead of the newest one "
@@ -48,6 +51,8 @@ def run(args: argparse.Namespace) -> TrainResult:
     overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"] if args.deepspeed_config else [])
     if args.exit_after_minutes is not None:
         overrides.append(f"train.exit_after_minutes={args.exit_after_minutes}")
+    if args.profile_steps:  # quoted: YAML 1.1 would read 3:5 as a base-60 integer
+        overrides.append(f"logging.profile_steps='{args.profile_steps}'")
     cfg = load_config(args.config, overrides)
     world = discover_world()
     from deepspeed.accelerator import get_accelerator  # after the world: picks the device type

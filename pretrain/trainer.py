@@ -31,6 +31,7 @@ from pretrain.dist import World
 from pretrain.ds_config import offload_devices, zero_stage
 from pretrain.errors import ConfigError, DataError
 from pretrain.model import build_model
+from pretrain.plan import hardware_flops_per_token
 from pretrain.topology import ProcessGroups
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
@@ -312,7 +313,10 @@ class Trainer:
         tokens_per_step = self.global_batch * cfg.model.seq_length
         bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.main and cfg.logging.progress_bar))
+        profiler = telemetry.StepProfiler(cfg.logging.profile_range(), run_dir=self.run_dir,
+                                          rank=self.world.rank)
         while self.step < t.steps:
+            profiler.begin(self.step + 1)
             start = time.perf_counter()
             lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
             skipped_before = self.engine.skipped_steps
@@ -320,6 +324,9 @@ class Trainer:
             self.step += 1
             self.consumed_samples += self.global_batch
             elapsed = time.perf_counter() - start
+            if profiler.end(self.step):
+                telemetry.log(f"[profile] Chrome trace of steps {cfg.logging.profile_steps} in "
+                              f"{profiler.path}", main=self.main)
             result.losses.append(loss)
             rec = self._step_record(loss=loss, lr=lr, wait=wait, elapsed=elapsed,
                                     tokens=tokens_per_step)
@@ -368,6 +375,8 @@ class Trainer:
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.item()
         tokens_per_s = tokens / elapsed
+        per_device = tokens_per_s / self.world.world_size
+        hardware_flops = hardware_flops_per_token(self.cfg.model)  # + recomputed forwards
         rec: dict[str, Any] = {
             "kind": "train", "step": self.step, "loss": loss,
             "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
@@ -375,11 +384,16 @@ class Trainer:
             "mfu": telemetry.mfu(flops_per_token=self.flops_per_token,
                                  tokens_per_s_per_device=tokens_per_s / self.world.world_size,
                                  peak_tflops=self.peak_tflops),
+            "hw_tflops_per_device": hardware_flops * per_device / 1e12,
+            "hfu": telemetry.mfu(flops_per_token=hardware_flops, tokens_per_s_per_device=per_device,
+                                 peak_tflops=self.peak_tflops),
             "peak_mem_gb": telemetry.peak_memory_gb(), "data_wait_s": wait, "step_time_s": elapsed,
             "consumed_samples": self.consumed_samples, "skipped_steps": engine.skipped_steps,
         }
         if self.cfg.train.precision == Precision.FP16:
             rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", float("nan")))
+        if self.main:
+            rec.update(telemetry.gpu_stats())  # NVML utilisation / temperature / memory on GPUs
         return rec
 
     def _log_eval(self, result: TrainResult) -> None:

@@ -1,0 +1,69 @@
+"""Training telemetry: hardware vs model FLOPs, the profiler trace, the step record's fields."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launch_utils import run_pretrain, train
+from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
+from pretrain.errors import ConfigError
+from pretrain.plan import hardware_flops_per_token, layer_forward_flops_per_token
+from pretrain.telemetry import format_step_line
+
+
+def test_hardware_flops_count_recomputed_forwards():
+    m = ModelConfig(**MODEL_PRESETS["7b"])
+    assert hardware_flops_per_token(m) == m.flops_per_token()
+    full = ModelConfig(**MODEL_PRESETS["7b"], activation_checkpointing=Recompute.FULL)
+    every4 = ModelConfig(**MODEL_PRESETS["7b"], activation_checkpointing=Recompute.EVERY_K,
+                         activation_checkpointing_interval=4)
+    layer = layer_forward_flops_per_token(m)
+    assert hardware_flops_per_token(full) == pytest.approx(m.flops_per_token() + 32 * layer)
+    assert hardware_flops_per_token(every4) == pytest.approx(m.flops_per_token() + 8 * layer)
+    # a forward is a third of forward + backward for the layers: ~4/3 overall
+    assert 1.25 < hardware_flops_per_token(full) / m.flops_per_token() < 4 / 3
+
+
+@pytest.mark.parametrize("bad", ["3", "5:3", "0:2", "a:b", "3:"])
+def test_profile_steps_validation(bad):
+    with pytest.raises(ConfigError, match="logging.profile_steps"):
+        LoggingConfig(profile_steps=bad)
+    assert LoggingConfig(profile_steps="2:4").profile_range() == (2, 4)
+
+
+def test_step_line_shows_hfu_only_when_it_differs():
+    rec = {"step": 3, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
+           "mfu": 0.10, "hfu": 0.13, "peak_mem_gb": 1.0, "data_wait_s": 0.001}
+    assert "MFU 10.0% (HFU 13.0%)" in format_step_line(rec, 10)
+    assert "HFU" not in format_step_line({**rec, "hfu": 0.10}, 10)
+
+
+def test_training_records_hardware_flops_and_writes_a_profile_trace(tmp_path, tiny_data):
+    run = train(tmp_path, tiny_data, overrides=["train.steps=4", "model.activation_checkpointing=full"],
+                name="recompute")
+    records = [r for r in run.records if r["kind"] == "train"]
+    assert len(records) == 4
+    for r in records:
+        assert r["hw_tflops_per_device"] > r["tflops_per_device"] > 0
+        assert r["hfu"] > r["mfu"] > 0
+        assert r["peak_mem_gb"] > 0 and r["data_wait_s"] >= 0 and r["grad_norm"] > 0
+        assert r["skipped_steps"] == 0
+
+    plain_dir = tmp_path / "plain"
+    args = ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={plain_dir}",
+            "--set", f"data.tokenizer={tiny_data['tokenizer']}",
+            "--set", f"data.dataset={tiny_data['dataset']}", "--set", "train.steps=4",
+            "--profile-steps", "2:3"]
+    plain = run_pretrain(args, run_dir=plain_dir).check()
+    for r in (r for r in plain.records if r["kind"] == "train"):
+        assert r["hfu"] == pytest.approx(r["mfu"])  # nothing recomputed
+    trace_path = plain_dir / "profile" / "rank0_steps2-3.json"
+    assert trace_path.is_file(), sorted(p.name for p in plain_dir.rglob("*"))
+    assert f"Chrome trace of steps 2:3 in {trace_path}" in plain.stdout
+    trace = json.loads(trace_path.read_text())
+    events = trace["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert len(events) > 100
+    assert any("aten::mm" in n or "aten::addmm" in n or "aten::linear" in n for n in names)
+    assert list(plain_dir.joinpath("profile").iterdir()) == [trace_path]  # one rank, one file
