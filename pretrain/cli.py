@@ -5,6 +5,7 @@
     pretrain merge-datasets  concatenate .bin/.idx datasets (e.g. preprocessed shards) into one
     pretrain train       train under any launcher (deepspeed, torchrun, srun) or as one process
     pretrain generate    continue a prompt with a trained checkpoint
+    pretrain launch      hostfile / .deepspeed_env / pre-flight / sweep table for launch scripts
     pretrain plan        dry-run a config for N ranks; memory / speed planner; --search
 
 Errors in the user's input (config, data, checkpoint) print one `error:` line and exit 2.
@@ -28,7 +29,7 @@ def _quiet_imports() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pretrain import generate, train
+    from pretrain import generate, launch, train
     from pretrain import plan_command
     from pretrain.data import cli as data_cli
 
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                   train.add_arguments, train.run),
         "generate": ("continue a prompt with a trained checkpoint", generate.add_arguments,
                      generate.run),
+        "launch": ("helpers of launch/ and slurm/: hostfile, .deepspeed_env, preflight, sweep-table",
+                   launch.add_arguments, launch.run),
         "plan": ("dry-run a config for N ranks; per-GPU memory, step time and MFU; --search",
                  plan_command.add_arguments, plan_command.run),
     }

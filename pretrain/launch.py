@@ -1,0 +1,242 @@
+"""`pretrain launch ...`: the Python side of the launch scripts in `launch/` and `slurm/`.
+
+The shell scripts stay thin (DESIGN.md rule 6): #SBATCH headers, node discovery, environment and
+one `srun` or launcher call. What needs logic lives here and is unit tested:
+
+- `hostfile`: a DeepSpeed hostfile (`node slots=N` per line) from `SLURM_JOB_NODELIST` or a
+  node list, expanding Slurm host lists with `scontrol show hostnames` when Slurm is installed and
+  with `expand_nodelist` (same grammar: `gpu[01-04,7],login1`) when it is not;
+- `env-file`: DeepSpeed's `.deepspeed_env` (one `NAME=value` a line), which its multi-node
+  runners (pdsh, ssh, slurm) export to every rank: the variables that must be the same everywhere;
+- `preflight`: validate the run config for the job's world size before any rank starts (exit 2
+  with one `error:` line otherwise), print the layout, write the resolved run config, the resolved
+  DeepSpeed JSON and the git commit to the job's log directory;
+- `sweep-table`: one markdown row per finished run of a ZeRO sweep (`slurm/zero_sweep.sh`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from pretrain import train as train_command
+from pretrain.errors import ConfigError
+
+# Variables the multi-node launchers must carry to every rank (prefixes). DeepSpeed already
+# exports PYTHON*, NCCL_* (CUDA accelerator), UCX*, MV2*; the rest are ours or PyTorch's.
+ENV_PREFIXES = ("PYTHON", "NCCL_", "TORCH_", "OMP_NUM_THREADS", "DS_ACCELERATOR", "CUDA_DEVICE_MAX",
+                "WANDB_", "HF_", "PRETRAIN_", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+
+_RANGE = re.compile(r"^(\d+)-(\d+)$")
+
+
+def expand_nodelist(spec: str) -> list[str]:
+    """Expand a Slurm host list without Slurm: `n[01-03,7],login` -> n01 n02 n03 n7 login.
+
+    Zero padding follows the lower bound's width, as in Slurm. Several bracket groups in one
+    name (`rack[1-2]-n[1-2]`) expand as a product.
+    """
+    names: list[str] = []
+    for item in _split_top_level(spec.strip()):
+        names += _expand_one(item)
+    return names
+
+
+def _split_top_level(spec: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(spec):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0:
+            raise ConfigError(f"node list {spec!r}: unbalanced ']' at position {i}")
+        if ch == "," and depth == 0:
+            items.append(spec[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ConfigError(f"node list {spec!r}: unbalanced '[' (write e.g. node[01-04,07])")
+    items.append(spec[start:])
+    return [item for item in (s.strip() for s in items) if item]
+
+
+def _expand_one(item: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", item)
+    if not match:
+        return [item]
+    head, tail = item[:match.start()], item[match.end():]
+    out = []
+    for part in match.group(1).split(","):
+        r = _RANGE.match(part.strip())
+        if r:
+            lo, hi = r.groups()
+            if int(hi) < int(lo):
+                raise ConfigError(f"node list range [{part}] in {item!r} runs backwards; write [{hi}-{lo}]")
+            out += [f"{head}{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)]
+        elif part.strip().isdigit():
+            out.append(head + part.strip())
+        else:
+            raise ConfigError(f"node list {item!r}: {part!r} is not a number or a range like 01-04")
+    return [name for prefix in out for name in _expand_one(prefix + tail)]
+
+
+def node_names(nodelist: str | None = None) -> list[str]:
+    """The job's nodes in Slurm's order: `nodelist`, else `$SLURM_JOB_NODELIST`."""
+    spec = nodelist or os.environ.get("SLURM_JOB_NODELIST", "")
+    if not spec:
+        raise ConfigError("no nodes: pass --nodes HOST[,HOST...] or run inside a Slurm allocation "
+                          "(SLURM_JOB_NODELIST is not set)")
+    if shutil.which("scontrol"):
+        proc = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True,
+                              text=True, timeout=60)
+        if proc.returncode == 0 and proc.stdout.split():
+            return proc.stdout.split()
+    return expand_nodelist(spec)
+
+
+def hostfile_text(nodes: list[str], *, slots: int) -> str:
+    """DeepSpeed's hostfile format: `hostname slots=N`, one node a line, first node = master."""
+    if slots < 1:
+        raise ConfigError(f"slots per node = {slots}; need >= 1 (GPUs, or CPU ranks, per node)")
+    if len(set(nodes)) != len(nodes):
+        raise ConfigError(f"node list names a node twice: {nodes}")
+    return "".join(f"{n} slots={slots}\n" for n in nodes)
+
+
+def deepspeed_env_text(env: dict[str, str] | None = None, *, names: tuple[str, ...] = ()) -> str:
+    """`.deepspeed_env` lines for the variables in ENV_PREFIXES (plus `names`) that are set.
+
+    DeepSpeed splits each line at the first '='; a value with a newline cannot be passed.
+    """
+    env = os.environ if env is None else env
+    lines = []
+    for key in sorted(env):
+        if key in names or key.startswith(ENV_PREFIXES):
+            if "\n" in env[key]:
+                raise ConfigError(f"environment variable {key} holds a newline; .deepspeed_env "
+                                  "cannot carry it: unset it or pass it another way")
+            lines.append(f"{key}={env[key]}\n")
+    return "".join(lines)
+
+
+def _git_commit(root: Path) -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def preflight(*, config: str | None, overrides: list[str], world_size: int, accelerator: str,
+              log_dir: Path | None) -> str:
+    """Validate the run for `world_size` ranks, record it in `log_dir`; the layout line.
+
+    Raises ConfigError (exit 2 in the CLI) before any rank has started, so a job with a bad
+    config fails in seconds with the reason in its log instead of after the queue and start-up.
+    """
+    from pretrain.config import load_config
+    from pretrain.ds_config import resolve_ds_config
+
+    cfg = load_config(config, overrides)
+    ds = resolve_ds_config(cfg, world_size=world_size, accelerator=accelerator)
+    p = cfg.parallel
+    dp = cfg.data_parallel_size(world_size)
+    layout = (f"world {world_size} = tp {p.tensor} x pp {p.pipeline} x dp {dp}; ZeRO "
+              f"{ds.get('zero_optimization', {}).get('stage', 0)} ({cfg.deepspeed}); micro-batch "
+              f"{cfg.train.micro_batch_size} x grad-accum {cfg.grad_accum_steps(world_size)} x dp {dp}"
+              f" = global batch {cfg.global_batch_size(world_size)} sequences of "
+              f"{cfg.model.seq_length} tokens; {cfg.train.precision.value}; run_dir {cfg.run_dir}")
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(log_dir / "config.yaml")
+        (log_dir / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
+        (log_dir / "git_commit.txt").write_text(_git_commit(Path(__file__).resolve().parents[1]) + "\n")
+        (log_dir / "layout.txt").write_text(layout + "\n")
+    return layout
+
+
+def sweep_row(run_dir: Path) -> dict:
+    """Summary of one run's metrics.jsonl: final loss, median tokens/s and step time, peak memory.
+
+    The status is the exit of the job's last attempt (`job/attempts.txt`, written by
+    slurm/common.sh): `ok`, `exit N`, or `running` while there is none.
+    """
+    attempts = run_dir / "job" / "attempts.txt"
+    last = attempts.read_text().split()[-1] if attempts.exists() and attempts.read_text().strip() else ""
+    status = {"": "running", "exit=0": "ok"}.get(last, last.replace("=", " "))
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    train = [r for r in records if r.get("kind") == "train"]
+    if not train:
+        return {"run": run_dir.name, "status": status}
+    timed = train[1:] or train  # the first step includes start-up work
+    return {"run": run_dir.name, "status": status, "steps": train[-1]["step"],
+            "final_loss": train[-1]["loss"],
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+            "peak_mem_gb": max(r.get("peak_mem_gb") or 0.0 for r in train)}
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """A markdown table of `sweep_row`s, sorted by name."""
+    cols = ("run", "status", "steps", "final_loss", "tokens_per_s", "step_time_s", "peak_mem_gb")
+    fmt = {"final_loss": "{:.4f}", "tokens_per_s": "{:,.0f}", "step_time_s": "{:.3f}",
+           "peak_mem_gb": "{:.2f}"}
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in sorted(rows, key=lambda r: r["run"]):
+        cells = [fmt.get(c, "{}").format(row[c]) if c in row else "" for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="launch_command", required=True, metavar="SUBCOMMAND")
+    h = sub.add_parser("hostfile", help="write a DeepSpeed hostfile for the Slurm job or a node list")
+    h.add_argument("--nodes", help="host list, Slurm syntax (node[01-04],login1); default "
+                                   "$SLURM_JOB_NODELIST")
+    h.add_argument("--slots", type=int, required=True, help="ranks per node (GPUs, or CPU ranks)")
+    h.add_argument("--output", required=True)
+    e = sub.add_parser("env-file", help="write DeepSpeed's .deepspeed_env for every rank")
+    e.add_argument("--output", default=".deepspeed_env")
+    e.add_argument("--var", action="append", default=[], help="also pass this variable (repeatable)")
+    p = sub.add_parser("preflight", help="validate the run for N ranks, print the layout, record it")
+    train_command.add_arguments(p)  # the same --config / --set / --deepspeed-config as the run
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--accelerator", default=None, help="cpu or cuda (default: DS_ACCELERATOR)")
+    p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, git_commit.txt here")
+    s = sub.add_parser("sweep-table", help="markdown table of the runs under a sweep directory")
+    s.add_argument("sweep_dir", type=Path, help="directory holding one run directory per config")
+    s.add_argument("--output", type=Path, help="also write the table here")
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.launch_command == "hostfile":
+        text = hostfile_text(node_names(args.nodes), slots=args.slots)
+        Path(args.output).write_text(text)
+        print(f"[launch] {args.output}: {text.count(chr(10))} nodes x {args.slots} slots")
+    elif args.launch_command == "env-file":
+        Path(args.output).write_text(deepspeed_env_text(names=tuple(args.var)))
+        print(f"[launch] {args.output}: environment for every rank")
+    elif args.launch_command == "preflight":
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size {args.world_size}: need >= 1 rank")
+        accel = args.accelerator or os.environ.get("DS_ACCELERATOR", "cuda")
+        overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"]
+                                      if args.deepspeed_config else [])
+        print("[preflight] " + preflight(config=args.config, overrides=overrides,
+                                         world_size=args.world_size, accelerator=accel,
+                                         log_dir=args.log_dir), flush=True)
+    else:
+        runs = sorted(d for d in args.sweep_dir.iterdir() if d.is_dir())
+        table = sweep_table([sweep_row(d) for d in runs])
+        if args.output:
+            tmp = args.output.with_name(f".{args.output.name}.{os.getpid()}")
+            tmp.write_text(table)
+            tmp.replace(args.output)  # atomic: array tasks finishing together may both write
+        sys.stdout.write(table)

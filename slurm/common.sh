@@ -1,0 +1,96 @@
+# Sourced by slurm/pretrain_*.sh and slurm/zero_sweep.sh inside the batch job, after they set
+# their defaults: node discovery and environment here, then the scripts call `run_training`
+# (pre-flight, one srun, USR1 forwarded to the ranks) and `finish_job` (requeue on exit 75).
+#
+# Overrides (environment; the #SBATCH lines are overridden on the sbatch command line):
+#   CONFIG        run config YAML                         (each script sets its preset)
+#   RUN_DIR       run directory: checkpoints, metrics     (default: the config's run_dir)
+#   LOG_DIR       job record: resolved config, ds_config.json, git commit, attempts
+#                 (default runs/slurm/<job name>-<job id>)
+#   GPUS_PER_NODE ranks per node = GPUs per node; 0 runs CPU ranks (TASKS_PER_NODE of them)
+#   TASKS_PER_NODE ranks per node (default: GPUS_PER_NODE, else SLURM_NTASKS_PER_NODE)
+#   MASTER_PORT   rendezvous port (default 20000 + job id % 20000, the same on every node)
+#   PRETRAIN_ROOT the repository (default: the directory sbatch was run from)
+#   VENV          virtual environment to activate (default $PRETRAIN_ROOT/.venv if present)
+# Arguments of the script go to `pretrain train` (and to the pre-flight): --set K=V, --deepspeed-config.
+set -euo pipefail
+ROOT="${PRETRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
+if [[ ! -f $ROOT/slurm/common.sh ]]; then
+  echo "error: $ROOT is not the pretrain repository: run sbatch from it or set PRETRAIN_ROOT" >&2
+  exit 2
+fi
+cd "$ROOT"
+VENV="${VENV:-$ROOT/.venv}"
+[[ -f $VENV/bin/activate ]] && source "$VENV/bin/activate"
+
+# ---- nodes and ranks -----------------------------------------------------------------------
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+NNODES=${#NODES[@]}
+GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}"
+if (( GPUS_PER_NODE > 0 )); then
+  TASKS_PER_NODE="${TASKS_PER_NODE:-$GPUS_PER_NODE}"
+else
+  TASKS_PER_NODE="${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
+fi
+WORLD_SIZE=$(( NNODES * TASKS_PER_NODE ))
+export MASTER_ADDR="${MASTER_ADDR:-${NODES[0]}}"
+export MASTER_PORT="${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}"
+
+# ---- environment of every rank (srun passes the batch shell's environment on) --------------
+export DS_ACCELERATOR="${DS_ACCELERATOR:-$( (( GPUS_PER_NODE > 0 )) && echo cuda || echo cpu)}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"  # a failed collective ends the rank
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # TP/SP communication overlap order
+export PYTHONFAULTHANDLER=1          # Python stacks of every thread on a crash or a fatal signal
+export PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
+
+RUN_ARGS=(--config "$CONFIG" "$@")
+[[ -n ${RUN_DIR:-} ]] && RUN_ARGS+=(--set "run_dir=$RUN_DIR")
+LOG_DIR="${LOG_DIR:-runs/slurm/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"
+mkdir -p "$LOG_DIR"
+ATTEMPT="${SLURM_RESTART_COUNT:-0}"
+echo "[slurm] job $SLURM_JOB_ID attempt $ATTEMPT: $NNODES nodes (${NODES[*]}) x $TASKS_PER_NODE ranks," \
+     "master $MASTER_ADDR:$MASTER_PORT, accelerator $DS_ACCELERATOR, log dir $LOG_DIR"
+
+# ---- pre-flight: fail in seconds, before any rank starts, with the reason in this log --------
+preflight() {
+  if python -m pretrain plan --help >/dev/null 2>&1; then  # layout and per-GPU memory estimate
+    python -m pretrain plan --world-size "$WORLD_SIZE" --accelerator "$DS_ACCELERATOR" "${RUN_ARGS[@]}" \
+      | tee "$LOG_DIR/plan.txt" || return 2
+  fi
+  python -m pretrain launch preflight --world-size "$WORLD_SIZE" --log-dir "$LOG_DIR" "${RUN_ARGS[@]}"
+}
+
+# ---- train: one task per rank; discover_world maps SLURM_PROCID/NTASKS/LOCALID ---------------
+# `--signal=B:USR1@N` signals only this shell: pass it to the ranks, which save a checkpoint and
+# exit 75 (EXIT_REQUEUE). Sets JOB_RC (2 when the pre-flight refused the config).
+forward_usr1() { echo "[slurm] USR1: asking the ranks to checkpoint and stop"; kill -USR1 "$SRUN_PID" 2>/dev/null || true; }
+run_training() {
+  JOB_RC=0
+  preflight || { JOB_RC=2; return 0; }
+  trap forward_usr1 USR1
+  srun --ntasks-per-node="$TASKS_PER_NODE" --nodes="$NNODES" \
+    python -u -m pretrain train "${RUN_ARGS[@]}" &
+  SRUN_PID=$!
+  while :; do
+    JOB_RC=0
+    wait "$SRUN_PID" || JOB_RC=$?
+    kill -0 "$SRUN_PID" 2>/dev/null || break  # wait returned for the trap, not for srun's end
+  done
+  trap - USR1
+  echo "attempt=$ATTEMPT exit=$JOB_RC" >> "$LOG_DIR/attempts.txt"
+}
+
+# ---- act on pretrain's exit status (pretrain/errors.py) --------------------------------------
+finish_job() {
+  case $JOB_RC in
+    0) echo "[slurm] training finished" ;;
+    75) echo "[slurm] checkpoint saved after a stop request: requeueing job $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;
+    2) echo "[slurm] error in the run's input (exit 2, see above): fix it and resubmit; not requeued" ;;
+    *) echo "[slurm] training failed with exit $JOB_RC (3: a rank faulted or a collective timed out)" ;;
+  esac
+  exit "$JOB_RC"
+}

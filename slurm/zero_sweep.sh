@@ -1,0 +1,42 @@
+#!/bin/bash
+# ZeRO sweep: the same short run once per DeepSpeed config, one array task each, on 1 node x 8
+# GPUs (configs/llama_1b.yaml, 50 steps); every finishing task rewrites the result table
+# $SWEEP_DIR/results.md (final loss, median tokens/s and step time, peak memory per config).
+#
+#   mkdir -p runs/slurm && sbatch slurm/zero_sweep.sh           # --array=0-6: ds_configs/*.json
+#   DS_CONFIGS="ds_configs/zero1.json ds_configs/zero3.json" sbatch --array=0-1 slurm/zero_sweep.sh
+#
+# Overrides (besides slurm/common.sh's): DS_CONFIGS (the list, sorted; task i runs the i-th),
+# SWEEP_DIR (default runs/zero_sweep-<array job id>), SWEEP_STEPS (default 50).
+#SBATCH --job-name=zero_sweep
+#SBATCH --array=0-6
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --exclusive
+#SBATCH --time=01:00:00
+#SBATCH --output=runs/slurm/%x-%A_%a.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+CONFIG="${CONFIG:-configs/llama_1b.yaml}"
+cd "${PRETRAIN_ROOT:-${SLURM_SUBMIT_DIR:-.}}"  # DS_CONFIGS paths are relative to the repository
+read -r -a SWEEP_CONFIGS <<< "$(ls ${DS_CONFIGS:-ds_configs/*.json} | sort | tr '\n' ' ')"
+TASK="${SLURM_ARRAY_TASK_ID:-0}"
+if (( TASK >= ${#SWEEP_CONFIGS[@]} )); then
+  echo "error: array task $TASK but only ${#SWEEP_CONFIGS[@]} configs (${SWEEP_CONFIGS[*]}):" \
+       "submit with --array=0-$(( ${#SWEEP_CONFIGS[@]} - 1 ))" >&2
+  exit 2
+fi
+DS="${SWEEP_CONFIGS[$TASK]}"
+SWEEP_DIR="${SWEEP_DIR:-runs/zero_sweep-${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}"
+RUN_DIR="$SWEEP_DIR/$(basename "$DS" .json)"
+LOG_DIR="$RUN_DIR/job"  # attempts.txt here gives the table its status column
+set -- --deepspeed-config "$DS" --set "train.steps=${SWEEP_STEPS:-50}" "$@"
+source "${PRETRAIN_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+run_training
+# flock: the last task to finish writes last, so the table ends with every run in it.
+flock "$SWEEP_DIR/.results.lock" python -m pretrain launch sweep-table "$SWEEP_DIR" \
+  --output "$SWEEP_DIR/results.md"
+finish_job

@@ -1,0 +1,152 @@
+"""The real `slurm/*.sh` scripts on a real local Slurm cluster (tests/slurm_cluster.py).
+
+Two slurmd "nodes" on this host, one CPU rank each: the 70B script with tiny overrides trains and
+checkpoints; USR1 leads to a checkpoint, a requeue and a resume at the next step; the ZeRO sweep
+array leaves a result table; a bad config fails in the pre-flight with its message in the log.
+Each test submits exactly what a user would, with `sbatch` options and environment overrides.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import SlurmCluster
+
+REPO = Path(__file__).resolve().parents[1]
+
+# 2 nodes x 1 CPU rank, one thread each; everything else from the script's #SBATCH header.
+TWO_CPU_NODES = ["--nodes", "2", "--ntasks-per-node", "1", "--gpus-per-node", "0",
+                 "--cpus-per-task", "1", "--time", "15"]
+# The 70B config shrunk to the tiny model, keeping its shape: pipeline across the 2 nodes, ZeRO-1.
+TINY_70B = ["model.preset=tiny", "model.seq_length=64", "parallel.tensor=1", "parallel.pipeline=2",
+            "train.micro_batch_size=2", "train.global_batch_size=4", "train.precision=fp32",
+            "train.warmup_steps=2", "train.eval_interval=0", "data.num_workers=0",
+            "logging.tensorboard=false", "logging.wandb_mode=disabled",
+            "logging.progress_bar=false", "checkpoint.save_final=false"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield c
+    c.stop()
+
+
+def _sets(*overrides: str) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def _submit(cluster: SlurmCluster, script: str, tmp: Path, *, sbatch_args: list[str],
+            env: dict[str, str], script_args: list[str]) -> str:
+    return cluster.sbatch(f"slurm/{script}", options=[*sbatch_args, "--output", f"{tmp}/%x-%j.out"],
+                          script_args=script_args, env=env, cwd=REPO)
+
+
+def _log(tmp: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(tmp.glob("*.out")))
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r["step"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
+
+
+def _done(cluster: SlurmCluster, job_id: str, tmp: Path, *, timeout: float = 420):
+    jobs = cluster.wait(job_id, timeout=timeout)
+    return jobs, _log(tmp)
+
+
+def test_70b_script_trains_tiny_model_on_two_nodes(cluster, tiny_data, tmp_path):
+    run_dir, log_dir = tmp_path / "run", tmp_path / "job"
+    env = {"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir)}
+    job = _submit(cluster, "pretrain_70b.sh", tmp_path, sbatch_args=TWO_CPU_NODES, env=env,
+                  script_args=_sets(*TINY_70B, "train.steps=4", "checkpoint.save_interval=2",
+                                    "checkpoint.save_final=true",
+                                    f"data.tokenizer={tiny_data['tokenizer']}",
+                                    f"data.dataset={tiny_data['dataset']}"))
+    (info,), log = _done(cluster, job, tmp_path)
+    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
+    assert info.fields["NodeList"] == "pretrain-node[1-2]"
+    # The pre-flight's layout and the job record in the log directory.
+    assert "tp 1 x pp 2 x dp 1" in log
+    assert "pretrain-node1:" in log  # master address from scontrol show hostnames
+    assert (log_dir / "attempts.txt").read_text() == "attempt=0 exit=0\n"
+    assert len((log_dir / "git_commit.txt").read_text().split()[0]) == 40
+    assert json.loads((log_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
+    assert "preset: tiny" in (log_dir / "config.yaml").read_text()
+    # Two ranks, one per node, through srun (discover_world's Slurm mapping).
+    run = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert (run["world_size"], run["launcher"]) == (2, "slurm")
+    assert _train_steps(run_dir) == [1, 2, 3, 4]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step4"
+    assert (run_dir / "checkpoints" / "step2").is_dir() and (run_dir / "final").is_dir()
+
+
+def test_usr1_checkpoints_requeues_and_resumes(cluster, tiny_data, tmp_path):
+    run_dir, log_dir = tmp_path / "run", tmp_path / "job"
+    env = {"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir)}
+    # Enough steps that the signal lands mid-run; it is sent once step 2 is logged.
+    job = _submit(cluster, "pretrain_70b.sh", tmp_path, sbatch_args=TWO_CPU_NODES, env=env,
+                  script_args=_sets(*TINY_70B, "train.steps=200", "train.micro_batch_size=1",
+                                    "train.global_batch_size=2",
+                                    f"data.tokenizer={tiny_data['tokenizer']}",
+                                    f"data.dataset={tiny_data['dataset']}"))
+    deadline = time.monotonic() + 300
+    while len(_train_steps(run_dir)) < 2:
+        assert time.monotonic() < deadline, _log(tmp_path)
+        assert cluster.job(job)[0].state in ("PENDING", "RUNNING"), _log(tmp_path)
+        time.sleep(0.2)
+    cluster.run(["scancel", "--signal=USR1", "--batch", job])
+    (info,), log = _done(cluster, job, tmp_path, timeout=600)
+    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
+    assert info.fields["Restarts"] == "1", log
+    attempts = (log_dir / "attempts.txt").read_text().splitlines()
+    assert attempts == ["attempt=0 exit=75", "attempt=1 exit=0"], log
+    assert "requeueing job" in log
+    steps = _train_steps(run_dir)
+    # Attempt 1 continues at the step after the checkpoint of attempt 0: no step repeated or lost.
+    assert steps == list(range(1, 201)), steps
+
+
+def test_zero_sweep_array_leaves_result_table(cluster, tiny_data, tmp_path):
+    sweep = tmp_path / "sweep"
+    configs = [f"ds_configs/zero{s}.json" for s in range(4)]
+    env = {"CONFIG": "configs/tiny.yaml", "SWEEP_DIR": str(sweep), "SWEEP_STEPS": "3",
+           "DS_CONFIGS": " ".join(configs)}
+    job = _submit(cluster, "zero_sweep.sh", tmp_path,
+                  sbatch_args=["--array", "0-3", "--ntasks-per-node", "2", "--gpus-per-node", "0",
+                               "--cpus-per-task", "1", "--time", "15"], env=env,
+                  script_args=_sets("data.num_workers=0", f"data.tokenizer={tiny_data['tokenizer']}",
+                                    f"data.dataset={tiny_data['dataset']}"))
+    tasks, log = _done(cluster, job, tmp_path, timeout=600)
+    assert len(tasks) == 4 and all(t.state == "COMPLETED" for t in tasks), log
+    table = (sweep / "results.md").read_text().splitlines()
+    assert table[0].startswith("| run | status | steps | final_loss |")
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in table[2:]}
+    assert sorted(rows) == ["zero0", "zero1", "zero2", "zero3"], table
+    for name, cells in rows.items():
+        assert cells[0].strip() == "ok" and cells[1].strip() == "3", (name, table)
+        assert float(cells[2]) > 0 and float(cells[3].replace(",", "")) > 0, (name, table)
+    for s in range(4):
+        ds = json.loads((sweep / f"zero{s}" / "job" / "ds_config.json").read_text())
+        assert ds["zero_optimization"]["stage"] == s
+
+
+def test_bad_config_fails_fast_with_message_in_log(cluster, tiny_data, tmp_path):
+    env = {"RUN_DIR": str(tmp_path / "run"), "LOG_DIR": str(tmp_path / "job")}
+    # tp 3 cannot divide 2 ranks: refused by the pre-flight, before srun starts any rank.
+    job = _submit(cluster, "pretrain_70b.sh", tmp_path, sbatch_args=TWO_CPU_NODES, env=env,
+                  script_args=_sets(*TINY_70B, "parallel.tensor=3",
+                                    f"data.tokenizer={tiny_data['tokenizer']}",
+                                    f"data.dataset={tiny_data['dataset']}"))
+    (info,), log = _done(cluster, job, tmp_path, timeout=120)
+    assert (info.state, info.exit_code) == ("FAILED", "2:0"), log
+    assert "error: world size 2 is not divisible by parallel.tensor x parallel.pipeline" in log
+    assert "not requeued" in log and info.fields["Restarts"] == "0"
+    assert not (tmp_path / "run").exists()  # no rank ever started
