@@ -25,8 +25,9 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprec
 
 from pretrain import checkpoint, faults, telemetry
 from pretrain.config import Precision, Recompute, RunConfig
-from pretrain.data import DistributedPackedSampler, Tokenizer
+from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
+from pretrain.data.loader import micro_batches
 from pretrain.dist import World
 from pretrain.ds_config import offload_devices, zero_stage
 from pretrain.errors import ConfigError, DataError
@@ -209,14 +210,10 @@ class Trainer:
 
     def _loader(self, dataset: Samples, *, consumed: int,
                 workers: int) -> Iterator[dict[str, torch.Tensor]]:
-        sampler = DistributedPackedSampler(len(dataset), micro_batch_size=self.cfg.train.micro_batch_size,
-                                           dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                           consumed_samples=consumed)
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, num_workers=workers,
-            pin_memory=self.device.startswith("cuda"), persistent_workers=workers > 0,
-            prefetch_factor=4 if workers > 0 else None)
-        return iter(loader)
+        return micro_batches(dataset, micro_batch_size=self.cfg.train.micro_batch_size,
+                             dp_rank=self.dp_rank, dp_size=self.dp_size,
+                             consumed_samples=consumed, workers=workers,
+                             pin_memory=self.device.startswith("cuda"))
 
     def _resume(self, point: checkpoint.ResumePoint) -> None:
         start = time.perf_counter()

@@ -411,12 +411,15 @@ def test_sample_index_cache_is_written_once_and_keyed(tmp_path, monkeypatch):
     second = PackedSamples(tmp_path / "d", seq_length=16, split="train", valid_fraction=0.1,
                            seed=1)
     assert second.cache_path == first.cache_path and second.cache_path.stat().st_mtime_ns == mtime
+    assert isinstance(second.order, np.memmap)  # the shuffle order is cached too
+    assert np.array_equal(second.order, first.order)
     assert all(np.array_equal(first.sample_tokens(i), second.sample_tokens(i))
                for i in range(len(first)))
     monkeypatch.undo()
     other = PackedSamples(dataset, seq_length=17, split="train", valid_fraction=0.1, seed=1)
     assert other.cache_path != first.cache_path and other.cache_path.is_file()
     assert leftovers(tmp_path) == ["d.bin", "d.idx"]
+    assert len(list(tmp_path.glob("d.train_*.npy"))) == 4  # index + order, for two seq_lengths
 
 
 def test_multi_sequence_documents_stay_together(tmp_path):

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from torch.utils.data import DataLoader
+import torch
 
 from launch_utils import train
 from pretrain.config import DataConfig, load_config
 from pretrain.data import (
     BlendedSamples,
-    DistributedPackedSampler,
     IndexedDatasetWriter,
     PackedSamples,
     blend_counts,
@@ -26,6 +25,7 @@ from pretrain.data import (
     preprocess,
     split_documents,
 )
+from pretrain.data.loader import micro_batches
 from pretrain.errors import ConfigError, DataError
 
 EOS = 2
@@ -158,16 +158,18 @@ def test_blend_through_a_config_override_and_with_dataset():
 # ----------------------------------------------------------------------------- order
 
 def read_stream(samples, *, micro_batch_size: int, dp_size: int, micro_steps: int,
-                consumed: int = 0) -> list[list[int]]:
+                consumed: int = 0, workers: int = 1) -> list[list[int]]:
     """The samples read by all dp ranks, micro-step by micro-step, in (micro-step, rank) order,
-    through a DataLoader with workers, as the trainer reads them."""
-    loaders = [iter(DataLoader(samples, num_workers=1, batch_sampler=DistributedPackedSampler(
-        len(samples), micro_batch_size=micro_batch_size, dp_rank=rank, dp_size=dp_size,
-        consumed_samples=consumed))) for rank in range(dp_size)]
+    through the trainer's loader (`micro_batches`, a DataLoader with workers)."""
+    loaders = [micro_batches(samples, micro_batch_size=micro_batch_size, dp_rank=rank,
+                             dp_size=dp_size, consumed_samples=consumed, workers=workers)
+               for rank in range(dp_size)]
     stream = []
     for _ in range(micro_steps):
         for loader in loaders:
-            stream.extend(row.tolist() for row in next(loader)["input_ids"])
+            batch = next(loader)
+            assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+            stream.extend(row.tolist() for row in batch["input_ids"])
     return stream
 
 
@@ -198,8 +200,9 @@ def test_resume_at_step_k_reads_the_same_samples(blend, resume_dp):
 def test_packed_samples_resume_too(two_datasets):
     samples = PackedSamples(two_datasets[1], seq_length=8, split="train", valid_fraction=0.1,
                             seed=2)
-    uninterrupted = read_stream(samples, micro_batch_size=2, dp_size=2, micro_steps=8)
-    resumed = read_stream(samples, micro_batch_size=4, dp_size=1, micro_steps=3, consumed=20)
+    uninterrupted = read_stream(samples, micro_batch_size=2, dp_size=2, micro_steps=8, workers=0)
+    resumed = read_stream(samples, micro_batch_size=4, dp_size=1, micro_steps=3, consumed=20,
+                          workers=2)
     assert resumed == uninterrupted[20:32]
 
 

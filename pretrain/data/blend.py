@@ -105,6 +105,14 @@ class BlendedSamples:
         self.weights = [float(w) for w in weights]
         self.dataset_index, self.dataset_sample_index = blend_schedule(weights, num_samples)
 
+    def __getstate__(self) -> dict:
+        # The schedule is recomputed (cheap), not sent to every spawned DataLoader worker.
+        return {"datasets": self.datasets, "weights": self.weights, "num_samples": len(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["datasets"], weights=state["weights"],
+                      num_samples=state["num_samples"])
+
     def __len__(self) -> int:
         return len(self.dataset_index)
 
@@ -112,6 +120,12 @@ class BlendedSamples:
         """Samples drawn from each dataset."""
         return np.bincount(self.dataset_index, minlength=len(self.datasets))
 
+    def tokens(self, index: int) -> np.ndarray:
+        """The ``seq_length + 1`` tokens of blend sample `index`."""
+        dataset = self.datasets[int(self.dataset_index[index])]
+        return dataset.tokens(int(self.dataset_sample_index[index]) % len(dataset))
+
     def __getitem__(self, index: int):
+        """``{"input_ids", "labels"}`` of blend sample `index`, as `PackedSamples` gives."""
         dataset = self.datasets[int(self.dataset_index[index])]
         return dataset[int(self.dataset_sample_index[index]) % len(dataset)]

@@ -17,9 +17,9 @@ Packing (Megatron-style, no padding):
 - The (sequence position, offset) of each sample's first token is computed with NumPy
   (cumulative sizes + searchsorted) and cached as ``prefix.<split>_<key>.npy``, keyed by the
   dataset's sizes and every parameter above, so a changed seq_length never reuses a stale index.
-- Samples are served in a seeded shuffled order (``PackedSamples.order``), so a batch holds
-  samples from all over the corpus; ``sample_tokens(i)`` is the i-th sample of the unshuffled
-  stream.
+- Samples are served in a seeded shuffled order (``PackedSamples.order``, cached beside the
+  index as ``prefix.<split>_<key>.order.npy``), so a batch holds samples from all over the
+  corpus; ``sample_tokens(i)`` is the i-th sample of the unshuffled stream.
 
 Global order (`micro_batch_indices`): optimizer step s consumes samples ``[s*G, (s+1)*G)`` with
 ``G = micro_batch_size * grad_accum * dp_size``; micro-step a of step s reads the block of
@@ -34,7 +34,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -126,14 +126,30 @@ class PackedSamples(Dataset):
         key = _cache_key(self.dataset, seq_length=seq_length, split=split,
                          fractions=(valid_fraction, test_fraction), seed=seed)
         self.cache_path = Path(f"{self.dataset.prefix}.{split}_{key[:16]}.npy")
-        self._index = _load_or_build_index(self.cache_path, sizes=self._sequence_sizes,
-                                           seq_length=seq_length, num_samples=num_samples)
+        self._index = _load_or_build(
+            self.cache_path, shape=(num_samples, 2),
+            build=lambda: build_sample_index(self._sequence_sizes, seq_length=seq_length,
+                                             num_samples=num_samples))
 
         # Sample i of the dataset is stream sample order[i]: a batch mixes samples from all over
         # the corpus instead of consecutive chunks of a few files (Megatron's shuffle index).
-        # A seeded hash permutation, like the document order, so it never changes with NumPy.
-        self.order = seeded_permutation(num_samples, seed=seed + 1) if shuffle \
+        # A seeded hash permutation, like the document order, so it never changes with NumPy;
+        # cached too: sorting hundreds of millions of hashes takes minutes.
+        self.order = _load_or_build(
+            self.cache_path.with_suffix(".order.npy"), shape=(num_samples,),
+            build=lambda: seeded_permutation(num_samples, seed=seed + 1)) if shuffle \
             else np.arange(num_samples, dtype=np.int64)
+        self._arguments = dict(seq_length=seq_length, split=split, valid_fraction=valid_fraction,
+                               test_fraction=test_fraction, seed=seed, shuffle=shuffle)
+
+    def __getstate__(self) -> dict:
+        # The arguments, not the arrays: a spawned DataLoader worker reloads the cached index
+        # (memory-mapped) instead of receiving a copy of it through a pipe.
+        return {"dataset": self.dataset, **self._arguments}
+
+    def __setstate__(self, state: dict) -> None:
+        dataset = state.pop("dataset")
+        self.__init__(dataset, **state)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -153,10 +169,18 @@ class PackedSamples(Dataset):
             position, offset = position + 1, 0
         return np.concatenate(pieces)
 
+    def tokens(self, index: int) -> np.ndarray:
+        """The ``seq_length + 1`` tokens of sample `index` in shuffled order (what
+        ``self[index]`` holds; `sample_tokens` indexes the unshuffled stream)."""
+        return self.sample_tokens(int(self.order[index]))
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample `index` in shuffled order (`sample_tokens` indexes the unshuffled stream)."""
-        tokens = torch.from_numpy(self.sample_tokens(int(self.order[index])).astype(np.int64))
-        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        return inputs_and_labels(torch.from_numpy(self.tokens(index).astype(np.int64)))
+
+
+def inputs_and_labels(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Samples of ``seq_length + 1`` tokens (last dimension) as model inputs and labels."""
+    return {"input_ids": tokens[..., :-1], "labels": tokens[..., 1:]}
 
 
 def _sequences_of(document_indices: np.ndarray, documents: np.ndarray) -> np.ndarray:
@@ -188,25 +212,25 @@ def _cache_key(dataset: IndexedDataset, *, seq_length: int, split: str,
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
-def _load_or_build_index(path: Path, *, sizes: np.ndarray, seq_length: int,
-                         num_samples: int) -> np.ndarray:
-    """Load the cached index, or build it and write it atomically beside the dataset.
+def _load_or_build(path: Path, *, shape: tuple[int, ...],
+                   build: Callable[[], np.ndarray]) -> np.ndarray:
+    """Load a cached array (memory-mapped), or build it and write it atomically beside the data.
 
     Several ranks may build at once: each writes its own temporary file and renames it over
     the same name with identical contents, so no barrier is needed.
     """
     if path.is_file():
-        index = np.load(path, mmap_mode="r")
-        if index.shape == (num_samples, 2):
-            return index
-    index = build_sample_index(sizes, seq_length=seq_length, num_samples=num_samples)
+        array = np.load(path, mmap_mode="r")
+        if array.shape == shape:
+            return array
+    array = build()
     try:
         with atomic_file(path) as out:
-            np.save(out, index)
+            np.save(out, array)
     except OSError as error:
         warnings.warn(f"cannot cache the sample index at {str(path)!r} ({error.strerror}); "
                       "it will be rebuilt on every start", stacklevel=3)
-    return index
+    return array
 
 
 def micro_batch_indices(*, step: int, micro_step: int, dp_rank: int, micro_batch_size: int,
