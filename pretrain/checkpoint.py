@@ -9,6 +9,8 @@ Layout of a run directory::
     <run_dir>/checkpoints/step<N>/manifest.json  size of every file: written last, it marks the
                                                  checkpoint complete
     <run_dir>/checkpoints/latest                 the newest complete tag (DeepSpeed's format)
+    <run_dir>/stopped.json                       written when a signal or time limit stopped the
+                                                 run (exit 75): {"exit_code", "reason", "step"}
     <run_dir>/final/model.safetensors            consolidated fp32 weights, Hugging Face names
     <run_dir>/final/config.yaml, tokenizer.model the run config and the tokenizer
 
@@ -51,6 +53,7 @@ FINAL_WEIGHTS = "model.safetensors"
 LATEST = "latest"
 META = "meta.json"
 MANIFEST = "manifest.json"
+STOPPED = "stopped.json"
 # What DeepSpeed's ds_to_universal requires in the client state of every checkpoint (DESIGN.md).
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
 
@@ -113,6 +116,17 @@ def write_latest(ckpt_dir: Path, tag: str) -> None:
     _write_atomic(ckpt_dir / LATEST, tag)
 
 
+def mark_stopped(run_dir: Path, *, step: int, reason: str, exit_code: int) -> None:
+    """`<run_dir>/stopped.json`: why and where the run stopped early, for job scripts whose
+    launcher does not pass the ranks' exit status on (torchrun exits 1 whatever they return)."""
+    _write_atomic(run_dir / STOPPED, json.dumps({"exit_code": exit_code, "reason": reason,
+                                                  "step": step}))
+
+
+def clear_stopped(run_dir: Path) -> None:
+    (run_dir / STOPPED).unlink(missing_ok=True)
+
+
 def save(engine, *, ckpt_dir: Path, meta: dict[str, Any], client_state: dict[str, Any],
          keep_last: int, keep_every: int, rank: int) -> Path:
     """Save a checkpoint tagged step<meta['step']> on every rank (collective); its directory.
@@ -173,15 +187,18 @@ def verify(tag_dir: Path) -> str | None:
         return "incomplete (no manifest.json: the save did not finish)"
     try:
         files = json.loads((tag_dir / MANIFEST).read_text())["files"]
-        json.loads((tag_dir / META).read_text())
     except (OSError, ValueError, KeyError) as exc:
-        return f"unreadable manifest.json / meta.json ({exc})"
+        return f"unreadable manifest.json ({exc})"
     for name, size in files.items():
         path = tag_dir / name
         if not path.is_file():
             return f"missing file {name}"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, {size} were written (truncated?)"
+    try:
+        json.loads((tag_dir / META).read_text())
+    except (OSError, ValueError) as exc:
+        return f"unreadable meta.json ({exc})"
     return None
 
 

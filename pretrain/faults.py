@@ -10,8 +10,8 @@
 - `is_collective_failure`: tells a peer's death or a collective timeout from other errors, so
   `pretrain train` exits with EXIT_FAULT and a one-line reason instead of a traceback or a hang.
 
-Testing aid: `PRETRAIN_INJECT_NAN_STEP=k` makes global rank 0 multiply its first micro-batch loss
-of step k by NaN (flat models only; the pipeline engine computes the loss inside its schedule).
+Testing aid: `PRETRAIN_INJECT_NAN_STEP=k` (or `k,l,...`) makes global rank 0 multiply its first
+micro-batch loss of step k by NaN (flat models only; the pipeline engine computes the loss inside its schedule).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class NonFiniteGuard:
         self.total = self.in_a_row = 0
         self.mean_loss: float | None = None  # running mean (EMA) of finite losses
         self.loss_scale = self._loss_scale()
-        self.inject_step = int(os.environ.get(INJECT_NAN_ENV, "0") or 0)
+        self.inject_steps = {int(k) for k in os.environ.get(INJECT_NAN_ENV, "").split(",") if k}
         optimizer = engine.optimizer
         if not hasattr(optimizer, "overflow"):
             # ZeRO-0 hands DeepSpeed a plain torch optimizer, which would apply NaN gradients:
@@ -130,8 +130,9 @@ class NonFiniteGuard:
         return float(scale) if scale is not None else None
 
     def maybe_inject(self, loss: torch.Tensor, *, step: int, micro: int) -> torch.Tensor:
-        """`loss` * NaN on rank 0 at the first micro-batch of step `inject_step` (testing aid)."""
-        if step == self.inject_step and micro == 0 and self.rank == 0:
+        """`loss` * NaN on rank 0 at the first micro-batch of the steps listed in
+        PRETRAIN_INJECT_NAN_STEP (testing aid: "3" or "3,4,5")."""
+        if step in self.inject_steps and micro == 0 and self.rank == 0:
             return loss * float("nan")
         return loss
 

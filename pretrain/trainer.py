@@ -30,7 +30,7 @@ from pretrain.data.build import Samples, build_datasets
 from pretrain.data.loader import micro_batches
 from pretrain.dist import World
 from pretrain.ds_config import offload_devices, zero_stage
-from pretrain.errors import ConfigError, DataError
+from pretrain.errors import EXIT_REQUEUE, ConfigError, DataError
 from pretrain.model import build_model
 from pretrain.plan import hardware_flops_per_token
 from pretrain.topology import ProcessGroups
@@ -305,6 +305,8 @@ class Trainer:
 
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult()
+        if self.main:
+            checkpoint.clear_stopped(self.run_dir)
         batches = self._loader(self.train_data, consumed=self.consumed_samples,
                                workers=cfg.data.num_workers)
         tokens_per_step = self.global_batch * cfg.model.seq_length
@@ -343,6 +345,9 @@ class Trainer:
                 telemetry.log(f"[stop] {stop}: saving step {self.step}, then exiting to be "
                               "requeued", main=self.main)
                 self.save()
+                if self.main:
+                    checkpoint.mark_stopped(self.run_dir, step=self.step, reason=stop,
+                                            exit_code=EXIT_REQUEUE)
                 break
             if (save_due or cfg.checkpoint.save_interval
                     and self.step % cfg.checkpoint.save_interval == 0) and self.step < t.steps:
