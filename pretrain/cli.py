@@ -7,6 +7,7 @@
     pretrain generate    continue a prompt with a trained checkpoint
     pretrain launch      hostfile / .deepspeed_env / pre-flight / sweep table for launch scripts
     pretrain plan        dry-run a config for N ranks; memory / speed planner; --search
+    pretrain sweep       short runs over ZeRO configs x micro-batches: CSV, table, plot
 
 Errors in the user's input (config, data, checkpoint) print one `error:` line and exit 2.
 """
@@ -30,7 +31,7 @@ def _quiet_imports() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pretrain import generate, launch, train
-    from pretrain import plan_command
+    from pretrain import plan_command, sweep
     from pretrain.data import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    launch.add_arguments, launch.run),
         "plan": ("dry-run a config for N ranks; per-GPU memory, step time and MFU; --search",
                  plan_command.add_arguments, plan_command.run),
+        "sweep": ("short runs over DeepSpeed configs x micro-batches -> CSV, Markdown, PNG",
+                  sweep.add_arguments, sweep.run),
     }
     for name, (help_text, add_args, func) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

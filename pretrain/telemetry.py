@@ -8,7 +8,8 @@ machine-readable record. Fields:
     DeepSpeed did not compute one), tokens_per_s (whole job), tflops_per_device (model FLOPs),
     mfu (model FLOPs utilisation against `peak_tflops`), hw_tflops_per_device and hfu (hardware
     FLOPs, counting the forward of recomputed layers), peak_mem_gb (this rank's allocator peak on
-    GPUs; process peak RSS on CPU), data_wait_s (time waiting for the data loader this step),
+    GPUs; process peak RSS on CPU), peak_mem_gb_ranks (the same for every rank, in rank order),
+    data_wait_s (time waiting for the data loader this step),
     step_time_s, consumed_samples, skipped_steps (cumulative, fp16 overflow), loss_scale (fp16),
     and on GPUs gpu_util_pct, gpu_temp_c, gpu_mem_used_gb (NVML, rank 0's device).
 ``{"kind": "eval", ...}`` once per validation pass
@@ -42,6 +43,18 @@ def peak_memory_gb() -> float:
         return accel.max_memory_allocated() / 2**30
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
     return kb / 2**20
+
+
+def peak_memory_all_ranks(device: str) -> list[float]:
+    """Every rank's `peak_memory_gb`, in rank order (a collective: all ranks call it)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([peak_memory_gb()], dtype=torch.float64, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine.item()]
+    values = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, mine)
+    return [v.item() for v in values]
 
 
 def measure_matmul_tflops(dtype: torch.dtype, *, device: str = "cpu", n: int = 1024,

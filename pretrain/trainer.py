@@ -238,6 +238,7 @@ class Trainer:
                             "parameters": n_params, "global_batch": self.global_batch,
                             "grad_accum": self.grad_accum, "precision": cfg.train.precision.value,
                             "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
+                            "deepspeed_config": cfg.deepspeed,
                             "torch": torch.__version__,
                             "deepspeed": __import__("deepspeed").__version__})
         telemetry.log(
@@ -389,7 +390,9 @@ class Trainer:
             "hw_tflops_per_device": hardware_flops * per_device / 1e12,
             "hfu": telemetry.mfu(flops_per_token=hardware_flops, tokens_per_s_per_device=per_device,
                                  peak_tflops=self.peak_tflops),
-            "peak_mem_gb": telemetry.peak_memory_gb(), "data_wait_s": wait, "step_time_s": elapsed,
+            "peak_mem_gb": telemetry.peak_memory_gb(),
+            "peak_mem_gb_ranks": telemetry.peak_memory_all_ranks(self.device),
+            "data_wait_s": wait, "step_time_s": elapsed,
             "consumed_samples": self.consumed_samples, "skipped_steps": engine.skipped_steps,
         }
         if self.cfg.train.precision == Precision.FP16:
