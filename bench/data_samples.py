@@ -1,0 +1,128 @@
+"""Sample index build time for 100M tokens, and sample fetch rate against training consumption.
+
+1. A synthetic 100M-token dataset (uint16, documents of 1-2,000 tokens, written once under
+   .build/bench): time to build the packed-sample index of the train split (cold), to load it
+   from its cache (warm), and to build the blend schedule of two such datasets for a run of
+   as many samples.
+2. Fetch rate: samples/s that a rank's loader delivers (the trainer's `micro_batches`, with 0
+   and 1 DataLoader workers, prefetch 4, the tiny model's micro-batch and sequence length;
+   configs/tiny.yaml uses 0 workers) against the samples/s that
+   `pretrain train` consumes with the tiny model (configs/tiny.yaml, 1 rank, measured in the
+   same run from its metrics.jsonl). Target: fetch / consumption >= 100.
+
+    .venv/bin/python bench/data_samples.py            # ~1-2 minutes on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from common import CACHE, machine  # noqa: E402
+from launch_utils import run_pretrain  # noqa: E402
+
+from pretrain.config import load_config  # noqa: E402
+from pretrain.data import IndexedDataset, PackedSamples, blend_schedule  # noqa: E402
+from pretrain.data.indexed import atomic_file, encode_index  # noqa: E402
+from pretrain.data.loader import micro_batches  # noqa: E402
+
+
+def synthetic_dataset(prefix: Path, *, tokens: int, vocab_size: int = 512) -> IndexedDataset:
+    """Random documents of 1-2,000 tokens (mean ~1,000) ending with eos (id 2), written once."""
+    if not Path(f"{prefix}.idx").exists():
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(1, 2001, size=tokens // 1000 * 2)
+        lengths = lengths[:np.searchsorted(np.cumsum(lengths), tokens)]
+        data = rng.integers(3, vocab_size, size=int(lengths.sum()), dtype=np.uint16)
+        data[np.cumsum(lengths) - 1] = 2
+        with atomic_file(f"{prefix}.bin") as out:
+            out.write(data.tobytes())
+        with atomic_file(f"{prefix}.idx") as out:
+            out.write(encode_index(dtype=np.uint16, sequence_lengths=lengths,
+                                   document_indices=np.arange(len(lengths) + 1)))
+    return IndexedDataset(prefix)
+
+
+def index_build_times(dataset: IndexedDataset, *, seq_length: int) -> None:
+    for path in Path(dataset.prefix).parent.glob(f"{Path(dataset.prefix).name}.train_*.npy"):
+        path.unlink()  # cold start
+    start = time.perf_counter()
+    samples = PackedSamples(dataset, seq_length=seq_length, split="train", valid_fraction=0.01,
+                            seed=1234)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    PackedSamples(dataset, seq_length=seq_length, split="train", valid_fraction=0.01, seed=1234)
+    warm = time.perf_counter() - start
+    start = time.perf_counter()
+    blend_schedule([0.7, 0.3], len(samples))
+    blend = time.perf_counter() - start
+    print(f"dataset: {dataset.num_tokens / 1e6:.0f}M tokens, {len(dataset):,} documents; "
+          f"seq_length {seq_length}: {len(samples):,} train samples")
+    print(f"sample index: build {cold:.2f} s (cold), load {warm:.2f} s (cached); blend schedule "
+          f"of {len(samples):,} samples: {blend:.2f} s")
+
+
+def fetch_rate(dataset: IndexedDataset, *, seq_length: int, micro_batch_size: int,
+               batches: int, workers: int) -> float:
+    """Samples/s out of the trainer's loader (`micro_batches`) with `workers` processes."""
+    samples = PackedSamples(dataset, seq_length=seq_length, split="train", valid_fraction=0.01,
+                            seed=1234)
+    loader = micro_batches(samples, micro_batch_size=micro_batch_size, dp_rank=0, dp_size=1,
+                           workers=workers)
+    next(loader)  # worker start-up is paid once per run, not per batch
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(loader)
+    return batches * micro_batch_size / (time.perf_counter() - start)
+
+
+def training_consumption(*, steps: int) -> float:
+    """Samples/s of `pretrain train` on the tiny model: global batch / median step time."""
+    from common import stdlib_dataset
+
+    data = stdlib_dataset(vocab_size=512)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        run = run_pretrain(["train", "--config", "configs/tiny.yaml", "--set",
+                            f"run_dir={run_dir}", "--set", f"data.tokenizer={data['tokenizer']}",
+                            "--set", f"data.dataset={data['dataset']}", "--set",
+                            f"train.steps={steps}"], run_dir=run_dir).check()
+        step_times = [r["step_time_s"] for r in run.records if r["kind"] == "train"][2:]
+    global_batch = load_config("configs/tiny.yaml").train.global_batch_size
+    return global_batch / statistics.median(step_times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=100_000_000)
+    parser.add_argument("--batches", type=int, default=5000)
+    parser.add_argument("--steps", type=int, default=40, help="training steps of the tiny model")
+    args = parser.parse_args()
+    tiny = load_config("configs/tiny.yaml")
+    seq_length, micro = tiny.model.seq_length, tiny.train.micro_batch_size
+    print(f"machine: {machine()}")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    dataset = synthetic_dataset(CACHE / f"synthetic_{args.tokens // 1_000_000}M",
+                                tokens=args.tokens)
+    index_build_times(dataset, seq_length=seq_length)
+    fetched = {workers: fetch_rate(dataset, seq_length=seq_length, micro_batch_size=micro,
+                                   batches=args.batches, workers=workers) for workers in (0, 1)}
+    consumed = training_consumption(steps=args.steps)
+    print(f"tiny model training (configs/tiny.yaml, 1 rank, global batch "
+          f"{tiny.train.global_batch_size}) consumes {consumed:,.1f} samples/s")
+    for workers, rate in fetched.items():
+        print(f"fetch with {workers} DataLoader workers (micro-batch {micro}, seq_length "
+              f"{seq_length}): {rate:,.0f} samples/s; ratio fetch / consumption: "
+              f"{rate / consumed:,.0f}x  (target >= 100x)")
+
+
+if __name__ == "__main__":
+    main()
