@@ -5,6 +5,9 @@
     pretrain merge-datasets  concatenate .bin/.idx datasets (e.g. preprocessed shards) into one
     pretrain train       train under any launcher (deepspeed, torchrun, srun) or as one process
     pretrain generate    continue a prompt with a trained checkpoint
+    pretrain export-hf   write any checkpoint as a Hugging Face LlamaForCausalLM directory
+    pretrain import-hf   turn a Hugging Face Llama directory into a run's initial weights
+    pretrain convert-checkpoint  consolidated fp32 weights (--to fp32) or universal checkpoint
     pretrain launch      hostfile / .deepspeed_env / pre-flight / sweep table for launch scripts
     pretrain plan        dry-run a config for N ranks; memory / speed planner; --search
     pretrain sweep       short runs over ZeRO configs x micro-batches: CSV, table, plot
@@ -32,6 +35,7 @@ def _quiet_imports() -> None:
 def build_parser() -> argparse.ArgumentParser:
     from pretrain import generate, launch, train
     from pretrain import plan_command, sweep
+    from pretrain import convert, interop
     from pretrain.data import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,
@@ -48,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                   train.add_arguments, train.run),
         "generate": ("continue a prompt with a trained checkpoint", generate.add_arguments,
                      generate.run),
+        "export-hf": ("write any checkpoint as a Hugging Face LlamaForCausalLM directory",
+                      interop.add_export_arguments, interop.run_export),
+        "import-hf": ("turn a Hugging Face Llama directory into initial weights for a run",
+                      interop.add_import_arguments, interop.run_import),
+        "convert-checkpoint": ("consolidated fp32 weights (--to fp32) or a universal checkpoint",
+                               convert.add_arguments, convert.run),
         "launch": ("helpers of launch/ and slurm/: hostfile, .deepspeed_env, preflight, sweep-table",
                    launch.add_arguments, launch.run),
         "plan": ("dry-run a config for N ranks; per-GPU memory, step time and MFU; --search",

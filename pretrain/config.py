@@ -68,6 +68,8 @@ class ModelConfig:
     activation_checkpointing: Recompute = Recompute.NONE
     activation_checkpointing_interval: int = 1  # k for Recompute.EVERY_K
     vocab_pad_multiple: int = 128  # vocabulary rounded up to a multiple of this x tensor size
+    init_from: str = ""  # initial weights instead of the seeded init: a Hugging Face Llama
+    # directory, `pretrain import-hf` output, a run dir, step dir or final/ (same shapes)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -459,6 +461,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. train.lr=3e-4")
     key, value = text.split("=", 1)
     return key.strip().split("."), yaml.load(value, Loader=_UniqueKeyLoader)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """A validated RunConfig from `RunConfig.to_dict()` output (e.g. a checkpoint's saved config)."""
+    return _build(RunConfig, raw, "")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -235,6 +235,20 @@ def _engine_tokenizer(info: dict, *, step_dir: Path, cfg: RunConfig) -> Path | N
     return None
 
 
+# The files of a Hugging Face tokenizer (a model directory also holds weights: not these).
+_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                    "merges.txt", "chat_template*")
+
+
+def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
+    """Copy the tokenizer files of a Hugging Face directory into `dst_dir`."""
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in _TOKENIZER_FILES:
+        for file in src_dir.glob(pattern):
+            if file.is_file():
+                shutil.copyfile(file, dst_dir / file.name)
+
+
 def write_weights_dir(weights: Weights, out: Path) -> Path:
     """Write `weights` as a final/-format directory (model.safetensors in fp32 with Hugging Face
     names, config.yaml, the tokenizer); atomic: readers never see a half-written directory."""
@@ -250,7 +264,7 @@ def write_weights_dir(weights: Weights, out: Path) -> Path:
                   metadata={"step": str(weights.step), "source": weights.source})
         cfg.save(tmp / "config.yaml")
         if weights.tokenizer is not None and weights.tokenizer.is_dir():
-            shutil.copytree(weights.tokenizer, tmp / "tokenizer")
+            copy_tokenizer(weights.tokenizer, tmp / "tokenizer")
         elif weights.tokenizer is not None:
             shutil.copyfile(weights.tokenizer, tmp / "tokenizer.model")
         shutil.rmtree(out, ignore_errors=True)

@@ -153,6 +153,11 @@ class Trainer:
             model = build_model(cfg.model, seed=t.seed, tp_group=tp_group,
                                 sequence_parallel=p.sequence_parallel)
             mpu = groups.mpu  # without it DeepSpeed treats every rank as data parallel
+        if cfg.model.init_from:  # before DeepSpeed partitions (ZeRO-3) or copies the weights
+            from pretrain.interop import load_initial_weights
+
+            source = load_initial_weights(model, cfg=cfg.model, tp_group=tp_group)
+            telemetry.log(f"[init] weights from {source}", main=self.main)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, t.weight_decay),
             config=self.ds_config, mpu=mpu,

@@ -46,6 +46,61 @@ def to_hf_config(cfg: ModelConfig, **overrides) -> "transformers.LlamaConfig":  
     return transformers.LlamaConfig(**fields)
 
 
+# LlamaConfig fields that change the function but that our model does not implement.
+_UNSUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                       "ffn_hidden_size", "tie_embeddings", "rope_theta", "norm_eps")
+
+
+def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
+    """`ModelConfig` fields of a Hugging Face Llama `config.json` (as a dict).
+
+    `CheckpointError` when it is not a Llama, or uses something our model lacks (biases, another
+    activation, rope scaling, a head_dim other than hidden_size / num_heads).
+    """
+    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in (hf.get("architectures") or []):
+        raise CheckpointError(f"{source} is not a Llama checkpoint (model_type="
+                              f"{hf.get('model_type')!r}, architectures={hf.get('architectures')}): "
+                              "give a directory saved from transformers' LlamaForCausalLM")
+    for key, value in _UNSUPPORTED.items():
+        if hf.get(key, value) != value:
+            raise CheckpointError(f"{source} has {key}={hf[key]!r}; this model supports only "
+                                  f"{key}={value!r}")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise CheckpointError(f"{source} uses rope scaling {rope!r}; only the default rotary "
+                              "embedding is supported")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    try:
+        fields = dict(
+            vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            num_layers=int(hf["num_hidden_layers"]), num_heads=int(hf["num_attention_heads"]),
+            num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+            ffn_hidden_size=int(hf["intermediate_size"]),
+            seq_length=int(hf.get("max_position_embeddings", 2048)), rope_theta=float(theta),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            init_std=float(hf.get("initializer_range", 0.02)))
+    except KeyError as exc:
+        raise CheckpointError(f"{source} lacks the Llama config field {exc.args[0]!r}") from None
+    head_dim = hf.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
+    if head_dim * fields["num_heads"] != fields["hidden_size"]:
+        raise CheckpointError(f"{source} has head_dim={head_dim} x num_attention_heads="
+                              f"{fields['num_heads']} != hidden_size={fields['hidden_size']}; "
+                              "this model needs head_dim = hidden_size / num_heads")
+    return fields
+
+
+def check_same_architecture(found: ModelConfig, expected: ModelConfig, *, source: str) -> None:
+    """`CheckpointError` naming every architecture field where the weights' config differs."""
+    diffs = [f"model.{name}: run {getattr(expected, name)!r}, weights {getattr(found, name)!r}"
+             for name in ARCHITECTURE_FIELDS if getattr(found, name) != getattr(expected, name)]
+    if diffs:
+        raise CheckpointError(f"the weights in {source} do not fit the run's model config ("
+                              + "; ".join(diffs) + "): set these model fields to the weights' "
+                              "values, or start from other weights")
+
+
 def expected_hf_keys(cfg: ModelConfig) -> set[str]:
     """The keys of a Hugging Face Llama checkpoint of this config (tied: no lm_head.weight)."""
     keys = {EMBED, "model.norm.weight"}

@@ -1,0 +1,258 @@
+"""Hugging Face interop end to end: export-hf, import-hf, generate, through the real CLI.
+
+Runs are trained on a 515-token tokenizer (not a multiple of 128: the embedding is padded to 640
+rows at tp=1 and 768 at tp=2) with grouped-query attention (4 query heads, 2 kv heads), at tp=1
+(untied embeddings) and at tp=2 x pp=2 (tied), in fp32; transformers' LlamaForCausalLM (eager
+attention) is the independent reference.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from launch_utils import run_pretrain, train
+from safetensors.torch import load_file
+
+from pretrain.config import load_config
+from pretrain.convert import load_weights
+from pretrain.data import Tokenizer, train_tokenizer, preprocess
+from pretrain.errors import CheckpointError
+from pretrain.model import LlamaModel
+from pretrain.model.hf import from_hf_state_dict, to_hf_config
+
+transformers.logging.set_verbosity_error()
+VOCAB = 515
+RUN_OVERRIDES = {
+    "tp1_untied": (1, []),
+    "tp2pp2_tied": (4, ["parallel.tensor=2", "parallel.pipeline=2", "model.tie_embeddings=true"]),
+}
+
+
+def make_data(out: Path, *, vocab_size: int = VOCAB) -> dict[str, str]:
+    """A `vocab_size`-token tokenizer and dataset of a few stdlib packages (a second or two)."""
+    from conftest import TINY_CORPUS_FILES
+
+    model = train_tokenizer(TINY_CORPUS_FILES, model_prefix=out / f"sp{vocab_size}",
+                            vocab_size=vocab_size).path
+    preprocess(TINY_CORPUS_FILES, tokenizer_path=model, output_prefix=out / "corpus", workers=1,
+               show_progress=False)
+    return {"tokenizer": str(model), "dataset": str(out / "corpus")}
+
+
+@pytest.fixture(scope="module")
+def data515(tmp_path_factory) -> dict[str, str]:
+    return make_data(tmp_path_factory.mktemp("data515"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data515) -> dict[str, Path]:
+    """Trained run directories by layout name (2 fp32 steps, engine checkpoint and final/)."""
+    root, out = tmp_path_factory.mktemp("runs"), {}
+    for name, (nprocs, overrides) in RUN_OVERRIDES.items():
+        train(root, data515, name=name, nprocs=nprocs, overrides=[
+            f"model.vocab_size={VOCAB}", "train.steps=2", "checkpoint.save_final=true",
+            *overrides])
+        out[name] = root / name
+    return out
+
+
+def cli(*args: str, tmp_path: Path, ok: bool = True):
+    result = run_pretrain([str(a) for a in args], run_dir=tmp_path)
+    if ok:
+        result.check()
+    return result
+
+
+def our_model(weights) -> LlamaModel:
+    model = LlamaModel(weights.model)
+    model.load_state_dict(from_hf_state_dict({k: v.float() for k, v in weights.state.items()},
+                                             weights.model))
+    return model.eval()
+
+
+def tokens(*, size: int = 2, length: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (size, length), generator=torch.Generator().manual_seed(seed))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("layout", RUN_OVERRIDES)
+def test_export_logits_tokenizer_and_consolidation(layout, runs, data515, tmp_path):
+    run_dir = runs[layout]
+    cfg = load_config(run_dir / "config.yaml").model
+    tp = 2 if layout.startswith("tp2") else 1
+    assert cfg.vocab_size == VOCAB and cfg.padded_vocab_size(tp) == (768 if tp == 2 else 640)
+    assert cfg.num_kv_heads < cfg.num_heads and cfg.tie_embeddings == ("tied" in layout.split("_"))
+
+    # convert-checkpoint --to fp32 reads the engine shards offline: equal to the live weights
+    # that the run gathered into final/ (fp32 training: module weights = master weights)
+    cli("convert-checkpoint", run_dir / "checkpoints" / "step2", "--to", "fp32", "--output",
+        tmp_path / "fp32", tmp_path=tmp_path)
+    consolidated, live = (load_file(str(p / "model.safetensors"))
+                          for p in (tmp_path / "fp32", run_dir / "final"))
+    assert consolidated.keys() == live.keys()
+    assert ("lm_head.weight" in live) != cfg.tie_embeddings
+    for name, tensor in live.items():
+        assert torch.equal(consolidated[name], tensor), name
+    assert consolidated["model.embed_tokens.weight"].shape == (VOCAB, cfg.hidden_size)
+
+    cli("export-hf", run_dir, "--output", tmp_path / "hf", "--dtype", "fp32", tmp_path=tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    assert hf.config.vocab_size == VOCAB and hf.config.tie_word_embeddings == cfg.tie_embeddings
+    assert hf.config.num_key_value_heads == cfg.num_kv_heads
+    ours = our_model(load_weights(run_dir))
+    ids = tokens()
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf.eval()(ids).logits) < 1e-5
+
+    # AutoTokenizer loads the converted sentencepiece model offline and encodes as ours does
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    ours_tok = Tokenizer.load(data515["tokenizer"])
+    from conftest import STDLIB
+    for path in sorted(STDLIB.glob("*.py"))[:40]:
+        text = path.read_text()
+        ids = theirs(text, add_special_tokens=False)["input_ids"]
+        assert ids == ours_tok.encode(text), path
+        assert theirs.decode(ids) == text
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours_tok.bos_id, ours_tok.eos_id)
+
+
+def test_export_bf16_sharded(runs, tmp_path):
+    run_dir = runs["tp1_untied"]
+    cli("export-hf", run_dir / "final", "--output", tmp_path / "hf", "--dtype", "bf16",
+        "--max-shard-size", "100KB", tmp_path=tmp_path)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1 and all((tmp_path / "hf" / f).stat().st_size <= 150_000 for f in files)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.dtype == torch.bfloat16
+    live = load_file(str(run_dir / "final" / "model.safetensors"))
+    for name, param in hf.state_dict().items():
+        assert torch.equal(param, live[name].bfloat16()), name
+
+
+def test_generate_native_and_exported_match_transformers(runs, tmp_path):
+    run_dir = runs["tp1_untied"]
+    cli("export-hf", run_dir, "--output", tmp_path / "hf", "--dtype", "fp32", tmp_path=tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    prompt = "def parse(self, value):\n    "
+    prompt_ids = theirs(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    # min_new_tokens: our generate would also stop at eos; keep both going for the comparison
+    expected = hf.generate(prompt_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                           eos_token_id=None)[0, prompt_ids.shape[1]:].tolist()
+
+    def ids_of(checkpoint: Path, *extra: str) -> list[int]:
+        out = cli("generate", "--checkpoint", checkpoint, "--prompt", prompt,
+                  "--max-new-tokens", "12", "--print-ids", *extra, tmp_path=tmp_path).stdout
+        return [int(i) for i in out.rsplit("ids: ", 1)[1].split()]
+
+    step_dir = run_dir / "checkpoints" / "step2"
+    if theirs.eos_token_id not in expected:
+        assert ids_of(step_dir) == expected  # native engine checkpoint, greedy
+        assert ids_of(tmp_path / "hf") == expected  # the exported directory, greedy
+    sampled = ("--temperature", "0.9", "--top-k", "20", "--seed", "3")
+    assert ids_of(step_dir, *sampled) == ids_of(tmp_path / "hf", *sampled)
+
+
+def random_hf_llama(path: Path, *, tied: bool) -> transformers.LlamaForCausalLM:
+    """A randomly initialised Hugging Face Llama saved to `path` (GQA, vocab 515)."""
+    cfg = load_config(None, ["model.preset=tiny", f"model.vocab_size={VOCAB}",
+                             f"model.tie_embeddings={str(tied).lower()}"]).model
+    torch.manual_seed(11)
+    hf = transformers.LlamaForCausalLM(to_hf_config(cfg, bos_token_id=1, eos_token_id=2,
+                                                    attn_implementation="eager"))
+    with torch.no_grad():  # non-trivial norms, so a dropped or swapped norm would show
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(path)
+    return hf.eval()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_import_then_export_gives_the_same_tensors(tied, tmp_path):
+    random_hf_llama(tmp_path / "src", tied=tied)
+    cli("import-hf", tmp_path / "src", "--output", tmp_path / "init", tmp_path=tmp_path)
+    cli("export-hf", tmp_path / "init", "--output", tmp_path / "back", "--dtype", "fp32",
+        "--tokenizer", _tokenizer(tmp_path), tmp_path=tmp_path)
+    original, back = (load_file(str(p / "model.safetensors")) for p in
+                      (tmp_path / "src", tmp_path / "back"))
+    assert back.keys() == original.keys() - ({"lm_head.weight"} if tied else set())
+    for name, tensor in back.items():
+        assert torch.equal(tensor, original[name]), name
+
+
+def _tokenizer(tmp_path: Path) -> Path:
+    """A 515-token sentencepiece model (export needs one; a random HF model has none)."""
+    return Path(make_data(tmp_path)["tokenizer"])
+
+
+@pytest.mark.parametrize("layout", [
+    (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
+    (2, ["deepspeed=ds_configs/zero3.json"]),
+], ids=["tp2pp2_zero1", "dp2_zero3"])
+def test_first_training_step_after_import_matches_transformers(layout, data515, tmp_path):
+    """The loss of step 1 is computed with the imported weights: transformers gets the same on
+    the same global batch (the sampler's first samples, dp-independent)."""
+    from pretrain.data import DistributedPackedSampler
+    from pretrain.data.build import build_split
+
+    hf = random_hf_llama(tmp_path / "src", tied=False)
+    cli("import-hf", tmp_path / "src", "--output", tmp_path / "init", tmp_path=tmp_path)
+    nprocs, overrides = layout
+    run = train(tmp_path, data515, nprocs=nprocs, overrides=[
+        f"model.vocab_size={VOCAB}", "train.steps=1", f"model.init_from={tmp_path / 'init'}",
+        *overrides])
+    assert "[init] weights from" in run.stdout + run.stderr
+
+    cfg = load_config(run.run_dir / "config.yaml")
+    samples = build_split(cfg.data, split="train", seq_length=cfg.model.seq_length)
+    sampler = DistributedPackedSampler(len(samples), micro_batch_size=4, dp_rank=0, dp_size=1,
+                                       consumed_samples=0)
+    batch = [samples[i] for i in next(iter(sampler))]
+    input_ids = torch.stack([s["input_ids"] for s in batch])
+    labels = torch.stack([s["labels"] for s in batch])
+    with torch.no_grad():
+        logits = hf(input_ids).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+    assert abs(run.losses[0] - expected.item()) / expected.item() < 1e-5
+
+
+def test_bad_inputs_are_clear_errors(data515, tmp_path):
+    # not a Llama directory: another architecture's config.json, or no config.json at all
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64}))
+    result = cli("import-hf", tmp_path / "gpt2", "--output", tmp_path / "x", tmp_path=tmp_path,
+                 ok=False)
+    assert result.returncode == 2 and "is not a Llama checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = cli("import-hf", tmp_path, "--output", tmp_path / "x", tmp_path=tmp_path, ok=False)
+    assert result.returncode == 2 and "config.json" in result.stderr
+    result = cli("export-hf", tmp_path / "missing", "--output", tmp_path / "x", tmp_path=tmp_path,
+                 ok=False)
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+    # weights whose shapes do not fit the run's config: named fields, before any step
+    random_hf_llama(tmp_path / "src", tied=False)
+    result = run_pretrain(
+        ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={tmp_path / 'run'}",
+         "--set", f"data.tokenizer={data515['tokenizer']}",
+         "--set", f"data.dataset={data515['dataset']}", "--set", f"model.vocab_size={VOCAB}",
+         "--set", "model.num_kv_heads=4", "--set", f"model.init_from={tmp_path / 'src'}"],
+        run_dir=tmp_path / "run")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "do not fit the run's model config" in result.stderr
+    assert "model.num_kv_heads: run 4, weights 2" in result.stderr
+
+    # a config.json that claims other shapes than its tensors
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight has shape .* but its config gives"):
+        load_weights(tmp_path / "src")
