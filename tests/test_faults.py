@@ -1,0 +1,193 @@
+"""Faults through the real launchers: preemption signals, a killed rank, NaN steps, time limits.
+
+Signalled runs train a long schedule; the test polls metrics.jsonl until steps are being made,
+sends the signal, and then checks the checkpoint, the exit status and that a restarted run
+continues at the next step. What each launcher does with a signal (read from their sources and
+checked here) is in README.md, "Checkpoints, resume and faults".
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launch_utils import REPO, launcher_prefix, run_pretrain, train
+
+EXIT_FAULT, EXIT_REQUEUE = 3, 75
+LONG = ["train.steps=100000", "train.warmup_steps=2"]
+
+
+def _args(run_dir: Path, data: dict[str, str], overrides: list[str]) -> list[str]:
+    args = ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={run_dir}",
+            "--set", f"data.tokenizer={data['tokenizer']}", "--set", f"data.dataset={data['dataset']}"]
+    for o in overrides:
+        args += ["--set", o]
+    return args
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if '"kind": "train"' in line]
+
+
+def _wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], *,
+                   timeout: float = 300) -> None:
+    """Poll metrics.jsonl until `step` was logged (fails if a process exits first)."""
+    deadline = time.monotonic() + timeout
+    while not (_train_steps(run_dir) and _train_steps(run_dir)[-1] >= step):
+        for p in procs:
+            assert p.poll() is None, f"exited {p.returncode} before step {step}: {p.stderr and p.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no step {step} within {timeout}s"
+        time.sleep(0.2)
+
+
+def _ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The training processes under a launcher, by rank (their RANK variable)."""
+    ranks = []
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        env = child.environ()
+        if "RANK" in env and "pretrain" in child.cmdline():
+            ranks.append((int(env["RANK"]), child))
+    return [p for _, p in sorted(ranks, key=lambda rank_proc: rank_proc[0])]
+
+
+def _check_resumes_at_next_step(tmp_path, tiny_data, run_dir: Path, *, nprocs: int) -> int:
+    """The stop left a complete checkpoint at step k; a restart trains step k + 1 first."""
+    stopped = json.loads((run_dir / "stopped.json").read_text())
+    assert stopped["exit_code"] == EXIT_REQUEUE, stopped
+    k = stopped["step"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step{k}"
+    assert (run_dir / "checkpoints" / f"step{k}" / "manifest.json").is_file()
+    before = len(_train_steps(run_dir))
+    again = train(tmp_path, tiny_data, nprocs=nprocs, name=run_dir.name,
+                  overrides=[f"train.steps={k + 1}"])
+    assert _train_steps(run_dir)[before:] == [k + 1], _train_steps(run_dir)
+    assert not (run_dir / "stopped.json").exists()  # a finished run clears the marker
+    return again.returncode
+
+
+@pytest.mark.parametrize("launcher, sig, target", [
+    # The signal reaches one rank only: the others learn of it through the per-step all-reduce.
+    pytest.param("deepspeed", signal.SIGUSR1, "rank1", id="deepspeed-SIGUSR1-one-rank"),
+    # The deepspeed launcher's per-node process forwards SIGTERM to every rank.
+    pytest.param("deepspeed", signal.SIGTERM, "launcher", id="deepspeed-SIGTERM-launcher"),
+    pytest.param("torchrun", signal.SIGTERM, "launcher", id="torchrun-SIGTERM-launcher"),
+    # torchrun forwards SIGUSR1 only when asked to handle it.
+    pytest.param("torchrun", signal.SIGUSR1, "launcher", id="torchrun-SIGUSR1-launcher"),
+])
+def test_signal_saves_and_exits_for_requeue(launcher, sig, target, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    prefix = launcher_prefix(launcher, 2)
+    if launcher == "torchrun" and sig == signal.SIGUSR1:
+        prefix[1:1] = ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+    proc = subprocess.Popen(prefix + _args(run_dir, tiny_data, LONG), cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run_dir, 3, [proc])
+        ranks = _ranks(proc)
+        assert len(ranks) == 2, ranks
+        if target == "rank1":
+            ranks[1].send_signal(sig)
+        elif launcher == "deepspeed":  # the runner has no handler; launch.py forwards
+            launch = [c for c in psutil.Process(proc.pid).children()
+                      if "deepspeed.launcher.launch" in " ".join(c.cmdline())]
+            launch[0].send_signal(sig)
+        else:
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = json.loads((run_dir / "stopped.json").read_text())
+    assert stopped["reason"].startswith("signal"), stopped
+    assert f"[stop] signal" in out and "then exiting to be requeued" in out, out[-3000:]
+    if target == "rank1":  # the launcher passes the ranks' status on
+        assert proc.returncode == EXIT_REQUEUE, (proc.returncode, err[-3000:])
+    else:  # it reports its own signal handling (1) after the ranks saved and exited 75
+        assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    _check_resumes_at_next_step(tmp_path, tiny_data, run_dir, nprocs=2)
+
+
+def test_exit_after_minutes_saves_and_exits_75(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run = run_pretrain(_args(run_dir, tiny_data, [*LONG, "checkpoint.save_interval_minutes=0.01"])
+                       + ["--exit-after-minutes", "0.1"], run_dir=run_dir)
+    assert run.returncode == EXIT_REQUEUE, run.stderr[-3000:]
+    assert "[stop] --exit-after-minutes reached" in run.stdout
+    assert run.stdout.count("[checkpoint]") >= 2  # the wall-clock cadence saved before the stop
+    _check_resumes_at_next_step(tmp_path, tiny_data, run_dir, nprocs=1)
+
+
+def test_killed_rank_makes_the_others_exit_then_restart_resumes(tiny_data, tmp_path):
+    """srun-style ranks (no launcher to clean up): rank 1 is SIGKILLed; rank 0 must notice in a
+    collective, print one line and exit 3 (within the 1-minute collective timeout)."""
+    from pretrain.dist import free_port
+
+    run_dir, port = tmp_path / "run", free_port()
+    args = _args(run_dir, tiny_data, [*LONG, "checkpoint.save_interval=2",
+                                      "train.collective_timeout_minutes=1"])
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
+               "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "2",
+               "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(["python", "-m", "pretrain", *args], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        _wait_for_step(run_dir, 5, procs)
+        procs[1].kill()
+        _, err = procs[0].communicate(timeout=90)  # the timeout is 60 s; gloo is usually faster
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == EXIT_FAULT, (procs[0].returncode, err[-3000:])
+    assert "error: rank 0: a collective failed, another rank died or stopped answering" in err
+    latest = int((run_dir / "checkpoints" / "latest").read_text()[4:])
+    assert latest >= 4 and latest % 2 == 0
+    before = len(_train_steps(run_dir))
+    train(tmp_path, tiny_data, nprocs=2, name="run", overrides=[f"train.steps={latest + 1}"])
+    assert _train_steps(run_dir)[before:] == [latest + 1]
+
+
+@pytest.mark.parametrize("nprocs, zero", [(1, 0), (2, 1)], ids=["single-zero0", "dp2-zero1"])
+def test_nan_step_is_skipped_and_training_continues(nprocs, zero, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run = run_pretrain(_args(run_dir, tiny_data, ["train.steps=5", f"deepspeed=ds_configs/zero{zero}.json"]),
+                       run_dir=run_dir, nprocs=nprocs, launcher="single" if nprocs == 1 else "torchrun",
+                       env={"PRETRAIN_INJECT_NAN_STEP": "3"}).check()
+    records = [r for r in run.records if r["kind"] == "train"]
+    assert [r["update_skipped"] for r in records] == [False, False, True, False, False]
+    assert records[2]["loss"] is None  # metrics.jsonl writes NaN as null (strict JSON)
+    assert all(math.isfinite(r["loss"]) for r in records[3:]), records  # weights stayed finite
+    assert records[3]["lr"] == records[2]["lr"]  # the skipped update did not advance the schedule
+    assert records[-1]["nonfinite_steps"] == 1 and records[-1]["skipped_steps"] == 1
+    assert "[fault] step 3: non-finite loss/grad norm" in run.stdout
+    assert "update skipped (1 in a row, 1 in total)" in run.stdout
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run = run_pretrain(_args(run_dir, tiny_data, ["train.steps=6", "train.max_nonfinite_steps=2"]),
+                       run_dir=run_dir, env={"PRETRAIN_INJECT_NAN_STEP": "2,3"})
+    assert run.returncode == EXIT_FAULT, run.stderr[-3000:]
+    assert "error: 2 non-finite steps in a row (up to step 3): the run diverged" in run.stderr
+    assert "Traceback" not in run.stderr
