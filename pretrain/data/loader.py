@@ -3,13 +3,16 @@
 Why not the DataLoader's default path (a dict of two tensors per sample, collated in the
 worker): every tensor a worker returns travels through its own shared-memory segment, which
 costs about a millisecond per tensor on a CPU machine and capped a worker at ~1,000 samples/s
-for the tiny model. Here a worker gathers a whole micro-batch as one NumPy array of
-``seq_length + 1`` tokens per sample, which is pickled through the worker's pipe; the main
-process turns it into the inputs and labels (views of one tensor) and pins it when asked.
+for the tiny model. Here a worker gathers several consecutive micro-batches (at least
+`_SAMPLES_PER_FETCH` samples) as one NumPy array of ``seq_length + 1`` tokens per sample, which
+is pickled through the worker's pipe; the main process splits it into micro-batches of inputs
+and labels (views of one tensor) and pins it when asked. The order of the samples is the
+sampler's, whatever the grouping.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -26,14 +29,26 @@ class TokenSamples(Protocol):
     def tokens(self, index: int) -> np.ndarray: ...
 
 
+_SAMPLES_PER_FETCH = 64  # per worker round trip: amortises its fixed cost (~0.3 ms)
+
+
 class _MicroBatches:
-    """Maps a list of sample indices (one micro-batch) to an int64 array [batch, seq + 1]."""
+    """Maps a group of micro-batches of sample indices to an int64 array
+    [micro-batches, micro_batch_size, seq_length + 1]."""
 
     def __init__(self, samples: TokenSamples) -> None:
         self.samples = samples
 
-    def __getitem__(self, indices: Sequence[int]) -> np.ndarray:
-        return np.stack([self.samples.tokens(index) for index in indices]).astype(np.int64)
+    def __getitem__(self, group: Sequence[Sequence[int]]) -> np.ndarray:
+        return np.stack([[self.samples.tokens(index) for index in indices]
+                         for indices in group]).astype(np.int64)
+
+
+def _grouped(batches: Iterable[list[int]], size: int) -> Iterator[list[list[int]]]:
+    """Consecutive micro-batches of an endless sampler, `size` at a time."""
+    iterator = iter(batches)
+    while True:
+        yield [next(iterator) for _ in range(size)]
 
 
 def _keep(batch: np.ndarray) -> np.ndarray:
@@ -48,11 +63,14 @@ def micro_batches(samples: TokenSamples, *, micro_batch_size: int, dp_rank: int,
     sampler = DistributedPackedSampler(len(samples), micro_batch_size=micro_batch_size,
                                        dp_rank=dp_rank, dp_size=dp_size,
                                        consumed_samples=consumed_samples)
-    # batch_size=None: each item of the sampler (a micro-batch of indices) is one fetch.
+    # In-process there is no round trip to amortise: one micro-batch per fetch.
+    group = math.ceil(_SAMPLES_PER_FETCH / micro_batch_size) if workers > 0 else 1
+    # batch_size=None: each item of the sampler (a group of micro-batches) is one fetch.
     loader = torch.utils.data.DataLoader(
-        _MicroBatches(samples), sampler=sampler, batch_size=None, collate_fn=_keep,
-        num_workers=workers, persistent_workers=workers > 0,
+        _MicroBatches(samples), sampler=_grouped(sampler, group), batch_size=None,
+        collate_fn=_keep, num_workers=workers, persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None)
-    for batch in loader:
-        tokens = torch.from_numpy(batch)
-        yield inputs_and_labels(tokens.pin_memory() if pin_memory else tokens)
+    for chunk in loader:
+        tokens = torch.from_numpy(chunk)
+        for micro_batch in (tokens.pin_memory() if pin_memory else tokens):
+            yield inputs_and_labels(micro_batch)
