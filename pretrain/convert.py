@@ -67,6 +67,11 @@ def load_weights(src: str | Path) -> Weights:
         return read_hf_dir(path)
     step_dir = engine_step_dir(path)
     if step_dir is not None:
+        from pretrain.checkpoint import MANIFEST, verify
+
+        problem = verify(step_dir) if (step_dir / MANIFEST).is_file() else None
+        if problem:  # a truncated or missing shard, found from the manifest without reading it
+            raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}")
         return consolidate_engine_checkpoint(step_dir)
     if (path / "final" / FINAL_WEIGHTS).is_file() or (path / FINAL_WEIGHTS).is_file():
         return _load_final_dir(path)
