@@ -11,7 +11,6 @@ one `srun` or launcher call. What needs logic lives here and is unit tested:
 - `preflight`: validate the run config for the job's world size before any rank starts (exit 2
   with one `error:` line otherwise), print the layout, write the resolved run config, the resolved
   DeepSpeed JSON and the git commit to the job's log directory;
-- `sweep-table`: one markdown row per finished run of a ZeRO sweep (`slurm/zero_sweep.sh`).
 """
 from __future__ import annotations
 
@@ -20,9 +19,7 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 from pretrain import train as train_command
@@ -161,40 +158,6 @@ def preflight(*, config: str | None, overrides: list[str], world_size: int, acce
     return layout
 
 
-def sweep_row(run_dir: Path) -> dict:
-    """Summary of one run's metrics.jsonl: final loss, median tokens/s and step time, peak memory.
-
-    The status is the exit of the job's last attempt (`job/attempts.txt`, written by
-    slurm/common.sh): `ok`, `exit N`, or `running` while there is none.
-    """
-    attempts = run_dir / "job" / "attempts.txt"
-    last = attempts.read_text().split()[-1] if attempts.exists() and attempts.read_text().strip() else ""
-    status = {"": "running", "exit=0": "ok"}.get(last, last.replace("=", " "))
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    train = [r for r in records if r.get("kind") == "train"]
-    if not train:
-        return {"run": run_dir.name, "status": status}
-    timed = train[1:] or train  # the first step includes start-up work
-    return {"run": run_dir.name, "status": status, "steps": train[-1]["step"],
-            "final_loss": train[-1]["loss"],
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "step_time_s": statistics.median(r["step_time_s"] for r in timed),
-            "peak_mem_gb": max(r.get("peak_mem_gb") or 0.0 for r in train)}
-
-
-def sweep_table(rows: list[dict]) -> str:
-    """A markdown table of `sweep_row`s, sorted by name."""
-    cols = ("run", "status", "steps", "final_loss", "tokens_per_s", "step_time_s", "peak_mem_gb")
-    fmt = {"final_loss": "{:.4f}", "tokens_per_s": "{:,.0f}", "step_time_s": "{:.3f}",
-           "peak_mem_gb": "{:.2f}"}
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in sorted(rows, key=lambda r: r["run"]):
-        cells = [fmt.get(c, "{}").format(row[c]) if c in row else "" for c in cols]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="launch_command", required=True, metavar="SUBCOMMAND")
     h = sub.add_parser("hostfile", help="write a DeepSpeed hostfile for the Slurm job or a node list")
@@ -210,9 +173,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--accelerator", default=None, help="cpu or cuda (default: DS_ACCELERATOR)")
     p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, git_commit.txt here")
-    s = sub.add_parser("sweep-table", help="markdown table of the runs under a sweep directory")
-    s.add_argument("sweep_dir", type=Path, help="directory holding one run directory per config")
-    s.add_argument("--output", type=Path, help="also write the table here")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -223,7 +183,7 @@ def run(args: argparse.Namespace) -> None:
     elif args.launch_command == "env-file":
         Path(args.output).write_text(deepspeed_env_text(names=tuple(args.var)))
         print(f"[launch] {args.output}: environment for every rank")
-    elif args.launch_command == "preflight":
+    else:
         if args.world_size < 1:
             raise ConfigError(f"--world-size {args.world_size}: need >= 1 rank")
         accel = args.accelerator or os.environ.get("DS_ACCELERATOR", "cuda")
@@ -232,11 +192,3 @@ def run(args: argparse.Namespace) -> None:
         print("[preflight] " + preflight(config=args.config, overrides=overrides,
                                          world_size=args.world_size, accelerator=accel,
                                          log_dir=args.log_dir), flush=True)
-    else:
-        runs = sorted(d for d in args.sweep_dir.iterdir() if d.is_dir())
-        table = sweep_table([sweep_row(d) for d in runs])
-        if args.output:
-            tmp = args.output.with_name(f".{args.output.name}.{os.getpid()}")
-            tmp.write_text(table)
-            tmp.replace(args.output)  # atomic: array tasks finishing together may both write
-        sys.stdout.write(table)

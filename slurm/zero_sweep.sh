@@ -1,7 +1,8 @@
 #!/bin/bash
 # ZeRO sweep: the same short run once per DeepSpeed config, one array task each, on 1 node x 8
 # GPUs (configs/llama_1b.yaml, 50 steps); every finishing task rewrites the result table
-# $SWEEP_DIR/results.md (final loss, median tokens/s and step time, peak memory per config).
+# $SWEEP_DIR/sweep.md (and sweep.csv, sweep.png) with `pretrain sweep --aggregate`: median
+# tokens/s and step time, peak memory of every rank, final loss per config.
 #
 #   mkdir -p runs/slurm && sbatch slurm/zero_sweep.sh           # --array=0-6: ds_configs/*.json
 #   DS_CONFIGS="ds_configs/zero1.json ds_configs/zero3.json" sbatch --array=0-1 slurm/zero_sweep.sh
@@ -32,11 +33,10 @@ fi
 DS="${SWEEP_CONFIGS[$TASK]}"
 SWEEP_DIR="${SWEEP_DIR:-runs/zero_sweep-${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}"
 RUN_DIR="$SWEEP_DIR/$(basename "$DS" .json)"
-LOG_DIR="$RUN_DIR/job"  # attempts.txt here gives the table its status column
+LOG_DIR="$RUN_DIR/job"
 set -- --deepspeed-config "$DS" --set "train.steps=${SWEEP_STEPS:-50}" "$@"
 source "${PRETRAIN_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
 run_training
 # flock: the last task to finish writes last, so the table ends with every run in it.
-flock "$SWEEP_DIR/.results.lock" python -m pretrain launch sweep-table "$SWEEP_DIR" \
-  --output "$SWEEP_DIR/results.md"
+flock "$SWEEP_DIR/.results.lock" python -m pretrain sweep --aggregate "$SWEEP_DIR"
 finish_job
