@@ -15,6 +15,7 @@ setup(
         "deepspeed>=0.19",
         "transformers>=4.45",
         "datasets>=3.0",
+        "pyarrow>=14",  # parquet corpora (also a dependency of datasets)
         "sentencepiece>=0.2",
         "wandb>=0.18",
         "tensorboard>=2.15",
