@@ -195,6 +195,14 @@ def test_not_a_tokenizer_directory(tmp_path):
 
 # ----------------------------------------------------------------------------- merge command
 
+@pytest.mark.parametrize("command", ["tokenizer", "preprocess", "merge-datasets"])
+def test_help_of_the_data_commands(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: pretrain {command}" in capsys.readouterr().out
+
+
 def test_merge_datasets_command(tmp_path, inputs, sp_tokenizer, capsys):
     text_files = resolve_corpus([str(inputs["text"])])
     for name, shard in (("a", text_files[:2]), ("b", text_files[2:]), ("all", text_files)):
