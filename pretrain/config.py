@@ -170,12 +170,11 @@ class DataConfig:
     """Where the training tokens come from.
 
     `dataset` is the prefix of a preprocessed .bin/.idx pair (`pretrain preprocess`); or
-    `blend` lists several prefixes with weights (see `pretrain.data.blend`). `corpus`,
-    `text_field` and `tokenizer_vocab_size` describe how the data was (or will be) built.
+    `blend` lists several prefixes with weights (see `pretrain.data.blend`). `corpus` and
+    `tokenizer_vocab_size` describe how the data was (or will be) built.
     """
 
     corpus: list[str] = field(default_factory=list)  # files, globs, dirs, .jsonl, .parquet, ...
-    text_field: str = "text"  # the text field of .jsonl / parquet / datasets inputs
     dataset: str = ""  # prefix of the .bin/.idx pair, e.g. runs/data/stdlib
     blend: list = field(default_factory=list)  # ["0.7 runs/data/code", "0.3 runs/data/prose"]
     tokenizer: str = ""  # sentencepiece .model path or Hugging Face tokenizer directory
