@@ -165,6 +165,9 @@ def test_hugging_face_tokenizer_has_the_same_interface(tmp_path, hf_tokenizer_di
     assert [tokenizer.decode(dataset[i]) for i in range(len(dataset))] == DOCUMENTS
     assert [dataset[i][-1] for i in range(len(dataset))] == [1] * len(DOCUMENTS)
 
+    copy = Tokenizer.load(tokenizer.copy_to(tmp_path / "checkpoint"))
+    assert copy.sha256 == tokenizer.sha256 and copy.path == tmp_path / "checkpoint" / "tokenizer"
+
     (hf_tokenizer_dir / "extra.txt").write_text("changed")
     try:
         with pytest.raises(DataError, match="changed .* do not modify a tokenizer"):
@@ -173,7 +176,7 @@ def test_hugging_face_tokenizer_has_the_same_interface(tmp_path, hf_tokenizer_di
         (hf_tokenizer_dir / "extra.txt").unlink()
 
 
-def test_sentencepiece_unigram_and_load(tmp_path):
+def test_sentencepiece_unigram_load_and_copy(tmp_path):
     import sysconfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -184,6 +187,9 @@ def test_sentencepiece_unigram_and_load(tmp_path):
                               model_type="unigram", text_field="body")
     loaded = Tokenizer.load(tmp_path / "uni.model")
     assert isinstance(loaded, SentencePieceTokenizer) and loaded.sha256 == unigram.sha256
+    copy = loaded.copy_to(tmp_path / "checkpoint")
+    assert copy == tmp_path / "checkpoint" / "tokenizer.model"
+    assert Tokenizer.load(copy).sha256 == loaded.sha256
     for document in DOCUMENTS:  # byte fallback: characters outside the vocabulary survive
         assert loaded.decode(loaded.encode(document)) == document
 

@@ -30,6 +30,7 @@ import hashlib
 import io
 import os
 import random
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -126,6 +127,11 @@ class Tokenizer(ABC):
             return HuggingFaceTokenizer.load(path)
         return SentencePieceTokenizer.load(path)
 
+    @abstractmethod
+    def copy_to(self, directory: str | Path) -> Path:
+        """Copy the tokenizer's files into `directory` (e.g. a checkpoint, so that it is
+        self-contained); returns the path that `Tokenizer.load` takes."""
+
     @property
     @abstractmethod
     def vocab_size(self) -> int:
@@ -186,6 +192,13 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __getstate__(self) -> dict:
         return {"model_bytes": self._model_bytes, "path": self.path}
+
+    def copy_to(self, directory: str | Path) -> Path:
+        """Writes ``directory/tokenizer.model``."""
+        path = Path(directory) / "tokenizer.model"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self._model_bytes)
+        return path
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["model_bytes"], path=state["path"])
@@ -248,6 +261,12 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def __getstate__(self) -> dict:
         return {"path": self.path, "sha256": self.sha256}
+
+    def copy_to(self, directory: str | Path) -> Path:
+        """Writes the directory's files under ``directory/tokenizer/``."""
+        path = Path(directory) / "tokenizer"
+        shutil.copytree(self.path, path)
+        return path
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["path"], expected_sha256=state["sha256"])
