@@ -294,3 +294,19 @@ def test_wrong_column_type_and_unreadable_parquet(tmp_path):
     (tmp_path / "fake.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="is not a readable parquet file"):
         list(iter_documents([tmp_path / "fake.parquet"]))
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def test_training_with_a_hugging_face_tokenizer(tmp_path, hf_tokenizer_dir):
+    import sysconfig
+
+    from launch_utils import train
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((stdlib / "json").glob("*.py"))
+    preprocess(files, tokenizer_path=hf_tokenizer_dir, output_prefix=tmp_path / "hf",
+               show_progress=False)
+    run = train(tmp_path, {"tokenizer": str(hf_tokenizer_dir), "dataset": str(tmp_path / "hf")},
+                overrides=["model.vocab_size=300", "train.steps=3"])
+    assert len(run.losses) == 3 and all(np.isfinite(run.losses))
