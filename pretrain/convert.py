@@ -214,10 +214,10 @@ def _pipeline_layer_weights(step_dir: Path, *, tp_rank: int) -> dict[str, torch.
 def _merge_tensor_parallel(shards: dict[str, dict[int, torch.Tensor]], *, cfg: ModelConfig,
                            tp: int, source: str) -> dict[str, torch.Tensor]:
     """Whole tensors with Hugging Face names and vocab_size rows (no lm_head when tied)."""
-    from pretrain.model.hf import _check_keys, expected_hf_keys
+    from pretrain.model.hf import check_keys, expected_hf_keys
     from pretrain.model.llama import tensor_partition_dim
 
-    _check_keys(set(shards), expected_hf_keys(cfg), f"checkpoint {source}")
+    check_keys(set(shards), expected_hf_keys(cfg), f"checkpoint {source}")
     state = {}
     for name, by_rank in shards.items():
         if sorted(by_rank) != list(range(tp)):
@@ -294,8 +294,8 @@ def run(args: argparse.Namespace) -> None:
     if args.to == "universal":
         from pretrain.checkpoint import to_universal  # issue 5's converter
 
-        to_universal(args.src, out)
-        print(f"[convert] universal checkpoint in {out}")
+        step_dir = to_universal(Path(args.src), out)  # ZeRO >= 1 checkpoints only (DeepSpeed)
+        print(f"[convert] universal checkpoint in {step_dir}; resume with --resume-from {out}")
         return
     weights = load_weights(args.src)
     write_weights_dir(weights, out)

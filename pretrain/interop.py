@@ -198,10 +198,10 @@ def _read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: ModelConfig, *, source: str) -> None:
-    from pretrain.model.hf import _check_keys, expected_hf_keys
+    from pretrain.model.hf import check_keys, expected_hf_keys
     from pretrain.model.llama import full_parameter_shape
 
-    _check_keys(set(state), expected_hf_keys(cfg), source)
+    check_keys(set(state), expected_hf_keys(cfg), source)
     for name, tensor in state.items():
         if tuple(tensor.shape) != full_parameter_shape(name, cfg):
             raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)} but its "

@@ -2,7 +2,7 @@
 
 Each run starts from a random transformers `LlamaForCausalLM` imported with `import-hf`
 (`model.init_from`), trains 2 fp32 steps and keeps its engine checkpoint and final/: at tp=1
-x dp=2 under ZeRO-3 with untied embeddings, and at tp=2 x pp=2 (ZeRO-1) with tied ones. The
+x dp=2 under ZeRO-3 with untied embeddings, and at tp=2 x pp=2 (ZeRO-0) with tied ones. The
 vocabulary has 515 tokens (not a multiple of 128: padded to 640 rows at tp=1, 768 at tp=2) and
 attention is grouped-query (4 query heads, 2 kv heads). transformers' LlamaForCausalLM (eager
 attention) is the independent reference. Commands run in-process through `pretrain.cli.main`;
@@ -32,8 +32,10 @@ transformers.logging.set_verbosity_error()
 VOCAB = 515
 RUN_OVERRIDES = {
     "tp1_dp2_zero3_untied": (2, ["deepspeed=ds_configs/zero3.json"]),
-    "tp2_pp2_tied": (4, ["parallel.tensor=2", "parallel.pipeline=2",
-                         "model.tie_embeddings=true"]),
+    # ZeRO-0: the pipeline's weights are read from its layer_XX-model_YY files (ZeRO-1
+    # pipelines, through the optimizer shards, are covered in test_convert_checkpoint.py)
+    "tp2_pp2_tied": (4, ["parallel.tensor=2", "parallel.pipeline=2", "model.tie_embeddings=true",
+                         "deepspeed=ds_configs/zero0.json"]),
 }
 
 

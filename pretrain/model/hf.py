@@ -116,7 +116,7 @@ def expected_hf_keys(cfg: ModelConfig) -> set[str]:
     return keys
 
 
-def _check_keys(found: set[str], expected: set[str], what: str) -> None:
+def check_keys(found: set[str], expected: set[str], what: str) -> None:
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing or unexpected:
         raise CheckpointError(
@@ -131,7 +131,7 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     (safetensors refuses views that share storage).
     """
     sd = {k: v for k, v in state_dict.items() if not (cfg.tie_embeddings and k == LM_HEAD)}
-    _check_keys(set(sd), expected_hf_keys(cfg), "state dict")
+    check_keys(set(sd), expected_hf_keys(cfg), "state dict")
     for key in (EMBED, LM_HEAD):
         if key in sd:
             sd[key] = sd[key][:cfg.vocab_size].clone()
@@ -144,7 +144,7 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
     `cfg.padded_vocab_size(tensor_parallel)`; with tied embeddings `lm_head.weight` is the
     embedding tensor itself, as in `LlamaModel.state_dict()`."""
     sd = {k: v for k, v in hf_state_dict.items() if not (cfg.tie_embeddings and k == LM_HEAD)}
-    _check_keys(set(sd), expected_hf_keys(cfg), "Hugging Face state dict")
+    check_keys(set(sd), expected_hf_keys(cfg), "Hugging Face state dict")
     padded = cfg.padded_vocab_size(tensor_parallel)
     for key in (EMBED, LM_HEAD):
         if key in sd:
