@@ -126,6 +126,11 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
         else:
             theirs = sentencepiece_to_hf(weights.tokenizer)
             check_tokenizer_round_trip(ours, theirs)
+            if type(theirs.backend_tokenizer.model).__name__ == "Unigram":
+                # measured: 4 of 60 stdlib files differ, in the order of equal-score pieces
+                # of long whitespace runs (Viterbi ties); BPE models convert exactly
+                print("[export-hf] note: a unigram tokenizer converts with rare differences "
+                      "in tie-breaking between equally likely segmentations")
             theirs.save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
