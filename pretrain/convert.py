@@ -234,7 +234,8 @@ def _merge_tensor_parallel(shards: dict[str, dict[int, torch.Tensor]], *, cfg: M
 def _engine_tokenizer(info: dict, *, step_dir: Path, cfg: RunConfig) -> Path | None:
     """The run's tokenizer: as recorded in the checkpoint, else final/'s copy, else the config's."""
     run_dir = step_dir.parent.parent
-    for candidate in (info.get("path"), run_dir / "final" / "tokenizer.model", cfg.data.tokenizer):
+    for candidate in (info.get("path"), run_dir / "final" / "tokenizer.model",
+                      run_dir / "final" / "tokenizer", cfg.data.tokenizer):
         if candidate and Path(candidate).exists():
             return Path(candidate)
     return None
