@@ -9,4 +9,5 @@ cd "$ROOT"
 bash launch/setup_env.sh
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --durations=15 "$@" tests
+# loadgroup: tests marked xdist_group (the local Slurm cluster of tests/test_slurm.py) share a worker.
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=15 "$@" tests

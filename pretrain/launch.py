@@ -27,8 +27,8 @@ from pretrain.errors import ConfigError
 
 # Variables the multi-node launchers must carry to every rank (prefixes). DeepSpeed already
 # exports PYTHON*, NCCL_* (CUDA accelerator), UCX*, MV2*; the rest are ours or PyTorch's.
-ENV_PREFIXES = ("PYTHON", "NCCL_", "TORCH_", "OMP_NUM_THREADS", "DS_ACCELERATOR", "CUDA_DEVICE_MAX",
-                "WANDB_", "HF_", "PRETRAIN_", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+ENV_PREFIXES = ("PYTHON", "NCCL_", "TORCH_", "CUDA_DEVICE_MAX", "WANDB_", "HF_", "PRETRAIN_")
+ENV_NAMES = ("OMP_NUM_THREADS", "DS_ACCELERATOR", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 
@@ -104,14 +104,14 @@ def hostfile_text(nodes: list[str], *, slots: int) -> str:
 
 
 def deepspeed_env_text(env: dict[str, str] | None = None, *, names: tuple[str, ...] = ()) -> str:
-    """`.deepspeed_env` lines for the variables in ENV_PREFIXES (plus `names`) that are set.
+    """`.deepspeed_env` lines for the variables in ENV_PREFIXES / ENV_NAMES (plus `names`) that are set.
 
     DeepSpeed splits each line at the first '='; a value with a newline cannot be passed.
     """
     env = os.environ if env is None else env
     lines = []
     for key in sorted(env):
-        if key in names or key.startswith(ENV_PREFIXES):
+        if key in names or key in ENV_NAMES or key.startswith(ENV_PREFIXES):
             if "\n" in env[key]:
                 raise ConfigError(f"environment variable {key} holds a newline; .deepspeed_env "
                                   "cannot carry it: unset it or pass it another way")

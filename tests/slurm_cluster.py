@@ -8,7 +8,8 @@ stopped by `stop()`; nothing system-wide is started. The node names are added to
 because the job scripts (like on a real cluster) use `scontrol show hostnames` as the master address.
 
 No systemd and no cgroups in a container: `proctrack/linuxproc`, `task/none`, every daemon as
-root. Without a database `sacct` is unavailable; finished jobs stay visible to `scontrol show job`
+root. `cred_expire=10` (default 120 s) is also how long a requeued job waits before it may
+start again. Without a database `sacct` is unavailable; finished jobs stay visible to `scontrol show job`
 for `MinJobAge` seconds and `jobcomp/filetxt` keeps a line per finished job.
 """
 from __future__ import annotations
@@ -187,11 +188,11 @@ PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE S
             raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr}")
         return proc
 
-    def sbatch(self, script: str, *, options: list[str] = (), script_args: list[str] = (),
+    def sbatch(self, script: str | None, *, options: list[str] = (), script_args: list[str] = (),
                env: dict | None = None, cwd: Path) -> str:
-        """`sbatch OPTIONS SCRIPT ARGS`; returns the job id (`--parsable`)."""
-        out = self.run(["sbatch", "--parsable", *options, script, *script_args], env=env,
-                       cwd=cwd).stdout
+        """`sbatch OPTIONS [SCRIPT ARGS]` (no script with `--wrap`); returns the job id."""
+        argv = ["sbatch", "--parsable", *options] + ([script, *script_args] if script else [])
+        out = self.run(argv, env=env, cwd=cwd).stdout
         return out.strip().split(";")[0]
 
     def job(self, job_id: str) -> list[Job]:

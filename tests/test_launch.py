@@ -111,7 +111,8 @@ def test_hostfile_command_reads_the_slurm_nodelist(tmp_path):
 
 def test_deepspeed_env_carries_the_run_environment_only():
     env = {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4", "PYTHONPATH": "/x", "HOME": "/root",
-           "DS_ACCELERATOR": "cuda", "MY_SETTING": "1", "SLURM_JOB_ID": "7"}
+           "DS_ACCELERATOR": "cuda", "MY_SETTING": "1", "SLURM_JOB_ID": "7",
+           "VIRTUAL_ENV_PROMPT": "(.venv)", "PATHEXT": "x"}
     text = launch.deepspeed_env_text(env, names=("MY_SETTING",))
     assert text == "DS_ACCELERATOR=cuda\nMY_SETTING=1\nNCCL_DEBUG=WARN\nOMP_NUM_THREADS=4\nPYTHONPATH=/x\n"
     with pytest.raises(ConfigError, match="NCCL_X holds a newline"):

@@ -17,6 +17,9 @@ import pytest
 from slurm_cluster import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[1]
+# One cluster for the module: keep its tests on one pytest-xdist worker (launch/test.sh passes
+# --dist loadgroup), or each worker would start its own.
+pytestmark = pytest.mark.xdist_group("slurm")
 
 # 2 nodes x 1 CPU rank, one thread each; everything else from the script's #SBATCH header.
 TWO_CPU_NODES = ["--nodes", "2", "--ntasks-per-node", "1", "--gpus-per-node", "0",
@@ -152,3 +155,28 @@ def test_bad_config_fails_fast_with_message_in_log(cluster, tiny_data, tmp_path)
     assert "error: world size 2 is not divisible by parallel.tensor x parallel.pipeline" in log
     assert "not requeued" in log and info.fields["Restarts"] == "0"
     assert not (tmp_path / "run").exists()  # no rank ever started
+
+
+@pytest.mark.parametrize("mode", ["slurm", "no_ssh"])
+def test_multi_node_deepspeed_launcher_in_an_allocation(mode, cluster, tiny_data, tmp_path):
+    """launch/multi_node.sh on 2 nodes: DeepSpeed's Slurm backend (it runs srun), or one
+    `deepspeed --no_ssh` per node started by srun; hostfile and .deepspeed_env from the job."""
+    run_dir, launch_dir = tmp_path / "run", tmp_path / "launch"
+    train_args = " ".join(["--config configs/tiny.yaml", *(f"--set {o}" for o in (
+        "train.steps=3", "data.num_workers=0", f"run_dir={run_dir}",
+        f"data.tokenizer={tiny_data['tokenizer']}", f"data.dataset={tiny_data['dataset']}"))])
+    script = f"LAUNCHER={mode} LAUNCH_DIR={launch_dir} bash launch/multi_node.sh {train_args}"
+    if mode == "no_ssh":
+        script = f"srun --ntasks-per-node 1 env {script}"
+    job = cluster.sbatch(None, options=["--nodes", "2", "--ntasks-per-node", "1",
+                                                "--output", f"{tmp_path}/%x-%j.out", "--wrap", script],
+                         cwd=REPO)
+    (info,), log = _done(cluster, job, tmp_path)
+    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
+    assert (launch_dir / "hostfile").read_text() == "pretrain-node1 slots=1\npretrain-node2 slots=1\n"
+    assert "DS_ACCELERATOR=cpu\n" in (launch_dir / "deepspeed_env").read_text()
+    assert f"deepspeed_env file = {launch_dir}/deepspeed_env" in log or mode == "no_ssh"
+    run = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    # DeepSpeed's Slurm backend leaves rank discovery to SLURM_PROCID (discover_world).
+    assert (run["world_size"], run["launcher"]) == (2, {"slurm": "slurm", "no_ssh": "deepspeed"}[mode])
+    assert _train_steps(run_dir) == [1, 2, 3]
