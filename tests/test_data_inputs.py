@@ -141,8 +141,25 @@ def test_a_saved_dataset_inside_a_directory_is_one_input(tmp_path, inputs):
     assert not any(path.suffix == ".arrow" for path in files)
 
 
-def test_hub_names_are_kept_as_specs():
-    assert [str(p) for p in resolve_corpus(["hf:org/corpus:train"])] == ["hf:org/corpus:train"]
+def test_hub_datasets_are_streamed(monkeypatch):
+    """Offline: `datasets.load_dataset` is replaced by rows; the call and the rows are checked."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(name, **kwargs):
+        calls.append((name, kwargs))
+        return iter([{"body": "first", "id": 1}, {"body": None}, {"body": "second"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    files = resolve_corpus(["hf:org/corpus:validation", "hf:org/other"])
+    assert [str(p) for p in files] == ["hf:org/corpus:validation", "hf:org/other"]
+    assert list(iter_documents(files, text_field="body")) == ["first", "second"] * 2
+    assert calls == [("org/corpus", {"split": "validation", "streaming": True}),
+                     ("org/other", {"split": "train", "streaming": True})]
+    with pytest.raises(DataError, match=r"hub dataset 'org/other' has no text column 'text' "
+                                        r"\(columns: \['body', 'id'\]\)"):
+        list(iter_documents(files[1:]))
 
 
 # ----------------------------------------------------------------------------- tokenizers
