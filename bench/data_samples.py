@@ -129,7 +129,8 @@ def main() -> None:
             fetched = fetch_rate(dataset, seq_length=seq_length, micro_batch_size=micro,
                                  batches=args.batches, workers=workers)
             ratios[workers].append(fetched / consumed)
-            line += f"; fetch, {workers} workers: {fetched:,.0f} samples/s ({ratios[workers][-1]:,.0f}x)"
+            line += (f"; fetch, {workers} workers: {fetched:,.0f} samples/s "
+                     f"({ratios[workers][-1]:,.0f}x)")
         print(line)
     for workers, values in ratios.items():
         print(f"ratio fetch / consumption with {workers} DataLoader workers (median of "

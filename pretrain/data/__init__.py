@@ -15,7 +15,13 @@ Blends of several datasets: `pretrain.data.blend`; the datasets of a run config:
 `pretrain.data.build`) are imported on first use: every
 preprocessing worker imports this package, and torch would cost each of them ~2 s and ~250 MB.
 """
-from pretrain.data.blend import BlendedSamples, BlendEntry, blend_counts, blend_schedule, parse_blend
+from pretrain.data.blend import (
+    BlendedSamples,
+    BlendEntry,
+    blend_counts,
+    blend_schedule,
+    parse_blend,
+)
 from pretrain.data.corpus import PYTHON_STDLIB, ReadStats, iter_documents, resolve_corpus
 from pretrain.data.indexed import (
     IndexedDataset,
