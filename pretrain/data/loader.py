@@ -6,7 +6,7 @@ costs about a millisecond per tensor on a CPU machine and capped a worker at ~1,
 for the tiny model. Here a worker gathers several consecutive micro-batches (at least
 `_SAMPLES_PER_FETCH` samples) as one NumPy array of ``seq_length + 1`` tokens per sample, which
 is pickled through the worker's pipe; the main process splits it into micro-batches of inputs
-and labels (views of one tensor) and pins it when asked. The order of the samples is the
+and labels and pins them when asked. The order of the samples is the
 sampler's, whatever the grouping.
 """
 from __future__ import annotations
@@ -71,6 +71,9 @@ def micro_batches(samples: TokenSamples, *, micro_batch_size: int, dp_rank: int,
         collate_fn=_keep, num_workers=workers, persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None)
     for chunk in loader:
-        tokens = torch.from_numpy(chunk)
-        for micro_batch in (tokens.pin_memory() if pin_memory else tokens):
-            yield inputs_and_labels(micro_batch)
+        for micro_batch in torch.from_numpy(chunk):
+            # Contiguous copies, as the default collate gave: engines may view or send them.
+            batch = {name: tensor.contiguous()
+                     for name, tensor in inputs_and_labels(micro_batch).items()}
+            yield {name: tensor.pin_memory() for name, tensor in batch.items()} if pin_memory \
+                else batch
