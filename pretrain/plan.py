@@ -66,6 +66,7 @@ class Layout:
     partition: str = "parameters"  # pipeline stage partition (parallel.pipeline_partition)
     reduce_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2 ipg, ZeRO 3 reduce)
     allgather_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2), prefetch (ZeRO 3)
+    max_live_parameters: int = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters
 
     @property
     def world_size(self) -> int:
@@ -227,14 +228,15 @@ def layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, fl
     sample), split into (replicated over TP unless sequence parallel, sharded over TP).
 
     Korthikanti et al. count 34*s*b*h bytes for a GPT layer; for this Llama block (SDPA's fused
-    attention keeps no s x s scores, no dropout, SwiGLU) the saved tensors are, in units of h:
-    replicated: the two RMSNorms' inputs and outputs (4); sharded: q (1), k and v (2*kv/h), the
-    attention output (1) and the output projection's input (1), and SwiGLU's gate, up, silu(gate)
-    and product (4*f/h).
+    attention keeps no s x s scores, no dropout, SwiGLU) the saved tensors are, in units of h
+    elements of the activation dtype: replicated: the two RMSNorms' inputs and outputs (4; 6 in
+    16-bit, where the norm saves its fp32 upcast); sharded: q (1), k and v (2*kv/h), the attention
+    output (1) and the output projection's input (1), and SwiGLU's gate, up, silu(gate) and
+    product (4*f/h).
     """
     h = m.hidden_size
     kv = m.num_kv_heads * m.head_dim
-    replicated = 4.0 * h
+    replicated = (4.0 if layout.precision == Precision.FP32 else 6.0) * h
     sharded = (3.0 * h + 2.0 * kv + 4.0 * m.ffn_hidden_size) / layout.tensor
     if layout.sequence_parallel:
         replicated /= layout.tensor
@@ -311,12 +313,15 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -
         buffers += min(lay.reduce_bucket, n) * g_b  # gradient reduction bucket
     if lay.zero_stage in (1, 2):
         buffers += min(lay.allgather_bucket, n) * p_b  # parameter all-gather after the step
-    if lay.zero_stage == 3:  # the full layer being used plus the prefetched one, and the bucket
+    if lay.zero_stage == 3:
+        # Gathered 16-bit parameters: DeepSpeed keeps up to stage3_max_live_parameters (1e9 by
+        # default) of them, and parameters gathered in forward stay until their reuse in
+        # backward (stage3_max_reuse_distance, also 1e9). Measured on CPU (bench/plan_memory.py):
+        # about two gathered copies of a model under the limit; one layer at least.
         sharded, replicated = _layer_params(m)
         layer_full = (sharded // lay.tensor + replicated) * p_b
-        buffers += 2 * layer_full + min(lay.reduce_bucket, n) * g_b
-        if lay.offload_param != "none":
-            buffers += 0  # gathered copies are the working set already counted above
+        gathered = 2 * min(n, lay.max_live_parameters) * p_b
+        buffers += max(gathered, 2 * layer_full) + min(lay.reduce_bucket, n) * g_b
     if lay.zero_stage >= 1 and lay.offload_optimizer == "none" and lay.precision != Precision.FP32:
         buffers += n * 4 / dp  # fp32 gradient partition the optimizer steps on
     return MemoryBreakdown(stage=stage, parameters_count=n, params=params, grads=grads,

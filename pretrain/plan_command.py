@@ -86,7 +86,8 @@ def layout_from_config(cfg: RunConfig, ds: dict[str, Any], *, world_size: int) -
                   sequence_parallel=cfg.parallel.sequence_parallel,
                   precision=cfg.train.precision, partition=cfg.parallel.pipeline_partition,
                   reduce_bucket=int(zero.get("reduce_bucket_size", DEEPSPEED_DEFAULT_BUCKET)),
-                  allgather_bucket=int(zero.get(gather_key, DEEPSPEED_DEFAULT_BUCKET)))
+                  allgather_bucket=int(zero.get(gather_key, DEEPSPEED_DEFAULT_BUCKET)),
+                  max_live_parameters=int(zero.get("stage3_max_live_parameters", 1_000_000_000)))
 
 
 def data_warnings(cfg: RunConfig) -> list[str]:
