@@ -8,21 +8,12 @@ import sys
 import pytest
 
 from launch_utils import REPO
+from test_cli import _assert_one_error_line as _one_error_line
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pretrain", "plan", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-
-
-def _one_error_line(out: subprocess.CompletedProcess, *expected: str) -> str:
-    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
-    assert "Traceback" not in out.stderr, out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, out.stderr
-    for text in expected:
-        assert text in errors[0], errors[0]
-    return errors[0]
 
 
 def test_dry_run_accepts_the_70b_config_on_128_ranks():
