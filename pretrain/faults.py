@@ -49,9 +49,9 @@ def is_collective_failure(exc: BaseException) -> bool:
 class RunControl:
     """When to stop or save, agreed by all ranks once per step (one 3-element all-reduce)."""
 
-    def __init__(self, *, device: str, save_interval_minutes: float, exit_after_minutes: float,
-                 log: Callable[[str], None]):
-        self.device, self.log = device, log
+    def __init__(self, *, save_interval_minutes: float, exit_after_minutes: float):
+        """Installs the SIGTERM / SIGUSR1 handlers and starts the wall-time clock: create it
+        first thing in a process, so a signal during start-up is not lost either."""
         self.save_every_s = save_interval_minutes * 60.0
         self.deadline = time.monotonic() + exit_after_minutes * 60.0 if exit_after_minutes else None
         self.last_save = time.monotonic()
@@ -69,14 +69,14 @@ class RunControl:
     def mark_saved(self) -> None:
         self.last_save = time.monotonic()
 
-    def poll(self) -> tuple[str | None, bool]:
+    def poll(self, *, device: str) -> tuple[str | None, bool]:
         """(why to stop now or None, whether the wall-clock save cadence is due), same on all
         ranks: signal, time limit and save cadence are each the MAX over the world."""
         now = time.monotonic()
         flags = torch.tensor([float(self.received is not None),
                               float(self.deadline is not None and now >= self.deadline),
                               float(self.save_every_s > 0 and now - self.last_save >= self.save_every_s)],
-                             device=self.device)
+                             device=device)
         if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
             torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
         signalled, out_of_time, save_due = (bool(v) for v in flags.tolist())

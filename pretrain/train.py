@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> TrainResult:
     from pretrain.config import load_config
     from pretrain.dist import close_distributed, discover_world, init_distributed, set_cpu_threads
     from pretrain.ds_config import resolve_ds_config
+    from pretrain.faults import RunControl
     from pretrain.errors import EXIT_REQUEUE
 
     overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"] if args.deepspeed_config else [])
@@ -54,6 +55,9 @@ def run(args: argparse.Namespace) -> TrainResult:
     if args.profile_steps:  # quoted: YAML 1.1 would read 3:5 as a base-60 integer
         overrides.append(f"logging.profile_steps='{args.profile_steps}'")
     cfg = load_config(args.config, overrides)
+    # Signals are caught from here on (a SIGTERM while loading still stops after the first step).
+    control = RunControl(save_interval_minutes=cfg.checkpoint.save_interval_minutes,
+                         exit_after_minutes=cfg.train.exit_after_minutes)
     world = discover_world()
     from deepspeed.accelerator import get_accelerator  # after the world: picks the device type
 
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> TrainResult:
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world.world_size,
                                            rank=world.rank).create_groups()
     try:
-        result = Trainer(cfg, world, ds_config, groups, resume=resume).train()
+        result = Trainer(cfg, world, ds_config, groups, resume=resume, control=control).train()
     except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
         _exit_on_fault(exc, rank=world.rank)
         raise

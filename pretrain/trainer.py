@@ -111,11 +111,13 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, world: World, ds_config: dict[str, Any],
-                 groups: ProcessGroups, *, resume: checkpoint.ResumePoint | None = None):
+                 groups: ProcessGroups, *, resume: checkpoint.ResumePoint | None = None,
+                 control: faults.RunControl | None = None):
         """`ds_config` is the resolved DeepSpeed config (`pretrain.ds_config.resolve_ds_config`);
         `groups` this rank's process groups (`pretrain.topology.Topology.create_groups`);
         `resume` the checkpoint to start from (`pretrain.checkpoint.find_resume`), whose
-        `checkpoint.load_universal` the DeepSpeed config already carries when it is universal."""
+        `checkpoint.load_universal` the DeepSpeed config already carries when it is universal;
+        `control` the signal / time-limit watcher (made here when None)."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -175,9 +177,9 @@ class Trainer:
         if resume is not None:
             self._resume(resume)
         log = lambda text: telemetry.log(text, main=self.main)  # noqa: E731
-        self.control = faults.RunControl(
-            device=self.device, save_interval_minutes=cfg.checkpoint.save_interval_minutes,
-            exit_after_minutes=t.exit_after_minutes, log=log)
+        self.control = control or faults.RunControl(
+            save_interval_minutes=cfg.checkpoint.save_interval_minutes,
+            exit_after_minutes=t.exit_after_minutes)
         self.guard = faults.NonFiniteGuard(self.engine, max_in_a_row=t.max_nonfinite_steps,
                                            spike_factor=t.loss_spike_factor, device=self.device,
                                            rank=world.rank, log=log)
@@ -345,7 +347,7 @@ class Trainer:
             if self.valid_data is not None and t.eval_interval and (
                     self.step % t.eval_interval == 0 or self.step == t.steps):
                 self._log_eval(result)
-            stop, save_due = self.control.poll()  # the same answer on every rank
+            stop, save_due = self.control.poll(device=self.device)  # same on every rank
             if stop and self.step < t.steps:
                 result.stop_reason = stop
                 telemetry.log(f"[stop] {stop}: saving step {self.step}, then exiting to be "

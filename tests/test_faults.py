@@ -127,12 +127,34 @@ def test_signal_saves_and_exits_for_requeue(launcher, sig, target, tiny_data, tm
 
 def test_exit_after_minutes_saves_and_exits_75(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    run = run_pretrain(_args(run_dir, tiny_data, [*LONG, "checkpoint.save_interval_minutes=0.01"])
-                       + ["--exit-after-minutes", "0.1"], run_dir=run_dir)
+    run = run_pretrain(_args(run_dir, tiny_data, LONG) + ["--exit-after-minutes", "0.1"],
+                       run_dir=run_dir)
     assert run.returncode == EXIT_REQUEUE, run.stderr[-3000:]
     assert "[stop] --exit-after-minutes reached" in run.stdout
-    assert run.stdout.count("[checkpoint]") >= 2  # the wall-clock cadence saved before the stop
     _check_resumes_at_next_step(tmp_path, tiny_data, run_dir, nprocs=1)
+
+
+def test_run_control_wall_clock_cadence_and_signals(monkeypatch):
+    """One process (no collective): the clock is faked, the signal is real."""
+    from pretrain import faults
+
+    now = [1000.0]
+    monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
+    control = faults.RunControl(save_interval_minutes=1.0, exit_after_minutes=10.0)
+    try:
+        assert control.poll(device="cpu") == (None, False)
+        now[0] += 61
+        assert control.poll(device="cpu") == (None, True)  # a save is due
+        control.mark_saved()
+        now[0] += 30
+        assert control.poll(device="cpu") == (None, False)
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled: only sets the flag
+        assert control.poll(device="cpu") == ("signal SIGUSR1", True)
+        control.received = None
+        now[0] += 600
+        assert control.poll(device="cpu") == ("--exit-after-minutes reached", True)
+    finally:
+        control.restore_handlers()
 
 
 def test_killed_rank_makes_the_others_exit_then_restart_resumes(tiny_data, tmp_path):
