@@ -222,6 +222,15 @@ def _mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) -> str |
         return ("it was written for another model: " +
                 ", ".join(f"model.{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items()) +
                 "; use the run's own config or start a new run_dir")
+    saved_sha = meta.get("tokenizer", {}).get("sha256")
+    if saved_sha and cfg.data.tokenizer:
+        from pretrain.data import Tokenizer
+
+        sha = Tokenizer.load(cfg.data.tokenizer).sha256
+        if sha != saved_sha:
+            return (f"it was trained with the tokenizer {meta['tokenizer'].get('path')!r} (sha256 "
+                    f"{saved_sha[:12]}...), data.tokenizer={cfg.data.tokenizer!r} has sha256 "
+                    f"{sha[:12]}...: point data.tokenizer at the run's tokenizer")
     if meta.get("universal"):
         return None
     saved = meta["layout"]
@@ -317,6 +326,11 @@ def to_universal(src: Path, dst: Path) -> Path:
             f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "
             "checkpoint (it is built from ZeRO optimizer partitions): resume it on the same "
             "layout, or train with ds_configs/zero1.json (or 2, 3) to reshard later")
+    if meta["layout"]["tensor"] > 1:
+        raise CheckpointError(
+            f"{str(tag_dir)!r} has tensor parallel {meta['layout']['tensor']}: our tensor-parallel "
+            "layers do not declare DeepSpeed's merge patterns, so the universal conversion would "
+            "merge their shards wrongly; resume it with the same tensor-parallel size")
     out = Path(dst) / tag_dir.name
     if out.exists():
         raise CheckpointError(f"{str(out)!r} exists: remove it or choose another destination")

@@ -150,3 +150,34 @@ def test_zero0_checkpoint_cannot_be_converted_to_universal(tiny_data, tmp_path):
         "deepspeed=ds_configs/zero0.json"])
     with pytest.raises(CheckpointError, match="saved with ZeRO-0, which DeepSpeed cannot convert"):
         to_universal(run.run_dir, tmp_path / "universal")
+
+
+def _meta(cfg, *, tensor: int = 1, zero: int = 1, sha256: str = "0" * 64) -> dict:
+    return {"step": 1, "consumed_samples": 4, "global_batch": 4, "config": cfg.to_dict(),
+            "tokenizer": {"path": "other.model", "sha256": sha256},
+            "layout": {"tensor": tensor, "pipeline": 1, "data": 1, "world_size": tensor,
+                       "zero_stage": zero}}
+
+
+def test_checkpoint_of_another_tokenizer_is_refused(tiny_data):
+    from pretrain.checkpoint import _mismatch
+    from pretrain.config import load_config
+    from pretrain.data import Tokenizer
+
+    cfg = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}"])
+    problem = _mismatch(_meta(cfg), cfg, world_size=1)
+    assert problem.startswith("it was trained with the tokenizer 'other.model' (sha256 000000000000")
+    assert _mismatch(_meta(cfg, sha256=Tokenizer.load(tiny_data["tokenizer"]).sha256), cfg,
+                     world_size=1) is None
+
+
+def test_tensor_parallel_checkpoint_is_not_converted_to_universal(tiny_data, tmp_path):
+    from pretrain.checkpoint import to_universal, write_manifest
+    from pretrain.config import load_config
+    from pretrain.errors import CheckpointError
+
+    step = tmp_path / "checkpoints" / "step1"
+    step.mkdir(parents=True)
+    write_manifest(step, _meta(load_config("configs/tiny.yaml"), tensor=2))
+    with pytest.raises(CheckpointError, match="has tensor parallel 2: our tensor-parallel layers"):
+        to_universal(tmp_path, tmp_path / "universal")
