@@ -22,7 +22,7 @@ Bytes per parameter (P = compute dtype bytes: 2 for bf16/fp16, 4 for fp32):
 precision   params   grads  optimizer (sharded by dp from ZeRO 1)
 ==========  =======  =====  =====================================================
 bf16/fp16   2        2      12: fp32 master + Adam m + v (bf16 at ZeRO 0 keeps no
-                            master and moments in bf16: 4)
+                            master: 8, as counted in DeepSpeed 0.19.8)
 fp32        4        4      8 at ZeRO 0 (m + v); 12 from ZeRO 1 (DeepSpeed clones
                             an fp32 master partition even of fp32 weights)
 ==========  =======  =====  =====================================================
@@ -217,7 +217,8 @@ def _bytes_per_param(layout: Layout) -> tuple[int, int, int]:
     """(params, grads, optimizer states) bytes per parameter before ZeRO sharding."""
     low = 4 if layout.precision == Precision.FP32 else 2
     if layout.precision == Precision.BF16 and layout.zero_stage == 0:
-        return low, low, 4  # DeepSpeed's bf16 ZeRO-0 path: no fp32 master, bf16 moments
+        return low, low, 8  # DeepSpeed's bf16 ZeRO-0 path: no fp32 master; 8 bytes of Adam state
+        # per parameter counted tensor by tensor (bench/plan_memory.py)
     if layout.precision == Precision.FP32 and layout.zero_stage == 0:
         return low, low, 8
     return low, low, 12

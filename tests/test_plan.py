@@ -34,7 +34,7 @@ def test_model_states_follow_zero_stage_by_stage():
     assert (z3.params, z3.grads, z3.optimizer) == (2 * n / 8, 2 * n / 8, 12 * n / 8)
     assert z3.model_states == pytest.approx(16 * n / 8)  # the 16 bytes / parameter / dp theory
     z0 = _mem(replace(base, zero_stage=0))  # DeepSpeed's bf16 ZeRO-0: no fp32 master
-    assert (z0.params, z0.grads, z0.optimizer) == (2 * n, 2 * n, 4 * n)
+    assert (z0.params, z0.grads, z0.optimizer) == (2 * n, 2 * n, 8 * n)
     fp32 = _mem(replace(base, zero_stage=0, precision=Precision.FP32))
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * n, 4 * n, 8 * n)
 
