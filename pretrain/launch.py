@@ -8,21 +8,25 @@ one `srun` or launcher call. What needs logic lives here and is unit tested:
   with `expand_nodelist` (same grammar: `gpu[01-04,7],login1`) when it is not;
 - `env-file`: DeepSpeed's `.deepspeed_env` (one `NAME=value` a line), which its multi-node
   runners (pdsh, ssh, slurm) export to every rank: the variables that must be the same everywhere;
-- `preflight`: validate the run config for the job's world size before any rank starts (exit 2
-  with one `error:` line otherwise), print the layout, write the resolved run config, the resolved
-  DeepSpeed JSON and the git commit to the job's log directory;
+- `preflight`: `pretrain plan` for the job's world size before any rank starts (layout, memory per
+  GPU; exit 2 with one `error:` line for a config that does not fit), then the resolved run
+  config, the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory;
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
-from pretrain import train as train_command
+from pretrain import plan_command
+from pretrain.config import load_config
 from pretrain.errors import ConfigError
 
 # Variables the multi-node launchers must carry to every rank (prefixes). DeepSpeed already
@@ -130,32 +134,34 @@ def _git_commit(root: Path) -> str:
     return head + (" (with uncommitted changes)" if dirty else "")
 
 
-def preflight(*, config: str | None, overrides: list[str], world_size: int, accelerator: str,
-              log_dir: Path | None) -> str:
-    """Validate the run for `world_size` ranks, record it in `log_dir`; the layout line.
+def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
+    """`pretrain plan` for the job's world size, then the job record in `log_dir`; the plan text.
 
-    Raises ConfigError (exit 2 in the CLI) before any rank has started, so a job with a bad
-    config fails in seconds with the reason in its log instead of after the queue and start-up.
+    The planner's dry run raises ConfigError (exit 2 in the CLI) before any rank has started, so a
+    job with a bad config fails in seconds with the reason in its log instead of after start-up.
+    One process for both: each Python start with torch costs seconds per job.
     """
-    from pretrain.config import load_config
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain import plan_command
 
-    cfg = load_config(config, overrides)
-    ds = resolve_ds_config(cfg, world_size=world_size, accelerator=accelerator)
-    p = cfg.parallel
-    dp = cfg.data_parallel_size(world_size)
-    layout = (f"world {world_size} = tp {p.tensor} x pp {p.pipeline} x dp {dp}; ZeRO "
-              f"{ds.get('zero_optimization', {}).get('stage', 0)} ({cfg.deepspeed}); micro-batch "
-              f"{cfg.train.micro_batch_size} x grad-accum {cfg.grad_accum_steps(world_size)} x dp {dp}"
-              f" = global batch {cfg.global_batch_size(world_size)} sequences of "
-              f"{cfg.model.seq_length} tokens; {cfg.train.precision.value}; run_dir {cfg.run_dir}")
+    if args.search or args.json:
+        raise ConfigError("preflight checks the one layout of the run: use `pretrain plan --search`"
+                          " / `--json` for the others")
+    if not args.world_size or args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: need the job's number of ranks (>= 1)")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plan_command.run(args)
     if log_dir is not None:
+        overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"]
+                                      if args.deepspeed_config else [])
+        cfg = load_config(args.config, overrides)
+        ds, _ = plan_command.dry_run(cfg, world_size=args.world_size, accelerator=args.accelerator)
         log_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(log_dir / "config.yaml")
         (log_dir / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
         (log_dir / "git_commit.txt").write_text(_git_commit(Path(__file__).resolve().parents[1]) + "\n")
-        (log_dir / "layout.txt").write_text(layout + "\n")
-    return layout
+        (log_dir / "plan.txt").write_text(out.getvalue())
+    return out.getvalue()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,11 +174,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e = sub.add_parser("env-file", help="write DeepSpeed's .deepspeed_env for every rank")
     e.add_argument("--output", default=".deepspeed_env")
     e.add_argument("--var", action="append", default=[], help="also pass this variable (repeatable)")
-    p = sub.add_parser("preflight", help="validate the run for N ranks, print the layout, record it")
-    train_command.add_arguments(p)  # the same --config / --set / --deepspeed-config as the run
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--accelerator", default=None, help="cpu or cuda (default: DS_ACCELERATOR)")
-    p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, git_commit.txt here")
+    p = sub.add_parser("preflight", help="pretrain plan for the job's ranks, then record the "
+                                         "resolved config, DeepSpeed JSON and git commit")
+    plan_command.add_arguments(p)  # --config / --set / --deepspeed-config / --world-size ...
+    p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, "
+                                                 "git_commit.txt and plan.txt here")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -184,11 +190,4 @@ def run(args: argparse.Namespace) -> None:
         Path(args.output).write_text(deepspeed_env_text(names=tuple(args.var)))
         print(f"[launch] {args.output}: environment for every rank")
     else:
-        if args.world_size < 1:
-            raise ConfigError(f"--world-size {args.world_size}: need >= 1 rank")
-        accel = args.accelerator or os.environ.get("DS_ACCELERATOR", "cuda")
-        overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"]
-                                      if args.deepspeed_config else [])
-        print("[preflight] " + preflight(config=args.config, overrides=overrides,
-                                         world_size=args.world_size, accelerator=accel,
-                                         log_dir=args.log_dir), flush=True)
+        sys.stdout.write(preflight(args, log_dir=args.log_dir))

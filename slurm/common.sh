@@ -9,7 +9,9 @@
 #                 (default runs/slurm/<job name>-<job id>)
 #   GPUS_PER_NODE ranks per node = GPUs per node; 0 runs CPU ranks (TASKS_PER_NODE of them)
 #   TASKS_PER_NODE ranks per node (default: GPUS_PER_NODE, else SLURM_NTASKS_PER_NODE)
-#   MASTER_PORT   rendezvous port (default 20000 + job id % 20000, the same on every node)
+#   MASTER_PORT   rendezvous port (default from the job id and attempt, the same on every node)
+#   SRUN_WAIT     seconds the other ranks may run on after one rank exited (default 300): a
+#                 crashed rank ends the step then, not after the collective timeout
 #   PRETRAIN_ROOT the repository (default: the directory sbatch was run from)
 #   VENV          virtual environment to activate (default $PRETRAIN_ROOT/.venv if present)
 # Arguments of the script go to `pretrain train` (and to the pre-flight): --set K=V, --deepspeed-config.
@@ -34,7 +36,9 @@ else
 fi
 WORLD_SIZE=$(( NNODES * TASKS_PER_NODE ))
 export MASTER_ADDR="${MASTER_ADDR:-${NODES[0]}}"
-export MASTER_PORT="${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}"
+ATTEMPT="${SLURM_RESTART_COUNT:-0}"
+# A requeued job keeps its id: a new port per attempt, as the last one may still be in TIME_WAIT.
+export MASTER_PORT="${MASTER_PORT:-$(( 20000 + (SLURM_JOB_ID * 10 + ATTEMPT % 10) % 20000 ))}"
 
 # ---- environment of every rank (srun passes the batch shell's environment on) --------------
 export DS_ACCELERATOR="${DS_ACCELERATOR:-$( (( GPUS_PER_NODE > 0 )) && echo cuda || echo cpu)}"
@@ -50,17 +54,13 @@ RUN_ARGS=(--config "$CONFIG" "$@")
 [[ -n ${RUN_DIR:-} ]] && RUN_ARGS+=(--set "run_dir=$RUN_DIR")
 LOG_DIR="${LOG_DIR:-runs/slurm/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"
 mkdir -p "$LOG_DIR"
-ATTEMPT="${SLURM_RESTART_COUNT:-0}"
 echo "[slurm] job $SLURM_JOB_ID attempt $ATTEMPT: $NNODES nodes (${NODES[*]}) x $TASKS_PER_NODE ranks," \
      "master $MASTER_ADDR:$MASTER_PORT, accelerator $DS_ACCELERATOR, log dir $LOG_DIR"
 
 # ---- pre-flight: fail in seconds, before any rank starts, with the reason in this log --------
-preflight() {
-  if python -m pretrain plan --help >/dev/null 2>&1; then  # layout and per-GPU memory estimate
-    python -m pretrain plan --world-size "$WORLD_SIZE" --accelerator "$DS_ACCELERATOR" "${RUN_ARGS[@]}" \
-      | tee "$LOG_DIR/plan.txt" || return 2
-  fi
-  python -m pretrain launch preflight --world-size "$WORLD_SIZE" --log-dir "$LOG_DIR" "${RUN_ARGS[@]}"
+preflight() {  # `pretrain plan` (layout, per-GPU memory), then the record in $LOG_DIR
+  python -m pretrain launch preflight --world-size "$WORLD_SIZE" --accelerator "$DS_ACCELERATOR" \
+    --log-dir "$LOG_DIR" "${RUN_ARGS[@]}"
 }
 
 # ---- train: one task per rank; discover_world maps SLURM_PROCID/NTASKS/LOCALID ---------------
@@ -71,7 +71,7 @@ run_training() {
   JOB_RC=0
   preflight || { JOB_RC=2; return 0; }
   trap forward_usr1 USR1
-  srun --ntasks-per-node="$TASKS_PER_NODE" --nodes="$NNODES" \
+  srun --ntasks-per-node="$TASKS_PER_NODE" --nodes="$NNODES" --wait="${SRUN_WAIT:-300}" \
     python -u -m pretrain train "${RUN_ARGS[@]}" &
   SRUN_PID=$!
   while :; do

@@ -23,7 +23,10 @@
 #SBATCH --requeue
 CONFIG="${CONFIG:-configs/llama_1b.yaml}"
 cd "${PRETRAIN_ROOT:-${SLURM_SUBMIT_DIR:-.}}"  # DS_CONFIGS paths are relative to the repository
-read -r -a SWEEP_CONFIGS <<< "$(ls ${DS_CONFIGS:-ds_configs/*.json} | sort | tr '\n' ' ')"
+read -r -a SWEEP_CONFIGS <<< "$(printf '%s\n' ${DS_CONFIGS:-ds_configs/*.json} | sort | tr '\n' ' ')"
+for ds in "${SWEEP_CONFIGS[@]}"; do
+  [[ -f $ds ]] || { echo "error: DeepSpeed config $ds (from DS_CONFIGS) does not exist" >&2; exit 2; }
+done
 TASK="${SLURM_ARRAY_TASK_ID:-0}"
 if (( TASK >= ${#SWEEP_CONFIGS[@]} )); then
   echo "error: array task $TASK but only ${#SWEEP_CONFIGS[@]} configs (${SWEEP_CONFIGS[*]}):" \

@@ -167,6 +167,14 @@ PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE S
                          for p in sorted((self.base / "log").glob("*")) if p.is_file())
 
     def stop(self) -> None:
+        """Cancel what still runs (a failed test may leave a job), then stop the daemons."""
+        if self._pids:
+            self.run(["scancel", "--user", "root"], check=False)
+            try:
+                self._wait(lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(), 60,
+                           "jobs still running after scancel")
+            except RuntimeError:
+                pass  # the daemons go anyway
         for pid in reversed(self._pids):
             try:
                 os.killpg(pid, signal.SIGTERM)

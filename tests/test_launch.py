@@ -125,8 +125,9 @@ def test_preflight_records_the_resolved_run(tmp_path):
                      "--log-dir", str(tmp_path), *TINY, "--set", "parallel.pipeline=2",
                      "--deepspeed-config", "ds_configs/zero0.json")
     assert proc.returncode == 0, proc.stderr
-    assert "world 4 = tp 1 x pp 2 x dp 2; ZeRO 0" in proc.stdout
-    assert "global batch 4" in proc.stdout
+    assert "layout  tp 1 x pp 2 x dp 2 = 4 ranks | global batch 4" in proc.stdout
+    assert "engine  ZeRO-0" in proc.stdout
+    assert (tmp_path / "plan.txt").read_text() == proc.stdout
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert (ds["train_batch_size"], ds["zero_optimization"]["stage"]) == (4, 0)
     assert "pipeline: 2" in (tmp_path / "config.yaml").read_text()
@@ -142,3 +143,5 @@ def test_preflight_refuses_a_config_that_does_not_fit_the_world(tmp_path):
         "error: train.global_batch_size=4 is not a multiple of train.micro_batch_size x "
         "data-parallel size = 2 x 3 = 6: set it to a multiple of 6"]
     assert not (tmp_path / "config.yaml").exists()
+    proc = _pretrain("launch", "preflight", "--world-size", "2", "--search", *TINY)
+    assert proc.returncode == 2 and "use `pretrain plan --search`" in proc.stderr
