@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def test_killed_rank_makes_the_others_exit_then_restart_resumes(tiny_data, tmp_p
                "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "2",
                "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen(["python", "-m", "pretrain", *args], cwd=REPO, env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "pretrain", *args], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         _wait_for_step(run_dir, 5, procs)
