@@ -214,10 +214,17 @@ def _candidates(path: Path) -> list[Path]:
                   key=tag_step, reverse=True)
 
 
+# Model fields that do not change the saved tensors or their meaning: a resumed run may change
+# its recompute mode, and the initial weights / init scale only mattered at step 0.
+RESUMABLE_MODEL_CHANGES = frozenset({"preset", "init_std", "init_from", "activation_checkpointing",
+                                     "activation_checkpointing_interval"})
+
+
 def _mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) -> str | None:
     """Why a checkpoint cannot be loaded into this run (None: it can)."""
     saved_model, model = meta["config"]["model"], cfg.to_dict()["model"]
-    diff = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
+    diff = {k: (saved_model.get(k), v) for k, v in model.items()
+            if k not in RESUMABLE_MODEL_CHANGES and saved_model.get(k) != v}
     if diff:
         return ("it was written for another model: " +
                 ", ".join(f"model.{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items()) +

@@ -171,6 +171,25 @@ def test_checkpoint_of_another_tokenizer_is_refused(tiny_data):
                      world_size=1) is None
 
 
+def test_resume_allows_recompute_and_init_changes_but_not_shapes(tiny_data):
+    from pretrain.checkpoint import _mismatch
+    from pretrain.config import load_config
+    from pretrain.data import Tokenizer
+
+    saved = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}"])
+    meta = _meta(saved, sha256=Tokenizer.load(tiny_data["tokenizer"]).sha256)
+    changed = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}",
+                                                "model.activation_checkpointing=full",
+                                                "model.init_from=/elsewhere", "model.init_std=0.01"])
+    assert _mismatch(meta, changed, world_size=1) is None
+    reshaped = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}",
+                                                 "model.activation_checkpointing=full",
+                                                 "model.hidden_size=128"])
+    assert _mismatch(meta, reshaped, world_size=1) == (
+        "it was written for another model: model.hidden_size=64 there, 128 here; use the run's "
+        "own config or start a new run_dir")
+
+
 def test_tensor_parallel_checkpoint_is_not_converted_to_universal(tiny_data, tmp_path):
     from pretrain.checkpoint import to_universal, write_manifest
     from pretrain.config import load_config
