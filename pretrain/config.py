@@ -491,3 +491,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 raise ConfigError(f"--set {text!r}: {k!r} is not a section")
         node[keys[-1]] = value
     return _build(RunConfig, raw, "")
+
+
+def add_config_arguments(parser) -> None:
+    """`--config`, `--set` and `--deepspeed-config`: how every command that reads a run config
+    (train, plan) takes it, with the same meaning (see `config_overrides`)."""
+    parser.add_argument("--config", help="run config YAML (configs/*.yaml); defaults apply when "
+                                         "omitted")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config field, e.g. --set train.lr=3e-4 (repeatable)")
+    parser.add_argument("--deepspeed-config", metavar="JSON",
+                        help="DeepSpeed JSON to use instead of the run config's `deepspeed` field")
+
+
+def config_overrides(args) -> list[str]:
+    """The `--set` overrides of `add_config_arguments`, `--deepspeed-config` included."""
+    return list(args.set) + ([f"deepspeed={args.deepspeed_config}"]
+                             if args.deepspeed_config else [])

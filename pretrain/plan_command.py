@@ -21,17 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.clusters import CLUSTER_PRESETS, Cluster, make_cluster
-from pretrain.config import RunConfig, load_config
+from pretrain.config import RunConfig, add_config_arguments, config_overrides, load_config
 from pretrain.errors import ConfigError
 from pretrain.plan import DEEPSPEED_DEFAULT_BUCKET, GB, Layout, Plan, estimate, search
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="run config YAML (configs/*.yaml); defaults apply when omitted")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config field, as for `pretrain train` (repeatable)")
-    parser.add_argument("--deepspeed-config", metavar="JSON",
-                        help="DeepSpeed JSON to use instead of the run config's `deepspeed` field")
+    add_config_arguments(parser)
     parser.add_argument("--world-size", type=int, help="ranks (GPUs) of the run; default: "
                         "--nodes x GPUs per node")
     parser.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"],
@@ -183,8 +179,7 @@ def estimate_minimum_gb(cfg: RunConfig, cluster: Cluster) -> float:
 
 
 def run(args: argparse.Namespace) -> Plan | None:
-    overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"]
-                                  if args.deepspeed_config else [])
+    overrides = config_overrides(args)
     cfg = load_config(args.config, overrides)
     cluster = _cluster(args)
     if args.search:

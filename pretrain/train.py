@@ -17,15 +17,12 @@ import argparse
 import os
 import sys
 
+from pretrain.config import add_config_arguments, config_overrides
 from pretrain.trainer import TrainResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="run config YAML (configs/*.yaml); defaults apply when omitted")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config field, e.g. --set train.lr=3e-4 (repeatable)")
-    parser.add_argument("--deepspeed-config", metavar="JSON",
-                        help="DeepSpeed JSON to use instead of the run config's `deepspeed` field")
+    add_config_arguments(parser)
     parser.add_argument("--profile-steps", metavar="A:B",
                         help="export a torch profiler Chrome trace of steps A..B to "
                         "<run_dir>/profile/ (logging.profile_steps)")
@@ -49,7 +46,7 @@ def run(args: argparse.Namespace) -> TrainResult:
     from pretrain.faults import RunControl
     from pretrain.errors import EXIT_REQUEUE
 
-    overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"] if args.deepspeed_config else [])
+    overrides = config_overrides(args)
     if args.exit_after_minutes is not None:
         overrides.append(f"train.exit_after_minutes={args.exit_after_minutes}")
     if args.profile_steps:  # quoted: YAML 1.1 would read 3:5 as a base-60 integer
