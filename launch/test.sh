@@ -9,5 +9,6 @@ cd "$ROOT"
 bash launch/setup_env.sh
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-# loadgroup: tests marked xdist_group (the local Slurm cluster of tests/test_slurm.py) share a worker.
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=15 "$@" tests
+# loadfile: each test file runs on one worker, so the local Slurm cluster of tests/test_slurm.py is
+# started once (pytest-xdist 3.8's loadgroup is a no-op under pytest 9: see that file).
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=15 "$@" tests

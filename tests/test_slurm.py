@@ -16,9 +16,10 @@ import pytest
 from slurm_cluster import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[1]
-# One cluster for the module: keep its tests on one pytest-xdist worker (launch/test.sh passes
-# --dist loadgroup), or each worker would start its own.
-pytestmark = pytest.mark.xdist_group("slurm")
+# One cluster for the module: its tests must run on one pytest-xdist worker, or each worker would
+# start its own cluster on the same node names and ports. launch/test.sh passes --dist loadfile
+# (a file is one unit of work). Not --dist loadgroup: pytest-xdist 3.8 marks groups by setting
+# `item._nodeid`, which pytest 9 no longer reads, so xdist_group marks are silently ignored.
 
 # 2 nodes x 1 CPU rank, one thread each; everything else from the script's #SBATCH header. A time
 # limit of 60 min puts the header's USR1 (10 min before the end) out of the tests' way.
