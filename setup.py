@@ -1,12 +1,19 @@
 """Installable package `pretrain`: Llama pretraining with tensor, pipeline and ZeRO data parallelism."""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The version is written once, in pretrain/__init__.py.
+VERSION = re.search(r'^__version__ = "([^"]+)"', (Path(__file__).parent / "pretrain" / "__init__.py")
+                    .read_text(), re.M).group(1)
 
 # Tested versions live in launch/constraints.txt; install with
 #   pip install -c launch/constraints.txt -e .[test]
 # and install torch first (see README): an unpinned torch pulls a multi-GB CUDA build.
 setup(
     name="pretrain",
-    version="0.1.0",
+    version=VERSION,
     description="Pretrain Llama-style models with Megatron-style TP, DeepSpeed 1F1B pipelines and ZeRO",
     packages=find_packages(include=["pretrain", "pretrain.*"]),
     python_requires=">=3.10",

@@ -22,7 +22,7 @@ if (( GPUS > 0 )); then
 else
   NPROC="${NPROC:-2}"
   export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-  # Oversubscribed intra-op threads made 2 ranks on 2 cores 2x slower (DESIGN.md).
+  # Oversubscribed intra-op threads made 2 ranks on 2 cores 2x slower.
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 fi
 PORT="${MASTER_PORT:-$FREE_PORT}"

@@ -1,0 +1,128 @@
+"""The package's shape, as ARCHITECTURE.md draws it: imports flow one way, no cycle, every module
+documented, and `pretrain --help` starts without torch."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "pretrain"
+
+# Lower layers never import higher ones; modules of one layer may import each other (no cycle).
+# The first matching prefix decides a module's layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("pretrain.errors", "pretrain.files"),
+    ("pretrain.config",),
+    ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
+     "pretrain.dist", "pretrain.data"),
+    ("pretrain.model",),
+    ("pretrain.checkpoint", "pretrain.telemetry", "pretrain.faults", "pretrain.plan"),
+    ("pretrain.engine", "pretrain.metrics", "pretrain.trainer", "pretrain.sweep",
+     "pretrain.testing"),
+    ("pretrain.commands",),
+    ("pretrain.cli", "pretrain.__main__"),
+]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = path
+    return mods
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules `name` imports, at module top or inside functions."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target.startswith("pretrain") and target != name and target != "pretrain":
+                found.add(target)
+    return found
+
+
+def _layer(name: str) -> int:
+    for index, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return index
+    raise AssertionError(f"{name} is in no layer of tests/test_architecture.py: add it there and "
+                         "to ARCHITECTURE.md")
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_imports_flow_down_the_layers():
+    upward = [f"{a} (layer {_layer(a)}) imports {b} (layer {_layer(b)})"
+              for a, targets in _graph().items() if a != "pretrain" for b in sorted(targets)
+              if _layer(b) > _layer(a)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_architecture_md_names_every_module():
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    listed = set(re.findall(r"`(pretrain/[\w/]+\.py)`", text))
+    actual = {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")}
+    assert not actual - listed, f"modules missing from ARCHITECTURE.md: {sorted(actual - listed)}"
+    assert not listed - actual, f"ARCHITECTURE.md names modules that do not exist: {sorted(listed - actual)}"
+
+
+def test_help_does_not_import_torch():
+    """`pretrain --help` and every subcommand's --help only build parsers: no torch, no DeepSpeed."""
+    code = ("import sys\nfrom pretrain.cli import build_parser\nbuild_parser()\n"
+            "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         check=True).stdout.strip()
+    assert out == "[]", f"building the CLI parser imported {out}"
+
+
+def test_no_reference_outside_the_repository():
+    """The design the code follows is ARCHITECTURE.md: nothing cites notes that are not here."""
+    pattern = re.compile(r"DESIGN\.md|STYLE\.md|\.\./shared|\b[Ii]ssue \d+\b")
+    hits = []
+    for path in [*PACKAGE.rglob("*.py"), *(REPO / "tests").glob("*.py"), *(REPO / "bench").glob("*"),
+                 *(REPO / "launch").glob("*"), *(REPO / "slurm").glob("*"), REPO / "README.md",
+                 REPO / "ARCHITECTURE.md", REPO / "BENCHMARKS.md"]:
+        if path.is_file() and path != Path(__file__):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not hits, "\n".join(hits)
