@@ -12,15 +12,12 @@ on disk); rounds alternate so drift in the machine's load hits both alike. Resum
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from common import machine, median  # noqa: E402
-from dist_spawn import run_on_ranks  # noqa: E402
+from common import machine, median
+from pretrain.testing.ranks import run_on_ranks
 
 OVERRIDES = ["model.preset=small", "model.num_layers=8", "model.vocab_size=8192",
              "model.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=2",

@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks: a cached tokenized corpus, the machine's description.
 
 The benchmarks run `pretrain` and spawn ranks with the test suite's helpers
-(`tests/launch_utils.py`, `tests/dist_spawn.py`): one way to do each.
+(`pretrain.testing`): one way to do each.
 """
 from __future__ import annotations
 

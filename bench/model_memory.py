@@ -12,14 +12,11 @@ the ratio against the ideal shows what replication and stage imbalance cost (tar
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from common import machine  # noqa: E402
-from dist_spawn import run_on_ranks  # noqa: E402
+from common import machine
+from pretrain.testing.ranks import run_on_ranks
 
 OVERRIDES = ["model.preset=small", "model.num_layers=8", "model.seq_length=64",
              "model.tie_embeddings=false"]

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from common import machine  # noqa: E402
-from dist_spawn import run_on_ranks  # noqa: E402
+from common import machine
+from pretrain.testing.ranks import run_on_ranks
 
 MICRO = 4
 

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # before the ranks start: fixed threshold
 
-from common import machine  # noqa: E402
-from dist_spawn import run_on_ranks  # noqa: E402
+from common import machine
+from pretrain.testing.ranks import run_on_ranks
 
 MODEL = ["model.vocab_size=8192", "model.hidden_size=512", "model.num_layers=8",
          "model.num_heads=8", "model.num_kv_heads=8", "model.ffn_hidden_size=1376",

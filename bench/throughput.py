@@ -18,17 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from common import machine, median, stdlib_dataset  # noqa: E402
-from launch_utils import run_pretrain  # noqa: E402
+from common import machine, median, stdlib_dataset
+from pretrain.testing.runs import run_pretrain
 
 
 def hf_tokens_per_s(cfg, *, micro_batch: int, steps: int, warmup: int, lr: float) -> float:

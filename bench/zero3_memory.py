@@ -11,16 +11,12 @@ Adam states are counted tensor by tensor (storage bytes, each storage once).
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from common import machine  # noqa: E402
-from dist_spawn import run_on_ranks  # noqa: E402
-from plan_memory import MODEL, model_state_bytes  # noqa: E402
+from common import machine
+from pretrain.testing.ranks import run_on_ranks
+from plan_memory import MODEL, model_state_bytes
 
 
 def _rank(rank: int, world_size: int) -> dict:

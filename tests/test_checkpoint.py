@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from launch_utils import rel_diff, run_pretrain, train
+from pretrain.testing.runs import rel_diff, run_pretrain, train
 
 STEPS, SAVE_AT = 6, 3
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch_utils import REPO, run_pretrain
+from pretrain.testing.runs import REPO, run_pretrain
 
 
 @pytest.mark.parametrize("command", [None, "train", "tokenizer", "preprocess", "generate"])

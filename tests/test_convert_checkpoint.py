@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_utils import train
+from pretrain.testing.runs import train
 from safetensors.torch import load_file
 from test_hf_interop import VOCAB, make_data
 

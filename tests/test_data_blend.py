@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch_utils import train
+from pretrain.testing.runs import train
 from pretrain.config import DataConfig, load_config
 from pretrain.data import (
     BlendedSamples,

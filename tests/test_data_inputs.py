@@ -318,7 +318,7 @@ def test_wrong_column_type_and_unreadable_parquet(tmp_path):
 def test_training_with_a_hugging_face_tokenizer(tmp_path, hf_tokenizer_dir):
     import sysconfig
 
-    from launch_utils import train
+    from pretrain.testing.runs import train
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted((stdlib / "json").glob("*.py"))

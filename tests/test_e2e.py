@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from launch_utils import run_pretrain
+from pretrain.testing.runs import run_pretrain
 
 STEPS = 50
 

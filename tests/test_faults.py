@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launch_utils import REPO, launcher_prefix, run_pretrain, train
+from pretrain.testing.runs import REPO, launcher_prefix, run_pretrain, train
 
 EXIT_FAULT, EXIT_REQUEUE = 3, 75
 LONG = ["train.steps=100000", "train.warmup_steps=2"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from launch_utils import run_pretrain, train
+from pretrain.testing.runs import run_pretrain, train
 from safetensors.torch import load_file
 
 from pretrain.cli import main as pretrain_main

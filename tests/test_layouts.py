@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch_utils import rel_diff, train
+from pretrain.testing.runs import rel_diff, train
 
 STEPS = 10
 EVAL = ["train.eval_interval=5", "train.eval_batches=2"]  # validation at steps 5 and 10

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_spawn import run_on_ranks
+from pretrain.testing.ranks import run_on_ranks
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
 from pretrain.model import build_model

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from launch_utils import REPO
+from pretrain.testing.runs import REPO
 from pretrain.clusters import MATMUL_EFFICIENCY, make_cluster
 from pretrain.config import MODEL_PRESETS, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError

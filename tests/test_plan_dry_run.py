@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch_utils import REPO
+from pretrain.testing.runs import REPO
 from test_cli import _assert_one_error_line as _one_error_line
 
 

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from launch_utils import REPO
+from pretrain.testing.runs import REPO
 
 
 def _sweep(*args: str) -> subprocess.CompletedProcess:

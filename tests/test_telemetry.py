@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from launch_utils import run_pretrain, train
+from pretrain.testing.runs import run_pretrain, train
 from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
 from pretrain.errors import ConfigError
 from pretrain.plan import hardware_flops_per_token, layer_forward_flops_per_token

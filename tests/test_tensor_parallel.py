@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_spawn import run_on_ranks
+from pretrain.testing.ranks import run_on_ranks
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
 from pretrain.model import (LlamaModel, build_model, gather_full_state_dict, shard_of,

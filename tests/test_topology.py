@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 import pretrain.topology
-from dist_spawn import run_on_ranks
+from pretrain.testing.ranks import run_on_ranks
 from pretrain.config import ParallelConfig
 from pretrain.errors import ConfigError
 from pretrain.topology import RankCoords, Topology

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch_utils import rel_diff, train
+from pretrain.testing.runs import rel_diff, train
 
 STEPS = 10
 
@@ -85,7 +85,7 @@ def test_srun_style_environment_trains_like_torchrun(tiny_data, tmp_path, single
     import subprocess
     import sys
 
-    from launch_utils import REPO, Run, free_port
+    from pretrain.testing.runs import REPO, Run, free_port
 
     run_dir = tmp_path / "srun"
     port = free_port()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pretrain.dist import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: configs/, launch/, ds_configs/
 BIN = Path(sys.executable).parent
 
 
