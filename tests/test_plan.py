@@ -9,11 +9,13 @@ from dataclasses import replace
 import pytest
 
 from launch_utils import REPO
-from pretrain.clusters import MATMUL_EFFICIENCY, make_cluster
+from pretrain.arithmetic import num_parameters, stage_items, stage_parameters
 from pretrain.config import MODEL_PRESETS, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
-from pretrain.plan import (GB, Layout, estimate, layer_activation_elements, search,
-                           stage_items, stage_parameters)
+from pretrain.layout import Layout
+from pretrain.plan.clusters import MATMUL_EFFICIENCY, make_cluster
+from pretrain.plan.memory import GB, layer_activation_elements
+from pretrain.plan.search import estimate, search
 
 LLAMA_7B = ModelConfig(**MODEL_PRESETS["7b"])
 H100 = make_cluster("h100-80gb", nodes=1)
@@ -27,7 +29,7 @@ def test_model_states_follow_zero_stage_by_stage():
     """Mixed precision: 2 + 2 + 12 bytes per parameter; ZeRO shards 12, then 2, then 2 by dp."""
     base = Layout(data=8, global_batch=8, precision=Precision.BF16)
     n = stage_parameters(LLAMA_7B, base, stage_items(LLAMA_7B, base)[0])
-    assert n == LLAMA_7B.num_parameters() + (LLAMA_7B.padded_vocab_size() - 32000) * 4096 * 2
+    assert n == num_parameters(LLAMA_7B) + (LLAMA_7B.padded_vocab_size() - 32000) * 4096 * 2
     z1, z2, z3 = (_mem(replace(base, zero_stage=s)) for s in (1, 2, 3))
     assert (z1.params, z1.grads, z1.optimizer) == (2 * n, 2 * n, 12 * n / 8)
     assert (z2.params, z2.grads, z2.optimizer) == (2 * n, 2 * n / 8, 12 * n / 8)
@@ -136,7 +138,7 @@ def test_megatron_core_70b_on_768_h100():
 
 def test_bloom_176b_on_384_a100():
     run = BLOOM_176B
-    assert run["model"].num_parameters() == pytest.approx(176e9, rel=0.02)
+    assert num_parameters(run["model"]) == pytest.approx(176e9, rel=0.02)
     plan = estimate(run["model"], run["layout"], run["cluster"])
     assert plan.fits
     assert plan.hardware_tflops_per_gpu == pytest.approx(run["published_hw_tflops"], rel=0.20)
