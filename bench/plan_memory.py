@@ -6,7 +6,7 @@ the peak resident memory (VmHWM) over two steady-state steps minus the resident 
 model was built (imports, process groups and the Python heap are not the model's); the peak is
 reset after a first warm-up step (`/proc/self/clear_refs`), so DeepSpeed's one-off flattening
 copies at start-up do not count. glibc's mmap threshold is pinned so freed tensors return to the
-OS. Predicted: `pretrain.plan.estimate` for the same layout (params + grads + optimizer +
+OS. Predicted: `pretrain.plan.search.estimate` for the same layout (params + grads + optimizer +
 activations + buffers). The model states are also counted tensor by tensor, against the theory
 of 16 bytes per parameter / dp at ZeRO-3 (`bench/zero3_memory.py` prints that comparison).
 
@@ -111,19 +111,19 @@ def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str) -> di
 
 
 def predict(deepspeed_json: str, precision: str):
-    from pretrain.clusters import make_cluster
     from pretrain.config import load_config
-    from pretrain.ds_config import resolve_ds_config
-    from pretrain.plan import estimate
-    from pretrain.plan_command import layout_from_config
+    from pretrain.plan.clusters import make_cluster
+    from pretrain.plan.dry_run import dry_run
+    from pretrain.plan.search import estimate
 
     cfg = load_config(None, MODEL + [f"deepspeed={deepspeed_json}", f"train.precision={precision}"])
-    ds = resolve_ds_config(cfg, world_size=WORLD, accelerator="cpu")
-    layout = layout_from_config(cfg, ds, world_size=WORLD)
+    _, layout = dry_run(cfg, world_size=WORLD, accelerator="cpu")
     return estimate(cfg.model, layout, make_cluster("h100-80gb", nodes=1)), cfg
 
 
 def main() -> None:
+    from pretrain.arithmetic import num_parameters
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3])
@@ -150,7 +150,7 @@ def main() -> None:
                   f"{plan.memory.model_states / 2**20:.1f} / {counted / 2**20:.1f} MiB "
                   f"(act {plan.memory.activations / 2**20:.1f}, buffers "
                   f"{plan.memory.buffers / 2**20:.1f})")
-    print(f"parameters: {cfg.model.num_parameters():,}; largest |measured/predicted - 1| = "
+    print(f"parameters: {num_parameters(cfg.model):,}; largest |measured/predicted - 1| = "
           f"{worst:.3f} (target < 0.10)")
 
 

@@ -1,23 +1,18 @@
-"""The planner against two published large runs (the same cases `tests/test_plan.py` asserts).
+"""The planner against two published large runs (`pretrain/plan/published.py`, the cases `tests/test_plan.py` asserts).
 
 Megatron-Core's 70B GPT at TP 8 x PP 2 x DP 48 on 768 H100 (about 42% MFU, 420 TFLOP/s per GPU)
 and BLOOM-176B at TP 4 x PP 12 x DP 8 on 384 A100-80GB (about 150 TFLOP/s per GPU counting
-recomputation), predicted with one set of efficiency constants (`pretrain/clusters.py`).
+recomputation), predicted with one set of efficiency constants (`pretrain/plan/clusters.py`).
 Pure arithmetic: runs in a second.
 
     .venv/bin/python bench/plan_published.py
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_plan import BLOOM_176B, MEGATRON_70B  # noqa: E402
-
-from pretrain.clusters import COLLECTIVE_EFFICIENCY, MATMUL_EFFICIENCY  # noqa: E402
-from pretrain.plan import GB, estimate  # noqa: E402
+from pretrain.plan.clusters import COLLECTIVE_EFFICIENCY, MATMUL_EFFICIENCY
+from pretrain.plan.memory import GB
+from pretrain.plan.published import BLOOM_176B, MEGATRON_70B
+from pretrain.plan.search import estimate
 
 
 def main() -> None:

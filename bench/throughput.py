@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
+    from pretrain.arithmetic import model_flops_per_token, num_parameters
     from pretrain.config import load_config
     from pretrain.telemetry import measure_matmul_tflops
 
@@ -88,10 +89,10 @@ def main() -> None:
             print(f"round {r + 1}: pretrain train {ours[-1]:,.0f} tok/s | transformers loop "
                   f"{theirs[-1]:,.0f} tok/s", flush=True)
     peak = measure_matmul_tflops(torch.float32, n=1024)
-    flops = cfg.flops_per_token()
+    flops = model_flops_per_token(cfg)
     best_ours, best_theirs = max(ours), max(theirs)
     print(f"\nmachine: {machine()}")
-    print(f"model: preset {args.preset}, {cfg.num_parameters() / 1e6:.1f}M parameters, "
+    print(f"model: preset {args.preset}, {num_parameters(cfg) / 1e6:.1f}M parameters, "
           f"micro-batch {args.micro_batch} x seq {cfg.seq_length}, fp32, 1 rank, ZeRO-0")
     print(f"pretrain train      : {best_ours:10,.0f} tok/s  MFU {flops * best_ours / peak / 1e12:6.1%}")
     print(f"transformers + AdamW: {best_theirs:10,.0f} tok/s  MFU {flops * best_theirs / peak / 1e12:6.1%}")

@@ -25,6 +25,7 @@ def _rank(rank: int, world_size: int) -> dict:
     import deepspeed
     import torch
 
+    from pretrain.arithmetic import num_parameters
     from pretrain.config import load_config
     from pretrain.ds_config import resolve_ds_config
     from pretrain.model import build_model
@@ -44,7 +45,7 @@ def _rank(rank: int, world_size: int) -> dict:
     loss = engine(tokens[:, :-1], labels=tokens[:, 1:])
     engine.backward(loss)
     engine.step()
-    return {"parameters": cfg.model.num_parameters(), **model_state_bytes(engine)}
+    return {"parameters": num_parameters(cfg.model), **model_state_bytes(engine)}
 
 
 def main() -> None:

@@ -33,9 +33,8 @@ def _quiet_imports() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pretrain import generate, launch, train
-    from pretrain import plan_command, sweep
-    from pretrain import convert, interop
+    from pretrain import convert, generate, interop, train
+    from pretrain.commands import launch, plan, sweep
     from pretrain.data import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,
@@ -61,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "launch": ("helpers of launch/ and slurm/: hostfile, .deepspeed_env, preflight, sweep-table",
                    launch.add_arguments, launch.run),
         "plan": ("dry-run a config for N ranks; per-GPU memory, step time and MFU; --search",
-                 plan_command.add_arguments, plan_command.run),
+                 plan.add_arguments, plan.run),
         "sweep": ("short runs over DeepSpeed configs x micro-batches -> CSV, Markdown, PNG",
                   sweep.add_arguments, sweep.run),
     }

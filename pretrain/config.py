@@ -11,10 +11,10 @@ A run config is a YAML file whose top-level sections map onto the dataclasses be
     deepspeed:  ds_configs/zero2.json      # the DeepSpeed JSON whose "auto" fields we fill
 
 Loading is strict: unknown keys, duplicate keys and wrong types are errors that name the field.
-Each section validates itself in ``__post_init__``; cross-section checks (batch arithmetic
-against the world size, what DeepSpeed supports) live in `RunConfig.validate_for_world`, and
-the DeepSpeed JSON is resolved in `pretrain.ds_config`. Derived values (data-parallel size,
-gradient accumulation, padded vocabulary) are computed in exactly one place: here.
+Each section validates itself in ``__post_init__``. What needs the world size (data-parallel
+size, gradient accumulation, which tensor / pipeline / ZeRO combinations are supported) is
+derived and checked in `pretrain.layout` (`resolve_layout`), the DeepSpeed JSON is resolved in
+`pretrain.ds_config`, and parameter and FLOP counts are in `pretrain.arithmetic`.
 """
 from __future__ import annotations
 
@@ -100,26 +100,6 @@ class ModelConfig:
         multiple = self.vocab_pad_multiple * tensor_parallel
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def num_parameters(self, *, include_embeddings: bool = True) -> int:
-        """Parameter count of the unpadded model (what a Hugging Face export holds)."""
-        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        kv = self.num_kv_heads * self.head_dim
-        per_layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h  # q,o + k,v + SwiGLU + 2 norms
-        n = L * per_layer + h  # final norm
-        if include_embeddings:
-            n += self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return n
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward), without recomputation.
-
-        Matmuls: 6 * (non-embedding params + output projection) plus causal attention
-        QK^T and AV: 2 matmuls * 2 flops * seq * hidden per layer forward, halved for causality
-        is *not* applied (Megatron/PaLM convention: 12 * L * h * s for fwd+bwd).
-        """
-        n = self.num_parameters(include_embeddings=False) + self.vocab_size * self.hidden_size
-        return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * self.seq_length
-
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # tests: a few hundred thousand parameters, runs in milliseconds per step on CPU
@@ -144,6 +124,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# How DeepSpeed's PipelineModule may cut layers into stages: "parameters" (balance parameter
+# counts), "uniform" (equal numbers of layers), "type:DecoderLayerPipe" (balance decoder layers).
+PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
+
+
 @dataclass
 class ParallelConfig:
     """Model-parallel sizes. Data parallel = world size / (tensor * pipeline), derived at launch."""
@@ -151,18 +136,15 @@ class ParallelConfig:
     tensor: int = 1  # Megatron-style tensor parallel size (inside a node)
     pipeline: int = 1  # DeepSpeed 1F1B pipeline stages (across nodes)
     sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tensor > 1)
-    # how layers are cut into stages: "parameters" (balance parameter counts), "uniform"
-    # (equal numbers of layers), or "type:DecoderLayerPipe" (balance decoder layers only)
-    pipeline_partition: str = "parameters"
+    pipeline_partition: str = "parameters"  # one of PARTITION_METHODS
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline"):
             if getattr(self, name) < 1:
                 _fail("parallel", name, getattr(self, name), "must be a positive integer")
-        choices = ("parameters", "uniform", "type:DecoderLayerPipe")
-        if self.pipeline_partition not in choices:
+        if self.pipeline_partition not in PARTITION_METHODS:
             _fail("parallel", "pipeline_partition", self.pipeline_partition,
-                  f"choose one of {', '.join(choices)}")
+                  f"choose one of {', '.join(PARTITION_METHODS)}")
 
 
 @dataclass
@@ -312,52 +294,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    # ---- derived values: the one place they are computed ------------------------------------
-    def data_parallel_size(self, world_size: int) -> int:
-        model_parallel = self.parallel.tensor * self.parallel.pipeline
-        if world_size % model_parallel:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline "
-                f"= {self.parallel.tensor} x {self.parallel.pipeline} = {model_parallel}: "
-                f"launch a multiple of {model_parallel} ranks or change the parallel sizes")
-        return world_size // model_parallel
-
-    def grad_accum_steps(self, world_size: int) -> int:
-        dp = self.data_parallel_size(world_size)
-        per_step = self.train.micro_batch_size * dp
-        gbs = self.train.global_batch_size or per_step
-        if gbs % per_step:
-            raise ConfigError(
-                f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size x "
-                f"data-parallel size = {self.train.micro_batch_size} x {dp} = {per_step}: "
-                f"set it to a multiple of {per_step}")
-        return gbs // per_step
-
-    def global_batch_size(self, world_size: int) -> int:
-        return self.train.micro_batch_size * self.data_parallel_size(world_size) * \
-            self.grad_accum_steps(world_size)
-
-    def validate_for_world(self, world_size: int) -> None:
-        """Every check that needs the world size; raises ConfigError before any process group."""
-        self.grad_accum_steps(world_size)
-        p, m = self.parallel, self.model
-        if p.sequence_parallel and p.tensor == 1:
-            _fail("parallel", "sequence_parallel", True, "needs parallel.tensor > 1")
-        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
-            if getattr(m, name) % p.tensor:
-                _fail("parallel", "tensor", p.tensor,
-                      f"must divide model.{name}={getattr(m, name)} (each rank holds a whole share)")
-        if p.pipeline > m.num_layers:
-            _fail("parallel", "pipeline", p.pipeline,
-                  f"exceeds model.num_layers={m.num_layers}: each stage needs at least one layer")
-        if p.pipeline > 1 and m.activation_checkpointing == Recompute.EVERY_K:
-            _fail("model", "activation_checkpointing", m.activation_checkpointing.value,
-                  "with parallel.pipeline > 1 use none or full (DeepSpeed's pipeline "
-                  "recomputes every decoder layer of a stage)")
-        if p.sequence_parallel and m.seq_length % p.tensor:
-            _fail("model", "seq_length", m.seq_length,
-                  f"must be divisible by parallel.tensor={p.tensor} for sequence parallelism")
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))

@@ -3,12 +3,13 @@
 The JSON files choose *how* to shard and offload (ZeRO stage, offload devices, buckets); the run
 config chooses *what* to train (batch, optimizer, precision). Every ``"auto"`` value in the JSON is
 filled from the run config here; an explicit value that contradicts the run config is an error,
-raised before any process group exists. Checks of what DeepSpeed itself would refuse, or silently
-get wrong, live here too (see DESIGN.md "DeepSpeed pitfalls"):
+raised before any process group exists. Which ZeRO stage / offload / pipeline combinations
+DeepSpeed supports is decided by the layout rulebook (`pretrain.layout.check_engine`), asked here
+with the JSON's stage and offload devices. Two more things DeepSpeed would silently get wrong are
+refused here:
 
-- pipeline parallelism works with ZeRO 0 or 1 only (DeepSpeed asserts on 2/3 with pipelines);
-- NVMe offload is a ZeRO-3 feature: ZeRO-2 with ``offload_optimizer: nvme`` runs but does no I/O;
-- parameter offload needs ZeRO-3;
+- the pipeline's partitioned point-to-point transfers under sequence parallelism
+  (`check_deepspeed_pipeline_config`);
 - the learning-rate schedule is ours (`pretrain.trainer.warmup_cosine`), so a ``"scheduler"``
   block is refused rather than silently fighting it. DeepSpeed's WarmupCosineLR applies lr = 0 to
   the first update, which we do not want.
@@ -24,6 +25,7 @@ from typing import Any
 
 from pretrain.config import Precision, RunConfig
 from pretrain.errors import ConfigError
+from pretrain.layout import DEEPSPEED_DEFAULT_BUCKET, Layout, resolve_layout
 
 AUTO = "auto"
 
@@ -80,6 +82,48 @@ def offload_devices(ds: dict[str, Any]) -> tuple[str, str]:
             zero.get("offload_param", {}).get("device", "none"))
 
 
+def engine_fields(ds: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed JSON's part of a `pretrain.layout.Layout`: ZeRO stage, offload devices and
+    bucket sizes (DeepSpeed's defaults where the JSON has none)."""
+    zero = ds.get("zero_optimization", {})
+    stage = zero_stage(ds)
+    opt_dev, param_dev = offload_devices(ds)
+    gather_key = "stage3_prefetch_bucket_size" if stage == 3 else "allgather_bucket_size"
+    return dict(zero_stage=stage, offload_optimizer=opt_dev, offload_param=param_dev,
+                reduce_bucket=_bucket(zero, "reduce_bucket_size", DEEPSPEED_DEFAULT_BUCKET),
+                allgather_bucket=_bucket(zero, gather_key, DEEPSPEED_DEFAULT_BUCKET),
+                max_live_parameters=_bucket(zero, "stage3_max_live_parameters",
+                                            Layout.max_live_parameters))
+
+
+def _bucket(zero: dict[str, Any], key: str, default: int) -> int:
+    """A bucket size of the JSON; "auto" (filled later from the model) counts as the default."""
+    value = zero.get(key, default)
+    return default if value == AUTO else int(value)
+
+
+def check_deepspeed_pipeline_config(ds_config: dict, *, sequence_parallel: bool) -> None:
+    """Refuse DeepSpeed "pipeline" settings that silently break the pipelined model; called on
+    the resolved DeepSpeed config before `deepspeed.initialize`.
+
+    With tensor parallelism DeepSpeed sends each TP rank's 1/tp part of the stage output and
+    all-gathers it on the next stage (`pipe_partitioned`, and `grad_partitioned` for the
+    gradients; both on by default), which assumes every TP rank holds the same activations.
+    Under sequence parallelism each holds a different T/tp slice of the sequence, and the
+    gathered tensor mixes them: measured at tp=2 x pp=2, the first loss is off by 7e-4 and no
+    error is raised. Both must be false then (each rank sends its own slice whole).
+    """
+    section = ds_config.get("pipeline", {})
+    if sequence_parallel:
+        on = [key for key in ("pipe_partitioned", "grad_partitioned") if section.get(key, True)]
+        if on:
+            raise ConfigError(
+                f"DeepSpeed pipeline {' and '.join(on)} (default true) with sequence "
+                "parallelism mixes the tensor-parallel ranks' sequence slices between stages: "
+                'set "pipeline": {"pipe_partitioned": false, "grad_partitioned": false} in '
+                "the DeepSpeed config")
+
+
 def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cpu",
                       source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return the DeepSpeed config dict with every "auto" filled; raise ConfigError on conflicts.
@@ -89,31 +133,18 @@ def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
     """
     where_file = cfg.deepspeed
     ds = copy.deepcopy(source if source is not None else load_ds_json(cfg.deepspeed))
-    cfg.validate_for_world(world_size)
+    resolve_layout(cfg, world_size=world_size)  # the run config's own rules, before the JSON's
+    try:
+        layout = resolve_layout(cfg, world_size=world_size, **engine_fields(ds))
+    except ConfigError as error:
+        raise ConfigError(f"{where_file}: {error}") from None
     t = cfg.train
     _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, where="")
-    _fill(ds, "gradient_accumulation_steps", cfg.grad_accum_steps(world_size), where="")
-    _fill(ds, "train_batch_size", cfg.global_batch_size(world_size), where="")
+    _fill(ds, "gradient_accumulation_steps", layout.grad_accum, where="")
+    _fill(ds, "train_batch_size", layout.global_batch, where="")
     _fill(ds, "gradient_clipping", float(t.grad_clip), where="")
-
-    stage = zero_stage(ds)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{where_file}: zero_optimization.stage={stage} must be 0, 1, 2 or 3")
-    opt_dev, param_dev = offload_devices(ds)
-    if cfg.parallel.pipeline > 1 and stage > 1:
-        raise ConfigError(f"{where_file}: ZeRO stage {stage} with parallel.pipeline="
-                          f"{cfg.parallel.pipeline}: DeepSpeed pipelines support ZeRO 0 or 1 only "
-                          "(gradients must stay whole across micro-batches); use ds_configs/zero1.json")
-    if "nvme" in (opt_dev, param_dev) and stage != 3:
-        raise ConfigError(f"{where_file}: NVMe offload needs ZeRO stage 3 (stage {stage} accepts "
-                          "it but does no NVMe I/O); use ds_configs/zero3_offload_nvme.json")
-    if param_dev != "none" and stage != 3:
-        raise ConfigError(f"{where_file}: offload_param needs ZeRO stage 3, got stage {stage}")
-    if cfg.parallel.pipeline > 1 and cfg.parallel.sequence_parallel:
-        # DeepSpeed's default partitioned p2p assumes every TP rank holds the same activations;
-        # under sequence parallelism each holds its own slice (pretrain.model.pipeline).
-        from pretrain.model.pipeline import check_deepspeed_pipeline_config
-
+    stage = layout.zero_stage
+    if layout.pipeline > 1 and layout.sequence_parallel:
         section = ds.setdefault("pipeline", {})
         section.setdefault("pipe_partitioned", False)
         section.setdefault("grad_partitioned", False)
@@ -144,7 +175,7 @@ def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
         _fill(params, "weight_decay", t.weight_decay, where="optimizer.params.")
         # torch's AdamW on CPU without offload (DeepSpeed's FusedAdam would JIT-compile a CPU op);
         # DeepSpeed's fused Adam on GPUs, and its CPU Adam whenever the optimizer is offloaded.
-        use_torch = accelerator == "cpu" and opt_dev == "none"
+        use_torch = accelerator == "cpu" and layout.offload_optimizer == "none"
         _fill(params, "torch_adam", use_torch, where="optimizer.params.")
 
     precision = t.precision

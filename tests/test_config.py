@@ -6,9 +6,11 @@ import math
 
 import pytest
 
+from pretrain.arithmetic import num_parameters
 from pretrain.config import MODEL_PRESETS, Precision, Recompute, load_config
 from pretrain.ds_config import resolve_ds_config
 from pretrain.errors import ConfigError
+from pretrain.layout import resolve_layout
 from pretrain.trainer import warmup_cosine
 
 
@@ -17,10 +19,10 @@ def test_presets_have_published_shapes_and_sizes():
     assert (c70.num_layers, c70.hidden_size, c70.num_heads, c70.num_kv_heads,
             c70.ffn_hidden_size, c70.vocab_size, c70.seq_length) == (80, 8192, 64, 8, 28672, 32000, 4096)
     # Llama-2 parameter counts (Touvron et al. 2023 / the Hugging Face checkpoints)
-    assert load_config(None, ["model.preset=7b"]).model.num_parameters() == 6_738_415_616
-    assert load_config(None, ["model.preset=13b"]).model.num_parameters() == 13_015_864_320
-    assert load_config(None, ["model.preset=70b"]).model.num_parameters() == 68_976_648_192
-    assert 10e6 < load_config(None, ["model.preset=small"]).model.num_parameters() < 30e6
+    assert num_parameters(load_config(None, ["model.preset=7b"]).model) == 6_738_415_616
+    assert num_parameters(load_config(None, ["model.preset=13b"]).model) == 13_015_864_320
+    assert num_parameters(load_config(None, ["model.preset=70b"]).model) == 68_976_648_192
+    assert 10e6 < num_parameters(load_config(None, ["model.preset=small"]).model) < 30e6
     assert set(MODEL_PRESETS) >= {"tiny", "125m", "1b", "7b", "13b", "70b"}
 
 
@@ -63,12 +65,13 @@ def test_duplicate_yaml_key_rejected(tmp_path):
 def test_derived_batch_values():
     cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=64",
                              "parallel.tensor=2", "model.preset=tiny"])
-    assert cfg.data_parallel_size(8) == 4
-    assert cfg.grad_accum_steps(8) == 4 and cfg.global_batch_size(8) == 64
+    layout = resolve_layout(cfg, world_size=8)
+    assert layout.data == 4
+    assert layout.grad_accum == 4 and layout.global_batch == 64
     with pytest.raises(ConfigError, match="not a multiple of train.micro_batch_size x data-parallel"):
-        cfg.grad_accum_steps(12)  # dp 6: 64 % 24 != 0
+        resolve_layout(cfg, world_size=12)  # dp 6: 64 % 24 != 0
     with pytest.raises(ConfigError, match="world size 7 is not divisible"):
-        cfg.data_parallel_size(7)
+        resolve_layout(cfg, world_size=7)
 
 
 def _resolve(tmp_path, ds: dict, overrides=(), world=2, accelerator="cpu"):
@@ -157,10 +160,10 @@ def test_warmup_cosine_schedule():
      "model.seq_length=63: must be divisible by parallel.tensor=2"),
 ])
 def test_forbidden_layouts_are_refused_before_launch(overrides, world, message):
-    """What `pretrain train` checks before any process group exists (RunConfig.validate_for_world)."""
+    """What `pretrain train` checks before any process group exists (pretrain.layout.resolve_layout)."""
     cfg = load_config(None, ["model.preset=tiny", *overrides])
     with pytest.raises(ConfigError) as info:
-        cfg.validate_for_world(world)
+        resolve_layout(cfg, world_size=world)
     assert message in str(info.value)
 
 

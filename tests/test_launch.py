@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import launch
+from pretrain.commands import launch
 from pretrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

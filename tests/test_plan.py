@@ -9,11 +9,14 @@ from dataclasses import replace
 import pytest
 
 from pretrain.testing.runs import REPO
-from pretrain.clusters import MATMUL_EFFICIENCY, make_cluster
+from pretrain.arithmetic import num_parameters, stage_items, stage_parameters
 from pretrain.config import MODEL_PRESETS, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
-from pretrain.plan import (GB, Layout, estimate, layer_activation_elements, search,
-                           stage_items, stage_parameters)
+from pretrain.layout import Layout
+from pretrain.plan.clusters import MATMUL_EFFICIENCY, make_cluster
+from pretrain.plan.memory import GB, layer_activation_elements
+from pretrain.plan.published import BLOOM_176B, MEGATRON_70B
+from pretrain.plan.search import estimate, search
 
 LLAMA_7B = ModelConfig(**MODEL_PRESETS["7b"])
 H100 = make_cluster("h100-80gb", nodes=1)
@@ -27,7 +30,7 @@ def test_model_states_follow_zero_stage_by_stage():
     """Mixed precision: 2 + 2 + 12 bytes per parameter; ZeRO shards 12, then 2, then 2 by dp."""
     base = Layout(data=8, global_batch=8, precision=Precision.BF16)
     n = stage_parameters(LLAMA_7B, base, stage_items(LLAMA_7B, base)[0])
-    assert n == LLAMA_7B.num_parameters() + (LLAMA_7B.padded_vocab_size() - 32000) * 4096 * 2
+    assert n == num_parameters(LLAMA_7B) + (LLAMA_7B.padded_vocab_size() - 32000) * 4096 * 2
     z1, z2, z3 = (_mem(replace(base, zero_stage=s)) for s in (1, 2, 3))
     assert (z1.params, z1.grads, z1.optimizer) == (2 * n, 2 * n, 12 * n / 8)
     assert (z2.params, z2.grads, z2.optimizer) == (2 * n, 2 * n / 8, 12 * n / 8)
@@ -100,30 +103,7 @@ def test_invalid_layouts_are_refused():
                                   offload_optimizer="nvme"), H100)
 
 
-# ---- the published runs: one set of efficiency constants for both ---------------------------
-
-# Megatron-Core's 70B GPT benchmark: TP 8, PP 2, DP 48, vocab 131072, seq 4096, global batch 384
-# on 768 H100: about 42% MFU, 420 TFLOP/s per GPU. Llama-3-70B shape, SP, distributed optimizer
-# (ZeRO-1), no recomputation.
-MEGATRON_70B = dict(
-    model=ModelConfig(vocab_size=131072, hidden_size=8192, num_layers=80, num_heads=64,
-                      num_kv_heads=8, ffn_hidden_size=28672, seq_length=4096),
-    layout=Layout(tensor=8, pipeline=2, data=48, micro_batch=1, global_batch=384, zero_stage=1,
-                  sequence_parallel=True, partition="uniform"),
-    cluster=make_cluster("h100-80gb", nodes=96), published_mfu=0.42, published_tflops=420.0)
-# BLOOM-176B: 70 layers, hidden 14336, 112 heads, vocab 250880, seq 2048, global batch 2048, TP 4,
-# PP 12, DP 8 on 384 A100-80GB, micro-batch 2, full recomputation, ZeRO-1: about 150 TFLOP/s per
-# GPU counting recomputation. Its GPT block (4h GeLU MLP, 12 h^2 per layer) is given as a Llama
-# block with the same parameters (SwiGLU inner size ~8h/3, divisible by TP); BLOOM ties its
-# embeddings.
-BLOOM_176B = dict(
-    model=ModelConfig(vocab_size=250880, hidden_size=14336, num_layers=70, num_heads=112,
-                      num_kv_heads=112, ffn_hidden_size=38228, seq_length=2048,
-                      tie_embeddings=True),
-    layout=Layout(tensor=4, pipeline=12, data=8, micro_batch=2, global_batch=2048, zero_stage=1,
-                  recompute=Recompute.FULL),
-    cluster=make_cluster("a100-80gb", nodes=48), published_hw_tflops=150.0)
-
+# ---- the published runs (pretrain.plan.published): one set of efficiency constants for both --
 
 def test_megatron_core_70b_on_768_h100():
     run = MEGATRON_70B
@@ -136,7 +116,7 @@ def test_megatron_core_70b_on_768_h100():
 
 def test_bloom_176b_on_384_a100():
     run = BLOOM_176B
-    assert run["model"].num_parameters() == pytest.approx(176e9, rel=0.02)
+    assert num_parameters(run["model"]) == pytest.approx(176e9, rel=0.02)
     plan = estimate(run["model"], run["layout"], run["cluster"])
     assert plan.fits
     assert plan.hardware_tflops_per_gpu == pytest.approx(run["published_hw_tflops"], rel=0.20)

@@ -6,23 +6,24 @@ import json
 import pytest
 
 from pretrain.testing.runs import run_pretrain, train
+from pretrain.arithmetic import (hardware_flops_per_token, layer_forward_flops_per_token,
+                                 model_flops_per_token)
 from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
 from pretrain.errors import ConfigError
-from pretrain.plan import hardware_flops_per_token, layer_forward_flops_per_token
 from pretrain.telemetry import format_step_line
 
 
 def test_hardware_flops_count_recomputed_forwards():
     m = ModelConfig(**MODEL_PRESETS["7b"])
-    assert hardware_flops_per_token(m) == m.flops_per_token()
+    assert hardware_flops_per_token(m) == model_flops_per_token(m)
     full = ModelConfig(**MODEL_PRESETS["7b"], activation_checkpointing=Recompute.FULL)
     every4 = ModelConfig(**MODEL_PRESETS["7b"], activation_checkpointing=Recompute.EVERY_K,
                          activation_checkpointing_interval=4)
     layer = layer_forward_flops_per_token(m)
-    assert hardware_flops_per_token(full) == pytest.approx(m.flops_per_token() + 32 * layer)
-    assert hardware_flops_per_token(every4) == pytest.approx(m.flops_per_token() + 8 * layer)
+    assert hardware_flops_per_token(full) == pytest.approx(model_flops_per_token(m) + 32 * layer)
+    assert hardware_flops_per_token(every4) == pytest.approx(model_flops_per_token(m) + 8 * layer)
     # a forward is a third of forward + backward for the layers: ~4/3 overall
-    assert 1.25 < hardware_flops_per_token(full) / m.flops_per_token() < 4 / 3
+    assert 1.25 < hardware_flops_per_token(full) / model_flops_per_token(m) < 4 / 3
 
 
 @pytest.mark.parametrize("bad", ["3", "5:3", "0:2", "a:b", "3:"])

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pretrain.testing.ranks import run_on_ranks
+from pretrain.arithmetic import num_parameters
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
 from pretrain.model import (LlamaModel, build_model, gather_full_state_dict, shard_of,
@@ -284,7 +285,7 @@ def _compare_with_tp1(cfg, group, *, sequence_parallel, seed=3):
         assert torch.equal(tensor, ref_sd[name][:tensor.shape[0]]), (what, name)
     if cfg.tie_embeddings:
         assert full["lm_head.weight"] is full["model.embed_tokens.weight"]
-    assert model.num_parameters() == ref.num_parameters() == cfg.num_parameters()
+    assert model.num_parameters() == ref.num_parameters() == num_parameters(cfg)
 
     with torch.no_grad():
         torch.testing.assert_close(model(inputs), ref(inputs), **TOL, msg=what)

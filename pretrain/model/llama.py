@@ -45,21 +45,12 @@ import torch.utils.checkpoint
 
 from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
+from pretrain.layout import check_tensor_split
 from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
                                    row_linear, vocab_embedding)
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
                                             gather_from_sequence, gather_from_tp, tp_rank,
                                             tp_world_size, vocab_parallel_cross_entropy)
-
-
-def check_tensor_parallel(cfg: ModelConfig, tensor_parallel: int) -> None:
-    """Each rank must hold whole query heads, whole kv heads and an equal slice of the MLP."""
-    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
-        if getattr(cfg, name) % tensor_parallel:
-            raise ConfigError(
-                f"tensor-parallel size {tensor_parallel} does not divide model.{name}="
-                f"{getattr(cfg, name)}: each rank must hold a whole share; choose parallel.tensor "
-                f"dividing num_heads, num_kv_heads and ffn_hidden_size")
 
 
 def torch_checkpoint(function, *args):
@@ -199,7 +190,7 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.tp_group = tp_group
         self.tensor_parallel = tp_world_size(tp_group)
-        check_tensor_parallel(cfg, self.tensor_parallel)
+        check_tensor_split(cfg, self.tensor_parallel)
         self.tensor_parallel_rank = tp_rank(tp_group)
         self.sequence_parallel = sequence_parallel
         if sequence_parallel and self.tensor_parallel == 1:

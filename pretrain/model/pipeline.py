@@ -83,14 +83,14 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
+from pretrain.layout import check_pipeline_split, check_tensor_split
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, column_linear, vocab_embedding
-from pretrain.model.llama import (DecoderLayer, check_tensor_parallel, full_parameter_init,
-                                  lm_loss, shard_of, torch_checkpoint)
+from pretrain.model.llama import (DecoderLayer, full_parameter_init, lm_loss, shard_of,
+                                  torch_checkpoint)
 from pretrain.model.tensor_parallel import (column_parallel_input, gather_from_tp, tp_rank,
                                             tp_world_size)
 
 TIED_EMBEDDING_KEY = "embed"
-PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
 
 
 # ---- what travels between stages -----------------------------------------------------------------
@@ -216,7 +216,7 @@ def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None,
     """`LlamaModel` as DeepSpeed layer specs: embedding, cfg.num_layers decoder layers, final
     norm, lm_head (see the module docstring for the index of each)."""
     tensor_parallel = tp_world_size(tp_group)
-    check_tensor_parallel(cfg, tensor_parallel)
+    check_tensor_split(cfg, tensor_parallel)
     if sequence_parallel and tensor_parallel == 1:
         raise ConfigError("sequence_parallel=True needs a tensor-parallel group of more than one "
                           "rank: set parallel.tensor > 1 or parallel.sequence_parallel=false")
@@ -241,15 +241,7 @@ def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None,
 
 def _check_pipeline_args(cfg: ModelConfig, *, num_stages: int, partition_method: str,
                          activation_checkpoint_interval: int) -> None:
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ConfigError(f"pipeline stages={num_stages!r}: must be a positive integer")
-    if num_stages > cfg.num_layers:
-        raise ConfigError(f"{num_stages} pipeline stages for model.num_layers={cfg.num_layers}: "
-                          f"more stages than decoder layers leaves stages idle; set "
-                          f"parallel.pipeline <= {cfg.num_layers}")
-    if partition_method not in PARTITION_METHODS:
-        raise ConfigError(f"partition_method={partition_method!r}: choose one of "
-                          f"{', '.join(PARTITION_METHODS)}")
+    check_pipeline_split(cfg, num_stages, partition_method=partition_method)
     if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
         raise ConfigError(f"activation_checkpoint_interval={activation_checkpoint_interval!r}: "
                           "must be 0 (off) or a positive number of layers")
@@ -322,28 +314,6 @@ def build_pipeline_model(cfg: ModelConfig, *, seed: int, num_stages: int, topolo
     module.set_checkpoint_interval(activation_checkpoint_interval)
     init_pipeline_weights(module, cfg, seed=seed, tp_group=tp_group)
     return module
-
-
-def check_deepspeed_pipeline_config(ds_config: dict, *, sequence_parallel: bool) -> None:
-    """Refuse DeepSpeed "pipeline" settings that silently break this model; call it on the
-    resolved DeepSpeed config before `deepspeed.initialize`.
-
-    With tensor parallelism DeepSpeed sends each TP rank's 1/tp part of the stage output and
-    all-gathers it on the next stage (`pipe_partitioned`, and `grad_partitioned` for the
-    gradients; both on by default), which assumes every TP rank holds the same activations.
-    Under sequence parallelism each holds a different T/tp slice of the sequence, and the
-    gathered tensor mixes them: measured at tp=2 x pp=2, the first loss is off by 7e-4 and no
-    error is raised. Both must be false then (each rank sends its own slice whole).
-    """
-    section = ds_config.get("pipeline", {})
-    if sequence_parallel:
-        on = [key for key in ("pipe_partitioned", "grad_partitioned") if section.get(key, True)]
-        if on:
-            raise ConfigError(
-                f"DeepSpeed pipeline {' and '.join(on)} (default true) with sequence "
-                "parallelism mixes the tensor-parallel ranks' sequence slices between stages: "
-                'set "pipeline": {"pipe_partitioned": false, "grad_partitioned": false} in '
-                "the DeepSpeed config")
 
 
 # ---- one process: the same specs in sequence --------------------------------------------------
@@ -483,6 +453,6 @@ def init_pipeline_weights(module: nn.Module, cfg: ModelConfig, *, seed: int,
 
 __all__ = ["DecoderLayerPipe", "EmbeddingPipe", "FinalNormPipe", "LMHeadPipe", "PipelineLoss",
            "SequentialPipeline", "StageActivations", "build_flat_pipeline",
-           "build_pipeline_model", "canonical_name", "check_deepspeed_pipeline_config", "flatten",
+           "build_pipeline_model", "canonical_name", "flatten",
            "init_pipeline_weights", "pipeline_layer_specs", "pipeline_to_canonical_name",
            "stage_state_dict"]

@@ -1,7 +1,7 @@
 """`pretrain launch ...`: the Python side of the launch scripts in `launch/` and `slurm/`.
 
-The shell scripts stay thin (DESIGN.md rule 6): #SBATCH headers, node discovery, environment and
-one `srun` or launcher call. What needs logic lives here and is unit tested:
+The shell scripts stay thin: #SBATCH headers, node discovery, environment and one `srun` or
+launcher call. What needs logic lives here, where it is unit tested:
 
 - `hostfile`: a DeepSpeed hostfile (`node slots=N` per line) from `SLURM_JOB_NODELIST` or a
   node list, expanding Slurm host lists with `scontrol show hostnames` when Slurm is installed and
@@ -25,9 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain import plan_command
-from pretrain.config import load_config
+from pretrain.commands import plan as plan_command
+from pretrain.config import config_overrides, load_config
 from pretrain.errors import ConfigError
+from pretrain.files import git_commit
 
 # Variables the multi-node launchers must carry to every rank (prefixes). DeepSpeed already
 # exports PYTHON*, NCCL_* (CUDA accelerator), UCX*, MV2*; the rest are ours or PyTorch's.
@@ -123,17 +124,6 @@ def deepspeed_env_text(env: dict[str, str] | None = None, *, names: tuple[str, .
     return "".join(lines)
 
 
-def _git_commit(root: Path) -> str:
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
-    return head + (" (with uncommitted changes)" if dirty else "")
-
-
 def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     """`pretrain plan` for the job's world size, then the job record in `log_dir`; the plan text.
 
@@ -141,7 +131,7 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     job with a bad config fails in seconds with the reason in its log instead of after start-up.
     One process for both: each Python start with torch costs seconds per job.
     """
-    from pretrain import plan_command
+    from pretrain.plan.dry_run import dry_run
 
     if args.search or args.json:
         raise ConfigError("preflight checks the one layout of the run: use `pretrain plan --search`"
@@ -152,14 +142,12 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     with contextlib.redirect_stdout(out):
         plan_command.run(args)
     if log_dir is not None:
-        overrides = list(args.set) + ([f"deepspeed={args.deepspeed_config}"]
-                                      if args.deepspeed_config else [])
-        cfg = load_config(args.config, overrides)
-        ds, _ = plan_command.dry_run(cfg, world_size=args.world_size, accelerator=args.accelerator)
+        cfg = load_config(args.config, config_overrides(args))
+        ds, _ = dry_run(cfg, world_size=args.world_size, accelerator=args.accelerator)
         log_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(log_dir / "config.yaml")
         (log_dir / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
-        (log_dir / "git_commit.txt").write_text(_git_commit(Path(__file__).resolve().parents[1]) + "\n")
+        (log_dir / "git_commit.txt").write_text(git_commit() + "\n")
         (log_dir / "plan.txt").write_text(out.getvalue())
     return out.getvalue()
 

@@ -17,27 +17,24 @@ runs, and `--list` prints the runs (name and `pretrain train` arguments, one per
     pretrain sweep --config configs/tiny.yaml --set data.dataset=... --nprocs 2 --steps 5 \
         --deepspeed-configs ds_configs/zero1.json ds_configs/zero3.json --micro-batches 1 2
     pretrain sweep --aggregate runs/zero_sweep-1234
+
+The result rows, table and plot are built by `pretrain.sweep_results`.
 """
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from pretrain.errors import ConfigError
+from pretrain.sweep_results import summarize_run, write_results
 
 DEFAULT_DS_CONFIGS = ["ds_configs/zero0.json", "ds_configs/zero1.json", "ds_configs/zero2.json",
                       "ds_configs/zero3.json"]
-COLUMNS = ["name", "deepspeed", "zero_stage", "offload", "micro_batch", "world_size",
-           "global_batch", "steps", "tokens_per_s", "step_time_s", "peak_mem_gb_max",
-           "peak_mem_gb_ranks", "final_loss", "status"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,78 +92,6 @@ def launcher_command(launcher: str, nprocs: int) -> list[str]:
                 "--master_port", port, "-m", "pretrain"]
     return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs),
             "--master_port", port, "--no_local_rank", "--module", "pretrain"]
-
-
-def summarize_run(run_dir: Path) -> dict[str, Any]:
-    """One result row from a run directory's metrics.jsonl and ds_config.json."""
-    row: dict[str, Any] = {c: "" for c in COLUMNS}
-    row["name"] = run_dir.name
-    metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] \
-        if metrics.is_file() else []
-    run = next((r for r in records if r.get("kind") == "run"), {})
-    steps = [r for r in records if r.get("kind") == "train"]
-    ds_path = run_dir / "ds_config.json"
-    if ds_path.is_file():
-        ds = json.loads(ds_path.read_text())
-        zero = ds.get("zero_optimization", {})
-        devices = [zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")]
-        row.update(zero_stage=zero.get("stage", 0),
-                   offload="none" if devices == ["none", "none"] else
-                   f"opt={devices[0]},param={devices[1]}",
-                   micro_batch=ds.get("train_micro_batch_size_per_gpu", ""))
-    row.update(world_size=run.get("world_size", ""), global_batch=run.get("global_batch", ""),
-               deepspeed=run.get("deepspeed_config", ""), steps=len(steps))
-    if not steps:
-        row["status"] = "no steps"
-        return row
-    timed = steps[1:] if len(steps) > 1 else steps  # step 1 pays for warm-up
-    ranks = [r.get("peak_mem_gb_ranks") or [r["peak_mem_gb"]] for r in steps]
-    per_rank = [max(values) for values in zip(*ranks)]
-    row.update(tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in timed), 1),
-               step_time_s=round(statistics.median(r["step_time_s"] for r in timed), 4),
-               peak_mem_gb_max=round(max(per_rank), 3),
-               peak_mem_gb_ranks=";".join(f"{v:.3f}" for v in per_rank),
-               final_loss=round(steps[-1]["loss"], 4), status="ok")
-    return row
-
-
-def write_results(rows: list[dict[str, Any]], out: Path) -> dict[str, Path]:
-    """sweep.csv, sweep.md and sweep.png under `out`; returns their paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"csv": out / "sweep.csv", "md": out / "sweep.md", "png": out / "sweep.png"}
-    with open(paths["csv"], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    paths["md"].write_text("\n".join(lines) + "\n")
-    _plot(rows, paths["png"])
-    return paths
-
-
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on cluster nodes
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["status"] == "ok"]
-    names = [r["name"] for r in ok]
-    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(ok) + 4), 4.5))
-    ax_speed.bar(names, [r["tokens_per_s"] for r in ok], color="tab:blue")
-    ax_speed.set_ylabel("tokens/s (median step)")
-    ax_mem.bar(names, [r["peak_mem_gb_max"] for r in ok], color="tab:orange")
-    ax_mem.set_ylabel("peak memory per rank, GB (max over ranks)")
-    for ax in (ax_speed, ax_mem):
-        ax.tick_params(axis="x", rotation=45)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
-    fig.suptitle(f"pretrain sweep: {len(ok)} of {len(rows)} runs finished")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -1,0 +1,120 @@
+"""`pretrain plan`: dry-run a run config for N ranks, and plan its memory and speed per GPU.
+
+Without launching anything or creating a process group, it loads the config exactly as
+`pretrain train` does (same `--set` and `--deepspeed-config`), resolves the DeepSpeed JSON for the
+world size, derives the layout and checks it with the rules the model build applies, and prints
+the layout with the planner's per-GPU memory breakdown and predicted step time, tokens/s and MFU.
+Any problem is one `error:` line and exit status 2, so a Slurm script can call it before
+`srun`::
+
+    python -m pretrain plan --config configs/llama_70b.yaml --world-size 128
+    python -m pretrain plan --config configs/llama_70b.yaml --world-size 128 --json
+    python -m pretrain plan --config configs/llama_70b.yaml --nodes 16 --search --top 5
+
+The planner itself is `pretrain.plan` (imported in `run`: `pretrain --help` stays light).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from pretrain.config import RunConfig, add_config_arguments, config_overrides, load_config
+from pretrain.errors import ConfigError
+from pretrain.plan.clusters import CLUSTER_PRESETS, Cluster, make_cluster
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--world-size", type=int, help="ranks (GPUs) of the run; default: "
+                        "--nodes x GPUs per node")
+    parser.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"],
+                        help="DeepSpeed accelerator the run will use (decides the Adam kernel)")
+    cluster = parser.add_argument_group("cluster (a preset, any field overridden)")
+    cluster.add_argument("--cluster", default="h100-80gb", choices=sorted(CLUSTER_PRESETS))
+    cluster.add_argument("--nodes", type=int, help="default: enough nodes for --world-size, else 1")
+    cluster.add_argument("--gpus-per-node", type=int)
+    cluster.add_argument("--gpu-memory-gb", type=float)
+    cluster.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU")
+    cluster.add_argument("--intra-node-gbps", type=float, help="NVLink GB/s per GPU, one way")
+    cluster.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way")
+    parser.add_argument("--search", action="store_true",
+                        help="rank every valid layout of the model on the cluster that fits")
+    parser.add_argument("--global-batch", type=int,
+                        help="samples per step for --search (default: the config's)")
+    parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    gpn = args.gpus_per_node or CLUSTER_PRESETS[args.cluster]["gpus_per_node"]
+    if args.nodes is None and args.world_size is not None:
+        nodes = math.ceil(args.world_size / gpn)
+        gpn = min(gpn, args.world_size)  # a single partly used node
+    else:
+        nodes = args.nodes or 1
+    cluster = make_cluster(args.cluster, nodes=nodes, gpus_per_node=gpn,
+                           gpu_memory_gb=args.gpu_memory_gb, peak_tflops=args.peak_tflops,
+                           intra_node_gbps=args.intra_node_gbps,
+                           inter_node_gbps=args.inter_node_gbps)
+    if args.world_size is not None and args.world_size > cluster.world_size:
+        raise ConfigError(f"--world-size {args.world_size} exceeds the cluster's {cluster.nodes} "
+                          f"nodes x {cluster.gpus_per_node} GPUs: raise --nodes")
+    return cluster
+
+
+def _search(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster) -> None:
+    from pretrain.arithmetic import num_parameters
+    from pretrain.plan.report import format_search
+    from pretrain.plan.search import minimum_memory_gb, search
+
+    if args.world_size is not None and args.nodes is not None and \
+            args.world_size != cluster.world_size:
+        raise ConfigError(f"--search plans the whole cluster ({cluster.world_size} GPUs); "
+                          f"drop --world-size {args.world_size} or match --nodes")
+    gbs = args.global_batch or cfg.train.global_batch_size
+    if not gbs:
+        raise ConfigError("--search needs a global batch: set train.global_batch_size or pass "
+                          "--global-batch N")
+    plans = search(cfg.model, cluster, global_batch=gbs, precision=cfg.train.precision)
+    if not plans:
+        need = minimum_memory_gb(cfg.model, cluster, precision=cfg.train.precision)
+        raise ConfigError(f"no layout of {cluster.world_size} GPUs fits the model "
+                          f"({num_parameters(cfg.model) / 1e9:.1f}B parameters, global batch "
+                          f"{gbs}) in {cluster.gpu_memory_gb:g} GB per GPU; even ZeRO-3 with "
+                          f"offload needs {need:.1f} GB: add nodes or use a smaller model")
+    if args.json:
+        print(json.dumps({"count": len(plans), "plans": [p.to_dict() for p in plans[:args.top]]}))
+    else:
+        print(format_search(plans, cluster, top=args.top))
+
+
+def run(args: argparse.Namespace):
+    """The dry run and plan of the config (a `pretrain.plan.search.Plan`), or with --search the
+    ranking of every layout (None)."""
+    from pretrain.arithmetic import model_flops_per_token, num_parameters
+    from pretrain.plan.dry_run import data_warnings, dry_run
+    from pretrain.plan.report import format_run
+    from pretrain.plan.search import estimate
+
+    cfg = load_config(args.config, config_overrides(args))
+    cluster = _cluster(args)
+    if args.search:
+        _search(args, cfg, cluster)
+        return None
+    world = args.world_size or cluster.world_size
+    ds, layout = dry_run(cfg, world_size=world, accelerator=args.accelerator)
+    warnings = data_warnings(cfg)
+    plan = estimate(cfg.model, layout, cluster)
+    if args.json:
+        print(json.dumps({"ok": True, "config": args.config, "world_size": world,
+                          "accelerator": args.accelerator, "warnings": warnings,
+                          "parameters": num_parameters(cfg.model),
+                          "flops_per_token": model_flops_per_token(cfg.model),
+                          "deepspeed": ds, **plan.to_dict()}))
+        return plan
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(format_run(plan, cfg, config_path=args.config, accelerator=args.accelerator))
+    return plan

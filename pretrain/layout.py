@@ -1,0 +1,147 @@
+"""The layout of a run and the one rulebook of which layouts the stack supports.
+
+A `Layout` is how one training run is spread over `tensor * pipeline * data` ranks: the
+parallel sizes, the batch arithmetic, the DeepSpeed engine's ZeRO stage, offload and buckets,
+recomputation and sequence parallelism. `resolve_layout(cfg, world_size=, ...)` derives it from a
+run config (the data-parallel size comes from `Topology`, the only place it is computed) and
+checks it; `check_layout(model, layout)` is the rulebook itself. Every caller asks the same
+rules: the config validation before launch, the DeepSpeed resolver (`pretrain.ds_config`), the
+planner's search and dry run, and the model builders (`check_tensor_split`,
+`check_pipeline_split`). Every refusal is a ConfigError naming the field, its value and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pretrain.config import PARTITION_METHODS, ModelConfig, Precision, Recompute, RunConfig
+from pretrain.errors import ConfigError
+from pretrain.topology import Topology
+
+DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # reduce / allgather bucket elements when not configured
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training run is laid out over `tensor * pipeline * data` GPUs."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1  # samples per optimizer step
+    zero_stage: int = 0
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"  # none | cpu | nvme (ZeRO 3)
+    recompute: Recompute = Recompute.NONE
+    recompute_interval: int = 1  # k of Recompute.EVERY_K
+    sequence_parallel: bool = False
+    precision: Precision = Precision.BF16
+    partition: str = "parameters"  # pipeline stage partition (parallel.pipeline_partition)
+    reduce_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2 ipg, ZeRO 3 reduce)
+    allgather_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2), prefetch (ZeRO 3)
+    max_live_parameters: int = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // (self.micro_batch * self.data)
+
+    def describe(self) -> str:
+        off = [f"opt={self.offload_optimizer}"] if self.offload_optimizer != "none" else []
+        off += [f"param={self.offload_param}"] if self.offload_param != "none" else []
+        return (f"tp{self.tensor} pp{self.pipeline} dp{self.data} mbs{self.micro_batch} "
+                f"ZeRO-{self.zero_stage}{' offload ' + ','.join(off) if off else ''} "
+                f"recompute={self.recompute.value}{' sp' if self.sequence_parallel else ''}")
+
+
+def resolve_layout(cfg: RunConfig, *, world_size: int, **engine: Any) -> Layout:
+    """The checked layout of `cfg` on `world_size` ranks. `engine` holds the DeepSpeed JSON's
+    part of a Layout (`pretrain.ds_config.engine_fields`); without it ZeRO 0 and no offload,
+    which leaves only the run config's own rules to check."""
+    topology = Topology.from_parallel_config(cfg.parallel, world_size=world_size)
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    layout = Layout(tensor=p.tensor, pipeline=p.pipeline, data=topology.data,
+                    micro_batch=t.micro_batch_size,
+                    global_batch=t.global_batch_size or t.micro_batch_size * topology.data,
+                    recompute=m.activation_checkpointing,
+                    recompute_interval=m.activation_checkpointing_interval,
+                    sequence_parallel=p.sequence_parallel, precision=t.precision,
+                    partition=p.pipeline_partition, **engine)
+    check_layout(m, layout)
+    return layout
+
+
+def check_layout(model: ModelConfig, layout: Layout) -> None:
+    """Raise ConfigError for a layout the stack would refuse."""
+    lay = layout
+    check_tensor_split(model, lay.tensor)
+    check_pipeline_split(model, lay.pipeline, partition_method=lay.partition)
+    check_batch(lay)
+    if lay.sequence_parallel and lay.tensor == 1:
+        raise ConfigError("parallel.sequence_parallel=True: needs parallel.tensor > 1 (set "
+                          "parallel.sequence_parallel=false or raise parallel.tensor)")
+    if lay.sequence_parallel and model.seq_length % lay.tensor:
+        raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by "
+                          f"parallel.tensor={lay.tensor} for sequence parallelism")
+    if lay.pipeline > 1 and lay.recompute == Recompute.EVERY_K:
+        raise ConfigError(f"model.activation_checkpointing={lay.recompute.value!r}: with "
+                          "parallel.pipeline > 1 use none or full (DeepSpeed's pipeline "
+                          "recomputes every decoder layer of a stage)")
+    check_engine(lay)
+
+
+def check_tensor_split(model: ModelConfig, tensor: int) -> None:
+    """Each tensor-parallel rank must hold whole query heads, whole kv heads and an equal slice
+    of the MLP."""
+    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        if getattr(model, name) % tensor:
+            raise ConfigError(
+                f"parallel.tensor={tensor}: must divide model.{name}={getattr(model, name)} "
+                f"(each rank holds a whole share: tensor={tensor} must divide num_heads, "
+                "num_kv_heads and ffn_hidden_size)")
+
+
+def check_pipeline_split(model: ModelConfig, pipeline: int, *, partition_method: str) -> None:
+    """Every pipeline stage needs a decoder layer, cut by a partition method DeepSpeed knows."""
+    if not isinstance(pipeline, int) or pipeline < 1:
+        raise ConfigError(f"pipeline stages={pipeline!r}: must be a positive integer")
+    if pipeline > model.num_layers:
+        raise ConfigError(f"parallel.pipeline={pipeline}: exceeds model.num_layers="
+                          f"{model.num_layers}: {pipeline} pipeline stages for model.num_layers="
+                          f"{model.num_layers} leave stages idle; set parallel.pipeline <= "
+                          f"{model.num_layers}")
+    if partition_method not in PARTITION_METHODS:
+        raise ConfigError(f"partition_method={partition_method!r}: choose one of "
+                          f"{', '.join(PARTITION_METHODS)}")
+
+
+def check_batch(layout: Layout) -> None:
+    """The global batch must be a whole number of micro-batches on every data-parallel rank."""
+    per_step = layout.micro_batch * layout.data
+    if layout.global_batch % per_step == 0:
+        return
+    raise ConfigError(f"train.global_batch_size={layout.global_batch} is not a multiple of "
+                      f"train.micro_batch_size x data-parallel size = {layout.micro_batch} x "
+                      f"{layout.data} = {per_step}: set it to a multiple of {per_step}")
+
+
+def check_engine(layout: Layout) -> None:
+    """What DeepSpeed refuses, or silently gets wrong, in a ZeRO stage / offload combination."""
+    lay, stage = layout, layout.zero_stage
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage={stage} must be 0, 1, 2 or 3")
+    if lay.pipeline > 1 and stage > 1:
+        raise ConfigError(f"ZeRO stage {stage} with parallel.pipeline={lay.pipeline}: DeepSpeed "
+                          "pipelines support ZeRO 0 or 1 only (gradients must stay whole across "
+                          "micro-batches); use ds_configs/zero1.json")
+    if "nvme" in (lay.offload_optimizer, lay.offload_param) and stage != 3:
+        raise ConfigError(f"NVMe offload needs ZeRO stage 3 (stage {stage} accepts it but does "
+                          "no NVMe I/O); use ds_configs/zero3_offload_nvme.json")
+    if lay.offload_param != "none" and stage != 3:
+        raise ConfigError(f"offload_param needs ZeRO stage 3, got stage {stage}")
+    if lay.offload_optimizer != "none" and stage == 0:
+        raise ConfigError("offload_optimizer needs ZeRO stage 1 or more, got stage 0")

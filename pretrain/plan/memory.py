@@ -1,0 +1,148 @@
+"""The planner's model of memory: what one GPU of the heaviest pipeline stage holds.
+
+Parameters, gradients and optimizer states by precision, ZeRO stage and offload; activations by
+recompute mode and sequence parallelism (after Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models") with the micro-batches 1F1B keeps in flight (stage i
+holds pp - i); and DeepSpeed's communication buffers.
+
+Bytes per parameter (P = compute dtype bytes: 2 for bf16/fp16, 4 for fp32):
+
+==========  =======  =====  =====================================================
+precision   params   grads  optimizer (sharded by dp from ZeRO 1)
+==========  =======  =====  =====================================================
+bf16/fp16   2        2      12: fp32 master + Adam m + v (bf16 at ZeRO 0 keeps no
+                            master: 8, as counted in DeepSpeed 0.19.8)
+fp32        4        4      8 at ZeRO 0 (m + v); 12 from ZeRO 1 (DeepSpeed clones
+                            an fp32 master partition even of fp32 weights)
+==========  =======  =====  =====================================================
+
+ZeRO 2 shards gradients, ZeRO 3 also parameters; optimizer offload moves the optimizer states
+(and, from ZeRO 2, the fp32 gradient partition) to the host, parameter offload (ZeRO 3) the
+parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretrain.arithmetic import layer_parameters, layout_recomputed_layers, stage_parameters
+from pretrain.config import ModelConfig, Precision
+from pretrain.layout import Layout
+
+GB = 2**30
+
+
+def bytes_per_param(layout: Layout) -> tuple[int, int, int]:
+    """(params, grads, optimizer states) bytes per parameter before ZeRO sharding."""
+    low = 4 if layout.precision == Precision.FP32 else 2
+    if layout.precision == Precision.BF16 and layout.zero_stage == 0:
+        return low, low, 8  # DeepSpeed's bf16 ZeRO-0 path: no fp32 master; 8 bytes of Adam state
+        # per parameter counted tensor by tensor (bench/plan_memory.py)
+    if layout.precision == Precision.FP32 and layout.zero_stage == 0:
+        return low, low, 8
+    return low, low, 12
+
+
+def layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """Activation elements one decoder layer saves for backward per token (micro-batch of one
+    sample), split into (replicated over TP unless sequence parallel, sharded over TP).
+
+    Korthikanti et al. count 34*s*b*h bytes for a GPT layer; for this Llama block (SDPA's fused
+    attention keeps no s x s scores, no dropout, SwiGLU) the saved tensors are, in units of h
+    elements of the activation dtype: replicated: the two RMSNorms' inputs and outputs (4; 6 in
+    16-bit, where the norm saves its fp32 upcast); sharded: q (1), k and v (2*kv/h), the attention
+    output (1) and the output projection's input (1), and SwiGLU's gate, up, silu(gate) and
+    product (4*f/h).
+    """
+    h = m.hidden_size
+    kv = m.num_kv_heads * m.head_dim
+    replicated = (4.0 if layout.precision == Precision.FP32 else 6.0) * h
+    sharded = (3.0 * h + 2.0 * kv + 4.0 * m.ffn_hidden_size) / layout.tensor
+    if layout.sequence_parallel:
+        replicated /= layout.tensor
+    return replicated, sharded
+
+
+@dataclass
+class MemoryBreakdown:
+    """Per-GPU bytes of the heaviest pipeline stage (GiB in `to_gb`)."""
+
+    stage: int
+    parameters_count: int  # parameters this GPU's stage holds before ZeRO sharding
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    host: float  # bytes kept in host memory by offload (per GPU)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def to_gb(self) -> dict[str, float]:
+        keys = ("params", "grads", "optimizer", "activations", "buffers", "host")
+        out = {k: getattr(self, k) / GB for k in keys}
+        out["total"] = self.total / GB
+        return out
+
+
+def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -> MemoryBreakdown:
+    lay = layout
+    n = stage_parameters(m, lay, items)
+    p_b, g_b, o_b = bytes_per_param(lay)
+    dp = lay.data
+    params, grads, optimizer = n * p_b, n * g_b, n * o_b
+    host = 0.0
+    if lay.zero_stage >= 1:
+        optimizer /= dp
+    if lay.zero_stage >= 2:
+        grads /= dp
+    if lay.zero_stage >= 3:
+        params /= dp
+    if lay.offload_optimizer != "none":
+        host += optimizer + (n * 4 / dp if lay.zero_stage >= 2 else 0)  # fp32 grad partition
+        optimizer = 0.0
+    if lay.offload_param != "none":
+        host += params
+        params = 0.0
+
+    # Activations: 1F1B keeps pp - stage micro-batches in flight (all of them if fewer).
+    act_bytes = 4 if lay.precision == Precision.FP32 else 2
+    tokens = lay.micro_batch * m.seq_length
+    in_flight = min(lay.pipeline - stage, lay.grad_accum)
+    layers = items.count("layer")
+    rep, shard = layer_activation_elements(m, lay)
+    full_layer = (rep + shard) * tokens * act_bytes
+    layer_input = m.hidden_size * tokens * act_bytes / (lay.tensor if lay.sequence_parallel else 1)
+    recomputed = layout_recomputed_layers(lay, layers)
+    per_micro = recomputed * layer_input + (layers - recomputed) * full_layer
+    activations = in_flight * per_micro + (full_layer if recomputed else 0.0)  # + recompute workspace
+    if "embed" in items:
+        activations += in_flight * layer_input
+    if "head" in items:  # logits shard in the compute dtype + fp32 softmax of the loss
+        vocab = m.padded_vocab_size(lay.tensor) // lay.tensor
+        activations += tokens * vocab * (act_bytes + 4) + tokens * m.hidden_size * act_bytes
+
+    buffers = 0.0
+    if lay.zero_stage in (1, 2) or (lay.zero_stage == 0 and dp > 1):
+        buffers += min(lay.reduce_bucket, n) * g_b  # gradient reduction bucket
+    if lay.zero_stage in (1, 2):
+        buffers += min(lay.allgather_bucket, n) * p_b  # parameter all-gather after the step
+    if lay.zero_stage == 3:
+        # Gathered 16-bit parameters: DeepSpeed keeps up to stage3_max_live_parameters (1e9 by
+        # default) of them, and parameters gathered in forward stay until their reuse in
+        # backward (stage3_max_reuse_distance, also 1e9). Measured on CPU (bench/plan_memory.py):
+        # about two gathered copies of a model under the limit; one layer at least.
+        sharded, replicated = layer_parameters(m)
+        layer_full = (sharded // lay.tensor + replicated) * p_b
+        gathered = 2 * min(n, lay.max_live_parameters) * p_b
+        buffers += max(gathered, 2 * layer_full) + min(lay.reduce_bucket, n) * g_b
+    if lay.zero_stage >= 1 and lay.offload_optimizer == "none" and lay.precision != Precision.FP32:
+        buffers += n * 4 / dp  # fp32 gradient partition the optimizer steps on
+    return MemoryBreakdown(stage=stage, parameters_count=n, params=params, grads=grads,
+                           optimizer=optimizer, activations=activations, buffers=buffers,
+                           host=host)

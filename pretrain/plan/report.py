@@ -1,0 +1,60 @@
+"""The text `pretrain plan` prints: one planned layout, or the ranking of a search."""
+from __future__ import annotations
+
+from pretrain.arithmetic import model_flops_per_token, num_parameters
+from pretrain.config import RunConfig
+from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
+from pretrain.plan.memory import GB
+from pretrain.plan.search import Plan
+
+
+def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerator: str) -> str:
+    """The dry run's summary of a run config (layout, engine, model) followed by its plan."""
+    layout, world, m = plan.layout, plan.layout.world_size, cfg.model
+    lines = [
+        f"[plan] {config_path or '(defaults)'} on {world} ranks ({accelerator}): the config "
+        "resolves; nothing was launched",
+        f"layout  tp {layout.tensor} x pp {layout.pipeline} x dp {layout.data} = {world} ranks | "
+        f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum "
+        f"{layout.grad_accum} x dp {layout.data} ({layout.global_batch * m.seq_length:,} tokens)",
+        f"engine  ZeRO-{layout.zero_stage} | offload optimizer={layout.offload_optimizer} "
+        f"param={layout.offload_param} | {layout.precision.value} | recompute "
+        f"{layout.recompute.value} | sequence parallel "
+        f"{'on' if layout.sequence_parallel else 'off'} | partition {layout.partition}",
+        f"model   {num_parameters(m) / 1e9:.2f}B parameters, "
+        f"{model_flops_per_token(m):.3g} FLOPs/token, seq {m.seq_length}",
+        format_plan(plan),
+    ]
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan) -> str:
+    lay, mem, t, c = plan.layout, plan.memory, plan.time, plan.cluster
+    pct = (lambda x: f"{100 * x / t.step:4.1f}%") if t.step else (lambda x: "-")
+    lines = [
+        f"memory per GPU (stage {mem.stage} of {lay.pipeline}, the heaviest; "
+        f"{mem.parameters_count / 1e6:,.1f}M parameters before ZeRO sharding):",
+        *(f"  {k:<12}{mem.to_gb()[k]:9.2f} GB" for k in
+          ("params", "grads", "optimizer", "activations", "buffers")),
+        f"  {'total':<12}{mem.total / GB:9.2f} GB of {plan.memory_limit_gb:.1f} GB usable "
+        f"({c.gpu_memory_gb:g} GB x {MEMORY_USABLE_FRACTION:g}) -> "
+        f"{'fits' if plan.fits else 'DOES NOT FIT'}"
+        + (f"; {mem.host / GB:.2f} GB per GPU on the host" if mem.host else ""),
+        f"time per step {t.step:.3f} s on {c.name} ({c.peak_tflops:g} TFLOP/s peak):",
+        *(f"  {k:<14}{getattr(t, k):9.3f} s {pct(getattr(t, k))}" for k in
+          ("compute", "tensor_comm", "bubble", "pipeline_comm", "data_comm", "offload")),
+        f"throughput {plan.tokens_per_s:,.0f} tokens/s | model {plan.model_tflops_per_gpu:.0f} "
+        f"TFLOP/s/GPU (MFU {100 * plan.mfu:.1f}%) | hardware {plan.hardware_tflops_per_gpu:.0f} "
+        f"TFLOP/s/GPU (HFU {100 * plan.hfu:.1f}%)",
+    ]
+    return "\n".join(lines)
+
+
+def format_search(plans: list[Plan], cluster: Cluster, *, top: int) -> str:
+    """The fastest `top` of the layouts that fit, one line each."""
+    lines = [f"[plan] {len(plans)} layouts of {cluster.world_size} GPUs ({cluster.nodes} x "
+             f"{cluster.gpus_per_node} {cluster.name}) fit; the fastest {min(top, len(plans))}:",
+             f"  {'#':>3}  {'layout':<58}{'memory':>9}{'tokens/s':>12}{'MFU':>7}"]
+    lines += [f"  {i:>3}  {p.layout.describe():<58}{p.memory.total / GB:8.1f}G"
+              f"{p.tokens_per_s:12,.0f}{100 * p.mfu:6.1f}%" for i, p in enumerate(plans[:top], 1)]
+    return "\n".join(lines)

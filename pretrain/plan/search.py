@@ -1,0 +1,121 @@
+"""Plan one layout (`estimate`) or rank every layout of a cluster that fits (`search`).
+
+`estimate(model, layout, cluster)` checks the layout with the stack's rulebook
+(`pretrain.layout.check_layout`), then combines the memory model (`pretrain.plan.memory`) and the
+time model (`pretrain.plan.step_time`) into a `Plan`: per-GPU memory of the heaviest stage,
+step time, tokens/s, model FLOPs utilisation (MFU) and hardware FLOPs utilisation (HFU, counting
+recomputation).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from pretrain.arithmetic import stage_items
+from pretrain.config import ModelConfig, Precision, Recompute
+from pretrain.errors import ConfigError
+from pretrain.layout import Layout, check_layout
+from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
+from pretrain.plan.memory import GB, MemoryBreakdown, stage_memory
+from pretrain.plan.step_time import TimeBreakdown, estimate_time
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    cluster: Cluster
+    memory: MemoryBreakdown  # heaviest stage
+    time: TimeBreakdown
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    fits: bool
+    memory_limit_gb: float
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        lay = asdict(self.layout)
+        lay.update(recompute=self.layout.recompute.value, precision=self.layout.precision.value,
+                   grad_accum=self.layout.grad_accum, world_size=self.layout.world_size)
+        t = asdict(self.time)
+        t["step"] = self.time.step
+        return {"layout": lay, "cluster": asdict(self.cluster),
+                "memory_gb": {"stage": self.memory.stage, **self.memory.to_gb()},
+                "time_s": t, "tokens_per_s": self.tokens_per_s,
+                "model_tflops_per_gpu": self.model_tflops_per_gpu,
+                "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
+                "hfu": self.hfu, "fits": self.fits, "memory_limit_gb": self.memory_limit_gb,
+                "stages": self.stages}
+
+
+def estimate(model: ModelConfig, layout: Layout, cluster: Cluster) -> Plan:
+    """Memory and time of `layout`; raises ConfigError if the layout is invalid."""
+    check_layout(model, layout)
+    stages = stage_items(model, layout)
+    memories = [stage_memory(model, layout, s, items) for s, items in enumerate(stages)]
+    worst = max(memories, key=lambda mem: mem.total)
+    times, model_flops, hw_flops = estimate_time(model, layout, cluster, stages)
+    step = times.step
+    peak = cluster.peak_tflops * 1e12
+    limit = cluster.gpu_memory_gb * MEMORY_USABLE_FRACTION
+    return Plan(layout=layout, cluster=cluster, memory=worst, time=times,
+                tokens_per_s=layout.global_batch * model.seq_length / step,
+                model_tflops_per_gpu=model_flops / step / 1e12,
+                hardware_tflops_per_gpu=hw_flops / step / 1e12,
+                mfu=model_flops / step / peak, hfu=hw_flops / step / peak,
+                fits=worst.total / GB <= limit, memory_limit_gb=limit,
+                stages=[{"stage": s, "layers": items.count("layer"),
+                         "embedding": "embed" in items, "head": "head" in items,
+                         "memory_gb": round(mem.total / GB, 3)}
+                        for s, (items, mem) in enumerate(zip(stages, memories))])
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
+           precision: Precision = Precision.BF16, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+           allow_offload: bool = True) -> list[Plan]:
+    """Every valid layout of `cluster.world_size` GPUs that fits, fastest first.
+
+    TP stays inside a node (powers of two dividing the GPUs per node); PP divides the world;
+    ZeRO 0-3 (0/1 with pipelines), optimizer offload to CPU from ZeRO 1, parameter offload with
+    ZeRO 3, recompute none/full, sequence parallelism whenever tp > 1 (it only saves memory).
+    """
+    world = cluster.world_size
+    base = Layout(precision=precision, global_batch=global_batch)
+    plans = []
+    tps = [t for t in _divisors(cluster.gpus_per_node) if t & (t - 1) == 0]
+    for tp, pp in itertools.product(tps, _divisors(world)):
+        if world % (tp * pp) or pp > model.num_layers:
+            continue
+        dp = world // (tp * pp)
+        for mbs, stage, offload, recompute in itertools.product(
+                micro_batches, (0, 1, 2, 3), ("none", "opt", "opt+param"),
+                (Recompute.NONE, Recompute.FULL)):
+            if offload != "none" and not allow_offload:
+                continue
+            layout = replace(base, tensor=tp, pipeline=pp, data=dp, micro_batch=mbs,
+                             zero_stage=stage, recompute=recompute, sequence_parallel=tp > 1,
+                             offload_optimizer="none" if offload == "none" else "cpu",
+                             offload_param="cpu" if offload == "opt+param" else "none")
+            try:
+                plan = estimate(model, layout, cluster)
+            except ConfigError:
+                continue
+            if plan.fits:
+                plans.append(plan)
+    plans.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
+    return plans
+
+
+def minimum_memory_gb(model: ModelConfig, cluster: Cluster, *, precision: Precision) -> float:
+    """Per-GPU memory of the most frugal layout (ZeRO-3, full offload, recompute, micro 1)."""
+    layout = Layout(data=cluster.world_size, global_batch=cluster.world_size, zero_stage=3,
+                    offload_optimizer="cpu", offload_param="cpu", recompute=Recompute.FULL,
+                    precision=precision)
+    return estimate(model, layout, cluster).memory.total / GB
