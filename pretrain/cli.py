@@ -33,9 +33,10 @@ def _quiet_imports() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pretrain import generate, launch, train
+    from pretrain import generate, launch
     from pretrain import plan_command, sweep
     from pretrain import convert, interop
+    from pretrain.commands import train
     from pretrain.data import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,

@@ -42,11 +42,16 @@ def build_flat_pipeline(cfg: ModelConfig, *, seed: int, tp_group=None,
     return model
 
 
+def tensor_parallel_group(groups: ProcessGroups):
+    """The tensor-parallel group to build the model over; None when tp is 1 (no sharding)."""
+    return groups.tensor if groups.topology.tensor > 1 else None
+
+
 def build_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
     """This rank's initialised model for the run's layout: pipeline stages when
     parallel.pipeline > 1, else the flat model, tensor-parallel over `groups.tensor`."""
     p = cfg.parallel
-    tp_group = groups.tensor if p.tensor > 1 else None
+    tp_group = tensor_parallel_group(groups)
     if ModelForm.for_layout(p.pipeline) is ModelForm.PIPELINE:
         return build_pipeline_model(
             cfg.model, seed=cfg.train.seed, num_stages=p.pipeline, topology=groups.topology,
