@@ -52,7 +52,7 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict:
     from pretrain.config import load_config
     from pretrain.ds_config import resolve_ds_config
     from pretrain.model import build_model
-    from pretrain.trainer import param_groups
+    from pretrain.engine import param_groups
 
     cfg = load_config("configs/tiny.yaml", OVERRIDES + [f"run_dir={out_dir}"])
     ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")

@@ -42,7 +42,7 @@ def _rank(rank: int, world_size: int, tp: int, pp: int) -> dict:
 
     from pretrain.config import load_config
     from pretrain.model import build_model
-    from pretrain.model.pipeline import build_pipeline_model
+    from pretrain.model import build_pipeline_model
     from pretrain.topology import Topology
 
     deepspeed.utils.logger.setLevel(logging.WARNING)

@@ -29,7 +29,7 @@ def _rank(rank: int, world_size: int, micro_counts: list[int], steps: int, layer
     import torch
 
     from pretrain.config import load_config
-    from pretrain.model.pipeline import build_pipeline_model
+    from pretrain.model import build_pipeline_model
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

@@ -81,7 +81,7 @@ def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str) -> di
     from pretrain.config import load_config
     from pretrain.ds_config import resolve_ds_config
     from pretrain.model import build_model
-    from pretrain.trainer import param_groups
+    from pretrain.engine import param_groups
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     torch.set_num_threads(1)

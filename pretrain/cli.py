@@ -33,8 +33,8 @@ def _quiet_imports() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pretrain import convert, generate, interop, train
-    from pretrain.commands import launch, plan, sweep
+    from pretrain import convert, generate, interop
+    from pretrain.commands import launch, plan, sweep, train
     from pretrain.data import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,

@@ -3,8 +3,9 @@
 `pretrain train` runs under the `deepspeed` launcher, `torchrun`, Slurm's `srun`, or as a plain
 single process. Each launcher describes the world differently; `discover_world` maps them all to
 the torch.distributed variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT) before DeepSpeed looks at them. Without these DeepSpeed falls back to probing MPI
-(DESIGN.md pitfalls), so a plain process gets a world of one on a free local port.
+MASTER_PORT) before DeepSpeed looks at them. Without these `deepspeed.init_distributed` falls
+back to discovering them through MPI (mpi4py), so a plain process gets a world of one on a free
+local port.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def _guess_local_world(world_size: int) -> int:
 def set_cpu_threads(world: World) -> int:
     """Give each rank its share of the cores unless the user or launcher chose already.
 
-    Oversubscribed intra-op threads made a 2-rank loop 2x slower on 2 cores (DESIGN.md).
+    Oversubscribed intra-op threads made a 2-rank training loop 2x slower on a 2-core machine.
     """
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"])
@@ -99,6 +100,8 @@ def set_cpu_threads(world: World) -> int:
 
 def init_distributed(world: World, *, timeout_minutes: float = 30.0) -> None:
     """Create the default process group through DeepSpeed (NCCL on GPUs, gloo/ccl on CPU)."""
+    # DeepSpeed is imported here, not at the top: launch scripts and tests import this module
+    # for `free_port` and must not pay DeepSpeed's start-up
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 

@@ -1,10 +1,9 @@
-"""The training loop: build the DeepSpeed engine, step, evaluate, log, checkpoint.
+"""The training loop: step, evaluate, log, checkpoint.
 
 One optimizer step consumes one global batch of `micro_batch_size * grad_accum * dp` packed
 samples in a fixed global order (`pretrain.data.DistributedPackedSampler`), so a run's data stream
-does not depend on how many ranks it used. DeepSpeed owns sharding (ZeRO), mixed precision,
-gradient accumulation and clipping; this module owns the schedule, the data, the telemetry and
-when to save.
+does not depend on how many ranks it used. The engine comes from `pretrain.engine`; this module
+owns the loop, the data, the telemetry and when to save.
 """
 from __future__ import annotations
 
@@ -18,69 +17,26 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as torch_dist
-
-# DeepSpeed 0.19.8's ZeRO-2 calls a torch.distributed function that torch 2.13 deprecates, once
-# per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
-warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
+from deepspeed.accelerator import get_accelerator
+from tqdm import tqdm
 
 from pretrain import checkpoint, faults, telemetry
-from pretrain.config import Precision, Recompute, RunConfig
+from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
 from pretrain.data.loader import micro_batches
 from pretrain.dist import World
-from pretrain.ds_config import offload_devices, zero_stage
-from pretrain.errors import EXIT_REQUEUE, ConfigError, DataError
-from pretrain.model import build_model
-from pretrain.plan import hardware_flops_per_token
+from pretrain.ds_config import engine_fields, zero_stage
+from pretrain.engine import build_engine
+from pretrain.errors import EXIT_REQUEUE, ConfigError
+from pretrain.layout import resolve_layout
+from pretrain.metrics import StepRecords, announce_run, global_grad_norm
+from pretrain.model import ModelForm
 from pretrain.topology import ProcessGroups
 
-DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
-          Precision.FP16: torch.float16}
-
-
-def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
-    """Learning rate of optimizer update number `update` (1-based).
-
-    Linear warmup from lr/warmup to lr over the first `warmup` updates, then cosine decay from lr
-    to min_lr at update `total` (and min_lr after it). Update 1 already learns: DeepSpeed's
-    WarmupCosineLR would give it lr = 0.
-    """
-    if update <= warmup:
-        return lr * update / warmup
-    progress = min(1.0, (update - warmup) / max(1, total - warmup))
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices (linears, embeddings), none on vectors (RMSNorm gains)."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
-
-
-def global_grad_norm(parameters, groups: ProcessGroups, *, device: str) -> float:
-    """L2 norm of the whole model's gradient, each element counted once across the grid.
-
-    Tensor-parallel shards (`tensor_model_parallel`) count on every TP rank; replicated weights
-    (norms) on TP rank 0 only; a pipeline-tied weight (`ds_pipe_replicated`) on its first stage
-    only; then the squares are summed over the model-parallel (TP x PP) group. DeepSpeed's own
-    `clip_grad_norm_` counts replicated weights on model-parallel rank 0 only, which drops the
-    norms of every later pipeline stage.
-    """
-    tp_rank0 = groups.topology.my_coords.tensor == 0
-    total = torch.zeros((), device=device)
-    for p in parameters:
-        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
-            continue
-        if getattr(p, "tensor_model_parallel", False) or tp_rank0:
-            total += p.grad.detach().float().pow(2).sum().to(device)
-    if groups.topology.tensor * groups.topology.pipeline > 1:
-        torch_dist.all_reduce(total, group=groups.model)
-    return total.sqrt().item()
+# DeepSpeed 0.19.8's ZeRO-2 calls a torch.distributed function that torch 2.13 deprecates, once
+# per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
 
 class _TimedBatches:
@@ -118,80 +74,42 @@ class Trainer:
         `resume` the checkpoint to start from (`pretrain.checkpoint.find_resume`), whose
         `checkpoint.load_universal` the DeepSpeed config already carries when it is universal;
         `control` the signal / time-limit watcher (made here when None)."""
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
-
         self.cfg, self.world, self.ds_config, self.groups = cfg, world, ds_config, groups
         self.main = world.is_main
         self.run_dir = Path(cfg.run_dir)
         self.device = get_accelerator().current_device_name()
-        self.dp_size = cfg.data_parallel_size(world.world_size)
+        self.layout = resolve_layout(cfg, world_size=world.world_size, **engine_fields(ds_config))
+        self.dp_size, self.grad_accum = self.layout.data, self.layout.grad_accum
+        self.global_batch = self.layout.global_batch
         # Ranks of one tensor-parallel group read the same samples: the data follows the dp index.
         self.dp_rank = groups.topology.my_coords.data
-        self.grad_accum = cfg.grad_accum_steps(world.world_size)
-        self.global_batch = cfg.global_batch_size(world.world_size)
         self.tokenizer, self.train_data, self.valid_data = self._load_data()
-
         if self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir / "config.yaml")
-            (self.run_dir / "ds_config.json").write_text(
-                json.dumps(self.ds_config, indent=2))
-
-        t, p = cfg.train, cfg.parallel
-        tp_group = groups.tensor if p.tensor > 1 else None
-        self.pipelined = p.pipeline > 1
-        if self.pipelined:
-            from pretrain.model.pipeline import build_pipeline_model
-
-            model = build_pipeline_model(
-                cfg.model, seed=t.seed, num_stages=p.pipeline, topology=groups.topology,
-                tp_group=tp_group, sequence_parallel=p.sequence_parallel,
-                partition_method=p.pipeline_partition,
-                activation_checkpoint_interval=int(
-                    cfg.model.activation_checkpointing == Recompute.FULL))
-            mpu = None  # a PipelineModule brings its own grid (DeepSpeed asserts mpu is None)
-        else:
-            model = build_model(cfg.model, seed=t.seed, tp_group=tp_group,
-                                sequence_parallel=p.sequence_parallel)
-            mpu = groups.mpu  # without it DeepSpeed treats every rank as data parallel
-        if cfg.model.init_from:  # before DeepSpeed partitions (ZeRO-3) or copies the weights
-            from pretrain.interop import load_initial_weights
-
-            source = load_initial_weights(model, cfg=cfg.model, tp_group=tp_group)
-            telemetry.log(f"[init] weights from {source}", main=self.main)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, t.weight_decay),
-            config=self.ds_config, mpu=mpu,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                opt, lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
-                                             warmup=t.warmup_steps, total=t.steps)))
-        if self.dp_size == 1 and zero_stage(ds_config) == 0 and not self.pipelined:
-            # One replica: DeepSpeed's bucketed gradient all-reduce would only copy gradients
-            # in and out of flat buffers (measured ~2% of a step of the quickstart model).
-            self.engine.enable_backward_allreduce = False
+            self._write_run_configs()
+        self.engine = build_engine(cfg, ds_config, groups, main=self.main)
+        self.pipelined = ModelForm.of(self.engine) is ModelForm.PIPELINE
         self.step, self.consumed_samples = 0, 0
         # The pipeline engine steps inside train_batch: at ZeRO-0 it reports no norm (null).
         self._norm_before_step = zero_stage(ds_config) == 0 and not self.pipelined
         self._grad_norm: float | None = None
         if resume is not None:
             self._resume(resume)
-        log = lambda text: telemetry.log(text, main=self.main)  # noqa: E731
         self.control = control or faults.RunControl(
             save_interval_minutes=cfg.checkpoint.save_interval_minutes,
-            exit_after_minutes=t.exit_after_minutes)
-        self.guard = faults.NonFiniteGuard(self.engine, max_in_a_row=t.max_nonfinite_steps,
-                                           spike_factor=t.loss_spike_factor, device=self.device,
-                                           rank=world.rank, log=log)
+            exit_after_minutes=cfg.train.exit_after_minutes)
+        self.guard = faults.NonFiniteGuard(
+            self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
+            spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
+            log=lambda text: telemetry.log(text, main=self.main))
         self._git_commit = checkpoint.git_commit()  # recorded in every checkpoint's meta.json
-        self.flops_per_token = cfg.model.flops_per_token()
-        self.peak_tflops, self.peak_source = telemetry.device_peak_tflops(
-            DTYPES[t.precision], cfg.logging.peak_tflops)
+        self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
+                                   main=self.main)
         self.metrics = telemetry.MetricsSink(
             self.run_dir, enabled=self.main, tensorboard=cfg.logging.tensorboard,
             wandb_mode=cfg.logging.wandb_mode, wandb_project=cfg.logging.wandb_project,
             run_config=cfg.to_dict())
-        self._announce(model)
+        announce_run(self.metrics, cfg, world, ds_config, self.records, layout=self.layout,
+                     train_samples=len(self.train_data), run_dir=self.run_dir)
 
     # ---- setup ------------------------------------------------------------------------------
     def _load_data(self) -> tuple[Tokenizer, Samples, Samples | None]:
@@ -234,28 +152,11 @@ class Trainer:
                       f"samples consumed{', universal' if point.universal else ''}) in "
                       f"{time.perf_counter() - start:.1f}s", main=self.main)
 
-    def _announce(self, model: torch.nn.Module) -> None:
-        cfg, w = self.cfg, self.world
-        stage = zero_stage(self.ds_config)
-        opt_dev, param_dev = offload_devices(self.ds_config)
-        n_params = cfg.model.num_parameters()
-        self.metrics.write({"kind": "run", "world_size": w.world_size, "launcher": w.launcher,
-                            "tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-                            "data_parallel": self.dp_size, "zero_stage": stage,
-                            "parameters": n_params, "global_batch": self.global_batch,
-                            "grad_accum": self.grad_accum, "precision": cfg.train.precision.value,
-                            "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
-                            "deepspeed_config": cfg.deepspeed,
-                            "torch": torch.__version__,
-                            "deepspeed": __import__("deepspeed").__version__})
-        telemetry.log(
-            f"[run] {n_params / 1e6:.1f}M parameters | world {w.world_size} ({w.launcher}) = "
-            f"tp {cfg.parallel.tensor} x pp {cfg.parallel.pipeline} x dp {self.dp_size} | "
-            f"ZeRO-{stage} offload opt={opt_dev} param={param_dev} | {cfg.train.precision.value} | "
-            f"global batch {self.global_batch} = micro {cfg.train.micro_batch_size} x accum "
-            f"{self.grad_accum} x dp {self.dp_size} | {len(self.train_data)} train samples of "
-            f"{cfg.model.seq_length} tokens | peak {self.peak_tflops:.2f} TFLOP/s/device "
-            f"({self.peak_source}) | run dir {self.run_dir}", main=self.main)
+    def _write_run_configs(self) -> None:
+        """The run's config and resolved DeepSpeed config, next to its checkpoints."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.save(self.run_dir / "config.yaml")
+        (self.run_dir / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2))
 
     # ---- the loop -----------------------------------------------------------------------------
     def _mean_over_dp(self, value: torch.Tensor) -> float:
@@ -309,8 +210,6 @@ class Trainer:
         return self._mean_over_dp(total / n)
 
     def train(self) -> TrainResult:
-        from tqdm import tqdm
-
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult()
         if self.main:
@@ -335,8 +234,10 @@ class Trainer:
                 telemetry.log(f"[profile] Chrome trace of steps {cfg.logging.profile_steps} in "
                               f"{profiler.path}", main=self.main)
             result.losses.append(loss)
-            rec = self._step_record(loss=loss, lr=lr, wait=wait, elapsed=elapsed,
-                                    tokens=tokens_per_step)
+            rec = self.records.record(self.engine, step=self.step, loss=loss, lr=lr, wait=wait,
+                                      elapsed=elapsed, tokens=tokens_per_step,
+                                      consumed_samples=self.consumed_samples,
+                                      grad_norm=self._grad_norm)
             rec.update(self.guard.after_step(step=self.step, loss=loss,
                                               skipped_before=skipped_before))
             self.metrics.write(rec)
@@ -375,38 +276,6 @@ class Trainer:
             telemetry.log(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
         self.metrics.close()
         return result
-
-    def _step_record(self, *, loss: float, lr: float, wait: float, elapsed: float,
-                     tokens: int) -> dict[str, Any]:
-        engine = self.engine
-        grad_norm = engine.get_global_grad_norm()
-        if grad_norm is None:
-            grad_norm = self._grad_norm
-        if isinstance(grad_norm, torch.Tensor):
-            grad_norm = grad_norm.item()
-        tokens_per_s = tokens / elapsed
-        per_device = tokens_per_s / self.world.world_size
-        hardware_flops = hardware_flops_per_token(self.cfg.model)  # + recomputed forwards
-        rec: dict[str, Any] = {
-            "kind": "train", "step": self.step, "loss": loss,
-            "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-            "tflops_per_device": self.flops_per_token * tokens_per_s / self.world.world_size / 1e12,
-            "mfu": telemetry.mfu(flops_per_token=self.flops_per_token,
-                                 tokens_per_s_per_device=tokens_per_s / self.world.world_size,
-                                 peak_tflops=self.peak_tflops),
-            "hw_tflops_per_device": hardware_flops * per_device / 1e12,
-            "hfu": telemetry.mfu(flops_per_token=hardware_flops, tokens_per_s_per_device=per_device,
-                                 peak_tflops=self.peak_tflops),
-            "peak_mem_gb": telemetry.peak_memory_gb(),
-            "peak_mem_gb_ranks": telemetry.peak_memory_all_ranks(self.device),
-            "data_wait_s": wait, "step_time_s": elapsed,
-            "consumed_samples": self.consumed_samples, "skipped_steps": engine.skipped_steps,
-        }
-        if self.cfg.train.precision == Precision.FP16:
-            rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", float("nan")))
-        if self.main:
-            rec.update(telemetry.gpu_stats())  # NVML utilisation / temperature / memory on GPUs
-        return rec
 
     def _log_eval(self, result: TrainResult) -> None:
         loss = self.evaluate()

@@ -10,8 +10,8 @@ from pretrain.arithmetic import num_parameters
 from pretrain.config import MODEL_PRESETS, Precision, Recompute, load_config
 from pretrain.ds_config import resolve_ds_config
 from pretrain.errors import ConfigError
+from pretrain.engine import warmup_cosine
 from pretrain.layout import resolve_layout
-from pretrain.trainer import warmup_cosine
 
 
 def test_presets_have_published_shapes_and_sizes():

@@ -17,11 +17,10 @@ from pretrain.testing.ranks import run_on_ranks
 from pretrain.config import load_config
 from pretrain.ds_config import check_deepspeed_pipeline_config
 from pretrain.errors import ConfigError
-from pretrain.model import build_model
+from pretrain.model import build_flat_pipeline, build_model, build_pipeline_model
 from pretrain.model.llama import torch_checkpoint
-from pretrain.model.pipeline import (DecoderLayerPipe, StageActivations, build_flat_pipeline,
-                                     build_pipeline_model, pipeline_to_canonical_name,
-                                     stage_state_dict)
+from pretrain.model.pipeline import (DecoderLayerPipe, StageActivations,
+                                     pipeline_to_canonical_name, stage_state_dict)
 from pretrain.topology import Topology
 
 SEED = 11

@@ -14,7 +14,7 @@ from pretrain.config import MODEL_PRESETS, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
 from pretrain.layout import Layout
 from pretrain.plan.clusters import MATMUL_EFFICIENCY, make_cluster
-from pretrain.plan.memory import GB, layer_activation_elements
+from pretrain.plan.memory import layer_activation_elements
 from pretrain.plan.published import BLOOM_176B, MEGATRON_70B
 from pretrain.plan.search import estimate, search
 

@@ -42,10 +42,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from deepspeed.accelerator import get_accelerator
 
 from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
 from pretrain.layout import check_tensor_split
+from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
                                    row_linear, vocab_embedding)
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
@@ -178,7 +180,7 @@ class LlamaModel(nn.Module):
     `forward(input_ids)` gives logits (B, T, vocab_size); `forward(input_ids, labels)` the mean
     cross-entropy. `checkpoint_fn(function, *args)` runs the layers chosen by
     `cfg.activation_checkpointing`; replace it to use DeepSpeed's activation checkpointing.
-    Weights are left at PyTorch's defaults: call `init_weights` (or use `build_model`).
+    Weights are left at PyTorch's defaults: call `form.init_weights` (or use `build_model`).
 
     `tp_group`: the tensor-parallel process group (None or one rank: no tensor parallelism);
     every rank of it gets the same input_ids and labels. `sequence_parallel` needs tp > 1 and
@@ -292,7 +294,7 @@ class LlamaModel(nn.Module):
 
     def num_parameters(self) -> int:
         """Unique parameters of the whole (unsharded) model without the padded vocabulary rows
-        (equals cfg.num_parameters())."""
+        (equals `pretrain.arithmetic.num_parameters(cfg)`)."""
         # parameters() yields a tied weight once; a tensor-parallel shard stands for tp of them
         n = sum(p.numel() * (self.tensor_parallel if _is_sharded(p) else 1)
                 for p in self.parameters())
@@ -308,7 +310,7 @@ def _is_sharded(param: torch.Tensor) -> bool:
 # ---- initialisation and tensor-parallel layout ---------------------------------------------------
 
 _OUTPUT_PROJECTION = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_VOCAB_MATRIX = ("model.embed_tokens.weight", "lm_head.weight")
+_VOCAB_MATRIX = (EMBED, LM_HEAD)
 # dimension split over tensor-parallel ranks: output rows of column-parallel projections,
 # input columns of row-parallel ones
 _PARTITION_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
@@ -394,30 +396,6 @@ def shard_of(full: torch.Tensor, name: str, *, cfg: ModelConfig, tp_rank: int,
 
 
 @torch.no_grad()
-def init_weights(model: LlamaModel, seed: int) -> None:
-    """Initialise every parameter from its own generator, seeded by (seed, parameter name).
-
-    Each value depends only on (seed, name, cfg), never on the order of construction, the device
-    or the parallel layout: the full unsharded tensor is generated on the CPU and the local part
-    copied in. Tensor-parallel ranks copy their shard of it (`shard_of`), pipeline stages
-    initialise only the names they hold, and every layout starts from bitwise the same model as
-    a single process. Padded vocabulary rows of the embedding and lm_head are 0 (they never
-    reach the loss); the real rows do not depend on the padding, so models padded for different
-    tp sizes agree. A tied lm_head is the embedding (named_parameters yields it once) and is not
-    drawn again.
-    """
-    for name, param in model.named_parameters():
-        full = full_parameter_init(name, model.cfg, seed=seed)
-        local = shard_of(full, name, cfg=model.cfg, tp_rank=model.tensor_parallel_rank,
-                         tp_size=model.tensor_parallel)
-        if local.shape != param.shape:
-            raise RuntimeError(f"{name}: local shape {tuple(param.shape)} differs from its "
-                               f"tensor-parallel shard {tuple(local.shape)} of the full "
-                               f"{tuple(full.shape)}")
-        param.copy_(local)
-
-
-@torch.no_grad()
 def gather_full_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     """The full, unsharded state dict with Hugging Face names and `vocab_size` vocabulary rows.
 
@@ -445,8 +423,6 @@ def gather_tensor_parallel_state(state: dict[str, torch.Tensor], *, cfg: ModelCo
     Collective over `tp_group`; used for the flat model and for each pipeline stage's
     `pipeline.stage_state_dict`.
     """
-    from deepspeed.accelerator import get_accelerator
-
     device = torch.device(get_accelerator().current_device_name())  # NCCL gathers device tensors
     tensor_parallel = tp_world_size(tp_group)
     full: dict[str, torch.Tensor] = {}

@@ -8,10 +8,11 @@
     index L + 2       LMHeadPipe         lm_head                    activations -> logits
     loss              PipelineLoss       the flat model's loss      (logits, labels) -> loss
 
-- `build_pipeline_model(cfg, seed=, num_stages=)` cuts that list into stages
+- `pipeline_module(cfg, num_stages=)` cuts that list into stages
   (`deepspeed.pipe.PipelineModule`), for `deepspeed.initialize` and the 1F1B `PipelineEngine`;
-  `build_flat_pipeline(cfg, seed=)` / `flatten(specs)` runs the *same* specs one after another
-  in one process, without torch.distributed (tests, tools).
+  `sequential_pipeline(cfg)` / `flatten(specs)` runs the *same* specs one after another in one
+  process, without torch.distributed (tests, tools). `pretrain.model.build_pipeline_model` and
+  `build_flat_pipeline` build them initialised.
 - Stages exchange `StageActivations`, a dataclass of named tensors. DeepSpeed's p2p moves only a
   tensor or a tuple of tensors, so every stage boundary converts with `to_tuple()` /
   `from_tuple()`, and the field order is the dataclass's, defined once. Rotary cos/sin are not
@@ -24,9 +25,9 @@
   stages that hold it (`_exec_reduce_tied_grads`), counting it once in the gradient norm.
 - Initialisation is ours, not DeepSpeed's (`seed_layers` stays False: with `type:` partitioning
   it fails on a NumPy integer seed). Every parameter is mapped to its Hugging Face name
-  (`pipeline_to_canonical_name`) and drawn by `llama.full_parameter_init(name, cfg, seed=)`,
-  sharded by `llama.shard_of` under tensor parallelism: every stage holds bitwise the values of
-  the flat `LlamaModel` built with the same seed. `stage_state_dict` gives a stage's parameters
+  (`pipeline_to_canonical_name`) and filled by `form.init_weights` exactly as in the flat
+  model: every stage holds bitwise the values of the flat `LlamaModel` built with the same
+  seed. `stage_state_dict` gives a stage's parameters
   under those names (checkpoint export).
 - Partitioning (`partition_method`): "parameters" balances parameter counts (DeepSpeed's
   default; the embedding and head weigh as much as their matrices), "uniform" gives every stage
@@ -54,7 +55,7 @@ parallelism run unchanged: no CPU-specific workaround is needed. Quirks a caller
 - A `PipelineModule` needs torch.distributed initialised even for one stage on one rank
   (it creates process groups in its constructor); `build_flat_pipeline` does not.
 - `PipelineModule.forward` with an interval > 0 skips every layer until the checkpointable
-  groups are precomputed (the engine does it); `build_pipeline_model` calls
+  groups are precomputed (the engine does it); `pipeline_module` calls
   `set_checkpoint_interval`, so the module also works before `deepspeed.initialize`.
 - A one-tensor tuple reaches a layer as a bare tensor when it crosses DeepSpeed's checkpoint
   function or its tensor-parallel activation partitioning; `StageActivations.from_tuple`
@@ -66,7 +67,7 @@ parallelism run unchanged: no CPU-specific workaround is needed. Quirks a caller
   module's, and `pipeline.use_reentrant: false` replaces the checkpoint function by DeepSpeed's.
 - `PipelineModule`'s constructor broadcasts tied weights in place with grad mode on, which
   makes autograd warn in every backward (c10d::broadcast_ has no autograd kernel);
-  `build_pipeline_model` constructs it under `torch.no_grad()`.
+  `pipeline_module` constructs it under `torch.no_grad()`.
 - The "parameters" partitioning builds every layer once on every rank to count parameters.
 """
 from __future__ import annotations
@@ -85,10 +86,8 @@ from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.layout import check_pipeline_split, check_tensor_split
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, column_linear, vocab_embedding
-from pretrain.model.llama import (DecoderLayer, full_parameter_init, lm_loss, shard_of,
-                                  torch_checkpoint)
-from pretrain.model.tensor_parallel import (column_parallel_input, gather_from_tp, tp_rank,
-                                            tp_world_size)
+from pretrain.model.llama import DecoderLayer, lm_loss, torch_checkpoint
+from pretrain.model.tensor_parallel import column_parallel_input, gather_from_tp, tp_world_size
 
 TIED_EMBEDDING_KEY = "embed"
 
@@ -277,13 +276,12 @@ def _deepspeed_topology(topology, *, num_stages: int, tp_group):
     return topology
 
 
-def build_pipeline_model(cfg: ModelConfig, *, seed: int, num_stages: int, topology=None,
-                         tp_group=None, sequence_parallel: bool = False,
-                         partition_method: str = "parameters",
-                         activation_checkpoint_interval: int = 0,
-                         activation_checkpoint_func: Callable = torch_checkpoint
-                         ) -> PipelineModule:
-    """This rank's stage of the pipelined `LlamaModel`, initialised like `build_model(cfg, seed=)`.
+def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_group=None,
+                    sequence_parallel: bool = False, partition_method: str = "parameters",
+                    activation_checkpoint_interval: int = 0,
+                    activation_checkpoint_func: Callable = torch_checkpoint) -> PipelineModule:
+    """This rank's stage of the pipelined `LlamaModel`, weights left at their defaults
+    (`pretrain.model.build_pipeline_model` also initialises them).
 
     Collective: every rank of the world calls it (DeepSpeed creates process groups).
     `topology`: a `pretrain.topology.Topology` or DeepSpeed `ProcessTopology`; required with
@@ -294,7 +292,7 @@ def build_pipeline_model(cfg: ModelConfig, *, seed: int, num_stages: int, topolo
     _check_pipeline_args(cfg, num_stages=num_stages, partition_method=partition_method,
                          activation_checkpoint_interval=activation_checkpoint_interval)
     if not dist.is_initialized():
-        raise RuntimeError("build_pipeline_model needs torch.distributed initialised on every "
+        raise RuntimeError("a PipelineModule needs torch.distributed initialised on every "
                            "rank (deepspeed.init_distributed); for one process without it use "
                            "build_flat_pipeline")
     ds_topology = _deepspeed_topology(topology, num_stages=num_stages, tp_group=tp_group)
@@ -312,7 +310,6 @@ def build_pipeline_model(cfg: ModelConfig, *, seed: int, num_stages: int, topolo
     # forward() only runs layers whose checkpoint groups were precomputed (the engine does it
     # too): do it now so the module is usable on its own
     module.set_checkpoint_interval(activation_checkpoint_interval)
-    init_pipeline_weights(module, cfg, seed=seed, tp_group=tp_group)
     return module
 
 
@@ -363,14 +360,13 @@ def flatten(specs: Iterable[LayerSpec], *, loss_fn: Callable | None = None,
     return SequentialPipeline(specs, loss_fn=loss_fn, vocab_size=vocab_size, tp_group=tp_group)
 
 
-def build_flat_pipeline(cfg: ModelConfig, *, seed: int, tp_group=None,
+def sequential_pipeline(cfg: ModelConfig, *, tp_group=None,
                         sequence_parallel: bool = False) -> SequentialPipeline:
-    """The pipeline's specs as one sequential model, initialised like `build_model(cfg, seed=)`."""
+    """The pipeline's specs as one sequential model with its loss, weights left at their
+    defaults (`pretrain.model.build_flat_pipeline` also initialises them)."""
     specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    model = flatten(specs, loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
-                    vocab_size=cfg.vocab_size, tp_group=tp_group)
-    init_pipeline_weights(model, cfg, seed=seed, tp_group=tp_group)
-    return model
+    return flatten(specs, loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
+                   vocab_size=cfg.vocab_size, tp_group=tp_group)
 
 
 # ---- canonical (Hugging Face) names, initialisation, export --------------------------------------
@@ -435,24 +431,8 @@ def stage_state_dict(module: nn.Module, *, num_layers: int) -> dict[str, torch.T
     return state
 
 
-@torch.no_grad()
-def init_pipeline_weights(module: nn.Module, cfg: ModelConfig, *, seed: int,
-                          tp_group=None) -> None:
-    """Give every parameter of this stage the value `llama.init_weights` gives it in the flat
-    model: drawn by canonical name from (seed, name), then this rank's tensor-parallel shard."""
-    tensor_parallel, rank = tp_world_size(tp_group), tp_rank(tp_group)
-    for name, param in module.named_parameters():
-        canonical = pipeline_to_canonical_name(name, num_layers=cfg.num_layers)
-        full = full_parameter_init(canonical, cfg, seed=seed)
-        local = shard_of(full, canonical, cfg=cfg, tp_rank=rank, tp_size=tensor_parallel)
-        if local.shape != param.shape:
-            raise RuntimeError(f"{name} ({canonical}): local shape {tuple(param.shape)} differs "
-                               f"from its tensor-parallel shard {tuple(local.shape)}")
-        param.copy_(local)
-
-
 __all__ = ["DecoderLayerPipe", "EmbeddingPipe", "FinalNormPipe", "LMHeadPipe", "PipelineLoss",
-           "SequentialPipeline", "StageActivations", "build_flat_pipeline",
-           "build_pipeline_model", "canonical_name", "flatten",
-           "init_pipeline_weights", "pipeline_layer_specs", "pipeline_to_canonical_name",
+           "SequentialPipeline", "StageActivations", "canonical_name",
+           "flatten", "pipeline_layer_specs",
+           "pipeline_module", "pipeline_to_canonical_name", "sequential_pipeline",
            "stage_state_dict"]

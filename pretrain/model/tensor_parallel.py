@@ -31,7 +31,7 @@ counted on TP rank 0 only; the norm is then summed over the model-parallel group
 
 Collectives are torch.distributed's tensor forms, `all_gather_single` / `reduce_scatter_single`
 (their names since torch 2.13; `all_gather_into_tensor` / `reduce_scatter_tensor` before, which
-2.13 deprecates). gloo has both since pytorch#112144 (late 2023, before the torch 2.4 this
+2.13 deprecates). gloo has implemented both since late 2023 (before the torch 2.4 this
 package requires; checked on torch 2.13) - its reduce-scatter is an all-reduce plus a slice,
 twice NCCL's bytes, which only costs CPU test time - so no fallback is needed. What gloo lacked
 until 2025 is the list form `dist.reduce_scatter`, which is not used here.

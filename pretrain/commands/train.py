@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from pretrain.config import add_config_arguments, config_overrides
-from pretrain.trainer import TrainResult
+from pretrain.errors import EXIT_REQUEUE
+
+if TYPE_CHECKING:
+    from pretrain.trainer import TrainResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,14 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=argparse.SUPPRESS)  # passed by launchers; LOCAL_RANK is what we read
 
 
-def run(args: argparse.Namespace) -> TrainResult:
+def run(args: argparse.Namespace) -> "TrainResult":
     from pretrain import telemetry
     from pretrain.checkpoint import find_resume
     from pretrain.config import load_config
     from pretrain.dist import close_distributed, discover_world, init_distributed, set_cpu_threads
     from pretrain.ds_config import resolve_ds_config
     from pretrain.faults import RunControl
-    from pretrain.errors import EXIT_REQUEUE
 
     overrides = config_overrides(args)
     if args.exit_after_minutes is not None:
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> TrainResult:
     set_cpu_threads(world)
     init_distributed(world, timeout_minutes=cfg.train.collective_timeout_minutes)
     from pretrain.topology import Topology
-    from pretrain.trainer import Trainer
+    from pretrain.trainer import Trainer  # DeepSpeed's modules, once the process group exists
 
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world.world_size,
                                            rank=world.rank).create_groups()

@@ -1,0 +1,76 @@
+"""The DeepSpeed engine of a run: the model for its layout, its initial weights, the optimizer's
+parameter groups and learning-rate schedule, and `deepspeed.initialize`.
+
+DeepSpeed owns sharding (ZeRO), mixed precision, gradient accumulation and clipping; the
+schedule is ours (`warmup_cosine`), so the DeepSpeed config carries no "scheduler".
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import deepspeed
+import torch
+
+from pretrain import telemetry
+from pretrain.config import Precision, RunConfig, TrainConfig
+from pretrain.ds_config import zero_stage
+from pretrain.interop import load_initial_weights
+from pretrain.model import ModelForm, build_for_layout, tensor_parallel_group
+from pretrain.topology import ProcessGroups
+
+DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
+          Precision.FP16: torch.float16}
+
+
+def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """Learning rate of optimizer update number `update` (1-based).
+
+    Linear warmup from lr/warmup to lr over the first `warmup` updates, then cosine decay from lr
+    to min_lr at update `total` (and min_lr after it). Update 1 already learns: DeepSpeed's
+    WarmupCosineLR would give it lr = 0.
+    """
+    if update <= warmup:
+        return lr * update / warmup
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (linears, embeddings), none on vectors (RMSNorm gains)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _lr_schedule(t: TrainConfig):
+    """`warmup_cosine` as a factor of the optimizer's lr, for DeepSpeed's `lr_scheduler=`."""
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
+                                     warmup=t.warmup_steps, total=t.steps))
+
+
+def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
+                 main: bool) -> deepspeed.DeepSpeedEngine:
+    """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
+    `model.init_from` when set. `ds_config` is the resolved DeepSpeed config. Collective."""
+    model = build_for_layout(cfg, groups)
+    if cfg.model.init_from:  # before DeepSpeed partitions (ZeRO-3) or copies the weights
+        source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
+        telemetry.log(f"[init] weights from {source}", main=main)
+    flat = ModelForm.of(model) is ModelForm.FLAT
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+        config=ds_config,
+        # without it DeepSpeed treats every rank as data parallel; a PipelineModule brings its
+        # own grid (DeepSpeed asserts mpu is None)
+        mpu=groups.mpu if flat else None,
+        lr_scheduler=_lr_schedule(cfg.train))
+    if groups.topology.data == 1 and zero_stage(ds_config) == 0 and flat:
+        # One replica: DeepSpeed's bucketed gradient all-reduce would only copy gradients
+        # in and out of flat buffers (measured ~2% of a step of the quickstart model).
+        engine.enable_backward_allreduce = False
+    return engine

@@ -1,0 +1,63 @@
+"""Built and initialised models: the flat `LlamaModel`, pipeline stages, or whichever a run's
+layout asks for (`build_for_layout`).
+
+Every builder initialises with `form.init_weights`, so every form and every layout of the same
+seed holds bitwise the same model.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from deepspeed.pipe import PipelineModule
+
+from pretrain.config import ModelConfig, Recompute, RunConfig
+from pretrain.model.form import ModelForm, init_weights
+from pretrain.model.llama import LlamaModel
+from pretrain.model.pipeline import SequentialPipeline, pipeline_module, sequential_pipeline
+from pretrain.topology import ProcessGroups
+
+
+def build_model(cfg: ModelConfig, *, seed: int, tp_group=None,
+                sequence_parallel: bool = False) -> LlamaModel:
+    """A `LlamaModel` initialised from `seed`: every tensor-parallel layout of the same seed
+    holds shards of bitwise the same model."""
+    model = LlamaModel(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    init_weights(model, cfg, seed=seed, tp_group=tp_group)
+    return model
+
+
+def build_pipeline_model(cfg: ModelConfig, *, seed: int, num_stages: int, tp_group=None,
+                         **stage_options) -> PipelineModule:
+    """This rank's pipeline stage (`pipeline.pipeline_module`, same options), initialised like
+    `build_model(cfg, seed=)`. Collective over the world."""
+    module = pipeline_module(cfg, num_stages=num_stages, tp_group=tp_group, **stage_options)
+    init_weights(module, cfg, seed=seed, tp_group=tp_group)
+    return module
+
+
+def build_flat_pipeline(cfg: ModelConfig, *, seed: int, tp_group=None,
+                        sequence_parallel: bool = False) -> SequentialPipeline:
+    """The pipeline's specs as one sequential model, initialised like `build_model(cfg, seed=)`."""
+    model = sequential_pipeline(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    init_weights(model, cfg, seed=seed, tp_group=tp_group)
+    return model
+
+
+def tensor_parallel_group(groups: ProcessGroups):
+    """The tensor-parallel group to build the model over; None when tp is 1 (no sharding)."""
+    return groups.tensor if groups.topology.tensor > 1 else None
+
+
+def build_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
+    """This rank's initialised model for the run's layout: pipeline stages when
+    parallel.pipeline > 1, else the flat model, tensor-parallel over `groups.tensor`."""
+    p = cfg.parallel
+    tp_group = tensor_parallel_group(groups)
+    if ModelForm.for_layout(p.pipeline) is ModelForm.PIPELINE:
+        return build_pipeline_model(
+            cfg.model, seed=cfg.train.seed, num_stages=p.pipeline, topology=groups.topology,
+            tp_group=tp_group, sequence_parallel=p.sequence_parallel,
+            partition_method=p.pipeline_partition,
+            activation_checkpoint_interval=int(
+                cfg.model.activation_checkpointing == Recompute.FULL))
+    return build_model(cfg.model, seed=cfg.train.seed, tp_group=tp_group,
+                       sequence_parallel=p.sequence_parallel)

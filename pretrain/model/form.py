@@ -1,0 +1,95 @@
+"""Flat or pipeline: the one place that tells the two model forms apart, and the one copy loop.
+
+The same Llama weights live in two forms: the flat `LlamaModel` (Hugging Face parameter names)
+and pipeline stages (`PipelineModule`, or `SequentialPipeline` in one process) whose parameters
+are named by layer-spec index. `ModelForm.of(module)` says which one a module is,
+`canonical_parameters` yields its parameters under their Hugging Face names, and
+`copy_full_weights` fills them from full, unsharded tensors by those names, cutting this rank's
+tensor-parallel shard. Seeded initialisation and loading initial weights are both that copy.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+from deepspeed import DeepSpeedEngine
+from deepspeed.pipe import PipelineModule
+
+from pretrain.config import ModelConfig
+from pretrain.model.hf import EMBED, LM_HEAD
+from pretrain.model.llama import LlamaModel, full_parameter_init, shard_of
+from pretrain.model.pipeline import SequentialPipeline, pipeline_to_canonical_name
+from pretrain.model.tensor_parallel import tp_rank, tp_world_size
+
+
+class ModelForm(enum.Enum):
+    """How a model is laid out: one `LlamaModel`, or DeepSpeed pipeline stages."""
+
+    FLAT = "flat"
+    PIPELINE = "pipeline"
+
+    @classmethod
+    def of(cls, module: nn.Module | DeepSpeedEngine) -> "ModelForm":
+        """The form of a built model, or of the model a DeepSpeed engine wraps."""
+        if isinstance(module, DeepSpeedEngine):
+            module = module.module
+        if isinstance(module, LlamaModel):
+            return cls.FLAT
+        if isinstance(module, (PipelineModule, SequentialPipeline)):
+            return cls.PIPELINE
+        raise TypeError(f"{type(module).__name__} is neither a LlamaModel nor pipeline stages")
+
+    @classmethod
+    def for_layout(cls, pipeline_stages: int) -> "ModelForm":
+        """The form a run with `pipeline_stages` stages (parallel.pipeline) builds."""
+        return cls.PIPELINE if pipeline_stages > 1 else cls.FLAT
+
+
+def canonical_parameters(module: nn.Module,
+                         cfg: ModelConfig) -> Iterator[tuple[str, nn.Parameter]]:
+    """(Hugging Face name, parameter) of each parameter this rank holds, each once.
+
+    A tied head is the embedding: it is yielded once, as `model.embed_tokens.weight`, like
+    `LlamaModel.named_parameters()` does.
+    """
+    form = ModelForm.of(module)
+    for name, param in module.named_parameters():
+        if form is ModelForm.PIPELINE:
+            name = pipeline_to_canonical_name(name, num_layers=cfg.num_layers)
+        if cfg.tie_embeddings and name == LM_HEAD:
+            name = EMBED
+        yield name, param
+
+
+@torch.no_grad()
+def copy_full_weights(module: nn.Module, cfg: ModelConfig,
+                      full_tensor: Callable[[str], torch.Tensor], *, tp_group=None) -> None:
+    """Set every parameter of `module` to this rank's tensor-parallel shard (`shard_of`) of
+    `full_tensor(canonical name)`, a whole tensor of the unsharded model."""
+    tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
+    for name, param in canonical_parameters(module, cfg):
+        full = full_tensor(name)
+        local = shard_of(full, name, cfg=cfg, tp_rank=rank, tp_size=tp_size)
+        if local.shape != param.shape:
+            raise RuntimeError(f"{name}: local shape {tuple(param.shape)} differs from its "
+                               f"tensor-parallel shard {tuple(local.shape)} of the full "
+                               f"{tuple(full.shape)}")
+        param.copy_(local)
+
+
+def init_weights(module: nn.Module, cfg: ModelConfig, *, seed: int, tp_group=None) -> None:
+    """Initialise every parameter from its own generator, seeded by (seed, canonical name).
+
+    Each value depends only on (seed, name, cfg), never on the order of construction, the device
+    or the parallel layout: the full unsharded tensor is generated on the CPU
+    (`llama.full_parameter_init`) and this rank's part copied in. Tensor-parallel ranks copy
+    their shard of it, pipeline stages initialise only the names they hold, and every layout
+    starts from bitwise the same model as a single process. Padded vocabulary rows of the
+    embedding and lm_head are 0 (they never reach the loss); the real rows do not depend on the
+    padding, so models padded for different tp sizes agree. A tied lm_head is the embedding and
+    is not drawn again.
+    """
+    copy_full_weights(module, cfg, lambda name: full_parameter_init(name, cfg, seed=seed),
+                      tp_group=tp_group)
