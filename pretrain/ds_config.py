@@ -10,7 +10,7 @@ refused here:
 
 - the pipeline's partitioned point-to-point transfers under sequence parallelism
   (`check_deepspeed_pipeline_config`);
-- the learning-rate schedule is ours (`pretrain.trainer.warmup_cosine`), so a ``"scheduler"``
+- the learning-rate schedule is ours (`pretrain.engine.warmup_cosine`), so a ``"scheduler"``
   block is refused rather than silently fighting it. DeepSpeed's WarmupCosineLR applies lr = 0 to
   the first update, which we do not want.
 """

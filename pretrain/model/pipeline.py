@@ -62,7 +62,8 @@ parallelism run unchanged: no CPU-specific workaround is needed. Quirks a caller
   accepts both.
 - Tensor x pipeline parallelism with sequence parallelism needs `"pipeline":
   {"pipe_partitioned": false, "grad_partitioned": false}` in the DeepSpeed config, or the
-  losses are silently wrong (`check_deepspeed_pipeline_config` says so before start-up).
+  losses are silently wrong (`pretrain.ds_config.check_deepspeed_pipeline_config` says so
+  before start-up).
 - The DeepSpeed config's `pipeline.activation_checkpoint_interval` (if > 0) overrides the
   module's, and `pipeline.use_reentrant: false` replaces the checkpoint function by DeepSpeed's.
 - `PipelineModule`'s constructor broadcasts tied weights in place with grad mode on, which
