@@ -33,9 +33,9 @@ def _quiet_imports() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pretrain import generate, launch, train
+    from pretrain import launch, train
     from pretrain import plan_command, sweep
-    from pretrain import convert, interop
+    from pretrain.commands import convert, export_hf, generate, import_hf
     from pretrain.data import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,
@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         "generate": ("continue a prompt with a trained checkpoint", generate.add_arguments,
                      generate.run),
         "export-hf": ("write any checkpoint as a Hugging Face LlamaForCausalLM directory",
-                      interop.add_export_arguments, interop.run_export),
+                      export_hf.add_arguments, export_hf.run),
         "import-hf": ("turn a Hugging Face Llama directory into initial weights for a run",
-                      interop.add_import_arguments, interop.run_import),
+                      import_hf.add_arguments, import_hf.run),
         "convert-checkpoint": ("consolidated fp32 weights (--to fp32) or a universal checkpoint",
                                convert.add_arguments, convert.run),
         "launch": ("helpers of launch/ and slurm/: hostfile, .deepspeed_env, preflight, sweep-table",
