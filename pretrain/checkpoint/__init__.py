@@ -17,7 +17,7 @@ Layout of a run directory::
 Modules, each on top of the previous ones:
 
 - `paths`: the names above, which step directory a path means (`step_dirs`), the manifest check
-  (`verify`) and the small files (`write_manifest`, `write_latest`, `mark_stopped`); no torch.
+  (`verify`) and the small files (`write_manifest`, `write_latest`, `mark_stopped`).
 - `weights`: `Weights` and `load_weights`, the one reader of every checkpoint format (engine
   step dirs of any layout consolidated offline, final/, Hugging Face directories); `write_final`,
   the one writer of final/; `load_initial_weights` for `model.init_from`.

@@ -1,7 +1,7 @@
 """Names and small files of a run directory, and which checkpoint directory a path means.
 
-No torch: the launcher-side tools and the readers of checkpoints share these without loading
-tensors. Every small file goes through `pretrain.files.write_text_atomic`, so a reader sees the
+Nothing here loads tensors: resuming and the readers of weights decide from these files alone
+which checkpoint to open. Every small file goes through `pretrain.files.write_text_atomic`, so a reader sees the
 old file or the new one, never half of one.
 """
 from __future__ import annotations

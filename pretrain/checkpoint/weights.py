@@ -109,7 +109,8 @@ def load_final(path: str | Path) -> Weights:
     weights = path / FINAL_WEIGHTS
     if not weights.is_file() or not (path / FINAL_CONFIG).is_file():
         raise CheckpointError(f"{str(path)!r} is not a final checkpoint (no {FINAL_WEIGHTS} and "
-                              f"{FINAL_CONFIG}): pass <run_dir> or <run_dir>/final of a finished run")
+                              f"{FINAL_CONFIG}): pass <run_dir> or <run_dir>/final of a "
+                              "finished run")
     cfg = load_config(path / FINAL_CONFIG)
     try:
         state = load_file(str(weights))
