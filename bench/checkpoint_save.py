@@ -1,7 +1,7 @@
 """Checkpoint save throughput against a plain sequential write of the same bytes, and resume time.
 
 Two ranks (gloo, ZeRO-1, fp32, a ~30M-parameter model) take one step, then save real checkpoints
-with `pretrain.checkpoint.save` (DeepSpeed shards + RNG states + manifest + atomic `latest`).
+with `pretrain.checkpoint.engine.save` (DeepSpeed shards + RNG states + manifest + atomic `latest`).
 The baseline, in the same run and directory: rank 0 writes the same number of bytes to one
 file in 16 MiB chunks. Both are timed with and without a closing `os.sync()` (page cache vs
 on disk); rounds alternate so drift in the machine's load hits both alike. Resume time is

@@ -28,8 +28,9 @@ from common import CACHE, machine  # noqa: E402
 
 from pretrain.config import load_config  # noqa: E402
 from pretrain.data import IndexedDataset, PackedSamples, blend_schedule  # noqa: E402
-from pretrain.data.indexed import atomic_file, encode_index  # noqa: E402
+from pretrain.data.indexed import encode_index  # noqa: E402
 from pretrain.data.loader import micro_batches  # noqa: E402
+from pretrain.files import atomic_file  # noqa: E402
 
 
 def synthetic_dataset(prefix: Path, *, tokens: int, vocab_size: int = 512) -> IndexedDataset:

@@ -20,7 +20,36 @@ import argparse
 import os
 import sys
 
-from pretrain.errors import EXIT_USER_ERROR
+from pretrain.commands import (convert, data, export_hf, generate, import_hf, launch, plan, sweep,
+                               train)
+from pretrain.errors import EXIT_USER_ERROR, PretrainError
+
+# name: (one-line help, add_arguments, run). Each command module imports torch and the rest of
+# the stack inside its run functions, so building this parser (and `--help`) stays fast.
+COMMANDS = {
+    "tokenizer": ("train a sentencepiece BPE/unigram tokenizer (byte fallback) on a corpus",
+                  data.tokenizer_arguments, data.run_tokenizer),
+    "preprocess": ("tokenize a corpus into a Megatron-format .bin/.idx dataset",
+                   data.preprocess_arguments, data.run_preprocess),
+    "merge-datasets": ("concatenate .bin/.idx datasets (e.g. shards) into one",
+                       data.merge_arguments, data.run_merge),
+    "train": ("train a model (under deepspeed / torchrun / srun, or as one process)",
+              train.add_arguments, train.run),
+    "generate": ("continue a prompt with a trained checkpoint", generate.add_arguments,
+                 generate.run),
+    "export-hf": ("write any checkpoint as a Hugging Face LlamaForCausalLM directory",
+                  export_hf.add_arguments, export_hf.run),
+    "import-hf": ("turn a Hugging Face Llama directory into initial weights for a run",
+                  import_hf.add_arguments, import_hf.run),
+    "convert-checkpoint": ("consolidated fp32 weights (--to fp32) or a universal checkpoint",
+                           convert.add_arguments, convert.run),
+    "launch": ("helpers of launch/ and slurm/: hostfile, .deepspeed_env, preflight",
+               launch.add_arguments, launch.run),
+    "plan": ("dry-run a config for N ranks; per-GPU memory, step time and MFU; --search",
+             plan.add_arguments, plan.run),
+    "sweep": ("short runs over DeepSpeed configs x micro-batches -> CSV, Markdown, PNG",
+              sweep.add_arguments, sweep.run),
+}
 
 
 def _quiet_imports() -> None:
@@ -33,38 +62,10 @@ def _quiet_imports() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pretrain import convert, generate, interop
-    from pretrain.commands import launch, plan, sweep, train
-    from pretrain.data import cli as data_cli
-
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands = {
-        "tokenizer": ("train a sentencepiece BPE/unigram tokenizer (byte fallback) on a corpus",
-                      data_cli.tokenizer_arguments, data_cli.run_tokenizer),
-        "preprocess": ("tokenize a corpus into a Megatron-format .bin/.idx dataset",
-                       data_cli.preprocess_arguments, data_cli.run_preprocess),
-        "merge-datasets": ("concatenate .bin/.idx datasets (e.g. shards) into one",
-                           data_cli.merge_arguments, data_cli.run_merge),
-        "train": ("train a model (under deepspeed / torchrun / srun, or as one process)",
-                  train.add_arguments, train.run),
-        "generate": ("continue a prompt with a trained checkpoint", generate.add_arguments,
-                     generate.run),
-        "export-hf": ("write any checkpoint as a Hugging Face LlamaForCausalLM directory",
-                      interop.add_export_arguments, interop.run_export),
-        "import-hf": ("turn a Hugging Face Llama directory into initial weights for a run",
-                      interop.add_import_arguments, interop.run_import),
-        "convert-checkpoint": ("consolidated fp32 weights (--to fp32) or a universal checkpoint",
-                               convert.add_arguments, convert.run),
-        "launch": ("helpers of launch/ and slurm/: hostfile, .deepspeed_env, preflight, sweep-table",
-                   launch.add_arguments, launch.run),
-        "plan": ("dry-run a config for N ranks; per-GPU memory, step time and MFU; --search",
-                 plan.add_arguments, plan.run),
-        "sweep": ("short runs over DeepSpeed configs x micro-batches -> CSV, Markdown, PNG",
-                  sweep.add_arguments, sweep.run),
-    }
-    for name, (help_text, add_args, func) in commands.items():
+    for name, (help_text, add_args, func) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
         p.set_defaults(func=func)
@@ -72,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pretrain.errors import PretrainError
-
     args = build_parser().parse_args(argv)
     _quiet_imports()
     try:

@@ -13,15 +13,11 @@ import deepspeed
 import torch
 
 from pretrain import telemetry
-from pretrain.config import Precision, RunConfig, TrainConfig
+from pretrain.config import RunConfig, TrainConfig
+from pretrain.checkpoint import load_initial_weights
 from pretrain.ds_config import zero_stage
-from pretrain.interop import load_initial_weights
 from pretrain.model import ModelForm, build_for_layout, tensor_parallel_group
 from pretrain.topology import ProcessGroups
-
-DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
-          Precision.FP16: torch.float16}
-
 
 def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
     """Learning rate of optimizer update number `update` (1-based).

@@ -15,8 +15,8 @@ from pretrain.arithmetic import hardware_flops_per_token, model_flops_per_token,
 from pretrain.config import Precision, RunConfig
 from pretrain.dist import World
 from pretrain.ds_config import offload_devices, zero_stage
-from pretrain.engine import DTYPES
 from pretrain.layout import Layout
+from pretrain.model import DTYPES
 from pretrain.topology import ProcessGroups
 
 

@@ -29,6 +29,7 @@ from pretrain.dist import World
 from pretrain.ds_config import engine_fields, zero_stage
 from pretrain.engine import build_engine
 from pretrain.errors import EXIT_REQUEUE, ConfigError
+from pretrain.files import git_commit
 from pretrain.layout import resolve_layout
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
 from pretrain.model import ModelForm
@@ -101,7 +102,7 @@ class Trainer:
             self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
             spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
             log=lambda text: telemetry.log(text, main=self.main))
-        self._git_commit = checkpoint.git_commit()  # recorded in every checkpoint's meta.json
+        self._git_commit = git_commit()  # recorded in every checkpoint's meta.json
         self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
                                    main=self.main)
         self.metrics = telemetry.MetricsSink(
@@ -287,15 +288,11 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint of this step (collective): DeepSpeed's state plus ours (`meta.json`)."""
-        cfg, topo = self.cfg, self.groups.topology
-        state = {"step": self.step, "consumed_samples": self.consumed_samples,
-                 "config": cfg.to_dict(),
-                 "tokenizer": {"path": str(self.tokenizer.path), "sha256": self.tokenizer.sha256}}
-        meta = {**state, "global_batch": self.global_batch, "git_commit": self._git_commit,
-                "layout": {"tensor": topo.tensor, "pipeline": topo.pipeline, "data": self.dp_size,
-                           "world_size": self.world.world_size,
-                           "zero_stage": zero_stage(self.ds_config)},
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        cfg = self.cfg
+        state, meta = checkpoint.checkpoint_meta(
+            cfg, step=self.step, consumed_samples=self.consumed_samples,
+            global_batch=self.global_batch, tokenizer=self.tokenizer, git_commit=self._git_commit,
+            topology=self.groups.topology, zero_stage=zero_stage(self.ds_config))
         start = time.perf_counter()
         path = checkpoint.save(self.engine, ckpt_dir=self.run_dir / "checkpoints", meta=meta,
                                client_state=state, keep_last=cfg.checkpoint.keep_last,

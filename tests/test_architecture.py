@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
      "pretrain.dist", "pretrain.data"),
     ("pretrain.model",),
     ("pretrain.checkpoint", "pretrain.telemetry", "pretrain.faults", "pretrain.plan"),
-    ("pretrain.engine", "pretrain.metrics", "pretrain.trainer", "pretrain.sweep",
+    ("pretrain.engine", "pretrain.metrics", "pretrain.trainer", "pretrain.sweep_results",
      "pretrain.testing"),
     ("pretrain.commands",),
     ("pretrain.cli", "pretrain.__main__"),

@@ -107,7 +107,7 @@ def test_keep_last_and_keep_every(tiny_data, tmp_path):
 
 
 def _reshard(tmp_path, tiny_data, *, dp_from: int, dp_to: int, keep_global_batch: str):
-    from pretrain.checkpoint import to_universal
+    from pretrain.checkpoint.engine import to_universal
 
     overrides = [f"train.steps={STEPS}", f"checkpoint.save_interval={SAVE_AT}"]
     source = train(tmp_path, tiny_data, nprocs=dp_from, name="source", overrides=overrides)
@@ -142,7 +142,7 @@ def test_universal_checkpoint_reshards_dp1_to_dp2(tiny_data, tmp_path):
 
 
 def test_zero0_checkpoint_cannot_be_converted_to_universal(tiny_data, tmp_path):
-    from pretrain.checkpoint import to_universal
+    from pretrain.checkpoint.engine import to_universal
     from pretrain.errors import CheckpointError
 
     run = train(tmp_path, tiny_data, name="z0", overrides=[
@@ -160,19 +160,19 @@ def _meta(cfg, *, tensor: int = 1, zero: int = 1, sha256: str = "0" * 64) -> dic
 
 
 def test_checkpoint_of_another_tokenizer_is_refused(tiny_data):
-    from pretrain.checkpoint import _mismatch
+    from pretrain.checkpoint.engine import resume_mismatch
     from pretrain.config import load_config
     from pretrain.data import Tokenizer
 
     cfg = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}"])
-    problem = _mismatch(_meta(cfg), cfg, world_size=1)
+    problem = resume_mismatch(_meta(cfg), cfg, world_size=1)
     assert problem.startswith("it was trained with the tokenizer 'other.model' (sha256 000000000000")
-    assert _mismatch(_meta(cfg, sha256=Tokenizer.load(tiny_data["tokenizer"]).sha256), cfg,
+    assert resume_mismatch(_meta(cfg, sha256=Tokenizer.load(tiny_data["tokenizer"]).sha256), cfg,
                      world_size=1) is None
 
 
 def test_resume_allows_recompute_and_init_changes_but_not_shapes(tiny_data):
-    from pretrain.checkpoint import _mismatch
+    from pretrain.checkpoint.engine import resume_mismatch
     from pretrain.config import load_config
     from pretrain.data import Tokenizer
 
@@ -181,17 +181,18 @@ def test_resume_allows_recompute_and_init_changes_but_not_shapes(tiny_data):
     changed = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}",
                                                 "model.activation_checkpointing=full",
                                                 "model.init_from=/elsewhere", "model.init_std=0.01"])
-    assert _mismatch(meta, changed, world_size=1) is None
+    assert resume_mismatch(meta, changed, world_size=1) is None
     reshaped = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}",
                                                  "model.activation_checkpointing=full",
                                                  "model.hidden_size=128"])
-    assert _mismatch(meta, reshaped, world_size=1) == (
+    assert resume_mismatch(meta, reshaped, world_size=1) == (
         "it was written for another model: model.hidden_size=64 there, 128 here; use the run's "
         "own config or start a new run_dir")
 
 
 def test_tensor_parallel_checkpoint_is_not_converted_to_universal(tiny_data, tmp_path):
-    from pretrain.checkpoint import to_universal, write_manifest
+    from pretrain.checkpoint.engine import to_universal
+    from pretrain.checkpoint.paths import write_manifest
     from pretrain.config import load_config
     from pretrain.errors import CheckpointError
 

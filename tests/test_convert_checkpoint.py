@@ -68,7 +68,7 @@ def test_consolidated_fp32_are_the_bf16_runs_master_weights(layout, data, tmp_pa
 def test_universal_conversion_and_damaged_checkpoints(data, tmp_path, capsys):
     run = train(tmp_path, data, nprocs=1, overrides=[f"model.vocab_size={VOCAB}",
                                                      "train.steps=1", "checkpoint.save_final=true"])
-    # --to universal hands the checkpoint to issue 5's converter (DeepSpeed's ds_to_universal)
+    # --to universal hands the checkpoint to DeepSpeed's ds_to_universal
     pretrain_main(["convert-checkpoint", str(run.run_dir), "--to", "universal", "--output",
                    str(tmp_path / "universal")])
     assert (tmp_path / "universal" / "latest").read_text().strip() == "step1"

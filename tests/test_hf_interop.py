@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from pretrain.cli import main as pretrain_main
 from pretrain.config import load_config
-from pretrain.convert import load_weights
+from pretrain.checkpoint.weights import load_weights
 from pretrain.data import Tokenizer, train_tokenizer, preprocess
 from pretrain.errors import CheckpointError
 from pretrain.model import LlamaModel

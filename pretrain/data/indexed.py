@@ -25,12 +25,9 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
 
 import numpy as np
 
@@ -70,24 +67,6 @@ def encode_index(*, dtype: np.dtype, sequence_lengths: np.ndarray,
                           len(lengths), len(document_indices))
     return b"".join([header, lengths.astype("<i4").tobytes(), pointers.astype("<i8").tobytes(),
                      np.asarray(document_indices, dtype="<i8").tobytes()])
-
-
-@contextmanager
-def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
-    """Write to a unique temporary file beside `path`, renamed over `path` only on success.
-
-    Readers never see a partial file, and concurrent writers (several ranks building the same
-    cache) cannot collide. Unlike `tempfile`, the file gets the usual permissions (umask).
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as out:
-            yield out
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class IndexedDatasetWriter:

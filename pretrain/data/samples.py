@@ -41,8 +41,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from pretrain.data.indexed import IndexedDataset, atomic_file
+from pretrain.data.indexed import IndexedDataset
 from pretrain.errors import DataError
+from pretrain.files import atomic_file
 
 SPLITS = ("train", "valid", "test")
 SAMPLE_INDEX_VERSION = 1  # bump when the index layout or its derivation changes

@@ -39,8 +39,8 @@ import numpy as np
 import sentencepiece as spm
 
 from pretrain.data.corpus import DEFAULT_TEXT_FIELD, iter_documents
-from pretrain.data.indexed import atomic_file
 from pretrain.errors import DataError
+from pretrain.files import atomic_file
 
 DEFAULT_SAMPLE_BYTES = 8_000_000  # ~8 MB of text: ~2 s of BPE training for 8k tokens on 2 cores
 _SAMPLE_SEED = 0  # fixed: the sample, hence the model file, must not vary between runs

@@ -12,13 +12,20 @@
 """
 from __future__ import annotations
 
+import torch
+
+from pretrain.config import Precision
 from pretrain.model.build import (build_flat_pipeline, build_for_layout, build_model,
                                   build_pipeline_model, tensor_parallel_group)
 from pretrain.model.form import ModelForm, canonical_parameters, copy_full_weights, init_weights
 from pretrain.model.llama import (LlamaModel, causal_lm_loss, gather_full_state_dict, shard_of,
                                   tensor_partition_dim)
 
-__all__ = ["LlamaModel", "ModelForm", "build_flat_pipeline", "build_for_layout", "build_model",
+# The torch dtype of each training precision: the one table (training, telemetry, export).
+DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
+          Precision.FP16: torch.float16}
+
+__all__ = ["DTYPES", "LlamaModel", "ModelForm", "build_flat_pipeline", "build_for_layout", "build_model",
            "build_pipeline_model", "canonical_parameters", "causal_lm_loss", "copy_full_weights",
            "gather_full_state_dict", "init_weights", "shard_of", "tensor_parallel_group",
            "tensor_partition_dim"]

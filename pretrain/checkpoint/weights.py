@@ -1,7 +1,13 @@
-"""`pretrain convert-checkpoint`: one consolidated fp32 state dict from any checkpoint layout.
+"""A model's whole weights, read from any checkpoint, and the one `final/` format.
 
-Weights are read offline, with no process group, so a checkpoint trained on hundreds of ranks
-converts on one CPU machine. From a DeepSpeed engine checkpoint (`run_dir/checkpoints/step<N>/`):
+`load_weights` is the one reader of every kind of checkpoint: a run dir (the engine checkpoint
+`latest` names, else final/), an engine step dir of any layout, a final/ dir (also what
+`convert-checkpoint --to fp32` and `import-hf` write), or a Hugging Face Llama directory.
+`write_final` is the one writer of the final/ format: fp32 `model.safetensors` with Hugging Face
+names, the run's `config.yaml` and the tokenizer, swapped in whole by `atomic_directory`.
+
+Engine checkpoints are read offline, with no process group, so a checkpoint trained on hundreds
+of ranks converts on one CPU machine:
 
 - each model-parallel rank's weights come from DeepSpeed's own readers: at ZeRO >= 1 the fp32
   master weights of the optimizer shards (`deepspeed.utils.zero_to_fp32`, run once per
@@ -13,30 +19,35 @@ converts on one CPU machine. From a DeepSpeed engine checkpoint (`run_dir/checkp
   (DeepSpeed's model-parallel group, pipeline-major),
 - tensor-parallel shards are concatenated along `tensor_partition_dim`, padded vocabulary rows
   dropped, and a tied lm_head stored once, as Hugging Face does.
-
-`load_weights` is the one reader of every kind of checkpoint (engine step dir, run dir, final/,
-`convert-checkpoint` output, Hugging Face directory); `export-hf`, `generate` and
-`model.init_from` use it. `--to universal` wraps `pretrain.checkpoint.to_universal` (DeepSpeed's
-universal checkpoint, for resuming on another layout).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
-import os
+import json
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from pretrain.config import ModelConfig, RunConfig, config_from_dict
+from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FINAL_TOKENIZER_DIR,
+                                       FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
+from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_config
 from pretrain.errors import CheckpointError
+from pretrain.files import atomic_directory
+from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
+                               expected_hf_keys, model_fields_from_hf_config)
+from pretrain.model.llama import full_parameter_shape, tensor_partition_dim
+from pretrain.model import copy_full_weights
+from pretrain.model.pipeline import pipeline_to_canonical_name
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
+# The files of a Hugging Face tokenizer (a model directory also holds weights: not these).
+_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                    "merges.txt", "chat_template*")
 
 
 @dataclass
@@ -54,58 +65,119 @@ class Weights:
 def load_weights(src: str | Path) -> Weights:
     """Weights of a run dir (its latest engine checkpoint, else final/), an engine step dir, a
     final/ or `convert-checkpoint --to fp32` dir, an `import-hf` dir, or a Hugging Face dir."""
-    from pretrain.checkpoint import FINAL_WEIGHTS
-
     path = Path(src)
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist: pass a run directory, "
                               "a checkpoints/step<N> directory, a final/ directory or a Hugging "
                               "Face model directory")
     if (path / "config.json").is_file():
-        from pretrain.interop import read_hf_dir
-
         return read_hf_dir(path)
-    step_dir = engine_step_dir(path)
-    if step_dir is not None:
-        from pretrain.checkpoint import MANIFEST, verify
-
+    for step_dir in step_dirs(path, follow_latest=True):
         problem = verify(step_dir) if (step_dir / MANIFEST).is_file() else None
         if problem:  # a truncated or missing shard, found from the manifest without reading it
             raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}")
         return consolidate_engine_checkpoint(step_dir)
-    if (path / "final" / FINAL_WEIGHTS).is_file() or (path / FINAL_WEIGHTS).is_file():
-        return _load_final_dir(path)
+    if (path / FINAL / FINAL_WEIGHTS).is_file() or (path / FINAL_WEIGHTS).is_file():
+        return load_final(path)
     raise CheckpointError(f"{str(path)!r} holds no checkpoint (no checkpoints/latest, no "
                           f"*_model_states.pt, no {FINAL_WEIGHTS}, no config.json): pass a run "
                           "directory, a step directory, final/ or a Hugging Face directory")
 
 
-def _load_final_dir(path: Path) -> Weights:
-    from pretrain.checkpoint import load_final
+# ---- final/ ------------------------------------------------------------------------------------
+def write_final(weights: Weights, out: Path) -> Path:
+    """Write `weights` as a final/ directory: model.safetensors in fp32 with Hugging Face names,
+    config.yaml (the run's, or one with just the model section), the tokenizer; atomic."""
+    cfg = weights.run_config or RunConfig(model=weights.model)
+    with atomic_directory(out) as tmp:
+        tensors = {k: v.float().contiguous() for k, v in weights.state.items()}
+        save_file(tensors, str(tmp / FINAL_WEIGHTS),
+                  metadata={"step": str(weights.step), "source": weights.source})
+        cfg.save(tmp / FINAL_CONFIG)
+        if weights.tokenizer is not None and weights.tokenizer.is_dir():
+            copy_tokenizer(weights.tokenizer, tmp / FINAL_TOKENIZER_DIR)
+        elif weights.tokenizer is not None:
+            shutil.copyfile(weights.tokenizer, tmp / FINAL_TOKENIZER)
+    return out
 
-    cfg, state, tokenizer = load_final(path)
-    if not tokenizer.exists() and (tokenizer.parent / "tokenizer").is_dir():
-        tokenizer = tokenizer.parent / "tokenizer"  # `import-hf` of a non-sentencepiece tokenizer
+
+def load_final(path: str | Path) -> Weights:
+    """The weights of a final/ directory, or of a run directory's final/."""
+    path = Path(path)
+    if (path / FINAL).is_dir():
+        path = path / FINAL
+    weights = path / FINAL_WEIGHTS
+    if not weights.is_file() or not (path / FINAL_CONFIG).is_file():
+        raise CheckpointError(f"{str(path)!r} is not a final checkpoint (no {FINAL_WEIGHTS} and "
+                              f"{FINAL_CONFIG}): pass <run_dir> or <run_dir>/final of a "
+                              "finished run")
+    cfg = load_config(path / FINAL_CONFIG)
+    try:
+        state = load_file(str(weights))
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise CheckpointError(f"{str(weights)!r} cannot be read ({exc}): the file is damaged "
+                              "or incomplete") from None
+    tokenizer = next((p for p in (path / FINAL_TOKENIZER, path / FINAL_TOKENIZER_DIR)
+                      if p.exists()), None)
     return Weights(model=cfg.model, state=state, run_config=cfg, source=str(path),
-                   tokenizer=tokenizer if tokenizer.exists() else None)
+                   tokenizer=tokenizer)
 
 
-def engine_step_dir(path: Path) -> Path | None:
-    """The engine checkpoint directory that `path` names: itself, or the tag named by `latest`
-    in `path/checkpoints` or `path`; None when it names none."""
-    if any(path.glob("*mp_rank_*_model_states.pt")):
-        return path
-    for ckpt_dir in (path / "checkpoints", path):
-        latest = ckpt_dir / "latest"
-        if latest.is_file():
-            step = ckpt_dir / latest.read_text().strip()
-            if not step.is_dir():
-                raise CheckpointError(f"{latest} names {step.name!r}, which does not exist: "
-                                      "pass a checkpoints/step<N> directory instead")
-            return step
-    return None
+def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
+    """Copy the tokenizer files of a Hugging Face directory into `dst_dir`."""
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in _TOKENIZER_FILES:
+        for file in src_dir.glob(pattern):
+            if file.is_file():
+                shutil.copyfile(file, dst_dir / file.name)
 
 
+# ---- Hugging Face directories ------------------------------------------------------------------
+def read_hf_dir(path: Path) -> Weights:
+    """The weights, model config and tokenizer of a Hugging Face Llama directory."""
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'config.json'} cannot be read: {exc}") from None
+    cfg = ModelConfig(**model_fields_from_hf_config(hf_config, source=str(path)))
+    state = {k: v for k, v in _read_hf_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_embeddings:
+        state.pop(LM_HEAD, None)  # some tied checkpoints store the head too: it is the embedding
+    check_shapes(state, cfg, source=str(path))
+    tokenizer = path / "tokenizer.model" if (path / "tokenizer.model").is_file() else (
+        path if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        else None)
+    return Weights(model=cfg, state=state, tokenizer=tokenizer, source=str(path))
+
+
+def _read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json: "
+                              "save the model with save_pretrained(safe_serialization=True)")
+    state = {}
+    for name in files:
+        try:
+            state.update(load_file(str(path / name)))
+        except Exception as exc:  # safetensors raises its own error types for damaged files
+            raise CheckpointError(f"{path / name} cannot be read ({exc})") from None
+    return state
+
+
+def check_shapes(state: dict[str, torch.Tensor], cfg: ModelConfig, *, source: str) -> None:
+    """`CheckpointError` unless `state` has exactly the tensors of `cfg`, with their shapes."""
+    check_keys(set(state), expected_hf_keys(cfg), source)
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != full_parameter_shape(name, cfg):
+            raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)} but its "
+                                  f"config gives {full_parameter_shape(name, cfg)}")
+
+
+# ---- engine checkpoints ------------------------------------------------------------------------
 def _torch_load(path: Path) -> dict:
     try:  # DeepSpeed's files hold config dicts and numpy values: not weights_only-loadable
         return torch.load(path, map_location="cpu", weights_only=False)
@@ -132,19 +204,19 @@ def consolidate_engine_checkpoint(step_dir: Path) -> Weights:
                               f"parallel.tensor x parallel.pipeline = {tp} x {pp} of its config")
     shards: dict[str, dict[int, torch.Tensor]] = {}  # name -> {tp rank: shard}
     for mp_rank in range(tp * pp):
-        tp_rank = mp_rank % tp
+        tp_index = mp_rank % tp
         if zero >= 1:
             local = _zero_fp32_weights(step_dir, mp_rank=mp_rank, zero=zero)
         elif pp > 1:
             if mp_rank >= tp:  # layer files of every stage are read with the first stage's ranks
                 continue
-            local = _pipeline_layer_weights(step_dir, tp_rank=tp_rank)
+            local = _pipeline_layer_weights(step_dir, tp_rank=tp_index)
         else:
             local = _torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"]
         for name, tensor in local.items():
             canonical = _canonical(name, cfg=cfg, pipelined=pp > 1)
             if canonical is not None:  # a tied weight is on two stages: both copies are equal
-                shards.setdefault(canonical, {}).setdefault(tp_rank, tensor)
+                shards.setdefault(canonical, {}).setdefault(tp_index, tensor)
     state = _merge_tensor_parallel(shards, cfg=cfg, tp=tp, source=str(step_dir))
     tokenizer = _engine_tokenizer(meta.get("tokenizer") or {}, step_dir=step_dir, cfg=run_cfg)
     return Weights(model=cfg, state=state, tokenizer=tokenizer, source=str(step_dir),
@@ -153,22 +225,20 @@ def consolidate_engine_checkpoint(step_dir: Path) -> Weights:
 
 def _canonical(name: str, *, cfg: ModelConfig, pipelined: bool) -> str | None:
     """Hugging Face name of a module parameter; None for buffers and the tied head's alias."""
-    from pretrain.model.hf import LM_HEAD, expected_hf_keys
-    from pretrain.model.pipeline import pipeline_to_canonical_name
-
     if pipelined:
         try:
             name = pipeline_to_canonical_name(name, num_layers=cfg.num_layers)
         except KeyError:
             return None
         if cfg.tie_embeddings and name == LM_HEAD:
-            return "model.embed_tokens.weight"  # the head stage's copy of the tied embedding
+            return EMBED  # the head stage's copy of the tied embedding
     return name if name in expected_hf_keys(cfg) else None
 
 
 def _zero_fp32_weights(step_dir: Path, *, mp_rank: int, zero: int) -> dict[str, torch.Tensor]:
     """fp32 master weights of one model-parallel rank, merged over its data-parallel shards by
-    DeepSpeed's zero_to_fp32 (which reads only the files given to it)."""
+    DeepSpeed's zero_to_fp32 (which reads only the files given to it). This is the one place
+    that calls its private `_get_fp32_state_dict_from_zero*_checkpoint` functions."""
     from deepspeed.utils import zero_to_fp32 as z
 
     tag = f"mp_rank_{mp_rank:02d}"
@@ -214,9 +284,6 @@ def _pipeline_layer_weights(step_dir: Path, *, tp_rank: int) -> dict[str, torch.
 def _merge_tensor_parallel(shards: dict[str, dict[int, torch.Tensor]], *, cfg: ModelConfig,
                            tp: int, source: str) -> dict[str, torch.Tensor]:
     """Whole tensors with Hugging Face names and vocab_size rows (no lm_head when tied)."""
-    from pretrain.model.hf import check_keys, expected_hf_keys
-    from pretrain.model.llama import tensor_partition_dim
-
     check_keys(set(shards), expected_hf_keys(cfg), f"checkpoint {source}")
     state = {}
     for name, by_rank in shards.items():
@@ -225,7 +292,7 @@ def _merge_tensor_parallel(shards: dict[str, dict[int, torch.Tensor]], *, cfg: M
                                   f"of {tp}: a rank's files are missing")
         dim = tensor_partition_dim(name)
         tensor = by_rank[0] if dim is None else torch.cat([by_rank[r] for r in range(tp)], dim)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in (EMBED, LM_HEAD):
             tensor = tensor[:cfg.vocab_size]
         state[name] = tensor.float().contiguous()
     return state
@@ -233,72 +300,23 @@ def _merge_tensor_parallel(shards: dict[str, dict[int, torch.Tensor]], *, cfg: M
 
 def _engine_tokenizer(info: dict, *, step_dir: Path, cfg: RunConfig) -> Path | None:
     """The run's tokenizer: as recorded in the checkpoint, else final/'s copy, else the config's."""
-    run_dir = step_dir.parent.parent
-    for candidate in (info.get("path"), run_dir / "final" / "tokenizer.model",
-                      run_dir / "final" / "tokenizer", cfg.data.tokenizer):
+    final = step_dir.parent.parent / FINAL
+    for candidate in (info.get("path"), final / FINAL_TOKENIZER, final / FINAL_TOKENIZER_DIR,
+                      cfg.data.tokenizer):
         if candidate and Path(candidate).exists():
             return Path(candidate)
     return None
 
 
-# The files of a Hugging Face tokenizer (a model directory also holds weights: not these).
-_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                    "merges.txt", "chat_template*")
-
-
-def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
-    """Copy the tokenizer files of a Hugging Face directory into `dst_dir`."""
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in _TOKENIZER_FILES:
-        for file in src_dir.glob(pattern):
-            if file.is_file():
-                shutil.copyfile(file, dst_dir / file.name)
-
-
-def write_weights_dir(weights: Weights, out: Path) -> Path:
-    """Write `weights` as a final/-format directory (model.safetensors in fp32 with Hugging Face
-    names, config.yaml, the tokenizer); atomic: readers never see a half-written directory."""
-    from safetensors.torch import save_file
-
-    from pretrain.checkpoint import FINAL_WEIGHTS
-
-    cfg = weights.run_config or RunConfig(model=weights.model)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent.resolve()))
-    try:
-        tensors = {k: v.float().contiguous() for k, v in weights.state.items()}
-        save_file(tensors, str(tmp / FINAL_WEIGHTS),
-                  metadata={"step": str(weights.step), "source": weights.source})
-        cfg.save(tmp / "config.yaml")
-        if weights.tokenizer is not None and weights.tokenizer.is_dir():
-            copy_tokenizer(weights.tokenizer, tmp / "tokenizer")
-        elif weights.tokenizer is not None:
-            shutil.copyfile(weights.tokenizer, tmp / "tokenizer.model")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="a run directory, a checkpoints/step<N> directory or final/")
-    parser.add_argument("--to", choices=["fp32", "universal"], required=True,
-                        help="fp32: one consolidated state dict (safetensors, Hugging Face names); "
-                             "universal: DeepSpeed's universal checkpoint, to resume on another "
-                             "layout")
-    parser.add_argument("--output", required=True, help="directory to write")
-
-
-def run(args: argparse.Namespace) -> None:
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if args.to == "universal":
-        from pretrain.checkpoint import to_universal  # issue 5's converter
-
-        step_dir = to_universal(Path(args.src), out)  # ZeRO >= 1 checkpoints only (DeepSpeed)
-        print(f"[convert] universal checkpoint in {step_dir}; resume with --resume-from {out}")
-        return
-    weights = load_weights(args.src)
-    write_weights_dir(weights, out)
-    n = sum(t.numel() for t in weights.state.values())
-    print(f"[convert] {n / 1e6:.2f}M fp32 parameters from {weights.source} -> {out}")
+# ---- initial weights of a run ------------------------------------------------------------------
+@torch.no_grad()
+def load_initial_weights(model: torch.nn.Module, *, cfg: ModelConfig, tp_group=None) -> str:
+    """Copy the weights of `cfg.init_from` into this rank's part of `model` (a `LlamaModel` or
+    a pipeline stage) before DeepSpeed wraps it, after checking the architecture fits the run's
+    config; returns the source read. Every rank reads the whole checkpoint and takes its
+    `shard_of` each tensor."""
+    weights = load_weights(cfg.init_from)
+    check_same_architecture(weights.model, cfg, source=weights.source)
+    check_shapes(weights.state, cfg, source=weights.source)
+    copy_full_weights(model, cfg, lambda name: weights.state[name].float(), tp_group=tp_group)
+    return weights.source

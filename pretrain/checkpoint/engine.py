@@ -1,91 +1,75 @@
-"""Checkpoints: DeepSpeed engine checkpoints for resuming, a plain `final/` for using the model.
+"""DeepSpeed engine checkpoints: saving, pruning, choosing the one to resume from, loading.
 
-Layout of a run directory::
+A save is complete only when every rank has written its files: all ranks write, meet at a
+barrier, then rank 0 writes `meta.json`, `manifest.json` and `latest`. DeepSpeed's own `latest`
+is written by rank 0 before the other ranks are done, so it is switched off (`save_latest=False`).
+A crash during a save leaves a directory without a manifest, which resuming skips. Resuming
+checks every file of the manifest (present, same size), that the model and tokenizer match the
+run, and that the layout matches (or the checkpoint is universal); automatic resume falls back to
+the previous complete checkpoint and says why.
 
-    <run_dir>/checkpoints/step<N>/...            DeepSpeed engine checkpoint (every rank's shards)
-    <run_dir>/checkpoints/step<N>/rng_rank<R>.pt  Python / NumPy / torch RNG states of rank R
-    <run_dir>/checkpoints/step<N>/meta.json      step, consumed samples, layout, config, tokenizer,
-                                                 git commit (small: read without loading tensors)
-    <run_dir>/checkpoints/step<N>/manifest.json  size of every file: written last, it marks the
-                                                 checkpoint complete
-    <run_dir>/checkpoints/latest                 the newest complete tag (DeepSpeed's format)
-    <run_dir>/stopped.json                       written when a signal or time limit stopped the
-                                                 run (exit 75): {"exit_code", "reason", "step"}
-    <run_dir>/final/model.safetensors            consolidated fp32 weights, Hugging Face names
-    <run_dir>/final/config.yaml, tokenizer.model the run config and the tokenizer
-
-A save is complete only when every rank has written its files: all ranks write, meet at a barrier,
-then rank 0 writes `meta.json`, `manifest.json` and (tmp + rename) `latest`. DeepSpeed's own
-`latest` is written by rank 0 before the other ranks are done, so it is switched off
-(`save_latest=False`). A crash during a save leaves a directory without a manifest, which
-resuming skips. Resuming checks every file of the manifest (present, same size), that the
-model and tokenizer match the run, and that the layout matches (or the checkpoint is universal);
-automatic resume falls back to the previous complete checkpoint and says why.
-
-`final/` holds the module's working weights, whatever the layout (ZeRO-3 shards and tensor-parallel
-shards gathered, padded vocabulary rows dropped, a tied lm_head stored once as Hugging Face
-does), so `transformers` can load `model.safetensors` as a `LlamaForCausalLM`. With bf16 training
-these are the bf16 weights widened to fp32 (DeepSpeed keeps the fp32 master weights in the
-optimizer state of the engine checkpoint, which is what resuming uses). Rank 0 holds the whole
-model in CPU memory while writing it: for models that do not fit, set `checkpoint.save_final:
-false` and convert the engine checkpoint instead.
+`save_final` writes the module's working weights as `final/` at the end of training, whatever
+the layout (ZeRO-3 shards and tensor-parallel shards gathered, padded vocabulary rows dropped, a
+tied lm_head stored once as Hugging Face does), so `transformers` can load `model.safetensors` as
+a `LlamaForCausalLM`. With bf16 training these are the bf16 weights widened to fp32 (DeepSpeed
+keeps the fp32 master weights in the optimizer state of the engine checkpoint, which is what
+resuming uses). Rank 0 holds the whole model in CPU memory while writing it: for models that do
+not fit, set `checkpoint.save_final: false` and convert the engine checkpoint instead.
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import random
 import shutil
-import subprocess
+import time
+from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import deepspeed
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.checkpoint import ds_to_universal
 
-from pretrain.config import RunConfig, load_config
+from pretrain.checkpoint.paths import (FINAL, MANIFEST, read_meta, step_dirs, tag_step, verify,
+                                       write_latest, write_manifest)
+from pretrain.checkpoint.weights import Weights, write_final
+from pretrain.config import RunConfig
+from pretrain.data import Tokenizer
 from pretrain.errors import CheckpointError
+from pretrain.model import ModelForm, gather_full_state_dict
+from pretrain.model.hf import EMBED, LM_HEAD, to_hf_state_dict
+from pretrain.model.llama import gather_tensor_parallel_state
+from pretrain.model.pipeline import stage_state_dict
+from pretrain.topology import Topology
 
-FINAL_WEIGHTS = "model.safetensors"
-LATEST = "latest"
-META = "meta.json"
-MANIFEST = "manifest.json"
-STOPPED = "stopped.json"
-# What DeepSpeed's ds_to_universal requires in the client state of every checkpoint (DESIGN.md).
+# DeepSpeed's ds_to_universal refuses a checkpoint whose client state lacks this entry.
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
+# Model fields that do not change the saved tensors or their meaning: a resumed run may change
+# its recompute mode, and the initial weights / init scale only mattered at step 0.
+RESUMABLE_MODEL_CHANGES = frozenset({"preset", "init_std", "init_from", "activation_checkpointing",
+                                     "activation_checkpointing_interval"})
 
 
-def tag_step(path: Path) -> int | None:
-    """N of a `step<N>` directory, None for anything else."""
-    name = path.name
-    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
-
-
-def git_commit() -> str:
-    """The commit of the code that wrote a checkpoint ("unknown" outside a git checkout)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # readers see the old or the new file, never half of one
+def checkpoint_meta(cfg: RunConfig, *, step: int, consumed_samples: int, global_batch: int,
+                    tokenizer: Tokenizer, git_commit: str, topology: Topology,
+                    zero_stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(client_state, meta) of a save: what DeepSpeed stores with the engine state, and the
+    `meta.json` that resuming and the readers check without loading tensors."""
+    state = {"step": step, "consumed_samples": consumed_samples, "config": cfg.to_dict(),
+             "tokenizer": {"path": str(tokenizer.path), "sha256": tokenizer.sha256}}
+    meta = {**state, "global_batch": global_batch, "git_commit": git_commit,
+            "layout": {"tensor": topology.tensor, "pipeline": topology.pipeline,
+                       "data": topology.data, "world_size": topology.world_size,
+                       "zero_stage": zero_stage},
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return state, meta
 
 
 def _rng_state() -> dict[str, Any]:
-    from deepspeed.accelerator import get_accelerator
-
     accel = get_accelerator()
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
@@ -95,36 +79,11 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    from deepspeed.accelerator import get_accelerator
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "accelerator" in state:
         get_accelerator().set_rng_state(state["accelerator"])
-
-
-def write_manifest(tag_dir: Path, meta: dict[str, Any]) -> None:
-    """Write meta.json, then manifest.json (sizes of every file): the completion marker."""
-    _write_atomic(tag_dir / META, json.dumps(meta, indent=2))
-    files = {str(p.relative_to(tag_dir)): p.stat().st_size
-             for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    _write_atomic(tag_dir / MANIFEST, json.dumps({"files": files}, indent=1))
-
-
-def write_latest(ckpt_dir: Path, tag: str) -> None:
-    _write_atomic(ckpt_dir / LATEST, tag)
-
-
-def mark_stopped(run_dir: Path, *, step: int, reason: str, exit_code: int) -> None:
-    """`<run_dir>/stopped.json`: why and where the run stopped early, for job scripts whose
-    launcher does not pass the ranks' exit status on (torchrun exits 1 whatever they return)."""
-    _write_atomic(run_dir / STOPPED, json.dumps({"exit_code": exit_code, "reason": reason,
-                                                  "step": step}))
-
-
-def clear_stopped(run_dir: Path) -> None:
-    (run_dir / STOPPED).unlink(missing_ok=True)
 
 
 def save(engine, *, ckpt_dir: Path, meta: dict[str, Any], client_state: dict[str, Any],
@@ -177,50 +136,7 @@ class ResumePoint:
         return int(self.meta["step"])
 
 
-def verify(tag_dir: Path) -> str | None:
-    """What is wrong with a checkpoint directory (None: complete and undamaged).
-
-    Checks that the save finished (manifest present) and that every file it lists is there
-    with the size it had when written: a truncated or missing shard is found without reading it.
-    """
-    if not (tag_dir / MANIFEST).is_file():
-        return "incomplete (no manifest.json: the save did not finish)"
-    try:
-        files = json.loads((tag_dir / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        return f"unreadable manifest.json ({exc})"
-    for name, size in files.items():
-        path = tag_dir / name
-        if not path.is_file():
-            return f"missing file {name}"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, {size} were written (truncated?)"
-    try:
-        json.loads((tag_dir / META).read_text())
-    except (OSError, ValueError) as exc:
-        return f"unreadable meta.json ({exc})"
-    return None
-
-
-def _candidates(path: Path) -> list[Path]:
-    """Checkpoint directories under a run dir, a checkpoints dir or a step dir, newest first."""
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if tag_step(path) is not None or (path / META).is_file():
-        return [path]
-    if not path.is_dir():
-        return []
-    return sorted((p for p in path.iterdir() if p.is_dir() and tag_step(p) is not None),
-                  key=tag_step, reverse=True)
-
-
-# Model fields that do not change the saved tensors or their meaning: a resumed run may change
-# its recompute mode, and the initial weights / init scale only mattered at step 0.
-RESUMABLE_MODEL_CHANGES = frozenset({"preset", "init_std", "init_from", "activation_checkpointing",
-                                     "activation_checkpointing_interval"})
-
-
-def _mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) -> str | None:
+def resume_mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) -> str | None:
     """Why a checkpoint cannot be loaded into this run (None: it can)."""
     saved_model, model = meta["config"]["model"], cfg.to_dict()["model"]
     diff = {k: (saved_model.get(k), v) for k, v in model.items()
@@ -231,8 +147,6 @@ def _mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) -> str |
                 "; use the run's own config or start a new run_dir")
     saved_sha = meta.get("tokenizer", {}).get("sha256")
     if saved_sha and cfg.data.tokenizer:
-        from pretrain.data import Tokenizer
-
         sha = Tokenizer.load(cfg.data.tokenizer).sha256
         if sha != saved_sha:
             return (f"it was trained with the tokenizer {meta['tokenizer'].get('path')!r} (sha256 "
@@ -242,7 +156,7 @@ def _mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) -> str |
         return None
     saved = meta["layout"]
     here = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-            "data": cfg.data_parallel_size(world_size)}
+            "data": Topology.from_parallel_config(cfg.parallel, world_size=world_size).data}
     if any(saved[k] != v for k, v in here.items()):
         return (f"it was written by layout tp {saved['tensor']} x pp {saved['pipeline']} x dp "
                 f"{saved['data']}, this run is tp {here['tensor']} x pp {here['pipeline']} x dp "
@@ -262,7 +176,7 @@ def find_resume(cfg: RunConfig, *, world_size: int, resume_from: str | None,
     """
     explicit = resume_from is not None
     root = Path(resume_from) if explicit else Path(cfg.run_dir) / "checkpoints"
-    candidates = _candidates(root)
+    candidates = step_dirs(root)
     if explicit and not candidates:
         raise CheckpointError(f"--resume-from {str(root)!r} holds no checkpoint: pass a run "
                               "directory, its checkpoints/ directory or a checkpoints/step<N> one")
@@ -275,8 +189,8 @@ def find_resume(cfg: RunConfig, *, world_size: int, resume_from: str | None,
                 raise CheckpointError(f"checkpoint {str(tag_dir)!r} is damaged: {problem}")
             log(f"[resume] skipping {tag_dir}: {problem}; trying the previous checkpoint")
             continue
-        meta = json.loads((tag_dir / META).read_text())
-        mismatch = _mismatch(meta, cfg, world_size=world_size)
+        meta = read_meta(tag_dir)
+        mismatch = resume_mismatch(meta, cfg, world_size=world_size)
         if mismatch:
             raise CheckpointError(f"checkpoint {str(tag_dir)!r} does not match this run: {mismatch}")
         if problems:
@@ -310,34 +224,20 @@ def load(engine, point: ResumePoint, *, rank: int, world_size: int) -> None:
         _set_rng_state(torch.load(rng, weights_only=False))
 
 
+# ---- universal ---------------------------------------------------------------------------------
 def to_universal(src: Path, dst: Path) -> Path:
     """Convert a checkpoint (run dir, checkpoints dir or step dir) to DeepSpeed's universal
     format in `dst/step<N>`, loadable on another data-parallel size; returns that directory.
 
-    `pretrain train --resume-from DST` then resumes with `checkpoint.load_universal`, keeping
-    the saved global batch (gradient accumulation is recomputed for the new dp).
+    `pretrain train --resume-from DST` then resumes with DeepSpeed's `checkpoint.load_universal`
+    setting, keeping the saved global batch (gradient accumulation is recomputed for the new dp).
     """
-    from argparse import Namespace
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    candidates = [p for p in _candidates(Path(src)) if verify(p) is None]
+    candidates = [p for p in step_dirs(src) if verify(p) is None]
     if not candidates:
         raise CheckpointError(f"no complete checkpoint under {str(src)!r} to convert")
     tag_dir = candidates[0]
-    meta = json.loads((tag_dir / META).read_text())
-    if meta.get("universal"):
-        raise CheckpointError(f"{str(tag_dir)!r} is already a universal checkpoint")
-    if meta["layout"]["zero_stage"] == 0:
-        raise CheckpointError(
-            f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "
-            "checkpoint (it is built from ZeRO optimizer partitions): resume it on the same "
-            "layout, or train with ds_configs/zero1.json (or 2, 3) to reshard later")
-    if meta["layout"]["tensor"] > 1:
-        raise CheckpointError(
-            f"{str(tag_dir)!r} has tensor parallel {meta['layout']['tensor']}: our tensor-parallel "
-            "layers do not declare DeepSpeed's merge patterns, so the universal conversion would "
-            "merge their shards wrongly; resume it with the same tensor-parallel size")
+    meta = read_meta(tag_dir)
+    _check_convertible(tag_dir, meta)
     out = Path(dst) / tag_dir.name
     if out.exists():
         raise CheckpointError(f"{str(out)!r} exists: remove it or choose another destination")
@@ -351,34 +251,38 @@ def to_universal(src: Path, dst: Path) -> Path:
     return out
 
 
-# ---- final weights ---------------------------------------------------------------------------
+def _check_convertible(tag_dir: Path, meta: dict[str, Any]) -> None:
+    """`CheckpointError` when DeepSpeed's universal conversion cannot handle this checkpoint."""
+    if meta.get("universal"):
+        raise CheckpointError(f"{str(tag_dir)!r} is already a universal checkpoint")
+    if meta["layout"]["zero_stage"] == 0:
+        raise CheckpointError(
+            f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "
+            "checkpoint (it is built from ZeRO optimizer partitions): resume it on the same "
+            "layout, or train with ds_configs/zero1.json (or 2, 3) to reshard later")
+    if meta["layout"]["tensor"] > 1:
+        raise CheckpointError(
+            f"{str(tag_dir)!r} has tensor parallel {meta['layout']['tensor']}: our tensor-parallel "
+            "layers do not declare DeepSpeed's merge patterns, so the universal conversion would "
+            "merge their shards wrongly; resume it with the same tensor-parallel size")
+
+
+# ---- final weights -----------------------------------------------------------------------------
 def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step: int,
                main: bool) -> Path:
-    """Write `final/` with the consolidated module weights (gathered from ZeRO-3 shards)."""
-    import deepspeed
-    from safetensors.torch import save_file
-
-    from pretrain.model.hf import to_hf_state_dict
-
-    out = run_dir / "final"
-    module = engine.module
-    params = list(module.parameters())
+    """Write `<run_dir>/final/` with the consolidated module weights (collective)."""
+    out = run_dir / FINAL
+    params = list(engine.module.parameters())
     # Under ZeRO-3 each rank holds a shard: gather every parameter for the copy (collective),
     # then the tensor-parallel shards (collective over the TP group), then the stages.
     gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) \
         if hasattr(params[0], "ds_id") else contextlib.nullcontext()
     with gather:
-        full = _gather_model(module, cfg=cfg, groups=groups)
+        full = _gather_model(engine.module, cfg=cfg, groups=groups)
     if main:
-        tensors = {k: v.float().contiguous() for k, v in to_hf_state_dict(full, cfg.model).items()}
-        tmp = run_dir / "final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / FINAL_WEIGHTS), metadata={"step": str(step)})
-        cfg.save(tmp / "config.yaml")
-        shutil.copyfile(tokenizer.path, tmp / "tokenizer.model")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)  # readers never see a half-written final/
+        write_final(Weights(model=cfg.model, state=to_hf_state_dict(full, cfg.model),
+                            tokenizer=Path(tokenizer.path), source=str(run_dir),
+                            run_config=cfg, step=step), out)
     torch_dist.barrier()
     return out
 
@@ -389,13 +293,7 @@ def _gather_model(module, *, cfg: RunConfig, groups) -> dict[str, torch.Tensor]:
     Flat model: gathered over the tensor-parallel group. Pipeline: each stage gathers its
     tensor-parallel shards, then the first replica's stages send theirs to rank 0.
     """
-    from deepspeed.pipe import PipelineModule
-
-    from pretrain.model import gather_full_state_dict
-    from pretrain.model.llama import gather_tensor_parallel_state
-    from pretrain.model.pipeline import stage_state_dict
-
-    if not isinstance(module, PipelineModule):
+    if ModelForm.of(module) is ModelForm.FLAT:
         return gather_full_state_dict(module)
     tp_group = groups.tensor if cfg.parallel.tensor > 1 else None
     stage = gather_tensor_parallel_state(stage_state_dict(module, num_layers=cfg.model.num_layers),
@@ -408,26 +306,5 @@ def _gather_model(module, *, cfg: RunConfig, groups) -> dict[str, torch.Tensor]:
         for part in parts or []:
             full.update(part)
     if cfg.model.tie_embeddings and full:
-        full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        full[LM_HEAD] = full[EMBED]
     return full
-
-
-def load_final(path: str | Path) -> tuple[RunConfig, dict[str, torch.Tensor], Path]:
-    """(run config, Hugging Face-format state dict, tokenizer path) of a `final/` directory or
-    a run directory; `pretrain.model.hf.from_hf_state_dict` pads it for `LlamaModel`."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if (path / "final").is_dir():
-        path = path / "final"
-    weights = path / FINAL_WEIGHTS
-    if not weights.is_file() or not (path / "config.yaml").is_file():
-        raise CheckpointError(f"{str(path)!r} is not a final checkpoint (no {FINAL_WEIGHTS} and "
-                              "config.yaml): pass <run_dir> or <run_dir>/final of a finished run")
-    cfg = load_config(path / "config.yaml")
-    try:
-        state = load_file(str(weights))
-    except Exception as exc:  # safetensors raises its own error types for damaged files
-        raise CheckpointError(f"{str(weights)!r} cannot be read ({exc}): the file is damaged "
-                              "or incomplete") from None
-    return cfg, state, path / "tokenizer.model"

@@ -1,0 +1,122 @@
+"""Names and small files of a run directory, and which checkpoint directory a path means.
+
+Nothing here loads tensors: resuming and the readers of weights decide from these files alone
+which checkpoint to open. Every small file goes through `pretrain.files.write_text_atomic`, so a reader sees the
+old file or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pretrain.errors import CheckpointError
+from pretrain.files import write_text_atomic
+
+CHECKPOINTS = "checkpoints"  # <run_dir>/checkpoints/step<N>/
+FINAL = "final"  # <run_dir>/final/
+FINAL_WEIGHTS = "model.safetensors"
+FINAL_CONFIG = "config.yaml"
+FINAL_TOKENIZER = "tokenizer.model"  # a sentencepiece tokenizer
+FINAL_TOKENIZER_DIR = "tokenizer"  # a Hugging Face tokenizer (import-hf of a non-sentencepiece one)
+LATEST = "latest"
+META = "meta.json"
+MANIFEST = "manifest.json"
+STOPPED = "stopped.json"
+_MODEL_STATES = "*mp_rank_*_model_states.pt"  # DeepSpeed's per-model-parallel-rank files
+
+
+def tag_step(path: Path) -> int | None:
+    """N of a `step<N>` directory, None for anything else."""
+    name = path.name
+    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
+
+
+def _is_step_dir(path: Path) -> bool:
+    return (tag_step(path) is not None or (path / META).is_file()
+            or any(path.glob(_MODEL_STATES)))
+
+
+def step_dirs(path: str | Path, *, follow_latest: bool = False) -> list[Path]:
+    """The engine checkpoint directories that `path` (a run dir, its checkpoints/ dir or a step
+    dir) names; a step dir names itself.
+
+    Two modes, for two kinds of callers:
+    - `follow_latest=False` (resuming): every `step<N>` directory, newest first, complete or not;
+      the caller verifies them and falls back past damaged ones.
+    - `follow_latest=True` (readers of weights): only the directory `latest` names, the last
+      save that finished; [] when there is no `latest`.
+    """
+    path = Path(path)
+    if (path / CHECKPOINTS).is_dir():
+        path = path / CHECKPOINTS
+    if _is_step_dir(path):
+        return [path]
+    if not path.is_dir():
+        return []
+    if follow_latest:
+        latest = path / LATEST
+        if not latest.is_file():
+            return []
+        step = path / latest.read_text().strip()
+        if not step.is_dir():
+            raise CheckpointError(f"{latest} names {step.name!r}, which does not exist: "
+                                  "pass a checkpoints/step<N> directory instead")
+        return [step]
+    return sorted((p for p in path.iterdir() if p.is_dir() and tag_step(p) is not None),
+                  key=tag_step, reverse=True)
+
+
+def verify(tag_dir: Path) -> str | None:
+    """What is wrong with a checkpoint directory (None: complete and undamaged).
+
+    Checks that the save finished (manifest present) and that every file it lists is there
+    with the size it had when written: a truncated or missing shard is found without reading it.
+    """
+    if not (tag_dir / MANIFEST).is_file():
+        return "incomplete (no manifest.json: the save did not finish)"
+    try:
+        files = json.loads((tag_dir / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"unreadable manifest.json ({exc})"
+    for name, size in files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            return f"missing file {name}"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written (truncated?)"
+    try:
+        read_meta(tag_dir)
+    except (OSError, ValueError) as exc:
+        return f"unreadable meta.json ({exc})"
+    return None
+
+
+def read_meta(tag_dir: Path) -> dict[str, Any]:
+    """The `meta.json` of a checkpoint directory (step, layout, config, tokenizer, commit)."""
+    return json.loads((tag_dir / META).read_text())
+
+
+def write_manifest(tag_dir: Path, meta: dict[str, Any]) -> None:
+    """Write meta.json, then manifest.json (sizes of every file): the completion marker."""
+    write_text_atomic(tag_dir / META, json.dumps(meta, indent=2))
+    files = {str(p.relative_to(tag_dir)): p.stat().st_size
+             for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    write_text_atomic(tag_dir / MANIFEST, json.dumps({"files": files}, indent=1))
+
+
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    """Point `latest` at `tag` (DeepSpeed's format: the tag name alone)."""
+    write_text_atomic(ckpt_dir / LATEST, tag)
+
+
+def mark_stopped(run_dir: Path, *, step: int, reason: str, exit_code: int) -> None:
+    """`<run_dir>/stopped.json`: why and where the run stopped early, for job scripts whose
+    launcher does not pass the ranks' exit status on (torchrun exits 1 whatever they return)."""
+    write_text_atomic(run_dir / STOPPED, json.dumps({"exit_code": exit_code, "reason": reason,
+                                                      "step": step}))
+
+
+def clear_stopped(run_dir: Path) -> None:
+    """Remove `stopped.json` when a run starts again."""
+    (run_dir / STOPPED).unlink(missing_ok=True)

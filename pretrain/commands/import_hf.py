@@ -1,0 +1,29 @@
+"""`pretrain import-hf`: a Hugging Face Llama directory as the initial weights of a run."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pretrain.arithmetic import num_parameters
+
+# The model fields a run must set to train from imported weights, printed as --set options.
+_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "ffn_hidden_size", "tie_embeddings", "rope_theta", "norm_eps")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="a local Hugging Face Llama directory (config.json + "
+                                    "safetensors)")
+    parser.add_argument("--output", required=True,
+                        help="directory to write; train from it with --set model.init_from=DIR")
+
+
+def run(args: argparse.Namespace) -> None:
+    from pretrain.checkpoint.hf import import_hf
+
+    src, out = Path(args.src), Path(args.output)
+    m = import_hf(src, out).model
+    fields = " ".join(f"--set model.{k}={getattr(m, k)}" for k in _MODEL_FIELDS)
+    print(f"[import-hf] {num_parameters(m) / 1e6:.2f}M parameters from {src} -> {out}\n"
+          f"train from them with: pretrain train --config <yours> --set model.init_from={out} "
+          f"{fields}")
