@@ -22,13 +22,14 @@ import dataclasses
 import enum
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pretrain.errors import ConfigError
+from pretrain.errors import ConfigError, DataError
 
 
 class Recompute(str, enum.Enum):
@@ -147,6 +148,51 @@ class ParallelConfig:
                   f"choose one of {', '.join(PARTITION_METHODS)}")
 
 
+# ---- data.blend entries: "WEIGHT PREFIX" ---------------------------------------------------
+
+_BLEND_FORMAT = "write each entry as \"WEIGHT PREFIX\" (e.g. \"0.7 runs/data/code\") or " \
+          "{weight: 0.7, prefix: runs/data/code}"
+
+
+@dataclass(frozen=True)
+class BlendEntry:
+    weight: float  # normalised: the weights of a blend sum to 1
+    prefix: str  # a .bin/.idx dataset prefix
+
+
+def parse_blend(entries: Sequence[str | dict]) -> list[BlendEntry]:
+    """The entries of `data.blend` with normalised weights; `DataError` naming the entry
+    otherwise. Written here because the config checks a blend when it is loaded."""
+    if isinstance(entries, (str, dict)):
+        entries = [entries]
+    pairs = [_parse_entry(entry) for entry in entries]
+    total = sum(weight for weight, _ in pairs)
+    return [BlendEntry(weight / total, prefix) for weight, prefix in pairs]
+
+
+def _parse_entry(entry: str | dict) -> tuple[float, str]:
+    if isinstance(entry, dict):
+        if set(entry) != {"weight", "prefix"}:
+            raise DataError(f"blend entry {entry!r} must have exactly the keys weight and "
+                            f"prefix: {_BLEND_FORMAT}")
+        raw_weight, prefix = entry["weight"], entry["prefix"]
+    elif isinstance(entry, str) and len(entry.split(maxsplit=1)) == 2:
+        raw_weight, prefix = entry.split(maxsplit=1)
+    else:
+        raise DataError(f"blend entry {entry!r} is not a weight and a prefix: {_BLEND_FORMAT}")
+    try:
+        weight = float(raw_weight)
+    except (TypeError, ValueError):
+        raise DataError(f"blend entry {entry!r}: weight {raw_weight!r} is not a number; "
+                        f"{_BLEND_FORMAT}") from None
+    if not (math.isfinite(weight) and weight > 0):
+        raise DataError(f"blend entry {entry!r}: weight {weight} must be a positive finite "
+                        "number")
+    if not isinstance(prefix, str) or not prefix.strip():
+        raise DataError(f"blend entry {entry!r} has no dataset prefix: {_BLEND_FORMAT}")
+    return weight, prefix.strip()
+
+
 @dataclass
 class DataConfig:
     """Where the training tokens come from.
@@ -176,9 +222,6 @@ class DataConfig:
             _fail("data", "valid_fraction + test_fraction",
                   self.valid_fraction + self.test_fraction, "must be < 1 to leave training data")
         if self.blend:
-            from pretrain.data.blend import parse_blend
-            from pretrain.errors import DataError
-
             if self.dataset:
                 _fail("data", "dataset", self.dataset, "give data.dataset or data.blend, not both")
             try:

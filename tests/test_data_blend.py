@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pretrain.testing.runs import train
-from pretrain.config import DataConfig, load_config
+from pretrain.config import DataConfig, load_config, parse_blend
 from pretrain.data import (
     BlendedSamples,
     IndexedDatasetWriter,
@@ -21,7 +21,6 @@ from pretrain.data import (
     blend_schedule,
     build_datasets,
     build_split,
-    parse_blend,
     preprocess,
     split_documents,
 )

@@ -17,10 +17,8 @@ preprocessing worker imports this package, and torch would cost each of them ~2 
 """
 from pretrain.data.blend import (
     BlendedSamples,
-    BlendEntry,
     blend_counts,
     blend_schedule,
-    parse_blend,
 )
 from pretrain.data.corpus import PYTHON_STDLIB, ReadStats, iter_documents, resolve_corpus
 from pretrain.data.indexed import (
@@ -46,7 +44,7 @@ __all__ = [
     "IndexedDataset", "IndexedDatasetWriter", "best_dtype", "merge_datasets",
     "preprocess",
     "HuggingFaceTokenizer", "SentencePieceTokenizer", "Tokenizer", "train_tokenizer",
-    "BlendedSamples", "BlendEntry", "blend_counts", "blend_schedule", "parse_blend",
+    "BlendedSamples", "blend_counts", "blend_schedule",
     *_SAMPLES_NAMES, *_BUILD_NAMES,
 ]
 

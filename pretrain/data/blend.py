@@ -16,55 +16,11 @@ a blend is deterministic for a seed.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from pretrain.errors import DataError
-
-_FORMAT = "write each entry as \"WEIGHT PREFIX\" (e.g. \"0.7 runs/data/code\") or " \
-          "{weight: 0.7, prefix: runs/data/code}"
-
-
-@dataclass(frozen=True)
-class BlendEntry:
-    weight: float  # normalised: the weights of a blend sum to 1
-    prefix: str  # a .bin/.idx dataset prefix
-
-
-def parse_blend(entries: Sequence[str | dict]) -> list[BlendEntry]:
-    """The entries of a blend with normalised weights; `DataError` naming the entry otherwise."""
-    if isinstance(entries, (str, dict)):
-        entries = [entries]
-    pairs = [_parse_entry(entry) for entry in entries]
-    total = sum(weight for weight, _ in pairs)
-    return [BlendEntry(weight / total, prefix) for weight, prefix in pairs]
-
-
-def _parse_entry(entry: str | dict) -> tuple[float, str]:
-    if isinstance(entry, dict):
-        if set(entry) != {"weight", "prefix"}:
-            raise DataError(f"blend entry {entry!r} must have exactly the keys weight and "
-                            f"prefix: {_FORMAT}")
-        raw_weight, prefix = entry["weight"], entry["prefix"]
-    elif isinstance(entry, str) and len(entry.split(maxsplit=1)) == 2:
-        raw_weight, prefix = entry.split(maxsplit=1)
-    else:
-        raise DataError(f"blend entry {entry!r} is not a weight and a prefix: {_FORMAT}")
-    try:
-        weight = float(raw_weight)
-    except (TypeError, ValueError):
-        raise DataError(f"blend entry {entry!r}: weight {raw_weight!r} is not a number; "
-                        f"{_FORMAT}") from None
-    if not (math.isfinite(weight) and weight > 0):
-        raise DataError(f"blend entry {entry!r}: weight {weight} must be a positive finite "
-                        "number")
-    if not isinstance(prefix, str) or not prefix.strip():
-        raise DataError(f"blend entry {entry!r} has no dataset prefix: {_FORMAT}")
-    return weight, prefix.strip()
-
 
 def blend_counts(weights: Sequence[float], num_samples: int) -> np.ndarray:
     """Samples per dataset: ``weights * num_samples`` by largest remainder (sums to N)."""

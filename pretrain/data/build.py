@@ -6,15 +6,12 @@ same samples come out of every process of every layout.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from pretrain.data.blend import BlendedSamples, parse_blend
+from pretrain.config import DataConfig, parse_blend
+from pretrain.data.blend import BlendedSamples
 from pretrain.data.indexed import IndexedDataset
 from pretrain.data.samples import PackedSamples
 from pretrain.errors import ConfigError, DataError
-
-if TYPE_CHECKING:
-    from pretrain.config import DataConfig
 
 Samples = PackedSamples | BlendedSamples
 
