@@ -111,8 +111,8 @@ def main() -> None:
                                 tokens=args.tokens)
     index_build_times(dataset, seq_length=seq_length)
 
-    # One thread, as each rank of `pretrain train` on this 2-core machine (pretrain.testing.runs): two
-    # threads under the load of other jobs made a step 10x slower and the ratio meaningless.
+    # One thread, as each rank of `pretrain train` on this 2-core machine (pretrain.testing.runs):
+    # two threads under the load of other jobs made a step 10x slower and the ratio meaningless.
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(tiny.model, seed=0)
