@@ -40,7 +40,7 @@ from pretrain.checkpoint.weights import Weights, write_final
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
 from pretrain.errors import CheckpointError
-from pretrain.model import ModelForm, gather_full_state_dict
+from pretrain.model import ModelForm, gather_full_state_dict, tensor_parallel_group
 from pretrain.model.hf import EMBED, LM_HEAD, to_hf_state_dict
 from pretrain.model.llama import gather_tensor_parallel_state
 from pretrain.model.pipeline import stage_state_dict
@@ -295,7 +295,7 @@ def _gather_model(module, *, cfg: RunConfig, groups) -> dict[str, torch.Tensor]:
     """
     if ModelForm.of(module) is ModelForm.FLAT:
         return gather_full_state_dict(module)
-    tp_group = groups.tensor if cfg.parallel.tensor > 1 else None
+    tp_group = tensor_parallel_group(groups)
     stage = gather_tensor_parallel_state(stage_state_dict(module, num_layers=cfg.model.num_layers),
                                          cfg=cfg.model, tp_group=tp_group)
     coords = groups.topology.my_coords
