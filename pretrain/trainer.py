@@ -90,6 +90,7 @@ class Trainer:
         self.engine = build_engine(cfg, ds_config, groups, main=self.main)
         self.pipelined = ModelForm.of(self.engine) is ModelForm.PIPELINE
         self.step, self.consumed_samples = 0, 0
+        self._saved_step: int | None = None  # the step the newest checkpoint holds
         # The pipeline engine steps inside train_batch: at ZeRO-0 it reports no norm (null).
         self._norm_before_step = zero_stage(ds_config) == 0 and not self.pipelined
         self._grad_norm: float | None = None
@@ -145,6 +146,7 @@ class Trainer:
         start = time.perf_counter()
         checkpoint.load(self.engine, point, rank=self.world.rank, world_size=self.world.world_size)
         self.step, self.consumed_samples = point.step, point.meta["consumed_samples"]
+        self._saved_step = point.step
         if point.meta["global_batch"] != self.global_batch:
             raise ConfigError(f"{point.path} was trained with a global batch of "
                               f"{point.meta['global_batch']}, this run has {self.global_batch}: set "
@@ -263,13 +265,15 @@ class Trainer:
                     and self.step % cfg.checkpoint.save_interval == 0) and self.step < t.steps:
                 self.save()
         bar.close()
+        batches.close()  # the loader's worker processes end here, not at interpreter exit
         self.control.restore_handlers()
         result.final_step = self.step
         if result.stop_reason:
             self.metrics.close()
             return result
-        if cfg.checkpoint.save_final:
+        if self._saved_step != self.step:  # the last step is always resumable, save_final or not
             self.save()
+        if cfg.checkpoint.save_final:
             result.final_dir = checkpoint.save_final(
                 self.engine, cfg=cfg, groups=self.groups, tokenizer=self.tokenizer,
                 run_dir=self.run_dir,
@@ -298,4 +302,5 @@ class Trainer:
                                client_state=state, keep_last=cfg.checkpoint.keep_last,
                                keep_every=cfg.checkpoint.keep_every, rank=self.world.rank)
         self.control.mark_saved()
+        self._saved_step = self.step
         telemetry.log(f"[checkpoint] {path} in {time.perf_counter() - start:.1f}s", main=self.main)

@@ -59,10 +59,10 @@ def test_truncated_checkpoint_is_skipped_and_resume_falls_back(tiny_data, tmp_pa
     first = train(tmp_path, tiny_data, name="run", overrides=[
         "train.steps=3", "checkpoint.save_interval=1", "checkpoint.keep_last=3"])
     ckpts = first.run_dir / "checkpoints"
-    assert (ckpts / "latest").read_text() == "step2"
+    assert (ckpts / "latest").read_text() == "step3"
     shard = next((ckpts / "step2").glob("*optim_states.pt"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a crash mid-copy
-    (ckpts / "step3").mkdir()  # a save that died before its manifest: incomplete, skipped too
+    (ckpts / "step3" / "manifest.json").unlink()  # a save that died before its manifest
 
     again = train(tmp_path, tiny_data, name="run", overrides=[
         "train.steps=3", "checkpoint.save_interval=1", "checkpoint.keep_last=3"])
@@ -101,9 +101,25 @@ def test_keep_last_and_keep_every(tiny_data, tmp_path):
         "train.steps=7", "checkpoint.save_interval=1", "checkpoint.keep_last=2",
         "checkpoint.keep_every=3"])
     ckpts = run.run_dir / "checkpoints"
-    assert sorted(p.name for p in ckpts.glob("step*")) == ["step3", "step5", "step6"]
-    assert (ckpts / "latest").read_text() == "step6"
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step3", "step6", "step7"]
+    assert (ckpts / "latest").read_text() == "step7"
     assert not list(ckpts.glob(".*tmp"))
+
+
+def test_run_ends_with_a_checkpoint_of_its_last_step_without_save_final(tiny_data, tmp_path):
+    overrides = ["train.steps=5", "checkpoint.save_interval=2", "checkpoint.save_final=false",
+                 "checkpoint.keep_last=5"]
+    run = train(tmp_path, tiny_data, name="run", overrides=overrides)
+    ckpts = run.run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step2", "step4", "step5"]
+    assert (ckpts / "latest").read_text() == "step5"
+    assert json.loads((ckpts / "step5" / "meta.json").read_text())["step"] == 5
+    assert not (run.run_dir / "final").exists()
+    # Started again when it is already done, it trains nothing and rewrites nothing.
+    manifest = (ckpts / "step5" / "manifest.json").stat().st_mtime_ns
+    again = train(tmp_path, tiny_data, name="run", overrides=overrides)
+    assert len(_train_records(again)) == 5
+    assert (ckpts / "step5" / "manifest.json").stat().st_mtime_ns == manifest
 
 
 def _reshard(tmp_path, tiny_data, *, dp_from: int, dp_to: int, keep_global_batch: str):

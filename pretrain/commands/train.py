@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import NoReturn
 
 from pretrain.config import add_config_arguments, config_overrides
 from pretrain.errors import EXIT_REQUEUE
-
-if TYPE_CHECKING:
-    from pretrain.trainer import TrainResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=argparse.SUPPRESS)  # passed by launchers; LOCAL_RANK is what we read
 
 
-def run(args: argparse.Namespace) -> "TrainResult":
+def run(args: argparse.Namespace) -> NoReturn:
     from pretrain import telemetry
     from pretrain.checkpoint import find_resume
     from pretrain.config import load_config
-    from pretrain.dist import close_distributed, discover_world, init_distributed, set_cpu_threads
+    from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
     from pretrain.ds_config import resolve_ds_config
     from pretrain.faults import RunControl
 
@@ -83,30 +80,32 @@ def run(args: argparse.Namespace) -> "TrainResult":
     except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
         _exit_on_fault(exc, rank=world.rank)
         raise
-    # Tear the process groups down before the interpreter exits: gloo's worker threads alive
-    # at exit made a rank abort ("terminate called without an active exception", exit -6).
-    close_distributed()
-    if result.stop_reason:
-        sys.exit(EXIT_REQUEUE)
-    return result
+    exit_distributed(EXIT_REQUEUE if result.stop_reason else 0)
 
 
 def _exit_on_fault(exc: Exception, *, rank: int) -> None:
-    """A dead peer, a collective timeout or a diverged run: one line, then EXIT_FAULT at once.
+    """A fault or an error in the input once the process groups exist: one line, then exit.
 
-    The process groups are not torn down (that would wait for the dead rank); os._exit skips
-    the interpreter's teardown, where gloo's threads would abort the process instead.
+    A dead peer, a collective timeout or a diverged run exits EXIT_FAULT; a user error (a
+    checkpoint that does not fit the run) exits EXIT_USER_ERROR. The process groups are not torn
+    down (that would wait for a dead rank); os._exit skips the interpreter's teardown, where
+    gloo's threads would abort the process instead.
     """
+    from pretrain.errors import EXIT_USER_ERROR, PretrainError
     from pretrain.faults import TrainingFault, is_collective_failure
 
+    code = TrainingFault.exit_code
     if isinstance(exc, TrainingFault):
         reason = str(exc)
     elif is_collective_failure(exc):
         reason = (f"rank {rank}: a collective failed, another rank died or stopped answering "
                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}); "
                   "restart the job: it resumes from the last complete checkpoint")
+    elif isinstance(exc, PretrainError):
+        reason, code = (str(exc) if rank == 0 else None), EXIT_USER_ERROR  # the same on every rank
     else:
         return
-    print(f"error: {reason}", file=sys.stderr, flush=True)
+    if reason is not None:
+        print(f"error: {reason}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(TrainingFault.exit_code)
+    os._exit(code)

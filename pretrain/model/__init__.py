@@ -16,7 +16,8 @@ import torch
 
 from pretrain.config import Precision
 from pretrain.model.build import (build_flat_pipeline, build_for_layout, build_model,
-                                  build_pipeline_model, tensor_parallel_group)
+                                  build_pipeline_model, construct_for_layout,
+                                  tensor_parallel_group)
 from pretrain.model.form import ModelForm, canonical_parameters, copy_full_weights, init_weights
 from pretrain.model.llama import (LlamaModel, causal_lm_loss, gather_full_state_dict, shard_of,
                                   tensor_partition_dim)
@@ -26,6 +27,6 @@ DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
           Precision.FP16: torch.float16}
 
 __all__ = ["DTYPES", "LlamaModel", "ModelForm", "build_flat_pipeline", "build_for_layout", "build_model",
-           "build_pipeline_model", "canonical_parameters", "causal_lm_loss", "copy_full_weights",
+           "build_pipeline_model", "canonical_parameters", "causal_lm_loss", "construct_for_layout", "copy_full_weights",
            "gather_full_state_dict", "init_weights", "shard_of", "tensor_parallel_group",
            "tensor_partition_dim"]

@@ -47,17 +47,24 @@ def tensor_parallel_group(groups: ProcessGroups):
     return groups.tensor if groups.topology.tensor > 1 else None
 
 
-def build_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
-    """This rank's initialised model for the run's layout: pipeline stages when
-    parallel.pipeline > 1, else the flat model, tensor-parallel over `groups.tensor`."""
+def construct_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
+    """This rank's model for the run's layout, not initialised: pipeline stages when
+    parallel.pipeline > 1, else the flat model, tensor-parallel over `groups.tensor`.
+    Under `torch.device("meta")` it allocates nothing (the pre-flight build of every rank)."""
     p = cfg.parallel
     tp_group = tensor_parallel_group(groups)
     if ModelForm.for_layout(p.pipeline) is ModelForm.PIPELINE:
-        return build_pipeline_model(
-            cfg.model, seed=cfg.train.seed, num_stages=p.pipeline, topology=groups.topology,
-            tp_group=tp_group, sequence_parallel=p.sequence_parallel,
-            partition_method=p.pipeline_partition,
+        return pipeline_module(
+            cfg.model, num_stages=p.pipeline, topology=groups.topology, tp_group=tp_group,
+            sequence_parallel=p.sequence_parallel, partition_method=p.pipeline_partition,
             activation_checkpoint_interval=int(
                 cfg.model.activation_checkpointing == Recompute.FULL))
-    return build_model(cfg.model, seed=cfg.train.seed, tp_group=tp_group,
-                       sequence_parallel=p.sequence_parallel)
+    return LlamaModel(cfg.model, tp_group=tp_group, sequence_parallel=p.sequence_parallel)
+
+
+def build_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
+    """This rank's model for the run's layout (`construct_for_layout`), initialised from
+    train.seed like `build_model`."""
+    model = construct_for_layout(cfg, groups)
+    init_weights(model, cfg.model, seed=cfg.train.seed, tp_group=tensor_parallel_group(groups))
+    return model
