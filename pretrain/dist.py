@@ -101,6 +101,15 @@ def set_cpu_threads(world: World) -> int:
     return torch.get_num_threads()
 
 
+def device_index(local_rank: int, visible_devices: int) -> int:
+    """This rank's device among those it sees: its local rank when the task sees every GPU of
+    the node, 0 when Slurm binds one GPU per task (--gpus-per-task=1, --gpu-bind) and the task
+    sees only its own."""
+    if visible_devices < 1:
+        raise RuntimeError(f"local rank {local_rank} sees no accelerator device")
+    return local_rank % visible_devices
+
+
 def init_distributed(world: World, *, timeout_minutes: float = 30.0) -> None:
     """Create the default process group through DeepSpeed (NCCL on GPUs, gloo/ccl on CPU)."""
     # DeepSpeed is imported here, not at the top: launch scripts and tests import this module
@@ -112,7 +121,7 @@ def init_distributed(world: World, *, timeout_minutes: float = 30.0) -> None:
         return
     accel = get_accelerator()
     if accel.device_name() != "cpu":
-        accel.set_device(world.local_rank)
+        accel.set_device(device_index(world.local_rank, accel.device_count()))
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(),
                                timeout=datetime.timedelta(minutes=timeout_minutes),
                                verbose=False)

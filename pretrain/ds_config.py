@@ -124,6 +124,32 @@ def check_deepspeed_pipeline_config(ds_config: dict, *, sequence_parallel: bool)
                 "the DeepSpeed config")
 
 
+def _gradient_dtype(precision: Precision, *, zero_stage: int) -> str:
+    """The dtype micro-batch gradients are summed and reduced in: fp32 for bf16 under ZeRO
+    (like Megatron-LM: bf16's 8-bit mantissa drops the small terms of a long sum), else the
+    model's. At ZeRO-0 DeepSpeed refuses the mix; its pipeline engine sums bf16 gradients in
+    fp32 anyway, the flat ZeRO-0 engine in bf16. fp16 keeps its own dtype and loss scaling."""
+    if precision == Precision.BF16 and zero_stage >= 1:
+        return "fp32"
+    return {Precision.FP32: "fp32", Precision.BF16: "bf16", Precision.FP16: "fp16"}[precision]
+
+
+def _resolve_gradient_dtypes(ds: dict[str, Any], precision: Precision, *, zero_stage: int,
+                             where: str) -> None:
+    """Fill "auto" grad_accum_dtype / communication_data_type (`_gradient_dtype`); an explicit
+    one is the user's choice, refused only where DeepSpeed would refuse it at start-up."""
+    grads = _gradient_dtype(precision, zero_stage=zero_stage)
+    data_types = ds.setdefault("data_types", {})
+    for section, key in ((data_types, "grad_accum_dtype"), (ds, "communication_data_type")):
+        if section.get(key, AUTO) == AUTO:
+            section[key] = grads
+    model = _gradient_dtype(precision, zero_stage=0)
+    if zero_stage == 0 and data_types["grad_accum_dtype"] != model:
+        raise ConfigError(f"{where}: data_types.grad_accum_dtype="
+                          f"{data_types['grad_accum_dtype']!r} needs ZeRO >= 1 (DeepSpeed sums "
+                          f"ZeRO-0 gradients in the model's dtype, {model!r}): set it to \"auto\"")
+
+
 def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cpu",
                       source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return the DeepSpeed config dict with every "auto" filled; raise ConfigError on conflicts.
@@ -173,16 +199,20 @@ def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
         _fill(params, "betas", [t.beta1, t.beta2], where="optimizer.params.")
         _fill(params, "eps", t.eps, where="optimizer.params.")
         _fill(params, "weight_decay", t.weight_decay, where="optimizer.params.")
-        # torch's AdamW on CPU without offload (DeepSpeed's FusedAdam would JIT-compile a CPU op);
-        # DeepSpeed's fused Adam on GPUs, and its CPU Adam whenever the optimizer is offloaded.
-        use_torch = accelerator == "cpu" and layout.offload_optimizer == "none"
+        # torch's AdamW unless the optimizer is offloaded (then DeepSpeed's CPU Adam, a host op):
+        # fused on GPUs, where DeepSpeed's FusedAdam would JIT-compile with nvcc on every rank at
+        # the first step (a compiler on the compute nodes, and a lock a cancelled build leaves).
+        use_torch = layout.offload_optimizer == "none"
         _fill(params, "torch_adam", use_torch, where="optimizer.params.")
+        if use_torch and accelerator != "cpu":
+            params.setdefault("fused", True)
 
     precision = t.precision
     bf16 = ds.setdefault("bf16", {})
     fp16 = ds.setdefault("fp16", {})
     _fill(bf16, "enabled", precision == Precision.BF16, where="bf16.")
     _fill(fp16, "enabled", precision == Precision.FP16, where="fp16.")
+    _resolve_gradient_dtypes(ds, precision, zero_stage=stage, where=where_file)
 
     left = _find_auto(ds)
     if left:

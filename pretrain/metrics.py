@@ -50,6 +50,7 @@ class StepRecords:
         self.flops_per_token = model_flops_per_token(cfg.model)
         self.peak_tflops, self.peak_source = telemetry.device_peak_tflops(
             DTYPES[cfg.train.precision], cfg.logging.peak_tflops)
+        self.gpu = telemetry.GpuStats(enabled=None if main else False)
 
     def record(self, engine: deepspeed.DeepSpeedEngine, *, step: int, loss: float, lr: float,
                wait: float, elapsed: float, tokens: int, consumed_samples: int,
@@ -80,8 +81,7 @@ class StepRecords:
         }
         if self.cfg.train.precision == Precision.FP16:
             rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", float("nan")))
-        if self.main:
-            rec.update(telemetry.gpu_stats())  # NVML utilisation / temperature / memory on GPUs
+        rec.update(self.gpu.read())  # rank 0: NVML utilisation / temperature / memory on GPUs
         return rec
 
 

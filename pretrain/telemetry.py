@@ -95,19 +95,48 @@ def mfu(*, flops_per_token: float, tokens_per_s_per_device: float, peak_tflops: 
     return flops_per_token * tokens_per_s_per_device / (peak_tflops * 1e12) if peak_tflops else 0.0
 
 
-def gpu_stats() -> dict[str, float]:
-    """This rank's GPU utilisation (%), temperature (C) and used memory (GB) through NVML
-    (`torch.cuda` reads it with pynvml, mapping CUDA_VISIBLE_DEVICES); {} without a GPU or
-    without pynvml. Not exercised on the CPU machines the tests run on."""
-    if not torch.cuda.is_available():
-        return {}
-    try:
-        free, total = torch.cuda.mem_get_info()
-        return {"gpu_util_pct": float(torch.cuda.utilization()),
-                "gpu_temp_c": float(torch.cuda.temperature()),
-                "gpu_mem_used_gb": (total - free) / 2**30}
-    except (ModuleNotFoundError, RuntimeError):  # no pynvml, or NVML refused
-        return {}
+class GpuStats:
+    """This rank's GPU utilisation (%), temperature (C) and used memory (GB), read through NVML.
+
+    NVML is opened once, at the first reading, not every step. When it cannot be (no pynvml, no
+    driver) or a reading fails (NotSupported on MIG and vGPU, NoPermission), the stats are off
+    for the rest of the run after one log line: telemetry never stops a run. {} without a GPU.
+    """
+
+    def __init__(self, *, enabled: bool | None = None) -> None:
+        self._on = torch.cuda.is_available() if enabled is None else enabled
+        self._nvml: Any = None
+        self._handle: Any = None
+
+    def read(self) -> dict[str, float]:
+        if not self._on:
+            return {}
+        try:
+            if self._handle is None:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index())
+            nvml, handle = self._nvml, self._handle
+            return {"gpu_util_pct": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                    "gpu_temp_c": float(nvml.nvmlDeviceGetTemperature(
+                        handle, nvml.NVML_TEMPERATURE_GPU)),
+                    "gpu_mem_used_gb": nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30}
+        except Exception as exc:  # noqa: BLE001 - pynvml raises its own NVMLError classes
+            self._on = False
+            log(f"[telemetry] GPU utilisation/temperature off for this run: NVML failed "
+                f"({type(exc).__name__}: {exc})")
+            return {}
+
+
+def _nvml_index() -> int:
+    """NVML's index of this process's CUDA device (NVML ignores CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    device = torch.cuda.current_device()
+    if visible != [""] and visible[device].strip().isdigit():
+        return int(visible[device])
+    return device
 
 
 class StepProfiler:

@@ -10,6 +10,7 @@
 #   GPUS_PER_NODE ranks per node = GPUs per node; 0 runs CPU ranks (TASKS_PER_NODE of them)
 #   TASKS_PER_NODE ranks per node (default: GPUS_PER_NODE, else SLURM_NTASKS_PER_NODE)
 #   MASTER_PORT   rendezvous port (default from the job id and attempt, the same on every node)
+#   CPU_BIND      srun --cpu-bind of the ranks (default cores; none leaves binding to the site)
 #   SRUN_WAIT     seconds the other ranks may run on after one rank exited (default 300): a
 #                 crashed rank ends the step then, not after the collective timeout
 #   PRETRAIN_ROOT the repository (default: the directory sbatch was run from)
@@ -71,7 +72,10 @@ run_training() {
   JOB_RC=0
   preflight || { JOB_RC=2; return 0; }
   trap forward_usr1 USR1
+  # --cpus-per-task explicitly: srun of Slurm 22.05-23.02 does not inherit it from sbatch, and
+  # every rank would get one core. Each rank bound to its own cores (CPU_BIND=none: off).
   srun --ntasks-per-node="$TASKS_PER_NODE" --nodes="$NNODES" --wait="${SRUN_WAIT:-300}" \
+    --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" --cpu-bind="${CPU_BIND:-cores}" \
     python -u -m pretrain train "${RUN_ARGS[@]}" &
   SRUN_PID=$!
   while :; do

@@ -96,9 +96,33 @@ def test_shipped_ds_configs_resolve_completely(tmp_path):
         assert ds["optimizer"]["params"]["torch_adam"] is (not offloaded), name
 
 
-def test_ds_auto_on_gpu_uses_fused_adam(tmp_path):
+def test_gpu_optimizer_needs_no_compiler_on_the_compute_nodes(tmp_path):
+    """On CUDA: torch's fused AdamW (DeepSpeed passes the remaining params to its constructor),
+    not DeepSpeed's FusedAdam, which JIT-compiles with nvcc on every rank at the first step."""
+    import inspect
+
+    import torch
+
     ds = _resolve(tmp_path, json.load(open("ds_configs/zero1.json")), accelerator="cuda")
-    assert ds["optimizer"]["params"]["torch_adam"] is False
+    params = ds["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True
+    assert "fused" in inspect.signature(torch.optim.AdamW).parameters
+    on_cpu = _resolve(tmp_path, json.load(open("ds_configs/zero1.json")))["optimizer"]["params"]
+    assert on_cpu["torch_adam"] is True and "fused" not in on_cpu
+    offloaded = _resolve(tmp_path, json.load(open("ds_configs/zero2_offload_cpu.json")),
+                         accelerator="cuda")["optimizer"]["params"]
+    assert offloaded["torch_adam"] is False and "fused" not in offloaded  # DeepSpeed's CPU Adam
+
+
+@pytest.mark.parametrize("precision, zero, grads", [
+    ("bf16", 1, "fp32"), ("bf16", 2, "fp32"), ("bf16", 3, "fp32"), ("bf16", 0, "bf16"),
+    ("fp16", 1, "fp16"), ("fp32", 1, "fp32")])
+def test_bf16_gradients_are_summed_and_reduced_in_fp32_under_zero(tmp_path, precision, zero,
+                                                                   grads):
+    ds = _resolve(tmp_path, json.load(open(f"ds_configs/zero{zero}.json")),
+                  [f"train.precision={precision}"])
+    assert ds["data_types"]["grad_accum_dtype"] == grads
+    assert ds["communication_data_type"] == grads
 
 
 @pytest.mark.parametrize("ds, overrides, message", [

@@ -68,3 +68,55 @@ def test_training_records_hardware_flops_and_writes_a_profile_trace(tmp_path, ti
     assert len(events) > 100
     assert any("aten::mm" in n or "aten::addmm" in n or "aten::linear" in n for n in names)
     assert list(plain_dir.joinpath("profile").iterdir()) == [trace_path]  # one rank, one file
+
+
+class _FakeNVMLError(Exception):
+    """pynvml raises its own exception classes, none of them a RuntimeError."""
+
+
+def _fake_pynvml(*, fail: str | None):
+    import types
+
+    calls = {"nvmlInit": 0, "reads": 0}
+
+    def init():
+        calls["nvmlInit"] += 1
+        if fail == "init":
+            raise _FakeNVMLError("NVML_ERROR_NO_PERMISSION")
+
+    def utilization(handle):
+        calls["reads"] += 1
+        if fail == "read" and calls["reads"] > 1:
+            raise _FakeNVMLError("NVML_ERROR_NOT_SUPPORTED")  # e.g. a MIG slice
+        return types.SimpleNamespace(gpu=87)
+
+    module = types.SimpleNamespace(
+        nvmlInit=init, nvmlDeviceGetHandleByIndex=lambda index: ("gpu", index),
+        nvmlDeviceGetUtilizationRates=utilization, NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetTemperature=lambda handle, sensor: 61,
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=3 * 2**30))
+    return module, calls
+
+
+@pytest.mark.parametrize("fail", [None, "init", "read"])
+def test_nvml_is_opened_once_and_its_errors_turn_the_stats_off(fail, monkeypatch, capsys):
+    import sys
+
+    import torch
+
+    from pretrain.telemetry import GpuStats
+
+    module, calls = _fake_pynvml(fail=fail)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    stats = GpuStats(enabled=True)
+    readings = [stats.read() for _ in range(4)]
+    assert calls["nvmlInit"] == 1
+    if fail is None:
+        assert readings == [{"gpu_util_pct": 87.0, "gpu_temp_c": 61.0, "gpu_mem_used_gb": 3.0}] * 4
+        assert stats._handle == ("gpu", 5)  # NVML's index of the visible device
+    else:
+        good = 1 if fail == "read" else 0
+        assert readings[good:] == [{}] * (4 - good)
+        assert capsys.readouterr().out.count("GPU utilisation/temperature off") == 1

@@ -111,3 +111,18 @@ def _check_groups(rank: int, world_size: int) -> None:
 
 def test_create_groups_and_mpu_on_four_ranks(tmp_path):
     run_on_ranks(_check_groups, world_size=4, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("local_rank, visible, index", [(3, 8, 3), (3, 1, 0), (5, 4, 1), (0, 1, 0)])
+def test_device_index_with_all_gpus_or_one_gpu_per_task(local_rank, visible, index):
+    """Slurm's one-GPU-per-task binding leaves each rank one visible device: index 0."""
+    from pretrain.dist import device_index
+
+    assert device_index(local_rank, visible) == index
+
+
+def test_no_visible_device_is_an_error():
+    from pretrain.dist import device_index
+
+    with pytest.raises(RuntimeError, match="sees no accelerator device"):
+        device_index(2, 0)

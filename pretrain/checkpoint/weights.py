@@ -257,11 +257,8 @@ def _zero_fp32_weights(step_dir: Path, *, mp_rank: int, zero: int) -> dict[str, 
             frozen_param_fragments=sd.get("frozen_param_fragments")))
     quiet = io.StringIO()  # zero_to_fp32 prints and draws progress bars for every file
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        try:
-            stage, world, flat_groups, paddings = z.parse_optim_states(
-                [str(f) for f in optim_files], str(step_dir))
-        except ValueError as exc:
-            raise CheckpointError(f"{step_dir} ({tag}): {exc}") from None
+        stage, world, flat_groups, paddings = _fp32_partitions(optim_files, step_dir=step_dir,
+                                                               tag=tag)
         if stage <= 2:
             state = z._get_fp32_state_dict_from_zero2_checkpoint(
                 world, flat_groups, model_states, False, paddings)
@@ -269,6 +266,36 @@ def _zero_fp32_weights(step_dir: Path, *, mp_rank: int, zero: int) -> dict[str, 
             state = z._get_fp32_state_dict_from_zero3_checkpoint(
                 world, flat_groups, model_states, False)
     return {k: v.float() for k, v in z.to_torch_tensor(state).items()}
+
+
+def _fp32_partitions(optim_files: list[Path], *, step_dir: Path, tag: str):
+    """(ZeRO stage, data-parallel size, each rank's flat fp32 partitions, alignment paddings) of
+    one model-parallel rank's optimizer files, like zero_to_fp32's `parse_optim_states`, but also
+    for DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1 with fp32 gradient accumulation), whose state
+    has no zero_stage: it partitions and aligns its flat fp32 groups as ZeRO-1 does."""
+    from deepspeed.checkpoint.constants import (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
+                                                PARAM_ALIGNMENT_PADDINGS, PARTITION_COUNT,
+                                                SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
+
+    states = []
+    for file in optim_files:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=False)
+        states.append(state[OPTIMIZER_STATE_DICT])
+    first = states[0]
+    if ZERO_STAGE in first:
+        stage = first[ZERO_STAGE]
+    elif SINGLE_PARTITION_OF_FP32_GROUPS in first:
+        stage = 1  # BF16_Optimizer
+    else:
+        raise CheckpointError(f"{step_dir} ({tag}): {optim_files[0].name} holds no ZeRO "
+                              "optimizer partitions")
+    world = first[PARTITION_COUNT]
+    world = max(world) if isinstance(world, list) else world
+    if world != len(states):
+        raise CheckpointError(f"{step_dir} ({tag}): {len(states)} optimizer files for "
+                              f"{world} data-parallel ranks: a rank's file is missing")
+    key = SINGLE_PARTITION_OF_FP32_GROUPS if stage <= 2 else FP32_FLAT_GROUPS
+    return stage, world, [s[key] for s in states], first.get(PARAM_ALIGNMENT_PADDINGS)
 
 
 def _pipeline_layer_weights(step_dir: Path, *, tp_rank: int) -> dict[str, torch.Tensor]:
