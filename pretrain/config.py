@@ -257,16 +257,23 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     loss_spike_factor: float = 2.0  # log a spike when a loss exceeds this x its running mean
     collective_timeout_minutes: float = 10.0  # a collective waiting longer: a rank is dead/stuck
+    # How long the other ranks wait for one rank's file work (sample indices, a checkpoint's
+    # manifest and pruning, final weights): minutes at 70B scale, beyond a collective's timeout.
+    io_timeout_minutes: float = 120.0
     exit_after_minutes: float = 0.0  # wall-time limit: save and exit 75 after this; 0: none
 
     def __post_init__(self) -> None:
         if self.max_nonfinite_steps < 1 or self.loss_spike_factor <= 1.0 \
-                or self.collective_timeout_minutes <= 0 or self.exit_after_minutes < 0:
+                or self.collective_timeout_minutes <= 0 or self.exit_after_minutes < 0 \
+                or self.io_timeout_minutes <= 0:
             _fail("train", "max_nonfinite_steps/loss_spike_factor/collective_timeout_minutes/"
-                  "exit_after_minutes", (self.max_nonfinite_steps, self.loss_spike_factor,
-                                         self.collective_timeout_minutes, self.exit_after_minutes),
+                  "exit_after_minutes/io_timeout_minutes",
+                  (self.max_nonfinite_steps, self.loss_spike_factor,
+                   self.collective_timeout_minutes, self.exit_after_minutes,
+                   self.io_timeout_minutes),
                   "need max_nonfinite_steps >= 1, loss_spike_factor > 1, "
-                  "collective_timeout_minutes > 0 and exit_after_minutes >= 0")
+                  "collective_timeout_minutes > 0, exit_after_minutes >= 0 and "
+                  "io_timeout_minutes > 0")
         for name in ("steps", "micro_batch_size", "eval_batches"):
             if getattr(self, name) < 1:
                 _fail("train", name, getattr(self, name), "must be a positive integer")

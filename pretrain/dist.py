@@ -110,8 +110,10 @@ def device_index(local_rank: int, visible_devices: int) -> int:
     return local_rank % visible_devices
 
 
-def init_distributed(world: World, *, timeout_minutes: float = 30.0) -> None:
-    """Create the default process group through DeepSpeed (NCCL on GPUs, gloo/ccl on CPU)."""
+def init_distributed(world: World, *, timeout_minutes: float = 30.0,
+                     io_timeout_minutes: float = 120.0) -> None:
+    """Create the default process group through DeepSpeed (NCCL on GPUs, gloo/ccl on CPU), and
+    the CPU group `wait_for_io` waits on, whose timeout is `io_timeout_minutes`."""
     # DeepSpeed is imported here, not at the top: launch scripts and tests import this module
     # for `free_port` and must not pay DeepSpeed's start-up
     import deepspeed
@@ -125,6 +127,25 @@ def init_distributed(world: World, *, timeout_minutes: float = 30.0) -> None:
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(),
                                timeout=datetime.timedelta(minutes=timeout_minutes),
                                verbose=False)
+    create_io_group(timeout_minutes=io_timeout_minutes)
+
+
+_IO_GROUP = None  # gloo, over every rank: see wait_for_io
+
+
+def create_io_group(*, timeout_minutes: float) -> None:
+    """The group `wait_for_io` waits on (collective: every rank calls it once)."""
+    global _IO_GROUP
+    _IO_GROUP = torch.distributed.new_group(
+        backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def wait_for_io() -> None:
+    """A barrier for the ranks waiting on one rank's file work (sample indices, a checkpoint's
+    manifest and pruning, the final weights): on a CPU group whose timeout is
+    train.io_timeout_minutes, not the collectives' (NCCL's watchdog would abort a long wait)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier(group=_IO_GROUP)
 
 
 def exit_distributed(code: int) -> NoReturn:
@@ -136,7 +157,7 @@ def exit_distributed(code: int) -> NoReturn:
     complete run. Every file is written and closed by now, so nothing is lost by skipping it.
     """
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=_IO_GROUP)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

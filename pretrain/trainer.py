@@ -25,7 +25,7 @@ from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
 from pretrain.data.loader import micro_batches
-from pretrain.dist import World
+from pretrain.dist import World, wait_for_io
 from pretrain.ds_config import engine_fields, zero_stage
 from pretrain.engine import build_engine
 from pretrain.errors import EXIT_REQUEUE, ConfigError
@@ -126,13 +126,13 @@ class Trainer:
                               f"model.vocab_size={tokenizer.vocab_size}")
         # Rank 0 builds (and caches) the sample indices; the others then load the cached files.
         if not self.main:
-            torch_dist.barrier()
+            wait_for_io()
         train, valid = build_datasets(
             d, seq_length=m.seq_length, train_samples=self.cfg.train.steps * self.global_batch,
             with_valid=self.cfg.train.eval_interval > 0,
             log=lambda message: telemetry.log(message, main=self.main))
         if self.main:
-            torch_dist.barrier()
+            wait_for_io()
         return tokenizer, train, valid
 
     def _loader(self, dataset: Samples, *, consumed: int,

@@ -127,7 +127,8 @@ def _reshard(tmp_path, tiny_data, *, dp_from: int, dp_to: int, keep_global_batch
 
     overrides = [f"train.steps={STEPS}", f"checkpoint.save_interval={SAVE_AT}"]
     source = train(tmp_path, tiny_data, nprocs=dp_from, name="source", overrides=overrides)
-    universal = to_universal(source.run_dir, tmp_path / "universal")
+    step_dir = source.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    universal = to_universal(step_dir, tmp_path / "universal")
     assert universal == tmp_path / "universal" / f"step{SAVE_AT}"
     target_dir = tmp_path / "target"
     args = ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={target_dir}",

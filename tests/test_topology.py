@@ -126,3 +126,22 @@ def test_no_visible_device_is_an_error():
 
     with pytest.raises(RuntimeError, match="sees no accelerator device"):
         device_index(2, 0)
+
+
+def _wait_for_slow_rank0(rank: int, world_size: int) -> float:
+    import time
+
+    from pretrain.dist import create_io_group, wait_for_io
+
+    create_io_group(timeout_minutes=1)
+    start = time.monotonic()
+    if rank == 0:
+        time.sleep(6)  # rank 0's file work (a sample index, a checkpoint's pruning), 2x the timeout
+    wait_for_io()
+    return time.monotonic() - start
+
+
+def test_ranks_wait_for_rank0_file_work_beyond_the_collective_timeout(tmp_path):
+    """The default group's timeout here is 3 s: rank 1 waits 6 s for rank 0 on the io group."""
+    waited = run_on_ranks(_wait_for_slow_rank0, world_size=2, tmp_path=tmp_path, timeout_s=3)
+    assert waited[1] >= 6, waited

@@ -39,6 +39,7 @@ from pretrain.checkpoint.paths import (FINAL, MANIFEST, read_meta, step_dirs, ta
 from pretrain.checkpoint.weights import Weights, write_final
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
+from pretrain.dist import wait_for_io
 from pretrain.errors import CheckpointError
 from pretrain.model import ModelForm, gather_full_state_dict, tensor_parallel_group
 from pretrain.model.hf import EMBED, LM_HEAD, to_hf_state_dict
@@ -100,16 +101,16 @@ def save(engine, *, ckpt_dir: Path, meta: dict[str, Any], client_state: dict[str
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tag_dir.exists():  # a save of this step that crashed half-way: start it over
             shutil.rmtree(tag_dir)
-    torch_dist.barrier()
+    wait_for_io()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, **UNIVERSAL_INFO},
                            save_latest=False)
     torch.save(_rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
-    torch_dist.barrier()  # every rank's files are on disk
+    wait_for_io()  # every rank's files are on disk
     if rank == 0:
         write_manifest(tag_dir, meta)
         write_latest(ckpt_dir, tag)
         _prune(ckpt_dir, keep_last=keep_last, keep_every=keep_every)
-    torch_dist.barrier()
+    wait_for_io()
     return tag_dir
 
 
@@ -283,7 +284,7 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
         write_final(Weights(model=cfg.model, state=to_hf_state_dict(full, cfg.model),
                             tokenizer=Path(tokenizer.path), source=str(run_dir),
                             run_config=cfg, step=step), out)
-    torch_dist.barrier()
+    wait_for_io()
     return out
 
 

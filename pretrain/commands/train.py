@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     if resume is not None and resume.universal:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     set_cpu_threads(world)
-    init_distributed(world, timeout_minutes=cfg.train.collective_timeout_minutes)
+    init_distributed(world, timeout_minutes=cfg.train.collective_timeout_minutes,
+                     io_timeout_minutes=cfg.train.io_timeout_minutes)
     from pretrain.topology import Topology
     from pretrain.trainer import Trainer  # DeepSpeed's modules, once the process group exists
 
