@@ -15,7 +15,8 @@ from pretrain.errors import ConfigError
 from pretrain.model import LlamaModel, build_model, causal_lm_loss
 from pretrain.model.hf import from_hf_state_dict, to_hf_config, to_hf_state_dict
 from pretrain.model.layers import column_linear, row_linear, vocab_embedding
-from pretrain.model.llama import full_parameter_init, parameter_seed
+from pretrain.model.llama import (INIT_BLOCK, full_parameter_init, parameter_seed, shard_init,
+                                  shard_of)
 
 transformers.logging.set_verbosity_error()
 
@@ -284,3 +285,42 @@ def test_tensor_parallel_factories_are_plain_layers_without_a_group():
     assert isinstance(column_linear(8, 4), torch.nn.Linear) and column_linear(8, 4).bias is None
     assert row_linear(8, 4).weight.shape == (4, 8)
     assert isinstance(vocab_embedding(8, 4), torch.nn.Embedding)
+
+
+def _wide_cfg():
+    """Dimensions that are not multiples of INIT_BLOCK: blocks straddle tensor-parallel shards."""
+    return tiny_cfg(hidden_size=320, num_heads=8, num_kv_heads=4, ffn_hidden_size=864,
+                    vocab_size=500)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_ranks_init_shard_is_its_shard_of_the_full_init(tp):
+    cfg = _wide_cfg()
+    for name, _ in build_model(cfg, seed=0).named_parameters():
+        full = full_parameter_init(name, cfg, seed=5)
+        for rank in range(tp):
+            expected = shard_of(full, name, cfg=cfg, tp_rank=rank, tp_size=tp)
+            assert torch.equal(shard_init(name, cfg, seed=5, tp_rank=rank, tp_size=tp),
+                               expected), (name, rank)
+
+
+def test_a_rank_draws_only_the_blocks_of_its_shard(monkeypatch):
+    """At tp 4 each rank's normal samples are its shard plus at most the two blocks it
+    straddles, where drawing the whole tensor and cutting the shard would draw 4x."""
+    cfg = tiny_cfg(hidden_size=1024, num_heads=8, num_kv_heads=4, ffn_hidden_size=2816,
+                   vocab_size=4000, num_layers=1)
+    names = [name for name, _ in build_model(tiny_cfg(num_layers=1), seed=0).named_parameters()
+             if not name.endswith("norm.weight")]
+    drawn = []
+    normal = torch.Tensor.normal_
+    monkeypatch.setattr(torch.Tensor, "normal_",
+                        lambda self, *a, **k: (drawn.append(self.numel()), normal(self, *a, **k))[1])
+    for name in names:
+        full = full_parameter_init(name, cfg, seed=5)
+        column_split = name.endswith(("o_proj.weight", "down_proj.weight"))
+        per_index = full.shape[0] if column_split else full.shape[1]  # elements per row/column
+        for rank in range(4):
+            drawn.clear()
+            shard = shard_init(name, cfg, seed=5, tp_rank=rank, tp_size=4)
+            assert sum(drawn) <= shard.numel() + 2 * INIT_BLOCK * per_index, (name, rank)
+            assert sum(drawn) <= full.numel() / 2, (name, rank, sum(drawn), full.numel())

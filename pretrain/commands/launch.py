@@ -125,7 +125,9 @@ def deepspeed_env_text(env: dict[str, str] | None = None, *, names: tuple[str, .
 
 
 def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
-    """`pretrain plan` for the job's world size, then the job record in `log_dir`; the plan text.
+    """`pretrain plan --build` for the job's world size (the layout, the memory and time plan,
+    every distinct rank's module built on the meta device), then the job record in `log_dir`;
+    the plan text.
 
     The planner's dry run raises ConfigError (exit 2 in the CLI) before any rank has started, so a
     job with a bad config fails in seconds with the reason in its log instead of after start-up.
@@ -138,6 +140,7 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
                           " / `--json` for the others")
     if not args.world_size or args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: need the job's number of ranks (>= 1)")
+    args.build = not args.no_build
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         plan_command.run(args)
@@ -167,6 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan_command.add_arguments(p)  # --config / --set / --deepspeed-config / --world-size ...
     p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, "
                                                  "git_commit.txt and plan.txt here")
+    p.add_argument("--no-build", action="store_true",
+                   help="skip building every distinct rank on the meta device (plan --build)")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -10,6 +10,10 @@ Any problem is one `error:` line and exit status 2, so a Slurm script can call i
     python -m pretrain plan --config configs/llama_70b.yaml --world-size 128
     python -m pretrain plan --config configs/llama_70b.yaml --world-size 128 --json
     python -m pretrain plan --config configs/llama_70b.yaml --nodes 16 --search --top 5
+    python -m pretrain plan --config configs/llama_70b.yaml --world-size 128 --build
+
+`--build` also constructs every distinct rank's module on the meta device and checks its
+parameters against the plan (`pretrain.plan.build_check`).
 
 The planner itself is `pretrain.plan` (imported in `run`: `pretrain --help` stays light).
 """
@@ -45,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples per step for --search (default: the config's)")
     parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--build", action="store_true",
+                        help="also construct every distinct rank's module (pipeline stage x "
+                        "tensor rank) on the meta device, in a fake process group of the "
+                        "world size, and check its parameters against the plan (seconds, "
+                        "even for 70B on 128 ranks)")
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
@@ -107,14 +116,24 @@ def run(args: argparse.Namespace):
     ds, layout = dry_run(cfg, world_size=world, accelerator=args.accelerator)
     warnings = data_warnings(cfg)
     plan = estimate(cfg.model, layout, cluster)
+    builds = None
+    if args.build:
+        from pretrain.plan.build_check import build_distinct_ranks
+
+        builds = build_distinct_ranks(cfg, layout, world_size=world)
     if args.json:
         print(json.dumps({"ok": True, "config": args.config, "world_size": world,
                           "accelerator": args.accelerator, "warnings": warnings,
                           "parameters": num_parameters(cfg.model),
                           "flops_per_token": model_flops_per_token(cfg.model),
-                          "deepspeed": ds, **plan.to_dict()}))
+                          "deepspeed": ds, **plan.to_dict(),
+                          **({"builds": [b.to_dict() for b in builds]} if builds else {})}))
         return plan
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     print(format_run(plan, cfg, config_path=args.config, accelerator=args.accelerator))
+    if builds:
+        from pretrain.plan.build_check import format_builds
+
+        print(format_builds(builds))
     return plan

@@ -5,7 +5,7 @@ and pipeline stages (`PipelineModule`, or `SequentialPipeline` in one process) w
 are named by layer-spec index. `ModelForm.of(module)` says which one a module is,
 `canonical_parameters` yields its parameters under their Hugging Face names, and
 `copy_full_weights` fills them from full, unsharded tensors by those names, cutting this rank's
-tensor-parallel shard. Seeded initialisation and loading initial weights are both that copy.
+tensor-parallel shard; `init_weights` fills them with their seeded initial shards.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from deepspeed.pipe import PipelineModule
 
 from pretrain.config import ModelConfig
 from pretrain.model.hf import EMBED, LM_HEAD
-from pretrain.model.llama import LlamaModel, full_parameter_init, shard_of
+from pretrain.model.llama import LlamaModel, shard_init, shard_of
 from pretrain.model.pipeline import SequentialPipeline, pipeline_to_canonical_name
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
 
@@ -69,27 +69,34 @@ def copy_full_weights(module: nn.Module, cfg: ModelConfig,
     """Set every parameter of `module` to this rank's tensor-parallel shard (`shard_of`) of
     `full_tensor(canonical name)`, a whole tensor of the unsharded model."""
     tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
-    for name, param in canonical_parameters(module, cfg):
-        full = full_tensor(name)
-        local = shard_of(full, name, cfg=cfg, tp_rank=rank, tp_size=tp_size)
-        if local.shape != param.shape:
-            raise RuntimeError(f"{name}: local shape {tuple(param.shape)} differs from its "
-                               f"tensor-parallel shard {tuple(local.shape)} of the full "
-                               f"{tuple(full.shape)}")
-        param.copy_(local)
+    _copy_shards(module, cfg, lambda name: shard_of(full_tensor(name), name, cfg=cfg,
+                                                    tp_rank=rank, tp_size=tp_size))
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig, *, seed: int, tp_group=None) -> None:
-    """Initialise every parameter from its own generator, seeded by (seed, canonical name).
+    """Initialise every parameter from generators seeded by (seed, canonical name, block).
 
     Each value depends only on (seed, name, cfg), never on the order of construction, the device
-    or the parallel layout: the full unsharded tensor is generated on the CPU
-    (`llama.full_parameter_init`) and this rank's part copied in. Tensor-parallel ranks copy
-    their shard of it, pipeline stages initialise only the names they hold, and every layout
-    starts from bitwise the same model as a single process. Padded vocabulary rows of the
-    embedding and lm_head are 0 (they never reach the loss); the real rows do not depend on the
-    padding, so models padded for different tp sizes agree. A tied lm_head is the embedding and
-    is not drawn again.
+    or the parallel layout: `llama.shard_init` draws this rank's tensor-parallel shard block by
+    block, and the blocks are fixed, so tensor-parallel ranks hold shards of one model, pipeline
+    stages initialise only the names they hold, and every layout starts from bitwise the same
+    model as a single process, while no rank draws more than its shard (plus a block). Padded
+    vocabulary rows of the embedding and lm_head are 0 (they never reach the loss); the real
+    rows do not depend on the padding, so models padded for different tp sizes agree. A tied
+    lm_head is the embedding and is not drawn again.
     """
-    copy_full_weights(module, cfg, lambda name: full_parameter_init(name, cfg, seed=seed),
-                      tp_group=tp_group)
+    tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
+    _copy_shards(module, cfg, lambda name: shard_init(name, cfg, seed=seed, tp_rank=rank,
+                                                      tp_size=tp_size))
+
+
+def _copy_shards(module: nn.Module, cfg: ModelConfig,
+                 local_tensor: Callable[[str], torch.Tensor]) -> None:
+    """Copy `local_tensor(canonical name)`, this rank's shard, into each parameter."""
+    for name, param in canonical_parameters(module, cfg):
+        local = local_tensor(name)
+        if local.shape != param.shape:
+            raise RuntimeError(f"{name}: local shape {tuple(param.shape)} differs from its "
+                               f"tensor-parallel shard {tuple(local.shape)}")
+        with torch.no_grad():
+            param.copy_(local)

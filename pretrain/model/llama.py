@@ -342,22 +342,73 @@ def full_parameter_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     return shapes[projection]
 
 
+# Initial values are drawn in blocks of this many rows (columns for column-split matrices) along
+# a parameter's tensor-parallel dimension, each from its own generator: a rank draws only the
+# blocks its shard overlaps. Fixed, never a function of the layout.
+INIT_BLOCK = 128
+
+
 def full_parameter_init(name: str, cfg: ModelConfig, *, seed: int) -> torch.Tensor:
-    """The initial value of parameter `name`, unsharded and unpadded, in fp32 on the CPU.
+    """The initial value of parameter `name`, unsharded and unpadded, in fp32 on the CPU: every
+    tensor-parallel rank's `shard_init` is its `shard_of`, bitwise.
 
     Norm weights are 1. Every matrix is normal(0, init_std), except the output projections that
     write into the residual stream (o_proj, down_proj), whose std is init_std / sqrt(2 *
     num_layers): 2 * num_layers of them add up along the residual path, so this keeps its
     variance independent of depth (GPT-2, Megatron-LM's scaled init).
     """
-    shape = full_parameter_shape(name, cfg)
+    dim = tensor_partition_dim(name) or 0
+    return _draw_init(name, cfg, seed=seed, dim=dim,
+                      start=0, stop=full_parameter_shape(name, cfg)[dim])
+
+
+def shard_init(name: str, cfg: ModelConfig, *, seed: int, tp_rank: int,
+               tp_size: int) -> torch.Tensor:
+    """Tensor-parallel rank `tp_rank`'s shard of `full_parameter_init(name)` (padded vocabulary
+    rows 0, like `shard_of`), drawing only the `INIT_BLOCK` blocks the shard overlaps: a rank of
+    the 70B recipe draws its ~1/8 of a layer, not the whole of it."""
+    dim = tensor_partition_dim(name)
+    shape = list(full_parameter_shape(name, cfg))
+    if dim is None or tp_size == 1:
+        dim, split = (dim or 0), 1
+    else:
+        split = tp_size
+    size = cfg.padded_vocab_size(tp_size) if name in _VOCAB_MATRIX else shape[dim]
+    if size % split:
+        raise ValueError(f"{name}: dimension {dim} of {tuple(shape)} does not split into "
+                         f"{split} tensor-parallel shards")
+    start = size // split * (tp_rank if split > 1 else 0)
+    stop = start + size // split
+    real_stop = min(stop, shape[dim])  # beyond it: padded vocabulary rows, zero
+    drawn = _draw_init(name, cfg, seed=seed, dim=dim, start=min(start, real_stop),
+                       stop=real_stop)
+    padding = [0, 0] * (len(shape) - 1 - dim) + [0, stop - start - drawn.shape[dim]]
+    return F.pad(drawn, padding)
+
+
+def _draw_init(name: str, cfg: ModelConfig, *, seed: int, dim: int, start: int,
+               stop: int) -> torch.Tensor:
+    """Indices start..stop along `dim` of the unpadded initial value of `name`, drawn block by
+    block; block b comes from the generator seeded by (seed, name, b) and has `INIT_BLOCK`
+    indices along `dim` (the last one fewer)."""
+    shape = list(full_parameter_shape(name, cfg))
     if name.endswith("norm.weight"):
+        shape[dim] = stop - start
         return torch.ones(shape)
     std = cfg.init_std
     if _OUTPUT_PROJECTION.search(name):
         std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
-    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    first, last = start // INIT_BLOCK, -(-stop // INIT_BLOCK)
+    blocks = []
+    for block in range(first, last):
+        shape[dim] = min(INIT_BLOCK, full_parameter_shape(name, cfg)[dim] - block * INIT_BLOCK)
+        generator = torch.Generator().manual_seed(parameter_seed(seed, f"{name}#{block}"))
+        blocks.append(torch.empty(shape).normal_(0.0, std, generator=generator))
+    if not blocks:
+        shape[dim] = 0
+        return torch.empty(shape)
+    drawn = torch.cat(blocks, dim=dim)
+    return drawn.narrow(dim, start - first * INIT_BLOCK, stop - start).contiguous()
 
 
 def tensor_partition_dim(name: str) -> int | None:
