@@ -86,3 +86,37 @@ def test_universal_conversion_and_damaged_checkpoints(data, tmp_path, capsys):
                            str(tmp_path / "out")])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_streamed_safetensors_file_is_what_safetensors_writes(tmp_path):
+    """The writer of final/ appends one tensor at a time after a header written up front; the
+    file must read back bitwise through safetensors, and a wrong order, shape or a missing
+    tensor is refused."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pretrain.checkpoint.safetensors_stream import SafetensorsWriter
+
+    tensors = {"b.weight": torch.randn(3, 5), "a.weight": torch.randn(7).to(torch.bfloat16),
+               "empty": torch.zeros(0, 4)}
+    with SafetensorsWriter(tmp_path / "s.safetensors", {k: v.shape for k, v in tensors.items()},
+                           metadata={"step": "3"}) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+    ours = load_file(tmp_path / "s.safetensors")
+    save_file({k: v.float().contiguous() for k, v in tensors.items()}, tmp_path / "ref.safetensors")
+    reference = load_file(tmp_path / "ref.safetensors")
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[k], reference[k]) and ours[k].dtype == torch.float32 for k in ours)
+    with safe_open(tmp_path / "s.safetensors", "pt") as f:
+        assert f.metadata() == {"step": "3"}
+        assert torch.equal(f.get_slice("b.weight")[1:2], tensors["b.weight"][1:2])
+
+    with pytest.raises(ValueError, match="the header's order expects 'b.weight'"):
+        SafetensorsWriter(tmp_path / "x", {"b.weight": (3, 5), "a": (7,)}).write("a", torch.ones(7))
+    with pytest.raises(ValueError, match=r"shape \(5, 3\), the header says \(3, 5\)"):
+        SafetensorsWriter(tmp_path / "y", {"b.weight": (3, 5)}).write("b.weight", torch.ones(5, 3))
+    unfinished = SafetensorsWriter(tmp_path / "z", {"b.weight": (3, 5), "a": (7,)})
+    unfinished.write("b.weight", torch.ones(3, 5))
+    with pytest.raises(ValueError, match="1 tensors of the header were not written"):
+        unfinished.close()

@@ -280,3 +280,33 @@ def test_sequence_parallel_refuses_partitioned_pipe_activations():
     check_deepspeed_pipeline_config(
         {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}},
         sequence_parallel=True)
+
+
+def _count_real_layer_builds(rank, world_size):
+    import deepspeed
+
+    from pretrain.model import pipeline
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    real = []
+    init = DecoderLayerPipe.__init__
+
+    def counted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        real.append(not next(self.parameters()).is_meta)
+
+    DecoderLayerPipe.__init__ = counted
+    try:
+        cfg = load_config(None, ["model.preset=tiny", "model.num_layers=6"]).model
+        module = pipeline.pipeline_module(cfg, num_stages=2, partition_method="parameters")
+    finally:
+        DecoderLayerPipe.__init__ = init
+    return sum(real), len(real), sum(isinstance(f, DecoderLayerPipe) for f in module.forward_funcs)
+
+
+def test_parameters_partition_builds_only_this_stages_layers(tmp_path):
+    """DeepSpeed's "parameters" partition counts every layer: on the meta device, so each
+    rank allocates only its own stage's 3 of the 6 decoder layers."""
+    for real, built, held in run_on_ranks(_count_real_layer_builds, world_size=2,
+                                          tmp_path=tmp_path):
+        assert (real, built, held) == (3, 9, 3)  # 6 counted on meta + the 3 of its stage

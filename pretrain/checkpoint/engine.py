@@ -36,15 +36,14 @@ from deepspeed.checkpoint import ds_to_universal
 
 from pretrain.checkpoint.paths import (FINAL, MANIFEST, read_meta, step_dirs, tag_step, verify,
                                        write_latest, write_manifest)
-from pretrain.checkpoint.weights import Weights, write_final
+from pretrain.checkpoint.weights import writing_final
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
 from pretrain.dist import wait_for_io
 from pretrain.errors import CheckpointError
-from pretrain.model import ModelForm, gather_full_state_dict, tensor_parallel_group
-from pretrain.model.hf import EMBED, LM_HEAD, to_hf_state_dict
-from pretrain.model.llama import gather_tensor_parallel_state
-from pretrain.model.pipeline import stage_state_dict
+from pretrain.model import canonical_parameters, tensor_parallel_group
+from pretrain.model.hf import expected_hf_keys
+from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
 from pretrain.topology import Topology
 
 # DeepSpeed's ds_to_universal refuses a checkpoint whose client state lacks this entry.
@@ -271,41 +270,73 @@ def _check_convertible(tag_dir: Path, meta: dict[str, Any]) -> None:
 # ---- final weights -----------------------------------------------------------------------------
 def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step: int,
                main: bool) -> Path:
-    """Write `<run_dir>/final/` with the consolidated module weights (collective)."""
-    out = run_dir / FINAL
-    params = list(engine.module.parameters())
-    # Under ZeRO-3 each rank holds a shard: gather every parameter for the copy (collective),
-    # then the tensor-parallel shards (collective over the TP group), then the stages.
-    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) \
-        if hasattr(params[0], "ds_id") else contextlib.nullcontext()
-    with gather:
-        full = _gather_model(engine.module, cfg=cfg, groups=groups)
-    if main:
-        write_final(Weights(model=cfg.model, state=to_hf_state_dict(full, cfg.model),
-                            tokenizer=Path(tokenizer.path), source=str(run_dir),
-                            run_config=cfg, step=step), out)
-    wait_for_io()
-    return out
+    """Write `<run_dir>/final/` with the module weights, one tensor at a time (collective).
 
-
-def _gather_model(module, *, cfg: RunConfig, groups) -> dict[str, torch.Tensor]:
-    """The whole model's weights (Hugging Face names, unpadded) on global rank 0.
-
-    Flat model: gathered over the tensor-parallel group. Pipeline: each stage gathers its
-    tensor-parallel shards, then the first replica's stages send theirs to rank 0.
+    For each parameter in turn: under ZeRO-3 its data-parallel ranks gather it, the first
+    replica's tensor-parallel ranks of the stage holding it gather its shards, and that stage's
+    first rank sends the whole tensor to rank 0, which appends it to the file (fp32) and drops
+    it. No rank holds more than one whole tensor beyond its shard, and only tensors travel
+    (point-to-point, on the accelerator under NCCL); the stages' lists of names are the only
+    objects exchanged.
     """
-    if ModelForm.of(module) is ModelForm.FLAT:
-        return gather_full_state_dict(module)
-    tp_group = tensor_parallel_group(groups)
-    stage = gather_tensor_parallel_state(stage_state_dict(module, num_layers=cfg.model.num_layers),
-                                         cfg=cfg.model, tp_group=tp_group)
-    coords = groups.topology.my_coords
-    full: dict[str, torch.Tensor] = {}
-    if coords.tensor == 0 and coords.data == 0:  # rank 0's pipeline: one copy of every stage
-        parts = [None] * cfg.parallel.pipeline if groups.topology.rank == 0 else None
-        torch_dist.gather_object(stage, parts, dst=0, group=groups.pipeline)
-        for part in parts or []:
-            full.update(part)
-    if cfg.model.tie_embeddings and full:
-        full[LM_HEAD] = full[EMBED]
-    return full
+    m = cfg.model
+    local = dict(canonical_parameters(engine.module, m))
+    names = sorted(expected_hf_keys(m))
+    holder = _holding_stages(local, names, groups)
+    coords, topology = groups.topology.my_coords, groups.topology
+    zero3 = hasattr(next(iter(local.values())), "ds_id")
+    dtype = next(iter(local.values())).dtype
+    device = torch.device(get_accelerator().current_device_name())
+    writing = writing_final(run_dir / FINAL, shapes={n: full_parameter_shape(n, m) for n in names},
+                            run_config=cfg, tokenizer=Path(tokenizer.path), step=step,
+                            source=str(run_dir)) if main else contextlib.nullcontext()
+    with writing as writer:
+        for name in names:
+            if coords.pipeline == holder[name]:
+                full = _whole_tensor(local[name], name, m, groups=groups, zero3=zero3,
+                                     first_replica=coords.data == 0)
+                if main:
+                    writer.write(name, full)
+                elif full is not None and coords.tensor == 0:
+                    torch_dist.send(full.to(device), dst=0)
+            elif main:
+                received = torch.empty(full_parameter_shape(name, m), dtype=dtype, device=device)
+                torch_dist.recv(received, src=topology.rank_of(tensor=0, data=0,
+                                                               pipeline=holder[name]))
+                writer.write(name, received)
+    wait_for_io()
+    return run_dir / FINAL
+
+
+def _holding_stages(local: dict[str, torch.Tensor], names: list[str], groups) -> dict[str, int]:
+    """The first pipeline stage holding each name (a tied embedding is on the first and the
+    last): the stages' name lists are gathered over the pipeline group, a few KB."""
+    held: list[list[str]] = [[] for _ in range(groups.topology.pipeline)]
+    if groups.topology.pipeline > 1:
+        torch_dist.all_gather_object(held, sorted(local), group=groups.pipeline)
+    else:
+        held = [sorted(local)]
+    holder = {}
+    for stage, stage_names in enumerate(held):
+        for name in stage_names:
+            holder.setdefault(name, stage)
+    missing = [n for n in names if n not in holder]
+    if missing:
+        raise RuntimeError(f"no pipeline stage holds {missing[:3]}")
+    return holder
+
+
+def _whole_tensor(param: torch.Tensor, name: str, m, *, groups, zero3: bool,
+                  first_replica: bool) -> torch.Tensor | None:
+    """The unsharded tensor of `name` on the first replica's ranks of its stage (None on the
+    others): gathered over data parallel under ZeRO-3 (every replica joins), then over tensor
+    parallel (the first replica only)."""
+    if zero3:
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            shard = param.detach().clone()
+    else:
+        shard = param.detach()
+    if not first_replica:
+        return None
+    return gather_tensor_parallel_state({name: shard}, cfg=m,
+                                        tp_group=tensor_parallel_group(groups))[name]

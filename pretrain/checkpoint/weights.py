@@ -29,12 +29,14 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FINAL_TOKENIZER_DIR,
                                        FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
+from pretrain.checkpoint.safetensors_stream import SafetensorsWriter
 from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_config
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
@@ -88,17 +90,31 @@ def load_weights(src: str | Path) -> Weights:
 def write_final(weights: Weights, out: Path) -> Path:
     """Write `weights` as a final/ directory: model.safetensors in fp32 with Hugging Face names,
     config.yaml (the run's, or one with just the model section), the tokenizer; atomic."""
-    cfg = weights.run_config or RunConfig(model=weights.model)
-    with atomic_directory(out) as tmp:
-        tensors = {k: v.float().contiguous() for k, v in weights.state.items()}
-        save_file(tensors, str(tmp / FINAL_WEIGHTS),
-                  metadata={"step": str(weights.step), "source": weights.source})
-        cfg.save(tmp / FINAL_CONFIG)
-        if weights.tokenizer is not None and weights.tokenizer.is_dir():
-            copy_tokenizer(weights.tokenizer, tmp / FINAL_TOKENIZER_DIR)
-        elif weights.tokenizer is not None:
-            shutil.copyfile(weights.tokenizer, tmp / FINAL_TOKENIZER)
+    shapes = {name: tuple(tensor.shape) for name, tensor in weights.state.items()}
+    with writing_final(out, shapes=shapes, run_config=weights.run_config or
+                       RunConfig(model=weights.model), tokenizer=weights.tokenizer,
+                       step=weights.step, source=weights.source) as writer:
+        for name, tensor in weights.state.items():
+            writer.write(name, tensor)
     return out
+
+
+@contextlib.contextmanager
+def writing_final(out: Path, *, shapes: dict[str, tuple[int, ...]], run_config: RunConfig,
+                  tokenizer: Path | None, step: int | None,
+                  source: str) -> Iterator[SafetensorsWriter]:
+    """The one writer of final/: yields the fp32 model.safetensors writer (`shapes` in the order
+    the caller writes them), then adds config.yaml and the tokenizer; the directory appears
+    whole (`atomic_directory`) when the block ends without an error."""
+    with atomic_directory(out) as tmp:
+        with SafetensorsWriter(tmp / FINAL_WEIGHTS, shapes,
+                               metadata={"step": str(step), "source": source}) as writer:
+            yield writer
+        run_config.save(tmp / FINAL_CONFIG)
+        if tokenizer is not None and tokenizer.is_dir():
+            copy_tokenizer(tokenizer, tmp / FINAL_TOKENIZER_DIR)
+        elif tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / FINAL_TOKENIZER)
 
 
 def load_final(path: str | Path) -> Weights:

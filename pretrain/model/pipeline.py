@@ -277,6 +277,17 @@ def _deepspeed_topology(topology, *, num_stages: int, tp_group):
     return topology
 
 
+class _PipelineStages(PipelineModule):
+    """DeepSpeed's `PipelineModule`, whose "parameters" partition counts each layer's
+    parameters on the meta device: it builds every layer of the model on every rank only to
+    count them (for 70B, ~69B fp32 parameters allocated and initialised, one layer at a time,
+    on every rank, before its own stage is built)."""
+
+    def _count_layer_params(self) -> list[int]:
+        with torch.device("meta"):
+            return super()._count_layer_params()
+
+
 def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_group=None,
                     sequence_parallel: bool = False, partition_method: str = "parameters",
                     activation_checkpoint_interval: int = 0,
@@ -301,7 +312,7 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
     # no_grad: the constructor broadcasts tied weights in place; with grad mode on, autograd
     # records that c10d::broadcast_ (which has no autograd kernel) and warns in every backward
     with torch.no_grad():
-        module = PipelineModule(
+        module = _PipelineStages(
             layers=specs, num_stages=None if ds_topology else num_stages, topology=ds_topology,
             loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
             seed_layers=False, partition_method=partition_method,
