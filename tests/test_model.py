@@ -324,3 +324,15 @@ def test_a_rank_draws_only_the_blocks_of_its_shard(monkeypatch):
             shard = shard_init(name, cfg, seed=5, tp_rank=rank, tp_size=4)
             assert sum(drawn) <= shard.numel() + 2 * INIT_BLOCK * per_index, (name, rank)
             assert sum(drawn) <= full.numel() / 2, (name, rank, sum(drawn), full.numel())
+
+
+def test_attention_on_cuda_in_16_bits_may_not_fall_back_to_the_math_kernel():
+    from torch.nn.attention import SDPBackend
+
+    from pretrain.model.llama import attention_backends
+
+    for dtype in (torch.bfloat16, torch.float16):
+        allowed = attention_backends("cuda", dtype)
+        assert SDPBackend.FLASH_ATTENTION in allowed and SDPBackend.MATH not in allowed
+    assert attention_backends("cuda", torch.float32) is None  # fp32: the math kernel is legit
+    assert attention_backends("cpu", torch.bfloat16) is None

@@ -14,16 +14,17 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
-
-from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import generate_merges
 
-from pretrain.checkpoint.weights import Weights, copy_tokenizer, read_hf_dir, write_final
+from pretrain.checkpoint.safetensors_stream import SafetensorsWriter
+from pretrain.checkpoint.weights import (Weights, copy_tokenizer, read_hf_dir, tensor_shape,
+                                         write_final)
 from pretrain.config import Precision, RunConfig
 from pretrain.data import Tokenizer as OurTokenizer
 from pretrain.errors import CheckpointError
@@ -96,14 +97,21 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
                               "with the run's sentencepiece .model file")
     ours = OurTokenizer.load(weights.tokenizer)
     torch_dtype = DTYPES[Precision(dtype)]
-    state = {k: v.to(torch_dtype).contiguous() for k, v in weights.state.items()}
+    shapes = {name: tensor_shape(weights.state, name) for name in sorted(weights.state)}
+    shards = _shards(shapes, itemsize=torch_dtype.itemsize, max_bytes=parse_size(max_shard_size))
     with atomic_directory(out) as tmp:
-        split = split_torch_state_dict_into_shards(
-            state, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors")
-        for filename, names in split.filename_to_tensors.items():
-            save_file({n: state[n] for n in names}, str(tmp / filename), metadata={"format": "pt"})
-        if split.is_sharded:
-            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        weight_map = {}
+        for number, names in enumerate(shards, 1):
+            filename = "model.safetensors" if len(shards) == 1 else \
+                f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            with SafetensorsWriter(tmp / filename, {n: shapes[n] for n in names},
+                                   dtype=torch_dtype, metadata={"format": "pt"}) as writer:
+                for name in names:  # one tensor in memory at a time (lazy sources)
+                    writer.write(name, weights.state[name])
+            weight_map.update(dict.fromkeys(names, filename))
+        if len(shards) > 1:
+            total = sum(math.prod(shape) for shape in shapes.values()) * torch_dtype.itemsize
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         ids = {k: (v if v >= 0 else None) for k, v in
                (("bos_token_id", ours.bos_id), ("eos_token_id", ours.eos_id))}
@@ -112,6 +120,31 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
         config.save_pretrained(tmp)
         _export_tokenizer(weights.tokenizer, ours, tmp)
     return out
+
+
+def parse_size(text: str) -> int:
+    """Bytes of "5GB" (10^9, Hugging Face's convention), "500MiB" (2^20), "100KB", "123"."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", text, flags=re.IGNORECASE)
+    if match is None:
+        raise CheckpointError(f"--max-shard-size {text!r}: expected a size like 5GB or 500MiB")
+    unit = (match.group(2) or "B").upper()
+    scale = 1 if unit == "B" else (1024 if "I" in unit else 1000) ** ("KMGT".index(unit[0]) + 1)
+    return int(float(match.group(1)) * scale)
+
+
+def _shards(shapes: dict[str, tuple[int, ...]], *, itemsize: int,
+            max_bytes: int) -> list[list[str]]:
+    """Names in order, cut into files of at most `max_bytes` (a larger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
 
 
 def _export_tokenizer(path: Path, ours: OurTokenizer, out: Path) -> None:

@@ -1,4 +1,4 @@
-"""A safetensors file written one tensor at a time.
+"""safetensors files written and read one tensor at a time.
 
 `safetensors.torch.save_file` takes the whole state dict at once: for a 70B model that is every
 tensor in memory on the writing rank. The format needs no such thing (8 bytes of header length,
@@ -6,14 +6,18 @@ a JSON header of names, dtypes, shapes and byte offsets, then the tensors' bytes
 and the shapes of a checkpoint are known before its first tensor arrives, so `SafetensorsWriter`
 writes the header first and then each tensor as it comes: the writer holds one tensor at a time.
 The file is what `safetensors` itself writes and reads (`safe_open`, `load_file`, transformers).
+`LazyTensors` is the reading side: a mapping over safetensors files that reads a tensor when it
+is asked for, so copying a checkpoint into a model, or into another file, holds one tensor.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
+from safetensors import safe_open
 
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -26,7 +30,7 @@ class SafetensorsWriter:
         self.path, self.dtype = Path(path), dtype
         self._order = list(shapes)
         self._shapes = {name: tuple(shape) for name, shape in shapes.items()}
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         header: dict[str, object] = {"__metadata__": dict(metadata or {})}
         offset = 0
         for name in self._order:
@@ -74,3 +78,41 @@ def _numel(shape: Sequence[int]) -> int:
     for dim in shape:
         n *= dim
     return n
+
+
+class LazyTensors(Mapping):
+    """{name: tensor} of safetensors files, each tensor read from disk when it is looked up.
+
+    Opening reads only the headers (a damaged or truncated file fails here, as safetensors
+    checks that the offsets cover the file); `shape(name)` needs no data.
+    """
+
+    def __init__(self, files: Sequence[Path], *, skip: Callable[[str], bool] = lambda name: False):
+        self._file: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for file in files:
+            with safe_open(str(file), "pt") as handle:
+                for name in handle.keys():
+                    if not skip(name):
+                        self._file[name] = Path(file)
+                        self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._file[name]), "pt") as handle:
+            return handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def slice(self, name: str, *, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices start..stop of `name` along `dim`, read without the rest of the tensor."""
+        index = tuple(slice(start, stop) if d == dim else slice(None)
+                      for d in range(len(self._shapes[name])))
+        with safe_open(str(self._file[name]), "pt") as handle:
+            return handle.get_slice(name)[index]

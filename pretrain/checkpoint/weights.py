@@ -27,23 +27,25 @@ import io
 import json
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors.torch import load_file
 
 from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FINAL_TOKENIZER_DIR,
                                        FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
-from pretrain.checkpoint.safetensors_stream import SafetensorsWriter
+from pretrain.checkpoint.safetensors_stream import LazyTensors, SafetensorsWriter
 from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_config
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
 from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
                                expected_hf_keys, model_fields_from_hf_config)
-from pretrain.model.llama import full_parameter_shape, tensor_partition_dim
-from pretrain.model import copy_full_weights
+from pretrain.model.form import copy_full_weights, copy_shards
+from pretrain.model.llama import (ShardRange, full_parameter_shape, shard_range,
+                                  tensor_partition_dim)
+from pretrain.model.tensor_parallel import tp_rank, tp_world_size
 from pretrain.model.pipeline import pipeline_to_canonical_name
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
@@ -57,7 +59,8 @@ class Weights:
     """A model's whole weights, whatever checkpoint they came from."""
 
     model: ModelConfig
-    state: dict[str, torch.Tensor]  # Hugging Face state dict: vocab_size rows, tied head once
+    # Hugging Face names, vocab_size rows, tied head once; safetensors sources are read lazily
+    state: Mapping[str, torch.Tensor]
     tokenizer: Path | None  # sentencepiece .model file or Hugging Face tokenizer directory
     source: str  # what was read, for messages
     run_config: RunConfig | None = None  # the training run's config (None for Hugging Face dirs)
@@ -128,11 +131,7 @@ def load_final(path: str | Path) -> Weights:
                               f"{FINAL_CONFIG}): pass <run_dir> or <run_dir>/final of a "
                               "finished run")
     cfg = load_config(path / FINAL_CONFIG)
-    try:
-        state = load_file(str(weights))
-    except Exception as exc:  # safetensors raises its own error types for damaged files
-        raise CheckpointError(f"{str(weights)!r} cannot be read ({exc}): the file is damaged "
-                              "or incomplete") from None
+    state = _lazy_tensors([weights])
     tokenizer = next((p for p in (path / FINAL_TOKENIZER, path / FINAL_TOKENIZER_DIR)
                       if p.exists()), None)
     return Weights(model=cfg.model, state=state, run_config=cfg, source=str(path),
@@ -150,15 +149,16 @@ def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
 
 # ---- Hugging Face directories ------------------------------------------------------------------
 def read_hf_dir(path: Path) -> Weights:
-    """The weights, model config and tokenizer of a Hugging Face Llama directory."""
+    """The weights (read lazily), model config and tokenizer of a Hugging Face Llama directory."""
     try:
         hf_config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / 'config.json'} cannot be read: {exc}") from None
     cfg = ModelConfig(**model_fields_from_hf_config(hf_config, source=str(path)))
-    state = {k: v for k, v in _read_hf_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_embeddings:
-        state.pop(LM_HEAD, None)  # some tied checkpoints store the head too: it is the embedding
+    # some tied checkpoints store the head too: it is the embedding
+    state = _lazy_tensors([path / f for f in _hf_weight_files(path)],
+                          skip=lambda k: k.endswith("rotary_emb.inv_freq")
+                          or (cfg.tie_embeddings and k == LM_HEAD))
     check_shapes(state, cfg, source=str(path))
     tokenizer = path / "tokenizer.model" if (path / "tokenizer.model").is_file() else (
         path if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -166,30 +166,37 @@ def read_hf_dir(path: Path) -> Weights:
     return Weights(model=cfg, state=state, tokenizer=tokenizer, source=str(path))
 
 
-def _read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _hf_weight_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json: "
-                              "save the model with save_pretrained(safe_serialization=True)")
-    state = {}
-    for name in files:
-        try:
-            state.update(load_file(str(path / name)))
-        except Exception as exc:  # safetensors raises its own error types for damaged files
-            raise CheckpointError(f"{path / name} cannot be read ({exc})") from None
-    return state
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (path / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json: "
+                          "save the model with save_pretrained(safe_serialization=True)")
 
 
-def check_shapes(state: dict[str, torch.Tensor], cfg: ModelConfig, *, source: str) -> None:
-    """`CheckpointError` unless `state` has exactly the tensors of `cfg`, with their shapes."""
+def _lazy_tensors(files: list[Path], **options) -> LazyTensors:
+    try:
+        return LazyTensors(files, **options)
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise CheckpointError(f"{', '.join(map(str, files))} cannot be read ({exc}): damaged "
+                              "or incomplete") from None
+
+
+def tensor_shape(state: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """The shape of `state[name]`, from the file's header when `state` is lazy."""
+    return state.shape(name) if isinstance(state, LazyTensors) else tuple(state[name].shape)
+
+
+def check_shapes(state: Mapping[str, torch.Tensor], cfg: ModelConfig, *, source: str) -> None:
+    """`CheckpointError` unless `state` has exactly the tensors of `cfg`, with their shapes
+    (read from the headers when `state` is lazy)."""
     check_keys(set(state), expected_hf_keys(cfg), source)
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != full_parameter_shape(name, cfg):
-            raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)} but its "
+    for name in state:
+        shape = tensor_shape(state, name)
+        if shape != full_parameter_shape(name, cfg):
+            raise CheckpointError(f"{source}: {name} has shape {shape} but its "
                                   f"config gives {full_parameter_shape(name, cfg)}")
 
 
@@ -356,10 +363,26 @@ def _engine_tokenizer(info: dict, *, step_dir: Path, cfg: RunConfig) -> Path | N
 def load_initial_weights(model: torch.nn.Module, *, cfg: ModelConfig, tp_group=None) -> str:
     """Copy the weights of `cfg.init_from` into this rank's part of `model` (a `LlamaModel` or
     a pipeline stage) before DeepSpeed wraps it, after checking the architecture fits the run's
-    config; returns the source read. Every rank reads the whole checkpoint and takes its
-    `shard_of` each tensor."""
+    config; returns the source read. From a safetensors source (final/, a Hugging Face
+    directory) each rank reads only its tensor-parallel shard of each tensor; an engine
+    checkpoint is consolidated first."""
     weights = load_weights(cfg.init_from)
     check_same_architecture(weights.model, cfg, source=weights.source)
     check_shapes(weights.state, cfg, source=weights.source)
-    copy_full_weights(model, cfg, lambda name: weights.state[name].float(), tp_group=tp_group)
+    if isinstance(weights.state, LazyTensors):  # read only this rank's rows or columns
+        tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
+        copy_shards(model, cfg, lambda name: _read_shard(
+            weights.state, name, shard_range(name, cfg, tp_rank=rank, tp_size=tp_size)))
+    else:
+        copy_full_weights(model, cfg, lambda name: weights.state[name].float(),
+                          tp_group=tp_group)
     return weights.source
+
+
+def _read_shard(state: LazyTensors, name: str, part: ShardRange) -> torch.Tensor:
+    """A tensor-parallel shard read from its file (padded vocabulary rows zero)."""
+    out = torch.zeros(part.shape)
+    if part.real_stop > part.start:
+        out.narrow(part.dim, 0, part.real_stop - part.start).copy_(
+            state.slice(name, dim=part.dim, start=part.start, stop=part.real_stop))
+    return out

@@ -69,7 +69,7 @@ def copy_full_weights(module: nn.Module, cfg: ModelConfig,
     """Set every parameter of `module` to this rank's tensor-parallel shard (`shard_of`) of
     `full_tensor(canonical name)`, a whole tensor of the unsharded model."""
     tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
-    _copy_shards(module, cfg, lambda name: shard_of(full_tensor(name), name, cfg=cfg,
+    copy_shards(module, cfg, lambda name: shard_of(full_tensor(name), name, cfg=cfg,
                                                     tp_rank=rank, tp_size=tp_size))
 
 
@@ -86,12 +86,12 @@ def init_weights(module: nn.Module, cfg: ModelConfig, *, seed: int, tp_group=Non
     lm_head is the embedding and is not drawn again.
     """
     tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
-    _copy_shards(module, cfg, lambda name: shard_init(name, cfg, seed=seed, tp_rank=rank,
+    copy_shards(module, cfg, lambda name: shard_init(name, cfg, seed=seed, tp_rank=rank,
                                                       tp_size=tp_size))
 
 
-def _copy_shards(module: nn.Module, cfg: ModelConfig,
-                 local_tensor: Callable[[str], torch.Tensor]) -> None:
+def copy_shards(module: nn.Module, cfg: ModelConfig,
+                local_tensor: Callable[[str], torch.Tensor]) -> None:
     """Copy `local_tensor(canonical name)`, this rank's shard, into each parameter."""
     for name, param in canonical_parameters(module, cfg):
         local = local_tensor(name)

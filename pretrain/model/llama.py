@@ -34,14 +34,17 @@ state dict. Every projection is built by the factories of `pretrain.model.layers
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from deepspeed.accelerator import get_accelerator
 
 from pretrain.config import ModelConfig, Recompute
@@ -115,10 +118,22 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.transpose(1, 2)  # (B, nkv, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
+        backends = attention_backends(q.device.type, q.dtype)
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
         return self.o_proj(y)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
+
+
+def attention_backends(device_type: str, dtype: torch.dtype) -> list[SDPBackend] | None:
+    """The SDPA kernels attention may use. On CUDA in 16 bits only the fused ones: a silent
+    fallback to the math kernel (T x T scores in memory, several times slower) then fails
+    loudly instead. Elsewhere (CPU, fp32) whatever SDPA picks: None."""
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.CUDNN_ATTENTION]
+    return None
 
 
 class MLP(nn.Module):
@@ -358,57 +373,75 @@ def full_parameter_init(name: str, cfg: ModelConfig, *, seed: int) -> torch.Tens
     variance independent of depth (GPT-2, Megatron-LM's scaled init).
     """
     dim = tensor_partition_dim(name) or 0
-    return _draw_init(name, cfg, seed=seed, dim=dim,
-                      start=0, stop=full_parameter_shape(name, cfg)[dim])
+    out = torch.empty(full_parameter_shape(name, cfg))
+    _draw_init(name, cfg, seed=seed, dim=dim, start=0, out=out)
+    return out
 
 
 def shard_init(name: str, cfg: ModelConfig, *, seed: int, tp_rank: int,
                tp_size: int) -> torch.Tensor:
     """Tensor-parallel rank `tp_rank`'s shard of `full_parameter_init(name)` (padded vocabulary
     rows 0, like `shard_of`), drawing only the `INIT_BLOCK` blocks the shard overlaps: a rank of
-    the 70B recipe draws its ~1/8 of a layer, not the whole of it."""
+    the 70B recipe draws its ~1/8 of a layer, not the whole of it. Holds the shard and one
+    block."""
+    part = shard_range(name, cfg, tp_rank=tp_rank, tp_size=tp_size)
+    out = torch.zeros(part.shape)
+    if part.real_stop > part.start:
+        _draw_init(name, cfg, seed=seed, dim=part.dim, start=part.start,
+                   out=out.narrow(part.dim, 0, part.real_stop - part.start))
+    return out
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """Where a tensor-parallel shard lies in its full tensor: indices start..stop along dim,
+    of which those from real_stop on are padded vocabulary rows (zero, in no checkpoint)."""
+
+    dim: int
+    start: int
+    stop: int
+    real_stop: int
+    shape: tuple[int, ...]  # the shard's
+
+
+def shard_range(name: str, cfg: ModelConfig, *, tp_rank: int, tp_size: int) -> ShardRange:
+    """`ShardRange` of rank `tp_rank`'s shard of parameter `name` (what `shard_of` cuts)."""
     dim = tensor_partition_dim(name)
     shape = list(full_parameter_shape(name, cfg))
-    if dim is None or tp_size == 1:
-        dim, split = (dim or 0), 1
-    else:
-        split = tp_size
+    split = 1 if dim is None or tp_size == 1 else tp_size
+    dim = dim or 0
     size = cfg.padded_vocab_size(tp_size) if name in _VOCAB_MATRIX else shape[dim]
     if size % split:
         raise ValueError(f"{name}: dimension {dim} of {tuple(shape)} does not split into "
                          f"{split} tensor-parallel shards")
     start = size // split * (tp_rank if split > 1 else 0)
     stop = start + size // split
-    real_stop = min(stop, shape[dim])  # beyond it: padded vocabulary rows, zero
-    drawn = _draw_init(name, cfg, seed=seed, dim=dim, start=min(start, real_stop),
-                       stop=real_stop)
-    padding = [0, 0] * (len(shape) - 1 - dim) + [0, stop - start - drawn.shape[dim]]
-    return F.pad(drawn, padding)
+    shape[dim] = stop - start
+    real_stop = min(stop, full_parameter_shape(name, cfg)[dim])
+    return ShardRange(dim=dim, start=start, stop=stop, real_stop=real_stop, shape=tuple(shape))
 
 
 def _draw_init(name: str, cfg: ModelConfig, *, seed: int, dim: int, start: int,
-               stop: int) -> torch.Tensor:
-    """Indices start..stop along `dim` of the unpadded initial value of `name`, drawn block by
-    block; block b comes from the generator seeded by (seed, name, b) and has `INIT_BLOCK`
-    indices along `dim` (the last one fewer)."""
-    shape = list(full_parameter_shape(name, cfg))
+               out: torch.Tensor) -> None:
+    """Fill `out` with indices start..start + out.shape[dim] along `dim` of the unpadded
+    initial value of `name`, block by block; block b comes from the generator seeded by (seed,
+    name, b) and has `INIT_BLOCK` indices along `dim` (the last one fewer)."""
     if name.endswith("norm.weight"):
-        shape[dim] = stop - start
-        return torch.ones(shape)
+        out.fill_(1.0)
+        return
     std = cfg.init_std
     if _OUTPUT_PROJECTION.search(name):
         std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
-    first, last = start // INIT_BLOCK, -(-stop // INIT_BLOCK)
-    blocks = []
-    for block in range(first, last):
-        shape[dim] = min(INIT_BLOCK, full_parameter_shape(name, cfg)[dim] - block * INIT_BLOCK)
+    full = list(full_parameter_shape(name, cfg))
+    stop = start + out.shape[dim]
+    for block in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
+        first = block * INIT_BLOCK
+        shape = full.copy()
+        shape[dim] = min(INIT_BLOCK, full[dim] - first)
         generator = torch.Generator().manual_seed(parameter_seed(seed, f"{name}#{block}"))
-        blocks.append(torch.empty(shape).normal_(0.0, std, generator=generator))
-    if not blocks:
-        shape[dim] = 0
-        return torch.empty(shape)
-    drawn = torch.cat(blocks, dim=dim)
-    return drawn.narrow(dim, start - first * INIT_BLOCK, stop - start).contiguous()
+        values = torch.empty(shape).normal_(0.0, std, generator=generator)
+        lo, hi = max(start, first), min(stop, first + shape[dim])
+        out.narrow(dim, lo - start, hi - lo).copy_(values.narrow(dim, lo - first, hi - lo))
 
 
 def tensor_partition_dim(name: str) -> int | None:

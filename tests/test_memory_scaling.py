@@ -1,0 +1,118 @@
+"""Host memory each rank adds scales with its own shard, not with the model.
+
+A wide model (hidden 1024, vocab 32000: 88M parameters, 352 MB in fp32, the embedding 131 MB)
+is built, initialised and loaded from a final/ directory (`model.init_from`) on 1, 2 and 4
+tensor-parallel ranks, and exported offline. Each phase's peak resident memory is measured from
+the process (Linux's VmHWM, reset through /proc/self/clear_refs before the phase) and must stay
+within 1.5 x the rank's shard + one whole tensor (the largest): reading the whole checkpoint on
+every rank, or drawing and keeping whole tensors, would exceed it.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from pretrain.config import RunConfig, load_config
+from pretrain.testing.ranks import run_on_ranks
+from pretrain.testing.runs import REPO
+
+WIDE = ["model.preset=tiny", "model.hidden_size=1024", "model.num_heads=16",
+        "model.num_kv_heads=4", "model.ffn_hidden_size=2816", "model.vocab_size=32000",
+        "model.num_layers=2", "model.tie_embeddings=false"]
+MB = 2**20
+
+
+def _status_kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _peak_added(phase) -> int:
+    """Bytes the peak resident memory rose above the resident memory before `phase()`."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := the current resident size
+    before = _status_kb("VmRSS")
+    phase()
+    return (_status_kb("VmHWM") - before) * 1024
+
+
+def _largest_tensor_bytes(cfg) -> int:
+    from pretrain.model.hf import expected_hf_keys
+    from pretrain.model.llama import full_parameter_shape
+
+    return max(math.prod(full_parameter_shape(n, cfg)) for n in expected_hf_keys(cfg)) * 4
+
+
+def _build_and_load(rank: int, world_size: int, final_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from pretrain.checkpoint.weights import load_initial_weights
+    from pretrain.model import build_model
+
+    cfg = load_config(None, WIDE + [f"model.init_from={final_dir}"]).model
+    group = dist.group.WORLD if world_size > 1 else None
+    model = []
+    build = _peak_added(lambda: model.append(build_model(cfg, seed=1, tp_group=group)))
+    load = _peak_added(lambda: load_initial_weights(model[0], cfg=cfg, tp_group=group))
+    shard = sum(p.numel() * p.element_size() for p in model[0].parameters())
+    return {"build": build, "load": load, "shard": shard}
+
+
+@pytest.fixture(scope="module")
+def wide_final(tmp_path_factory):
+    """final/ of the wide model, written one tensor at a time."""
+    from pretrain.checkpoint.weights import writing_final
+    from pretrain.model.hf import expected_hf_keys
+    from pretrain.model.llama import full_parameter_init, full_parameter_shape
+
+    cfg = load_config(None, WIDE).model
+    out = tmp_path_factory.mktemp("wide") / "final"
+    names = sorted(expected_hf_keys(cfg))
+    with writing_final(out, shapes={n: full_parameter_shape(n, cfg) for n in names},
+                       run_config=RunConfig(model=cfg), tokenizer=None, step=0,
+                       source="test") as writer:
+        for name in names:
+            writer.write(name, full_parameter_init(name, cfg, seed=1))
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_construction_and_init_from_add_about_a_shard_per_rank(tp, wide_final, tmp_path):
+    cfg = load_config(None, WIDE).model
+    largest = _largest_tensor_bytes(cfg)
+    for rank, used in enumerate(run_on_ranks(_build_and_load, world_size=tp, tmp_path=tmp_path,
+                                             args=(str(wide_final),))):
+        limit = 1.5 * used["shard"] + largest
+        assert used["build"] <= limit, (rank, {k: v / MB for k, v in used.items()}, limit / MB)
+        # the weights are allocated already: loading adds at most a tensor and its shard
+        assert used["load"] <= 0.5 * used["shard"] + largest, (rank, used, largest)
+
+
+def test_offline_export_holds_one_tensor(wide_final, tiny_data, tmp_path):
+    """`export-hf` of a final/ directory (bf16, sharded): the peak is one tensor and its copy,
+    not the 352 MB model."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from test_memory_scaling import _peak_added\n"
+            "from pretrain.checkpoint.weights import load_weights\n"
+            "import pathlib\n"
+            "import pretrain.checkpoint.hf as hf\n"
+            f"weights = load_weights({str(wide_final)!r})\n"
+            f"weights.tokenizer = pathlib.Path({tiny_data['tokenizer']!r})\n"
+            f"added = _peak_added(lambda: hf.export_hf(weights, pathlib.Path("
+            f"{str(tmp_path / 'hf')!r}), dtype='bf16', max_shard_size='100MB'))\n"
+            "print(added)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    added = int(run.stdout.split()[-1])
+    cfg = load_config(None, WIDE).model
+    assert added <= 2 * _largest_tensor_bytes(cfg), added / MB
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) >= 3
