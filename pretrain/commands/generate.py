@@ -17,6 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--device", default="auto",
+                        help="cuda, cpu, or auto: the GPU when there is one (default)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="auto: bf16 on a GPU, fp32 on the CPU (bf16 matmuls are much "
+                             "slower than fp32 on CPUs without bf16 instructions)")
     parser.add_argument("--print-ids", action="store_true",
                         help="also print the generated token ids (for exact comparisons)")
 
@@ -26,7 +31,7 @@ def run(args: argparse.Namespace) -> None:
 
     text, ids = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                         tokenizer=args.tokenizer)
+                         tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
     sys.stdout.write(args.prompt + text + "\n")
     if args.print_ids:
         sys.stdout.write("ids: " + " ".join(map(str, ids)) + "\n")

@@ -107,7 +107,10 @@ class Attention(nn.Module):
         self.o_proj = row_linear(cfg.num_heads * hd, h, tp_group=tp_group,
                                  sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """`cache` (generation only): keys and values of the positions before x's, extended
+        here; x is then the whole prompt (empty cache) or one new token."""
         # (B, T, C) on every TP rank; under sequence parallelism gathered from (B, T/tp, C)
         x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         B, T, _ = x.shape
@@ -118,12 +121,34 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.transpose(1, 2)  # (B, nkv, T, hd)
+        causal = True
+        if cache is not None:
+            k, v, causal = cache.extend(k, v)  # (B, nkv, past + T, hd)
         backends = attention_backends(q.device.type, q.dtype)
         with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
         return self.o_proj(y)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
+
+
+class LayerCache:
+    """One layer's keys and values (B, nkv, positions, hd) of the tokens generated so far."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(all keys, all values, causal mask needed) after appending the new positions."""
+        if self.keys is None:  # the prompt: causal among its own positions
+            self.keys, self.values = k, v
+            return k, v, True
+        if k.shape[2] != 1:
+            raise ValueError("with a KV cache, decode one token at a time after the prompt")
+        self.keys = torch.cat((self.keys, k), dim=2)
+        self.values = torch.cat((self.values, v), dim=2)
+        return self.keys, self.values, False  # one query sees every earlier position
 
 
 def attention_backends(device_type: str, dtype: torch.dtype) -> list[SDPBackend] | None:
@@ -165,8 +190,9 @@ class DecoderLayer(nn.Module):
                                                 sequence_parallel_group=norm_group)
         self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -233,23 +259,39 @@ class LlamaModel(nn.Module):
             return index % self.cfg.activation_checkpointing_interval == 0
         return False
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor,
+                      cache: list[LayerCache] | None = None) -> torch.Tensor:
         """Final-norm hidden states (B, T, C) of token ids (B, T); under sequence parallelism
-        this rank's shard (B, T/tp, C) of them."""
+        this rank's shard (B, T/tp, C) of them. With `cache` (generation, one per layer) the ids
+        continue the cached positions."""
         T = input_ids.shape[1]
         if self.sequence_parallel and T % self.tensor_parallel:
             raise ValueError(f"sequence parallelism splits each sequence over the "
                              f"{self.tensor_parallel} tensor-parallel ranks, but it has {T} "
                              f"tokens: use a sequence length divisible by {self.tensor_parallel}")
         x = self.model.embed_tokens(input_ids)  # (B, T, C), or (B, T/tp, C) under SP
-        cos, sin = self.model.rotary_emb(T, x.dtype)  # (T, hd) each
+        past = 0 if cache is None or cache[0].keys is None else cache[0].keys.shape[2]
+        cos, sin = self.model.rotary_emb(past + T, x.dtype)  # (past + T, hd) each
+        cos, sin = cos[past:], sin[past:]
         checkpointing = torch.is_grad_enabled()  # nothing to save for backward otherwise
         for i, layer in enumerate(self.model.layers):
             if checkpointing and self.recomputes_layer(i):
                 x = self.checkpoint_fn(layer, x, cos, sin)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, None if cache is None else cache[i])
         return self.model.norm(x)
+
+    def _last_hidden_recomputed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last position's hidden state (B, C), the last `seq_length` tokens run again."""
+        context = ids[:, -self.cfg.seq_length:]
+        T = context.shape[1]
+        if self.sequence_parallel:  # pad on the right to a multiple of tp: causal attention
+            pad = -T % self.tensor_parallel  # keeps positions < T exact
+            context = F.pad(context, (0, pad))
+        hidden = self.hidden_states(context)
+        if self.sequence_parallel:
+            hidden = gather_from_sequence(hidden, self.tp_group)  # (B, T + pad, C)
+        return hidden[:, T - 1]
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard (B, T, V_padded/tp) of the logits of `hidden_states`."""
@@ -270,8 +312,9 @@ class LlamaModel(nn.Module):
         """Append up to `max_new_tokens` tokens to input_ids (B, T); returns (B, T + new).
 
         temperature 0 is greedy; otherwise sample from softmax(logits / temperature), restricted
-        to the `top_k` most likely tokens if given. No KV cache: each step recomputes the prefix,
-        truncated to the last `seq_length` tokens (the rotary table's length). A row that produced
+        to the `top_k` most likely tokens if given. Keys and values are cached: the prompt is run
+        once, then one token per step. Past `seq_length` tokens (the rotary table's length), and
+        under sequence parallelism, each step recomputes the last `seq_length`. A row that produced
         `eos_id` keeps producing it; generation stops when every row has. Under tensor
         parallelism every rank of the group calls it with the same arguments (and generator
         state) and gets the same tokens.
@@ -279,16 +322,14 @@ class LlamaModel(nn.Module):
         vocab = self.cfg.vocab_size
         ids = input_ids
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        cache = None if self.sequence_parallel else [LayerCache() for _ in self.model.layers]
+        cached = 0  # positions in the cache
         for _ in range(max_new_tokens):
-            context = ids[:, -self.cfg.seq_length:]
-            T = context.shape[1]
-            if self.sequence_parallel:  # pad on the right to a multiple of tp: causal attention
-                pad = -T % self.tensor_parallel  # keeps positions < T exact
-                context = F.pad(context, (0, pad))
-            hidden = self.hidden_states(context)
-            if self.sequence_parallel:
-                hidden = gather_from_sequence(hidden, self.tp_group)  # (B, T + pad, C)
-            last = hidden[:, T - 1]  # (B, C)
+            if cache is not None and ids.shape[1] <= self.cfg.seq_length:
+                last = self.hidden_states(ids[:, cached:], cache)[:, -1]  # (B, C)
+                cached = ids.shape[1]
+            else:
+                last = self._last_hidden_recomputed(ids)
             logits = gather_from_tp(self.lm_head(last), self.tp_group)[:, :vocab].float()  # (B, V)
             if temperature == 0.0:
                 next_ids = logits.argmax(dim=-1)  # (B,)
