@@ -36,8 +36,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     """Weight decay on matrices (linears, embeddings), none on vectors (RMSNorm gains)."""
     decay, no_decay = [], []
     for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+        if p.requires_grad:  # a ZeRO-3 parameter's data is its partition: ds_shape is its shape
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
@@ -53,8 +53,8 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
                  main: bool) -> deepspeed.DeepSpeedEngine:
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
     `model.init_from` when set. `ds_config` is the resolved DeepSpeed config. Collective."""
-    model = build_for_layout(cfg, groups)
-    if cfg.model.init_from:  # before DeepSpeed partitions (ZeRO-3) or copies the weights
+    model = build_for_layout(cfg, groups, ds_config=ds_config)
+    if cfg.model.init_from:  # one parameter at a time (gathered under ZeRO-3), before the engine
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         telemetry.log(f"[init] weights from {source}", main=main)
     flat = ModelForm.of(model) is ModelForm.FLAT

@@ -6,6 +6,11 @@ tensor-parallel ranks, and exported offline. Each phase's peak resident memory i
 the process (Linux's VmHWM, reset through /proc/self/clear_refs before the phase) and must stay
 within 1.5 x the rank's shard + one whole tensor (the largest): reading the whole checkpoint on
 every rank, or drawing and keeping whole tensors, would exceed it.
+
+The ranks run with glibc's mmap threshold fixed at 64 KiB (`MALLOC_MMAP_THRESHOLD_`), so a freed
+tensor goes back to the operating system and the resident size is what the process holds. With
+glibc's adaptive threshold, memory freed to the heap stays resident: building a model inside
+`deepspeed.zero.Init` (each layer allocated whole, then partitioned) then shows ~2x its peak.
 """
 from __future__ import annotations
 
@@ -66,6 +71,11 @@ def _build_and_load(rank: int, world_size: int, final_dir: str) -> dict:
     return {"build": build, "load": load, "shard": shard}
 
 
+@pytest.fixture(autouse=True)
+def _freed_memory_returns_to_the_os(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by every process started now
+
+
 @pytest.fixture(scope="module")
 def wide_final(tmp_path_factory):
     """final/ of the wide model, written one tensor at a time."""
@@ -116,3 +126,89 @@ def test_offline_export_holds_one_tensor(wide_final, tiny_data, tmp_path):
     cfg = load_config(None, WIDE).model
     assert added <= 2 * _largest_tensor_bytes(cfg), added / MB
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) >= 3
+
+
+# Many layers, a small vocabulary: the largest tensor is a small part of the model (425 MB).
+DEEP = ["model.preset=tiny", "model.hidden_size=1024", "model.num_heads=16", "model.num_kv_heads=4",
+        "model.ffn_hidden_size=2816", "model.vocab_size=8000", "model.num_layers=8",
+        "model.tie_embeddings=false"]
+
+
+def _build_under_zero3(rank: int, world_size: int) -> dict:
+    import deepspeed
+
+    from pretrain.ds_config import resolve_ds_config
+    from pretrain.model.build import build_for_layout
+    from pretrain.topology import Topology
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    cfg = load_config(None, DEEP + ["deepspeed=ds_configs/zero3.json", "train.precision=fp32",
+                                    "train.micro_batch_size=1",
+                                    f"train.global_batch_size={world_size}"])
+    ds = resolve_ds_config(cfg, world_size=world_size)
+    groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
+                                           rank=rank).create_groups()
+    model = []
+    build = _peak_added(lambda: model.append(build_for_layout(cfg, groups, ds_config=ds)))
+    partition = sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
+                    for p in model[0].parameters())
+    return {"build": build, "partition": partition}
+
+
+def test_zero3_construction_adds_a_partition_per_rank(tmp_path):
+    """Under ZeRO-3 the model is built inside deepspeed.zero.Init and initialised one gathered
+    parameter at a time: each of 4 data-parallel ranks adds about its quarter of the 425 MB
+    model, plus DeepSpeed's gather of one whole parameter (on gloo two copies of it: the
+    gathered pieces and their concatenation). Building the whole model first would add 425 MB."""
+    from pretrain.arithmetic import num_parameters
+
+    cfg = load_config(None, DEEP).model
+    largest, whole = _largest_tensor_bytes(cfg), 4 * num_parameters(cfg)
+    for rank, used in enumerate(run_on_ranks(_build_under_zero3, world_size=4, tmp_path=tmp_path)):
+        assert abs(used["partition"] - whole / 4) < 0.01 * whole, (rank, used, whole)
+        assert used["build"] <= 1.5 * used["partition"] + 2 * largest < 0.6 * whole, (
+            rank, {k: v / MB for k, v in used.items()}, largest / MB)
+
+
+def _save_final(rank: int, world_size: int, out_dir: str, tokenizer: str) -> dict:
+    import types
+    from pathlib import Path
+
+    import deepspeed
+
+    from pretrain.checkpoint.engine import save_final
+    from pretrain.dist import create_io_group
+    from pretrain.model.build import build_for_layout
+    from pretrain.topology import Topology
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    create_io_group(timeout_minutes=5)
+    cfg = load_config(None, WIDE + [f"parallel.tensor={world_size}", "train.precision=fp32"])
+    groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
+                                           rank=rank).create_groups()
+    model = build_for_layout(cfg, groups)
+    engine = types.SimpleNamespace(module=model)  # save_final reads only the module
+    saved = _peak_added(lambda: save_final(
+        engine, cfg=cfg, groups=groups, tokenizer=types.SimpleNamespace(path=tokenizer),
+        run_dir=Path(out_dir), step=1, main=rank == 0))
+    shard = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"save": saved, "shard": shard}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_final_save_adds_about_one_tensor_per_rank(tp, tiny_data, tmp_path):
+    """final/ of the wide model, written from tensor-parallel ranks: each parameter is gathered,
+    sent and written alone. Gathering the whole model on a rank would add 352 MB (and
+    gather_object's pickles twice that)."""
+    from safetensors import safe_open
+
+    cfg = load_config(None, WIDE).model
+    largest = _largest_tensor_bytes(cfg)
+    used = run_on_ranks(_save_final, world_size=tp, tmp_path=tmp_path,
+                        args=(str(tmp_path / "run"), tiny_data["tokenizer"]))
+    for rank, u in enumerate(used):
+        # gathering one tensor over tp ranks holds its pieces and their concatenation
+        assert u["save"] <= 0.5 * u["shard"] + 2 * largest, (rank, u, largest)
+    with safe_open(str(tmp_path / "run" / "final" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_shape() == [32000, 1024]
+        assert f.metadata() == {"step": "1", "source": str(tmp_path / "run")}

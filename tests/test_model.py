@@ -336,3 +336,13 @@ def test_attention_on_cuda_in_16_bits_may_not_fall_back_to_the_math_kernel():
         assert SDPBackend.FLASH_ATTENTION in allowed and SDPBackend.MATH not in allowed
     assert attention_backends("cuda", torch.float32) is None  # fp32: the math kernel is legit
     assert attention_backends("cpu", torch.bfloat16) is None
+
+
+def test_a_shard_of_only_padded_vocabulary_rows_is_zero():
+    """vocab 300 padded to 512 rows for tp 4: rank 3's rows 384-511 are all padding."""
+    cfg = tiny_cfg(vocab_size=300)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        shard = shard_init(name, cfg, seed=1, tp_rank=3, tp_size=4)
+        assert shard.shape == (128, cfg.hidden_size) and not shard.any()
+        assert torch.equal(shard_init(name, cfg, seed=1, tp_rank=2, tp_size=4)[:300 - 256],
+                           full_parameter_init(name, cfg, seed=1)[256:])

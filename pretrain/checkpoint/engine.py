@@ -299,11 +299,13 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
                     writer.write(name, full)
                 elif full is not None and coords.tensor == 0:
                     torch_dist.send(full.to(device), dst=0)
+                del full  # not alive while the next one is gathered
             elif main:
                 received = torch.empty(full_parameter_shape(name, m), dtype=dtype, device=device)
                 torch_dist.recv(received, src=topology.rank_of(tensor=0, data=0,
                                                                pipeline=holder[name]))
                 writer.write(name, received)
+                del received
     wait_for_io()
     return run_dir / FINAL
 

@@ -6,10 +6,15 @@ seed holds bitwise the same model.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
+import deepspeed
 import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 
 from pretrain.config import ModelConfig, Recompute, RunConfig
+from pretrain.ds_config import zero_stage
 from pretrain.model.form import ModelForm, init_weights
 from pretrain.model.llama import LlamaModel
 from pretrain.model.pipeline import SequentialPipeline, pipeline_module, sequential_pipeline
@@ -62,9 +67,17 @@ def construct_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
     return LlamaModel(cfg.model, tp_group=tp_group, sequence_parallel=p.sequence_parallel)
 
 
-def build_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
+def build_for_layout(cfg: RunConfig, groups: ProcessGroups, *,
+                     ds_config: dict[str, Any] | None = None) -> nn.Module:
     """This rank's model for the run's layout (`construct_for_layout`), initialised from
-    train.seed like `build_model`."""
-    model = construct_for_layout(cfg, groups)
+    train.seed like `build_model`. Under ZeRO-3 (`ds_config`'s stage) it is constructed inside
+    `deepspeed.zero.Init`: each parameter is partitioned over the data-parallel ranks as it is
+    created, so no rank ever holds its whole tensor-parallel shard of the model; initialising
+    gathers one parameter at a time."""
+    partitioned = ds_config is not None and zero_stage(ds_config) == 3
+    # mpu: DeepSpeed checks the batch arithmetic against the data-parallel size, not the world
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=groups.data,
+                             mpu=groups.mpu) if partitioned else contextlib.nullcontext():
+        model = construct_for_layout(cfg, groups)
     init_weights(model, cfg.model, seed=cfg.train.seed, tp_group=tensor_parallel_group(groups))
     return model

@@ -9,9 +9,11 @@ tensor-parallel shard; `init_weights` fills them with their seeded initial shard
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import Callable, Iterator
 
+import deepspeed
 import torch
 import torch.nn as nn
 from deepspeed import DeepSpeedEngine
@@ -86,17 +88,30 @@ def init_weights(module: nn.Module, cfg: ModelConfig, *, seed: int, tp_group=Non
     lm_head is the embedding and is not drawn again.
     """
     tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
-    copy_shards(module, cfg, lambda name: shard_init(name, cfg, seed=seed, tp_rank=rank,
-                                                      tp_size=tp_size))
+    _each_parameter(module, cfg, lambda name, param: shard_init(
+        name, cfg, seed=seed, tp_rank=rank, tp_size=tp_size, out=param))
 
 
 def copy_shards(module: nn.Module, cfg: ModelConfig,
                 local_tensor: Callable[[str], torch.Tensor]) -> None:
     """Copy `local_tensor(canonical name)`, this rank's shard, into each parameter."""
-    for name, param in canonical_parameters(module, cfg):
+    def copy(name: str, param: torch.Tensor) -> None:
         local = local_tensor(name)
         if local.shape != param.shape:
             raise RuntimeError(f"{name}: local shape {tuple(param.shape)} differs from its "
                                f"tensor-parallel shard {tuple(local.shape)}")
-        with torch.no_grad():
-            param.copy_(local)
+        param.copy_(local)
+
+    _each_parameter(module, cfg, copy)
+
+
+@torch.no_grad()
+def _each_parameter(module: nn.Module, cfg: ModelConfig,
+                    write: Callable[[str, torch.Tensor], None]) -> None:
+    """`write(canonical name, parameter)` for each parameter, one at a time. A ZeRO-3
+    parameter is whole only while gathered; rank 0's values are kept (every rank computes the
+    same ones)."""
+    for name, param in canonical_parameters(module, cfg):
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0) \
+                if hasattr(param, "ds_id") else contextlib.nullcontext():
+            write(name, param)

@@ -419,17 +419,23 @@ def full_parameter_init(name: str, cfg: ModelConfig, *, seed: int) -> torch.Tens
     return out
 
 
-def shard_init(name: str, cfg: ModelConfig, *, seed: int, tp_rank: int,
-               tp_size: int) -> torch.Tensor:
+def shard_init(name: str, cfg: ModelConfig, *, seed: int, tp_rank: int, tp_size: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Tensor-parallel rank `tp_rank`'s shard of `full_parameter_init(name)` (padded vocabulary
     rows 0, like `shard_of`), drawing only the `INIT_BLOCK` blocks the shard overlaps: a rank of
-    the 70B recipe draws its ~1/8 of a layer, not the whole of it. Holds the shard and one
-    block."""
+    the 70B recipe draws its ~1/8 of a layer, not the whole of it. Written into `out` (e.g. the
+    parameter itself, in its dtype) when given, so only one block is held besides it."""
     part = shard_range(name, cfg, tp_rank=tp_rank, tp_size=tp_size)
-    out = torch.zeros(part.shape)
-    if part.real_stop > part.start:
+    if out is None:
+        out = torch.empty(part.shape)
+    elif tuple(out.shape) != part.shape:
+        raise RuntimeError(f"{name}: local shape {tuple(out.shape)} differs from its "
+                           f"tensor-parallel shard {part.shape}")
+    real = part.real_stop - part.start
+    out.narrow(part.dim, real, part.shape[part.dim] - real).zero_()
+    if real > 0:
         _draw_init(name, cfg, seed=seed, dim=part.dim, start=part.start,
-                   out=out.narrow(part.dim, 0, part.real_stop - part.start))
+                   out=out.narrow(part.dim, 0, real))
     return out
 
 
@@ -458,7 +464,7 @@ def shard_range(name: str, cfg: ModelConfig, *, tp_rank: int, tp_size: int) -> S
     start = size // split * (tp_rank if split > 1 else 0)
     stop = start + size // split
     shape[dim] = stop - start
-    real_stop = min(stop, full_parameter_shape(name, cfg)[dim])
+    real_stop = max(start, min(stop, full_parameter_shape(name, cfg)[dim]))  # all padding: start
     return ShardRange(dim=dim, start=start, stop=stop, real_stop=real_stop, shape=tuple(shape))
 
 
@@ -553,9 +559,12 @@ def gather_tensor_parallel_state(state: dict[str, torch.Tensor], *, cfg: ModelCo
     full: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         dim = tensor_partition_dim(name)
-        if dim is not None and tensor_parallel > 1:
+        gathered = dim is not None and tensor_parallel > 1
+        if gathered:
             tensor = all_gather_along(tensor.to(device), tp_group, dim)
         if name in _VOCAB_MATRIX:
             tensor = tensor[:cfg.vocab_size]
-        full[name] = tensor.detach().cpu().clone()
+        tensor = tensor.detach().cpu()
+        # a gathered tensor is a new one (on the CPU, no copy); a local one is the parameter
+        full[name] = tensor if gathered and tensor.is_contiguous() else tensor.clone()
     return full
