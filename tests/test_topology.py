@@ -142,6 +142,10 @@ def _wait_for_slow_rank0(rank: int, world_size: int) -> float:
 
 
 def test_ranks_wait_for_rank0_file_work_beyond_the_collective_timeout(tmp_path):
-    """The default group's timeout here is 3 s: rank 1 waits 6 s for rank 0 on the io group."""
+    """The default group's timeout here is 3 s: rank 1 waits about 6 s for rank 0 on the io group.
+
+    Rank 1 starts its clock when it leaves the io group's creation, which can be a little after
+    rank 0 does; what matters is that it waited well past the 3 s timeout without failing.
+    """
     waited = run_on_ranks(_wait_for_slow_rank0, world_size=2, tmp_path=tmp_path, timeout_s=3)
-    assert waited[1] >= 6, waited
+    assert waited[1] >= 4.5, waited
