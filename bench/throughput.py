@@ -61,7 +61,7 @@ def main() -> None:
 
     from pretrain.arithmetic import model_flops_per_token, num_parameters
     from pretrain.config import load_config
-    from pretrain.telemetry import measure_matmul_tflops
+    from pretrain.hardware import measure_matmul_tflops
 
     data = stdlib_dataset()
     cfg = load_config(None, [f"model.preset={args.preset}", "model.vocab_size=8192"]).model

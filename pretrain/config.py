@@ -41,6 +41,7 @@ class Recompute(str, enum.Enum):
 
 
 class Precision(str, enum.Enum):
+    AUTO = "auto"  # bf16 where the device computes it natively, else fp32 (pretrain/hardware.py)
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"  # dynamic loss scaling
@@ -249,7 +250,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
-    precision: Precision = Precision.BF16
+    precision: Precision = Precision.AUTO  # auto | bf16 | fp32 | fp16; auto: pretrain/hardware.py
     seed: int = 1234  # model init and dropout
     eval_interval: int = 100  # steps between validation passes; 0 disables
     eval_batches: int = 10  # global batches per validation pass (capped by the validation set)

@@ -148,6 +148,15 @@ def wait_for_io() -> None:
         torch.distributed.barrier(group=_IO_GROUP)
 
 
+def same_on_every_rank(value: int) -> bool:
+    """Whether every rank passed the same integer (collective, on the CPU group)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return True
+    both = torch.tensor([value, -value], dtype=torch.int64)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=_IO_GROUP)
+    return int(both[0]) == -int(both[1])  # the largest value is the smallest
+
+
 def exit_distributed(code: int) -> NoReturn:
     """Wait for every rank, flush, and end the process with `code` - skipping the teardown.
 

@@ -207,7 +207,7 @@ def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
         if use_torch and accelerator != "cpu":
             params.setdefault("fused", True)
 
-    precision = t.precision
+    precision = layout.precision  # `auto` resolved (a run resolves it on its device first)
     bf16 = ds.setdefault("bf16", {})
     fp16 = ds.setdefault("fp16", {})
     _fill(bf16, "enabled", precision == Precision.BF16, where="bf16.")

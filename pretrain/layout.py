@@ -58,6 +58,12 @@ class Layout:
                 f"recompute={self.recompute.value}{' sp' if self.sequence_parallel else ''}")
 
 
+def planned_precision(precision: Precision) -> Precision:
+    """The precision a layout is planned with: `auto` is bf16 on every GPU the planner knows
+    (a run resolves `auto` on its own device before its layout is resolved)."""
+    return Precision.BF16 if precision == Precision.AUTO else precision
+
+
 def resolve_layout(cfg: RunConfig, *, world_size: int, **engine: Any) -> Layout:
     """The checked layout of `cfg` on `world_size` ranks. `engine` holds the DeepSpeed JSON's
     part of a Layout (`pretrain.ds_config.engine_fields`); without it ZeRO 0 and no offload,
@@ -69,7 +75,8 @@ def resolve_layout(cfg: RunConfig, *, world_size: int, **engine: Any) -> Layout:
                     global_batch=t.global_batch_size or t.micro_batch_size * topology.data,
                     recompute=m.activation_checkpointing,
                     recompute_interval=m.activation_checkpointing_interval,
-                    sequence_parallel=p.sequence_parallel, precision=t.precision,
+                    sequence_parallel=p.sequence_parallel,
+                    precision=planned_precision(t.precision),
                     partition=p.pipeline_partition, **engine)
     check_layout(m, layout)
     return layout

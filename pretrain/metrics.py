@@ -13,8 +13,9 @@ import torch.distributed as torch_dist
 from pretrain import telemetry
 from pretrain.arithmetic import hardware_flops_per_token, model_flops_per_token, num_parameters
 from pretrain.config import Precision, RunConfig
-from pretrain.dist import World
+from pretrain.dist import World, wait_for_io
 from pretrain.ds_config import offload_devices, zero_stage
+from pretrain.hardware import cpu_mfu_peak, format_flops
 from pretrain.layout import Layout
 from pretrain.model import DTYPES
 from pretrain.topology import ProcessGroups
@@ -45,12 +46,44 @@ class StepRecords:
     """Builds the "train" record of each step; knows the model's FLOPs per token and the
     device's peak, so MFU and HFU are computed the same way every step."""
 
-    def __init__(self, cfg: RunConfig, *, world_size: int, device: str, main: bool) -> None:
+    def __init__(self, cfg: RunConfig, *, world_size: int, device: str, main: bool,
+                 peak: tuple[float, str] | None = None, log=telemetry.log) -> None:
+        """`peak`: (TFLOP/s per device, its source); measured on every rank at once when None
+        (a collective then)."""
         self.cfg, self.world_size, self.device, self.main = cfg, world_size, device, main
         self.flops_per_token = model_flops_per_token(cfg.model)
-        self.peak_tflops, self.peak_source = telemetry.device_peak_tflops(
-            DTYPES[cfg.train.precision], cfg.logging.peak_tflops)
+        self._dtype = DTYPES[cfg.train.precision]
+        if peak is None:
+            wait_for_io()  # every rank measures at once: its share of the cores, not all of them
+            peak = telemetry.device_peak_tflops(self._dtype, cfg.logging.peak_tflops)
+        self.peak_tflops, self.peak_source = peak
+        self.peak_reliable, self._remeasured = True, cfg.logging.peak_tflops > 0
+        self._log = log
         self.gpu = telemetry.GpuStats(enabled=None if main else False)
+
+    def _check_peak(self, achieved_tflops: float) -> None:
+        """A step faster than the peak means the peak was measured low (a busy moment, a kernel
+        the loop did not reach): measure it once more, longer; if the step still beats it,
+        MFU is not printed for the rest of the run."""
+        if not self.peak_reliable or achieved_tflops <= self.peak_tflops:
+            return
+        if not self._remeasured:
+            self._remeasured = True
+            if self.device.startswith("cuda"):
+                again = telemetry.measure_matmul_tflops(self._dtype, device="cuda", seconds=2.0)
+            else:
+                again = cpu_mfu_peak(self._dtype, seconds=2.0)[0]
+            self._log(f"[telemetry] a step reached {format_flops(achieved_tflops)}/device, above "
+                      f"the measured peak {format_flops(self.peak_tflops)}: re-measured "
+                      f"{format_flops(again)}", main=self.main)
+            self.peak_tflops = max(self.peak_tflops, again)
+            self.peak_source += ", re-measured"
+            if achieved_tflops <= self.peak_tflops:
+                return
+        self.peak_reliable = False
+        self._log(f"[telemetry] the measured peak ({format_flops(self.peak_tflops)}) is below "
+                  f"what training achieves: MFU is not reported for this run (set "
+                  f"logging.peak_tflops to the device's real peak)", main=self.main)
 
     def record(self, engine: deepspeed.DeepSpeedEngine, *, step: int, loss: float, lr: float,
                wait: float, elapsed: float, tokens: int, consumed_samples: int,
@@ -64,16 +97,18 @@ class StepRecords:
         tokens_per_s = tokens / elapsed
         per_device = tokens_per_s / self.world_size
         hardware_flops = hardware_flops_per_token(self.cfg.model)  # + recomputed forwards
+        self._check_peak(hardware_flops * per_device / 1e12)
+        utilisation = {  # None once the peak proved unreliable: never a silent MFU over 100%
+            name: telemetry.mfu(flops_per_token=flops, tokens_per_s_per_device=per_device,
+                                peak_tflops=self.peak_tflops) if self.peak_reliable else None
+            for name, flops in (("mfu", self.flops_per_token), ("hfu", hardware_flops))}
         rec: dict[str, Any] = {
             "kind": "train", "step": step, "loss": loss,
             "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
             "tflops_per_device": self.flops_per_token * tokens_per_s / self.world_size / 1e12,
-            "mfu": telemetry.mfu(flops_per_token=self.flops_per_token,
-                                 tokens_per_s_per_device=per_device,
-                                 peak_tflops=self.peak_tflops),
+            "mfu": utilisation["mfu"],
             "hw_tflops_per_device": hardware_flops * per_device / 1e12,
-            "hfu": telemetry.mfu(flops_per_token=hardware_flops, tokens_per_s_per_device=per_device,
-                                 peak_tflops=self.peak_tflops),
+            "hfu": utilisation["hfu"],
             "peak_mem_gb": telemetry.peak_memory_gb(),
             "peak_mem_gb_ranks": telemetry.peak_memory_all_ranks(self.device),
             "data_wait_s": wait, "step_time_s": elapsed,
@@ -108,5 +143,5 @@ def announce_run(sink: telemetry.MetricsSink, cfg: RunConfig, world: World,
         f"ZeRO-{stage} offload opt={opt_dev} param={param_dev} | {cfg.train.precision.value} | "
         f"global batch {global_batch} = micro {cfg.train.micro_batch_size} x accum "
         f"{grad_accum} x dp {dp_size} | {train_samples} train samples of "
-        f"{cfg.model.seq_length} tokens | peak {steps.peak_tflops:.2f} TFLOP/s/device "
+        f"{cfg.model.seq_length} tokens | peak {format_flops(steps.peak_tflops)}/device "
         f"({steps.peak_source}) | run dir {run_dir}", main=world.is_main)

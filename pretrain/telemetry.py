@@ -23,15 +23,13 @@ import math
 import os
 import resource
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
-KNOWN_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0,
-                         "L40S": 362.0, "V100": 125.0}
+from pretrain.hardware import (KNOWN_GPU_PEAK_TFLOPS, cpu_mfu_peak, format_flops,
+                               measure_matmul_tflops)
 
 
 def peak_memory_gb() -> float:
@@ -57,38 +55,26 @@ def peak_memory_all_ranks(device: str) -> list[float]:
     return [v.item() for v in values]
 
 
-def measure_matmul_tflops(dtype: torch.dtype, *, device: str = "cpu", n: int = 1024,
-                          seconds: float = 1.0, trials: int = 5) -> float:
-    """Achieved TFLOP/s of an n x n matmul loop: the peak MFU is measured against on CPUs."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    a @ b  # warm-up (oneDNN / cuBLAS picks its kernel)
-    best = 0.0
-    for _ in range(trials):  # the best of several short trials: a peak, not a busy moment
-        iters, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / trials:
-            a @ b
-            iters += 1
-        if device != "cpu":
-            torch.cuda.synchronize()
-        best = max(best, 2.0 * n**3 * iters / (time.perf_counter() - start) / 1e12)
-    return best
-
-
 def device_peak_tflops(dtype: torch.dtype, configured: float = 0.0) -> tuple[float, str]:
-    """(peak TFLOP/s per device, where the number came from)."""
+    """(peak TFLOP/s per device for `dtype`, where the number came from).
+
+    `logging.peak_tflops` when set; a GPU's data sheet; else measured here: on CPUs with this
+    rank's threads, the best 512^2 or 1024^2 matmul loop in `dtype` or fp32. Ranks measure at the
+    same time (StepRecords waits for them all first), so a rank's share of the cores is what it
+    measures.
+    """
     if configured > 0:
         return configured, "logging.peak_tflops"
     from deepspeed.accelerator import get_accelerator
 
-    accel = get_accelerator()
-    if accel.device_name() == "cuda":
-        name = torch.cuda.get_device_name()
+    name = str(dtype).split(".")[-1]
+    if get_accelerator().device_name() == "cuda":
+        gpu = torch.cuda.get_device_name()
         for key, peak in KNOWN_GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return (peak if dtype != torch.float32 else peak / 2), f"data sheet ({name})"
-        return measure_matmul_tflops(dtype, device="cuda"), f"measured matmul ({name})"
-    return measure_matmul_tflops(dtype), f"measured {str(dtype).split('.')[-1]} matmul on this rank"
+            if key in gpu:
+                return (peak if dtype != torch.float32 else peak / 2), f"data sheet ({gpu})"
+        return measure_matmul_tflops(dtype, device="cuda"), f"measured {name} matmul ({gpu})"
+    return cpu_mfu_peak(dtype)
 
 
 def mfu(*, flops_per_token: float, tokens_per_s_per_device: float, peak_tflops: float) -> float:
@@ -176,9 +162,12 @@ class StepProfiler:
 
 def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
     gn = rec.get("grad_norm")
-    utilisation = f"MFU {100 * rec['mfu']:.1f}%"
-    if rec.get("hfu", rec["mfu"]) != rec["mfu"]:  # recomputation: the hardware did more
-        utilisation += f" (HFU {100 * rec['hfu']:.1f}%)"
+    if rec.get("mfu") is None:  # the step beat the measured peak: no percentage is honest
+        utilisation = f"MFU ? ({format_flops(rec['tflops_per_device'])}/device, peak unreliable)"
+    else:
+        utilisation = f"MFU {100 * rec['mfu']:.1f}%"
+        if rec.get("hfu", rec["mfu"]) != rec["mfu"]:  # recomputation: the hardware did more
+            utilisation += f" (HFU {100 * rec['hfu']:.1f}%)"
     parts = [f"step {rec['step']:>{len(str(total_steps))}}/{total_steps}",
              f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
              f"gnorm {gn:.3f}" if gn is not None else "gnorm -",

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pretrain.errors", "pretrain.files"),
     ("pretrain.config",),
     ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
-     "pretrain.dist", "pretrain.data"),
+     "pretrain.dist", "pretrain.hardware", "pretrain.data"),
     ("pretrain.model",),
     ("pretrain.checkpoint", "pretrain.telemetry", "pretrain.faults", "pretrain.plan"),
     ("pretrain.engine", "pretrain.metrics", "pretrain.trainer", "pretrain.sweep_results",

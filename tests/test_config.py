@@ -45,7 +45,7 @@ def test_yaml_file_overrides_and_types(tmp_path):
     (["model.preset=tiny", "model.hidden_size=66"], "model.hidden_size=66: must be divisible by model.num_heads=4"),
     (["model.preset=tiny", "model.num_kv_heads=3"], "model.num_kv_heads=3: must divide model.num_heads=4"),
     (["model.preset=huge"], "model.preset='huge': choose one of"),
-    (["train.precision=fp8"], "train.precision='fp8': choose one of fp32, bf16, fp16"),
+    (["train.precision=fp8"], "train.precision='fp8': choose one of auto, fp32, bf16, fp16"),
     (["train.min_lr=1.0"], "train.min_lr=1.0"),
     (["train.lr"], "expected section.key=value"),
 ])

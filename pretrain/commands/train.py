@@ -64,11 +64,14 @@ def run(args: argparse.Namespace) -> NoReturn:
     if resume is not None and cfg.train.global_batch_size is None:
         # Resharding keeps the global batch: gradient accumulation follows the new dp size.
         cfg.train.global_batch_size = resume.meta["global_batch"]
+    set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
+    choice = choose_run_precision(cfg.train.precision, get_accelerator().device_name(),
+                                  resume=resume)
+    cfg.train.precision = choice.precision
     ds_config = resolve_ds_config(cfg, world_size=world.world_size,
                                   accelerator=get_accelerator().device_name())
     if resume is not None and resume.universal:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-    set_cpu_threads(world)
     init_distributed(world, timeout_minutes=cfg.train.collective_timeout_minutes,
                      io_timeout_minutes=cfg.train.io_timeout_minutes)
     from pretrain.topology import Topology
@@ -77,11 +80,42 @@ def run(args: argparse.Namespace) -> NoReturn:
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world.world_size,
                                            rank=world.rank).create_groups()
     try:
+        agree_on_precision(choice, rank=world.rank)
+        telemetry.log(f"[precision] {choice.precision.value}: {choice.reason}",
+                      main=world.is_main)
+        if choice.warning:
+            telemetry.log(f"warning: {choice.warning}", main=world.is_main)
         result = Trainer(cfg, world, ds_config, groups, resume=resume, control=control).train()
     except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
         _exit_on_fault(exc, rank=world.rank)
         raise
     exit_distributed(EXIT_REQUEUE if result.stop_reason else 0)
+
+
+def choose_run_precision(requested, device_type: str, *, resume):
+    """`hardware.choose_precision`, except that `auto` resuming a checkpoint keeps the
+    checkpoint's precision (its optimizer states are in that precision's layout)."""
+    from pretrain.config import Precision
+    from pretrain.hardware import PrecisionChoice, choose_precision
+
+    if requested == Precision.AUTO and resume is not None:
+        saved = resume.meta.get("config", {}).get("train", {}).get("precision")
+        if saved and saved != Precision.AUTO.value:
+            return PrecisionChoice(Precision(saved), "auto: the precision of the checkpoint "
+                                                     "being resumed")
+    return choose_precision(requested, device_type)
+
+
+def agree_on_precision(choice, *, rank: int) -> None:
+    """Every rank must have chosen the same precision (ranks on different CPUs might not)."""
+    from pretrain.config import Precision
+    from pretrain.dist import same_on_every_rank
+    from pretrain.errors import ConfigError
+
+    if not same_on_every_rank(list(Precision).index(choice.precision)):
+        raise ConfigError(f"train.precision=auto chose {choice.precision.value} on rank {rank} "
+                          f"({choice.reason}) but not on every rank: the ranks run on different "
+                          "hardware; set train.precision explicitly")
 
 
 def _exit_on_fault(exc: Exception, *, rank: int) -> None:
