@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -70,3 +71,28 @@ def test_dry_run_checks_the_tokenizer_when_present(tiny_data):
                "--set", f"data.dataset={tiny_data['dataset']}")
     assert ok.returncode == 0, ok.stderr
     assert "warning" not in ok.stderr
+
+
+def test_plan_on_a_cpu_machine_uses_the_precision_it_would_run_and_its_peak(tmp_path):
+    """--cluster cpu: the quickstart's 2 ranks on this machine; `auto` resolves as `train`
+    would (fp32 on a CPU without bf16 instructions), the compute time follows the given peak."""
+    (tmp_path / "cpuinfo").write_text("model name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma\n")
+    env = {**os.environ, "PRETRAIN_CPUINFO": str(tmp_path / "cpuinfo")}
+    runs = {}
+    for peak in (0.1, 0.2):
+        out = subprocess.run([sys.executable, "-m", "pretrain", "plan", "--config",
+                              "configs/quickstart.yaml", "--world-size", "2", "--cluster", "cpu",
+                              "--peak-tflops", str(peak), "--json"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs[peak] = json.loads(out.stdout)
+    plan = runs[0.1]
+    assert plan["accelerator"] == "cpu" and plan["layout"]["precision"] == "fp32"
+    assert plan["cluster"]["gpus_per_node"] == 2 and plan["cluster"]["peak_tflops"] == 0.1
+    assert plan["deepspeed"]["bf16"]["enabled"] is False
+    # 16 x 256 tokens of model FLOPs per step over 2 ranks at 60% of the peak (the stage count
+    # differs from the model's by the padded vocabulary rows: 0.04% here)
+    compute = plan["flops_per_token"] * 16 * 256 / 2 / (0.1e12 * 0.6)
+    assert plan["time_s"]["compute"] == pytest.approx(compute, rel=2e-3)
+    assert runs[0.2]["time_s"]["compute"] == pytest.approx(plan["time_s"]["compute"] / 2,
+                                                           rel=1e-9)

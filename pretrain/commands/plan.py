@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from pretrain.config import RunConfig, add_config_arguments, config_overrides, load_config
 from pretrain.errors import ConfigError
+from pretrain.layout import planned_precision
 from pretrain.plan.clusters import CLUSTER_PRESETS, Cluster, make_cluster
 
 
@@ -33,10 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--world-size", type=int, help="ranks (GPUs) of the run; default: "
                         "--nodes x GPUs per node")
-    parser.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"],
-                        help="DeepSpeed accelerator the run will use (decides the Adam kernel)")
+    parser.add_argument("--accelerator", choices=["cuda", "cpu"],
+                        help="DeepSpeed accelerator the run will use (decides the Adam kernel); "
+                        "default: cpu with --cluster cpu, else cuda")
     cluster = parser.add_argument_group("cluster (a preset, any field overridden)")
-    cluster.add_argument("--cluster", default="h100-80gb", choices=sorted(CLUSTER_PRESETS))
+    cluster.add_argument("--cluster", default="h100-80gb",
+                         choices=sorted(CLUSTER_PRESETS) + ["cpu"],
+                         help="cpu: this machine, --gpus-per-node ranks per node (default: "
+                         "--world-size), each rank's peak measured here in the precision "
+                         "train.precision resolves to")
     cluster.add_argument("--nodes", type=int, help="default: enough nodes for --world-size, else 1")
     cluster.add_argument("--gpus-per-node", type=int)
     cluster.add_argument("--gpu-memory-gb", type=float)
@@ -56,7 +63,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "even for 70B on 128 ranks)")
 
 
-def _cluster(args: argparse.Namespace) -> Cluster:
+def _cpu_cluster(args: argparse.Namespace, cfg: RunConfig) -> Cluster:
+    """This machine, measured: `train.precision` is resolved here as `pretrain train` would."""
+    from pretrain.hardware import choose_precision, cpu_peak_tflops, host_memory_gb
+    from pretrain.model import DTYPES
+    from pretrain.plan.clusters import cpu_cluster
+
+    ranks = args.gpus_per_node or args.world_size or 1
+    nodes = args.nodes or math.ceil((args.world_size or ranks) / ranks)
+    cfg.train.precision = choose_precision(cfg.train.precision, "cpu").precision
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    peak = args.peak_tflops or cpu_peak_tflops(DTYPES[cfg.train.precision], threads=threads)
+    return cpu_cluster(nodes=nodes, ranks_per_node=ranks, peak_tflops=peak,
+                       memory_gb=args.gpu_memory_gb * ranks if args.gpu_memory_gb
+                       else host_memory_gb())
+
+
+def _cluster(args: argparse.Namespace, cfg: RunConfig) -> Cluster:
+    if args.cluster == "cpu":
+        return _cpu_cluster(args, cfg)
     gpn = args.gpus_per_node or CLUSTER_PRESETS[args.cluster]["gpus_per_node"]
     if args.nodes is None and args.world_size is not None:
         nodes = math.ceil(args.world_size / gpn)
@@ -86,9 +111,11 @@ def _search(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster) -> None:
     if not gbs:
         raise ConfigError("--search needs a global batch: set train.global_batch_size or pass "
                           "--global-batch N")
-    plans = search(cfg.model, cluster, global_batch=gbs, precision=cfg.train.precision)
+    plans = search(cfg.model, cluster, global_batch=gbs,
+                   precision=planned_precision(cfg.train.precision))
     if not plans:
-        need = minimum_memory_gb(cfg.model, cluster, precision=cfg.train.precision)
+        need = minimum_memory_gb(cfg.model, cluster,
+                                 precision=planned_precision(cfg.train.precision))
         raise ConfigError(f"no layout of {cluster.world_size} GPUs fits the model "
                           f"({num_parameters(cfg.model) / 1e9:.1f}B parameters, global batch "
                           f"{gbs}) in {cluster.gpu_memory_gb:g} GB per GPU; even ZeRO-3 with "
@@ -108,7 +135,8 @@ def run(args: argparse.Namespace):
     from pretrain.plan.search import estimate
 
     cfg = load_config(args.config, config_overrides(args))
-    cluster = _cluster(args)
+    cluster = _cluster(args, cfg)
+    args.accelerator = args.accelerator or ("cpu" if args.cluster == "cpu" else "cuda")
     if args.search:
         _search(args, cfg, cluster)
         return None

@@ -73,6 +73,24 @@ CLUSTER_PRESETS: dict[str, dict] = {
 }
 
 
+# A CPU "cluster" (`pretrain plan --cluster cpu`): ranks share a node's memory bandwidth for
+# their collectives (gloo / DeepSpeed's shared-memory all-reduce; a few GB/s per rank) and a
+# commodity network between nodes; the offload "link" is the host itself.
+CPU_INTRA_NODE_GBPS = 4.0
+CPU_INTER_NODE_GBPS = 1.25
+CPU_HOST_GBPS = 1000.0
+
+
+def cpu_cluster(*, nodes: int, ranks_per_node: int, peak_tflops: float,
+                memory_gb: float) -> Cluster:
+    """This machine as a cluster of `ranks_per_node` CPU ranks per node: the peak is one rank's
+    measured matmul rate (`pretrain.hardware.cpu_peak_tflops`), memory the node's split evenly."""
+    return Cluster(name="cpu", nodes=nodes, gpus_per_node=ranks_per_node,
+                   gpu_memory_gb=memory_gb / ranks_per_node, peak_tflops=peak_tflops,
+                   intra_node_gbps=CPU_INTRA_NODE_GBPS, inter_node_gbps=CPU_INTER_NODE_GBPS,
+                   pcie_gbps=CPU_HOST_GBPS)
+
+
 def make_cluster(preset: str, *, nodes: int, **overrides: float | int | None) -> Cluster:
     """A `Cluster` from a preset with any field overridden (None values are ignored)."""
     if preset not in CLUSTER_PRESETS:

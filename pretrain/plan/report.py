@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pretrain.arithmetic import model_flops_per_token, num_parameters
 from pretrain.config import RunConfig
+from pretrain.hardware import format_flops
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
 from pretrain.plan.memory import GB
 from pretrain.plan.search import Plan
@@ -21,11 +22,15 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         f"param={layout.offload_param} | {layout.precision.value} | recompute "
         f"{layout.recompute.value} | sequence parallel "
         f"{'on' if layout.sequence_parallel else 'off'} | partition {layout.partition}",
-        f"model   {num_parameters(m) / 1e9:.2f}B parameters, "
+        f"model   {_count(num_parameters(m))} parameters, "
         f"{model_flops_per_token(m):.3g} FLOPs/token, seq {m.seq_length}",
         format_plan(plan),
     ]
     return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def format_plan(plan: Plan) -> str:
@@ -40,12 +45,12 @@ def format_plan(plan: Plan) -> str:
         f"({c.gpu_memory_gb:g} GB x {MEMORY_USABLE_FRACTION:g}) -> "
         f"{'fits' if plan.fits else 'DOES NOT FIT'}"
         + (f"; {mem.host / GB:.2f} GB per GPU on the host" if mem.host else ""),
-        f"time per step {t.step:.3f} s on {c.name} ({c.peak_tflops:g} TFLOP/s peak):",
+        f"time per step {t.step:.3f} s on {c.name} ({format_flops(c.peak_tflops)} peak):",
         *(f"  {k:<14}{getattr(t, k):9.3f} s {pct(getattr(t, k))}" for k in
           ("compute", "tensor_comm", "bubble", "pipeline_comm", "data_comm", "offload")),
-        f"throughput {plan.tokens_per_s:,.0f} tokens/s | model {plan.model_tflops_per_gpu:.0f} "
-        f"TFLOP/s/GPU (MFU {100 * plan.mfu:.1f}%) | hardware {plan.hardware_tflops_per_gpu:.0f} "
-        f"TFLOP/s/GPU (HFU {100 * plan.hfu:.1f}%)",
+        f"throughput {plan.tokens_per_s:,.0f} tokens/s | model "
+        f"{format_flops(plan.model_tflops_per_gpu)}/GPU (MFU {100 * plan.mfu:.1f}%) | hardware "
+        f"{format_flops(plan.hardware_tflops_per_gpu)}/GPU (HFU {100 * plan.hfu:.1f}%)",
     ]
     return "\n".join(lines)
 
