@@ -4,7 +4,7 @@
 #
 #   bash launch/quickstart.sh                      # defaults from configs/quickstart.yaml
 #   bash launch/quickstart.sh --set train.steps=50 # any `pretrain train` argument is passed on
-#   NPROC=4 bash launch/quickstart.sh              # more ranks (GPUs when present)
+#   NPROC=4 bash launch/quickstart.sh              # 1, 2, 4, 8 or 16 ranks (GPUs when present)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -14,6 +14,12 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensio
 # Name DeepSpeed's accelerator (it warns when it has to guess the CPU).
 export DS_ACCELERATOR="${DS_ACCELERATOR:-$(python -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}"
 NPROC="${NPROC:-2}"
+# The global batch stays 16 samples: each rank's micro-batch shrinks as ranks are added.
+if (( NPROC < 1 || 16 % NPROC )); then
+  echo "error: NPROC=$NPROC: the quickstart's global batch of 16 must divide into NPROC ranks (1, 2, 4, 8 or 16)" >&2
+  exit 2
+fi
+MICRO=$(( 16 / NPROC > 8 ? 8 : 16 / NPROC ))
 PORT="${MASTER_PORT:-$((29500 + RANDOM % 1000))}"
 DATA=runs/data
 start=$(date +%s)
@@ -25,9 +31,10 @@ start=$(date +%s)
   pretrain preprocess --corpus python-stdlib --tokenizer $DATA/stdlib_bpe8k.model \
     --output-prefix $DATA/stdlib_bpe8k --workers 2
 
-# 2. train: 2 ranks, ZeRO-2, bf16 (configs/quickstart.yaml); resumes if a checkpoint exists
+# 2. train: NPROC ranks, ZeRO-2, precision auto (configs/quickstart.yaml); resumes if a
+#    checkpoint exists
 deepspeed --num_gpus "$NPROC" --master_port "$PORT" --no_local_rank --module pretrain \
-  train --config configs/quickstart.yaml "$@"
+  train --config configs/quickstart.yaml --set train.micro_batch_size="$MICRO" "$@"
 
 # 3. use the model
 echo "---- sample from runs/quickstart/final (temperature 0.8, top-k 40) ----"
