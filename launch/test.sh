@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command (and what CI runs): set up the environment, run the whole suite.
 #
-#   bash launch/test.sh                  # everything, 2 pytest workers
+#   bash launch/test.sh                  # everything, 2 pytest workers (what CI runs)
+#   bash launch/test.sh --quick          # the quick tier: no training runs or Slurm (pytest -m "not slow")
 #   bash launch/test.sh -k zero -x       # extra arguments go to pytest
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,4 +12,9 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensio
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 # loadfile: each test file runs on one worker, so the local Slurm cluster of tests/test_slurm.py is
 # started once (pytest-xdist 3.8's loadgroup is a no-op under pytest 9: see that file).
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=15 "$@" tests
+TIER=()
+if [[ "${1:-}" == "--quick" ]]; then
+  shift
+  TIER=(-m "not slow")
+fi
+exec .venv/bin/python -m pytest "${TIER[@]}" -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=15 "$@" tests

@@ -24,6 +24,18 @@ TINY_CORPUS_FILES = sorted(p for d in ("json", "email", "logging", "concurrent")
                            for p in (STDLIB / d).rglob("*.py") if "test" not in p.parts)
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: launches training runs, a Slurm cluster or compiled ops; the quick tier "
+        "(`bash launch/test.sh --quick`, pytest -m 'not slow') leaves these out")
+
+
+def require_root(what: str) -> None:
+    """Skip, with one line, a test that has to install Debian packages or edit /etc/hosts."""
+    if os.geteuid() != 0:
+        pytest.skip(f"{what}: needs root (apt-get, /etc/hosts); CI runs as root")
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> dict[str, str]:
     """A 512-token sentencepiece model and a .bin/.idx dataset of a few stdlib packages."""
@@ -41,9 +53,9 @@ def libaio() -> None:
     """DeepSpeed's async-io op (NVMe offload) compiles against Debian's libaio-dev: install it."""
     if Path("/usr/include/libaio.h").exists():
         return
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.fail("NVMe offload needs Debian's libaio-dev: run `apt-get install -y libaio-dev` "
-                    "as root (the test setup does this when it runs as root)")
+    require_root("NVMe offload compiles against Debian's libaio-dev, which is not installed")
+    if shutil.which("apt-get") is None:
+        pytest.fail("NVMe offload needs Debian's libaio-dev: install it with your package manager")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
     subprocess.run(["apt-get", "install", "-y", "-qq", "libaio-dev"], check=True, env=env,

@@ -13,6 +13,8 @@ import pytest
 
 from pretrain.testing.runs import rel_diff, run_pretrain, train
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 STEPS, SAVE_AT = 6, 3
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from pretrain.testing.runs import REPO, run_pretrain
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 
 @pytest.mark.parametrize("command", [None, "train", "tokenizer", "preprocess", "generate"])
 def test_help_of_every_command(command):

@@ -18,6 +18,8 @@ from test_hf_interop import VOCAB, make_data
 
 from pretrain.cli import main as pretrain_main
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 LAYOUTS = {
     "zero2_dp2_tied": (2, ["deepspeed=ds_configs/zero2.json", "model.tie_embeddings=true"]),
     "zero3_dp2_untied": (2, ["deepspeed=ds_configs/zero3.json"]),

@@ -207,6 +207,7 @@ def test_packed_samples_resume_too(two_datasets):
 
 # ----------------------------------------------------------------------------- end to end
 
+@pytest.mark.slow
 def test_training_on_a_blend_with_a_test_split(tmp_path, tiny_data):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     other = tmp_path / "other"

@@ -315,6 +315,7 @@ def test_wrong_column_type_and_unreadable_parquet(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 
+@pytest.mark.slow
 def test_training_with_a_hugging_face_tokenizer(tmp_path, hf_tokenizer_dir):
     import sysconfig
 

@@ -8,6 +8,8 @@ import pytest
 
 from pretrain.testing.runs import run_pretrain
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 STEPS = 50
 
 

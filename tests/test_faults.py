@@ -21,6 +21,8 @@ import pytest
 
 from pretrain.testing.runs import REPO, launcher_prefix, run_pretrain, train
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 EXIT_FAULT, EXIT_REQUEUE = 3, 75
 LONG = ["train.steps=100000", "train.warmup_steps=2"]
 
@@ -118,7 +120,7 @@ def test_signal_saves_and_exits_for_requeue(launcher, sig, target, tiny_data, tm
             proc.kill()
     stopped = json.loads((run_dir / "stopped.json").read_text())
     assert stopped["reason"].startswith("signal"), stopped
-    assert f"[stop] signal" in out and "then exiting to be requeued" in out, out[-3000:]
+    assert "[stop] signal" in out and "then exiting to be requeued" in out, out[-3000:]
     if target == "rank1":  # the launcher passes the ranks' status on
         assert proc.returncode == EXIT_REQUEUE, (proc.returncode, err[-3000:])
     else:  # it reports its own signal handling (1) after the ranks saved and exited 75

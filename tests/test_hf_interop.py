@@ -136,6 +136,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", RUN_OVERRIDES)
 def test_export_logits_tokenizer_and_consolidation(layout, runs, data515, tmp_path):
     run_dir = runs(layout)
@@ -178,6 +179,7 @@ def test_export_logits_tokenizer_and_consolidation(layout, runs, data515, tmp_pa
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours_tok.bos_id, ours_tok.eos_id)
 
 
+@pytest.mark.slow
 def test_export_bf16_sharded(runs, tmp_path):
     run_dir = runs("tp1_dp2_zero3_untied")
     cli("export-hf", run_dir / "final", "--output", tmp_path / "hf", "--dtype", "bf16",
@@ -192,6 +194,7 @@ def test_export_bf16_sharded(runs, tmp_path):
         assert torch.equal(param, live[name].bfloat16()), name
 
 
+@pytest.mark.slow
 def test_generate_native_and_exported_match_transformers(runs, tmp_path, capsys):
     run_dir = runs("tp1_dp2_zero3_untied")
     cli("export-hf", run_dir, "--output", tmp_path / "hf", "--dtype", "fp32")
@@ -250,6 +253,7 @@ def _tokenizer(tmp_path: Path) -> Path:
     return Path(make_data(tmp_path)["tokenizer"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", RUN_OVERRIDES)
 def test_first_training_step_after_import_matches_transformers(layout, runs):
     """Step 1's loss is computed with the imported weights: transformers gets the same on the
@@ -275,7 +279,7 @@ def test_first_training_step_after_import_matches_transformers(layout, runs):
     assert abs(losses[0] - expected.item()) / expected.item() < 1e-5
 
 
-def test_bad_inputs_are_clear_errors(data515, tmp_path, capsys):
+def test_bad_inputs_are_clear_errors(tmp_path, capsys):
     # not a Llama directory: another architecture's config.json, or no config.json at all
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
@@ -287,7 +291,16 @@ def test_bad_inputs_are_clear_errors(data515, tmp_path, capsys):
     assert "does not exist" in cli_error("export-hf", tmp_path / "missing", "--output",
                                          tmp_path / "x", capsys=capsys)
 
-    # weights whose shapes do not fit the run's config: named fields, before any step
+    # a config.json that claims other shapes than its tensors
+    random_hf_llama(tmp_path / "src", tied=False)
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight has shape .* but its config gives"):
+        load_weights(tmp_path / "src")
+
+
+@pytest.mark.slow  # starts `pretrain train` (DeepSpeed's communication op)
+def test_weights_that_do_not_fit_the_run_are_a_clear_error_before_any_step(data515, tmp_path):
     random_hf_llama(tmp_path / "src", tied=False)
     result = run_pretrain(
         ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={tmp_path / 'run'}",
@@ -298,9 +311,3 @@ def test_bad_inputs_are_clear_errors(data515, tmp_path, capsys):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "do not fit the run's model config" in result.stderr
     assert "model.num_kv_heads: run 4, weights 2" in result.stderr
-
-    # a config.json that claims other shapes than its tensors
-    config = json.loads((tmp_path / "src" / "config.json").read_text())
-    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
-    with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight has shape .* but its config gives"):
-        load_weights(tmp_path / "src")

@@ -14,6 +14,8 @@ import pytest
 from pretrain.commands import launch
 from pretrain.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", "--set", "train.steps=3", "--set", "data.num_workers=0"]
 

@@ -11,6 +11,8 @@ import torch
 
 from pretrain.testing.runs import rel_diff, train
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 STEPS = 10
 EVAL = ["train.eval_interval=5", "train.eval_batches=2"]  # validation at steps 5 and 10
 

@@ -24,6 +24,8 @@ from pretrain.config import RunConfig, load_config
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.testing.runs import REPO
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 WIDE = ["model.preset=tiny", "model.hidden_size=1024", "model.num_heads=16",
         "model.num_kv_heads=4", "model.ffn_hidden_size=2816", "model.vocab_size=32000",
         "model.num_layers=2", "model.tie_embeddings=false"]

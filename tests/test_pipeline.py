@@ -23,6 +23,8 @@ from pretrain.model.pipeline import (DecoderLayerPipe, StageActivations,
                                      pipeline_to_canonical_name, stage_state_dict)
 from pretrain.topology import Topology
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 SEED = 11
 STEPS = 5
 GLOBAL_BATCH, MICRO_BATCH = 8, 2  # 4 micro-batches per step over all data-parallel ranks

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_root
 from slurm_cluster import SlurmCluster
+
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
 REPO = Path(__file__).resolve().parents[1]
 # One cluster for the module: its tests must run on one pytest-xdist worker, or each worker would
@@ -35,6 +38,7 @@ TINY_70B = ["model.preset=tiny", "model.seq_length=64", "parallel.tensor=1", "pa
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    require_root("the Slurm tests run slurmctld and slurmd as root on this machine")
     c = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
     yield c
     c.stop()

@@ -6,7 +6,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from pretrain.testing.runs import REPO
+
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
 
 def _sweep(*args: str) -> subprocess.CompletedProcess:

@@ -40,6 +40,7 @@ def test_step_line_shows_hfu_only_when_it_differs():
     assert "HFU" not in format_step_line({**rec, "hfu": 0.10}, 10)
 
 
+@pytest.mark.slow
 def test_training_records_hardware_flops_and_writes_a_profile_trace(tmp_path, tiny_data):
     run = train(tmp_path, tiny_data, overrides=["train.steps=4", "model.activation_checkpointing=full"],
                 name="recompute")

@@ -391,6 +391,7 @@ def _deepspeed_run(rank, world_size, tensor_parallel):
     return {"losses": losses, "norms": norms}
 
 
+@pytest.mark.slow  # a DeepSpeed engine: compiles its shared-memory op on first use
 def test_deepspeed_zero1_tp2_dp2_matches_single_rank(tmp_path):
     single = run_on_ranks(_deepspeed_run, world_size=1, tmp_path=tmp_path, args=(1,))[0]
     results = run_on_ranks(_deepspeed_run, world_size=4, tmp_path=tmp_path, args=(2,))

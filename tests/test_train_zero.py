@@ -9,6 +9,8 @@ import pytest
 
 from pretrain.testing.runs import rel_diff, train
 
+pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+
 STEPS = 10
 
 
