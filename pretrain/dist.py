@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
+from unittest import mock
 
 import torch
 
@@ -110,13 +111,23 @@ def device_index(local_rank: int, visible_devices: int) -> int:
     return local_rank % visible_devices
 
 
+def init_deepspeed_comm(**kwargs) -> None:
+    """`deepspeed.init_distributed(**kwargs)` without the shared-memory all-reduce op DeepSpeed
+    compiles on CPU accelerators: only its `inference_all_reduce` uses it, which training never
+    calls, and compiling it costs a fresh machine's first run about 50 s."""
+    import deepspeed
+    import deepspeed.comm.torch as ds_torch_comm
+
+    with mock.patch.object(ds_torch_comm, "build_shm_op", lambda: None):
+        deepspeed.init_distributed(**kwargs)
+
+
 def init_distributed(world: World, *, timeout_minutes: float = 30.0,
                      io_timeout_minutes: float = 120.0) -> None:
     """Create the default process group through DeepSpeed (NCCL on GPUs, gloo/ccl on CPU), and
     the CPU group `wait_for_io` waits on, whose timeout is `io_timeout_minutes`."""
     # DeepSpeed is imported here, not at the top: launch scripts and tests import this module
     # for `free_port` and must not pay DeepSpeed's start-up
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     if torch.distributed.is_initialized():
@@ -124,9 +135,8 @@ def init_distributed(world: World, *, timeout_minutes: float = 30.0,
     accel = get_accelerator()
     if accel.device_name() != "cpu":
         accel.set_device(device_index(world.local_rank, accel.device_count()))
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(),
-                               timeout=datetime.timedelta(minutes=timeout_minutes),
-                               verbose=False)
+    init_deepspeed_comm(dist_backend=accel.communication_backend_name(),
+                        timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False)
     create_io_group(timeout_minutes=io_timeout_minutes)
 
 

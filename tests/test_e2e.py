@@ -40,7 +40,12 @@ def test_deepspeed_launcher_zero2_trains_checkpoints_and_generates(stdlib_data, 
             "--set", "logging.tensorboard=true", "--set", "logging.wandb_mode=offline",
             "--set", "logging.progress_bar=true", "--set", "logging.log_interval=10",
             "--deepspeed-config", "ds_configs/zero2.json"]
-    run = run_pretrain(args, run_dir=run_dir, launcher="deepspeed", nprocs=2).check()
+    extensions = tmp_path / "torch_extensions"  # a fresh machine's: nothing compiled yet
+    extensions.mkdir()
+    run = run_pretrain(args, run_dir=run_dir, launcher="deepspeed", nprocs=2,
+                       env={"TORCH_EXTENSIONS_DIR": str(extensions)}).check()
+    # training with ZeRO-2 and no offload needs no compiled op (not DeepSpeed's shm inference op)
+    assert not list(extensions.iterdir()), sorted(p.name for p in extensions.iterdir())
 
     # the user sees a step line with every promised field, and the progress bar
     step_lines = [l for l in run.stdout.splitlines() if l.lstrip().startswith("step ")]

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from pretrain.config import RunConfig, load_config
+from pretrain.dist import init_deepspeed_comm
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.testing.runs import REPO
 
@@ -137,13 +138,11 @@ DEEP = ["model.preset=tiny", "model.hidden_size=1024", "model.num_heads=16", "mo
 
 
 def _build_under_zero3(rank: int, world_size: int) -> dict:
-    import deepspeed
-
     from pretrain.ds_config import resolve_ds_config
     from pretrain.model.build import build_for_layout
     from pretrain.topology import Topology
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
     cfg = load_config(None, DEEP + ["deepspeed=ds_configs/zero3.json", "train.precision=fp32",
                                     "train.micro_batch_size=1",
                                     f"train.global_batch_size={world_size}"])
@@ -176,14 +175,12 @@ def _save_final(rank: int, world_size: int, out_dir: str, tokenizer: str) -> dic
     import types
     from pathlib import Path
 
-    import deepspeed
-
     from pretrain.checkpoint.engine import save_final
     from pretrain.dist import create_io_group
     from pretrain.model.build import build_for_layout
     from pretrain.topology import Topology
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
     create_io_group(timeout_minutes=5)
     cfg = load_config(None, WIDE + [f"parallel.tensor={world_size}", "train.precision=fp32"])
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,

@@ -15,6 +15,7 @@ import torch
 
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.config import load_config
+from pretrain.dist import init_deepspeed_comm
 from pretrain.ds_config import check_deepspeed_pipeline_config
 from pretrain.errors import ConfigError
 from pretrain.model import build_flat_pipeline, build_model, build_pipeline_model
@@ -139,7 +140,7 @@ def _pipeline_run(rank, world_size, variant):
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
     cfg = tiny_cfg(tie=variant["tie"])
     num_stages, tensor = variant["stages"], variant.get("tensor", 1)
     sequence_parallel = variant.get("sequence_parallel", False)
@@ -285,11 +286,9 @@ def test_sequence_parallel_refuses_partitioned_pipe_activations():
 
 
 def _count_real_layer_builds(rank, world_size):
-    import deepspeed
-
     from pretrain.model import pipeline
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
     real = []
     init = DecoderLayerPipe.__init__
 

@@ -15,10 +15,11 @@ from pretrain.testing.runs import REPO
 PLAN_70B = ["plan", "--config", "configs/llama_70b.yaml", "--world-size", "128", "--build"]
 
 
-def _pretrain(args: list[str], *, prelude: str = "") -> subprocess.CompletedProcess:
+def _pretrain(args: list[str], *, prelude: str = "",
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     code = f"{prelude}\nfrom pretrain.cli import main\nmain({args!r})"
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", **(env or {})})
 
 
 def test_every_rank_of_the_70b_recipe_builds_as_planned():
@@ -60,3 +61,16 @@ def test_a_rank_that_differs_from_the_plan_is_one_error_line():
     error = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "rank 0 (pipeline stage 0, tensor rank 0) builds" in error[0]
     assert "the planner expects" in error[0] and "Traceback" not in run.stderr
+
+
+def test_the_build_check_compiles_nothing_on_a_fresh_machine(tmp_path):
+    """DeepSpeed's CPU communication backend compiles a shared-memory all-reduce op for
+    inference on first use (~50 s); the pre-flight never needs it, so an empty extension
+    directory stays empty."""
+    extensions = tmp_path / "torch_extensions"
+    extensions.mkdir()
+    run = _pretrain(["plan", "--config", "configs/tiny.yaml", "--world-size", "2", "--build"],
+                    env={"TORCH_EXTENSIONS_DIR": str(extensions)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "built" in run.stdout.lower() or "stage" in run.stdout, run.stdout[-2000:]
+    assert not list(extensions.iterdir()), sorted(p.name for p in extensions.iterdir())

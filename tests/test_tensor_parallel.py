@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.arithmetic import num_parameters
 from pretrain.config import load_config
+from pretrain.dist import init_deepspeed_comm
 from pretrain.errors import ConfigError
 from pretrain.model import (LlamaModel, build_model, gather_full_state_dict, shard_of,
                             tensor_partition_dim)
@@ -355,7 +356,7 @@ def _deepspeed_run(rank, world_size, tensor_parallel):
     from pretrain.topology import Topology
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
     topo = Topology(tensor=tensor_parallel, pipeline=1, world_size=world_size, rank=rank)
     groups = topo.create_groups() if world_size > 1 else None
     cfg = tiny_cfg(vocab_size=500, seq_length=16, num_layers=2)

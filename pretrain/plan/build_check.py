@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from pretrain.arithmetic import stage_items, stage_parameters
 from pretrain.config import RunConfig
+from pretrain.dist import init_deepspeed_comm
 from pretrain.errors import ConfigError
 from pretrain.layout import Layout
 from pretrain.model.build import construct_for_layout
@@ -90,7 +91,6 @@ def _meta_parameters(cfg: RunConfig, groups) -> int:
 def _fake_world(rank: int, world_size: int) -> Iterator[None]:
     """This process as `rank` of a fake `world_size`-rank process group (and DeepSpeed's comm
     over it) until the block ends."""
-    import deepspeed
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -100,7 +100,7 @@ def _fake_world(rank: int, world_size: int) -> Iterator[None]:
     with mock.patch.dict(os.environ, env):
         dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
         try:
-            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+            init_deepspeed_comm(dist_backend="gloo", verbose=False)
             yield
         finally:
             dist.destroy_process_group()
