@@ -10,6 +10,10 @@ refused here:
 
 - the pipeline's partitioned point-to-point transfers under sequence parallelism
   (`check_deepspeed_pipeline_config`);
+- a misspelled key (`zero_optimisation`, `offload_optimiser`): DeepSpeed ignores an unknown
+  top-level key and the run would train without the sharding it asked for; unknown top-level
+  keys, and anything DeepSpeed's own config models reject in the sections they model, are
+  refused with the nearest valid name (`check_top_level_keys`, `check_sections`);
 - the learning-rate schedule is ours (`pretrain.engine.warmup_cosine`), so a ``"scheduler"``
   block is refused rather than silently fighting it. DeepSpeed's WarmupCosineLR applies lr = 0 to
   the first update, which we do not want.
@@ -17,6 +21,8 @@ refused here:
 from __future__ import annotations
 
 import copy
+import difflib
+import importlib
 import json
 import os
 import tempfile
@@ -43,6 +49,110 @@ def load_ds_json(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"DeepSpeed config {str(path)!r}: expected a JSON object")
     return data
+
+
+# DeepSpeed's top-level keys (its config documentation; `deepspeed.runtime.constants` adds any
+# this list lacks); DeepSpeed itself ignores a key it does not know.
+DEEPSPEED_KEYS = frozenset("""
+    train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer
+    scheduler communication_data_type seq_parallel_communication_data_type prescale_gradients
+    gradient_predivide_factor sparse_gradients fp16 bf16 amp torch_autocast gradient_clipping
+    zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer aio
+    steps_per_print wall_clock_breakdown dump_state memory_breakdown flops_profiler
+    activation_checkpointing sparse_attention data_efficiency curriculum_learning
+    compression_training checkpoint data_types tensorboard wandb csv_monitor comet comms_logger
+    autotuning elasticity pipeline hybrid_engine compile nebula weight_quantization eigenvalue
+    progressive_layer_drop quantize_training timers disable_allgather dataloader_drop_last
+    graph_harvesting use_data_before_expert_parallelism tensor_parallel zero_quantized_weights
+""".split())
+# Sections DeepSpeed validates with its own models (pydantic, unknown keys forbidden).
+DEEPSPEED_MODELS = {
+    "zero_optimization": ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
+    "bf16": ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
+    "fp16": ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
+    "tensorboard": ("deepspeed.monitor.config", "TensorBoardConfig"),
+    "wandb": ("deepspeed.monitor.config", "WandbConfig"),
+    "csv_monitor": ("deepspeed.monitor.config", "CSVConfig"),
+    "comet": ("deepspeed.monitor.config", "CometConfig"),
+    "comms_logger": ("deepspeed.comm.config", "CommsLoggerConfig"),
+    "compile": ("deepspeed.compile.config", "CompileConfig"),
+}
+
+
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def shipped_ds_configs() -> dict[tuple[int, str, str], str]:
+    """(ZeRO stage, optimizer offload device, parameter offload device) -> the shipped JSON
+    (`ds_configs/<name>.json`) that selects it: what `plan --search` can tell a user to pass."""
+    found: dict[tuple[int, str, str], str] = {}
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        ds = json.loads(path.read_text())
+        key = (zero_stage(ds), *offload_devices(ds))
+        found.setdefault(key, f"ds_configs/{path.name}")
+    return found
+
+
+def _did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _known_top_level_keys() -> frozenset[str]:
+    from deepspeed.runtime import constants
+
+    return DEEPSPEED_KEYS | {value for key, value in vars(constants).items()
+                             if key.isupper() and isinstance(value, str)}
+
+
+def check_top_level_keys(ds: dict[str, Any], *, where: str) -> None:
+    """Refuse a top-level key DeepSpeed does not read (it would ignore it silently)."""
+    known = _known_top_level_keys()
+    for key in ds:
+        if key not in known:
+            raise ConfigError(f"{where}: unknown DeepSpeed key {key!r}"
+                              f"{_did_you_mean(key, DEEPSPEED_KEYS)}: DeepSpeed would ignore it")
+
+
+def _model_fields(model: type, path: tuple) -> set[str]:
+    """The keys (names and aliases) the DeepSpeed model nested at `path` in `model` accepts."""
+    import typing
+
+    import pydantic
+
+    for part in path:
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        if field is None:
+            return set()
+        candidates = [field.annotation, *typing.get_args(field.annotation)]
+        model = next((c for c in candidates if isinstance(c, type)
+                      and issubclass(c, pydantic.BaseModel)), None)
+        if model is None:
+            return set()
+    return {n for n in model.model_fields} | {f.alias for f in model.model_fields.values()
+                                              if f.alias}
+
+
+def check_sections(ds: dict[str, Any], *, where: str) -> None:
+    """Validate the sections DeepSpeed models (ZeRO, bf16/fp16, monitors, ...) with DeepSpeed's
+    own models, as `deepspeed.initialize` would on every rank; one error naming the key."""
+    import pydantic
+
+    for section, (module, name) in DEEPSPEED_MODELS.items():
+        if not isinstance(ds.get(section), dict):
+            continue
+        model = getattr(importlib.import_module(module), name)
+        try:
+            model(**ds[section])
+        except pydantic.ValidationError as error:
+            first = error.errors()[0]
+            loc = tuple(str(part) for part in first["loc"])
+            key = ".".join((section, *loc))
+            if first["type"] == "extra_forbidden":
+                hint = _did_you_mean(loc[-1], _model_fields(model, loc[:-1]))
+                raise ConfigError(f"{where}: unknown DeepSpeed key {key}{hint}") from None
+            raise ConfigError(f"{where}: DeepSpeed rejects {key}={first.get('input')!r}: "
+                              f"{first['msg']}") from None
 
 
 def _fill(section: dict[str, Any], key: str, value: Any, *, where: str) -> None:
@@ -99,7 +209,12 @@ def engine_fields(ds: dict[str, Any]) -> dict[str, Any]:
 def _bucket(zero: dict[str, Any], key: str, default: int) -> int:
     """A bucket size of the JSON; "auto" (filled later from the model) counts as the default."""
     value = zero.get(key, default)
-    return default if value == AUTO else int(value)
+    if value == AUTO:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"DeepSpeed config zero_optimization.{key}={value!r}: must be a whole "
+                          "number of elements or \"auto\"")
+    return int(value)
 
 
 def check_deepspeed_pipeline_config(ds_config: dict, *, sequence_parallel: bool) -> None:
@@ -159,6 +274,7 @@ def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
     """
     where_file = cfg.deepspeed
     ds = copy.deepcopy(source if source is not None else load_ds_json(cfg.deepspeed))
+    check_top_level_keys(ds, where=where_file)  # a misspelled section changes what is read
     resolve_layout(cfg, world_size=world_size)  # the run config's own rules, before the JSON's
     try:
         layout = resolve_layout(cfg, world_size=world_size, **engine_fields(ds))
@@ -218,4 +334,5 @@ def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
     if left:
         raise ConfigError(f"{where_file}: no run-config value for \"auto\" field {left[0]}: "
                           "set it explicitly")
+    check_sections(ds, where=where_file)
     return ds

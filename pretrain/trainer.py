@@ -23,7 +23,7 @@ from tqdm import tqdm
 from pretrain import checkpoint, faults, telemetry
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
-from pretrain.data.build import Samples, build_datasets
+from pretrain.data.build import Samples, build_datasets, require_data
 from pretrain.data.loader import micro_batches
 from pretrain.dist import World, wait_for_io
 from pretrain.ds_config import engine_fields, zero_stage
@@ -116,14 +116,8 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------------
     def _load_data(self) -> tuple[Tokenizer, Samples, Samples | None]:
         d, m = self.cfg.data, self.cfg.model
-        if not d.tokenizer:
-            raise ConfigError("data.tokenizer is empty: set it to the .model file written by "
-                              "`pretrain tokenizer` (or a Hugging Face tokenizer directory)")
+        require_data(d, vocab_size=m.vocab_size)  # `pretrain train` checked it before the group
         tokenizer = Tokenizer.load(d.tokenizer)
-        if tokenizer.vocab_size != m.vocab_size:
-            raise ConfigError(f"model.vocab_size={m.vocab_size} but the tokenizer {d.tokenizer!r} "
-                              f"has {tokenizer.vocab_size} tokens: set "
-                              f"model.vocab_size={tokenizer.vocab_size}")
         # Rank 0 builds (and caches) the sample indices; the others then load the cached files.
         if not self.main:
             wait_for_io()

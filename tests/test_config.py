@@ -135,7 +135,22 @@ def test_bf16_gradients_are_summed_and_reduced_in_fp32_under_zero(tmp_path, prec
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, [], "offload_param needs ZeRO stage 3"),
     ({"scheduler": {"type": "WarmupLR"}}, [], 'remove the "scheduler" block'),
     ({"zero_optimization": {"stage": 5}}, [], "stage=5 must be 0, 1, 2 or 3"),
-    ({"some_feature": {"size": "auto"}}, [], 'no run-config value for "auto" field some_feature.size'),
+    ({"flops_profiler": {"profile_step": "auto"}}, [],
+     'no run-config value for "auto" field flops_profiler.profile_step'),
+    # DeepSpeed ignores unknown top-level keys and its models reject unknown section keys
+    ({"zero_optimisation": {"stage": 1}}, [],
+     "unknown DeepSpeed key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
+    ({"zero_optimization": {"stage": 2, "offload_optimiser": {"device": "cpu"}}}, [],
+     "unknown DeepSpeed key zero_optimization.offload_optimiser (did you mean "
+     "'offload_optimizer'?)"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memry": 1}}},
+     [], "zero_optimization.offload_optimizer.pin_memry (did you mean 'pin_memory'?)"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "lots"}}, [],
+     "DeepSpeed config zero_optimization.stage3_prefetch_bucket_size='lots': must be a whole"),
+    ({"zero_optimization": {"stage": 1, "overlap_comm": "sometimes"}}, [],
+     "DeepSpeed rejects zero_optimization.overlap_comm='sometimes'"),
+    ({"tensorboard": {"enabled": True, "output": "tb"}}, [],
+     "unknown DeepSpeed key tensorboard.output (did you mean 'output_path'?)"),
 ])
 def test_ds_contradictions_are_errors(tmp_path, ds, overrides, message):
     with pytest.raises(ConfigError) as info:

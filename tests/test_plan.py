@@ -164,3 +164,27 @@ def test_search_cli_json_and_refusal():
                     "--gpus-per-node", "1", "--gpu-memory-gb", "16", "--search")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "error: no layout of 1 GPUs fits" in bad.stderr
+
+
+def test_search_rows_carry_the_arguments_that_select_them_and_rank_the_config():
+    """Each row's arguments, given back to `plan`, plan exactly that row; the config's own layout
+    is ranked among the rows (the shipped 70B recipe on 16 H100 nodes)."""
+    base = ["--config", "configs/llama_70b.yaml", "--nodes", "16"]
+    out = _plan_cli(*base, "--search", "--json", "--top", "2")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    current = result["current"]
+    assert current["ok"] and current["fits"] and current["layout"].startswith("tp8 pp4 dp4")
+    assert 1 <= current["rank"] <= result["count"]
+    assert sum(1 for p in result["plans"] if p["tokens_per_s"] > current["tokens_per_s"]) == \
+        min(2, current["rank"] - 1)
+    for row in result["plans"]:
+        assert "--deepspeed-config ds_configs/" in row["arguments"]
+        again = _plan_cli(*base, "--world-size", "128", "--json", *row["arguments"].split())
+        assert again.returncode == 0, again.stderr
+        planned = json.loads(again.stdout)
+        assert planned["layout"] == row["layout"]
+        assert planned["tokens_per_s"] == pytest.approx(row["tokens_per_s"], rel=1e-12)
+    text = _plan_cli(*base, "--search", "--top", "1")
+    assert f"this config: {current['layout']}" in text.stdout
+    assert f"#{current['rank']} of {result['count']}" in text.stdout

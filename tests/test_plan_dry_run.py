@@ -96,3 +96,55 @@ def test_plan_on_a_cpu_machine_uses_the_precision_it_would_run_and_its_peak(tmp_
     assert plan["time_s"]["compute"] == pytest.approx(compute, rel=2e-3)
     assert runs[0.2]["time_s"]["compute"] == pytest.approx(plan["time_s"]["compute"] / 2,
                                                            rel=1e-9)
+
+
+@pytest.mark.parametrize("tokenizer", ["present", "unset"])
+def test_train_refuses_missing_data_before_any_process_group_or_compiled_op(
+        tmp_path, tiny_data, tokenizer):
+    """`pretrain train` opens the tokenizer and every dataset before DeepSpeed's process group
+    (which on a fresh CPU machine started by compiling an op): here starting a group fails the
+    run, and the extension directory must stay empty. Every missing input is in the one line."""
+    extensions = tmp_path / "torch_extensions"
+    extensions.mkdir()
+    prelude = ("import pretrain.dist\n"
+               "def no_group(*args, **kwargs):\n"
+               "    raise SystemExit('a process group was started')\n"
+               "pretrain.dist.init_distributed = no_group\n")
+    args = ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={tmp_path / 'run'}",
+            "--set", "data.dataset=scratch/no_such_data", "--set", "model.vocab_size=512"]
+    if tokenizer == "present":
+        args += ["--set", f"data.tokenizer={tiny_data['tokenizer']}"]
+    code = f"{prelude}from pretrain.cli import main\nmain({args!r})"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu",
+                                           "TORCH_EXTENSIONS_DIR": str(extensions)})
+    line = _one_error_line(run, "data.dataset:", "scratch/no_such_data")
+    assert ("data.tokenizer is empty" in line) is (tokenizer == "unset"), line
+    assert "process group" not in run.stderr
+    assert not list(extensions.iterdir())
+
+
+def test_a_plan_that_does_not_fit_is_an_error_after_the_plan(tmp_path):
+    """70B on 8 GPUs at tp 8 needs ~168 GB per H100: the plan is printed, then one error line
+    and exit 2 (what the Slurm pre-flight relies on); with GPUs given as large enough, it fits."""
+    args = ("--config", "configs/llama_70b.yaml", "--world-size", "8", "--set",
+            "parallel.tensor=8", "--set", "parallel.pipeline=1")
+    out = _plan(*args)
+    line = _one_error_line(out, "per GPU but 72.0 GB are usable of 80 GB", "--search")
+    assert "--cluster h100-80gb's" in line and "DOES NOT FIT" in out.stdout
+    as_json = _plan(*args, "--json")
+    assert as_json.returncode == 2 and json.loads(as_json.stdout)["ok"] is False
+    big = _plan(*args, "--gpu-memory-gb", "400")
+    assert big.returncode == 0 and "-> fits" in big.stdout, big.stderr
+
+
+def test_a_misspelled_deepspeed_section_is_an_error_not_zero_0(tmp_path):
+    """DeepSpeed ignores an unknown top-level key: a JSON with `zero_optimisation` would run
+    without ZeRO; `plan` names the key and the one it meant."""
+    ds = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
+    ds["zero_optimisation"] = ds.pop("zero_optimization")
+    (tmp_path / "typo.json").write_text(json.dumps(ds))
+    out = _plan("--config", "configs/llama_70b.yaml", "--world-size", "128",
+                "--deepspeed-config", str(tmp_path / "typo.json"))
+    _one_error_line(out, "unknown DeepSpeed key 'zero_optimisation'",
+                    "did you mean 'zero_optimization'?")

@@ -100,8 +100,9 @@ def _cluster(args: argparse.Namespace, cfg: RunConfig) -> Cluster:
 
 def _search(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster) -> None:
     from pretrain.arithmetic import num_parameters
-    from pretrain.plan.report import format_search
-    from pretrain.plan.search import minimum_memory_gb, search
+    from pretrain.ds_config import shipped_ds_configs
+    from pretrain.plan.report import current_rank, format_search, selecting_arguments
+    from pretrain.plan.search import engine_key, minimum_memory_gb, search
 
     if args.world_size is not None and args.nodes is not None and \
             args.world_size != cluster.world_size:
@@ -111,8 +112,9 @@ def _search(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster) -> None:
     if not gbs:
         raise ConfigError("--search needs a global batch: set train.global_batch_size or pass "
                           "--global-batch N")
+    engines = shipped_ds_configs()
     plans = search(cfg.model, cluster, global_batch=gbs,
-                   precision=planned_precision(cfg.train.precision))
+                   precision=planned_precision(cfg.train.precision), engines=set(engines))
     if not plans:
         need = minimum_memory_gb(cfg.model, cluster,
                                  precision=planned_precision(cfg.train.precision))
@@ -120,10 +122,25 @@ def _search(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster) -> None:
                           f"({num_parameters(cfg.model) / 1e9:.1f}B parameters, global batch "
                           f"{gbs}) in {cluster.gpu_memory_gb:g} GB per GPU; even ZeRO-3 with "
                           f"offload needs {need:.1f} GB: add nodes or use a smaller model")
+    current = _current_plan(args, cfg, cluster)
     if args.json:
-        print(json.dumps({"count": len(plans), "plans": [p.to_dict() for p in plans[:args.top]]}))
+        print(json.dumps({"count": len(plans), "plans": [
+            {**p.to_dict(), "arguments": selecting_arguments(p.layout, engines[engine_key(p.layout)])}
+            for p in plans[:args.top]], "current": current_rank(plans, *current)}))
     else:
-        print(format_search(plans, cluster, top=args.top))
+        print(format_search(plans, cluster, top=args.top, ds_configs=engines, current=current))
+
+
+def _current_plan(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster):
+    """(the config's own plan on the whole cluster, or None, and why not)."""
+    from pretrain.plan.dry_run import dry_run
+    from pretrain.plan.search import estimate
+
+    try:
+        _, layout = dry_run(cfg, world_size=cluster.world_size, accelerator=args.accelerator)
+        return estimate(cfg.model, layout, cluster), ""
+    except ConfigError as error:
+        return None, f"does not resolve on {cluster.world_size} GPUs: {error}"
 
 
 def run(args: argparse.Namespace):
@@ -150,18 +167,34 @@ def run(args: argparse.Namespace):
 
         builds = build_distinct_ranks(cfg, layout, world_size=world)
     if args.json:
-        print(json.dumps({"ok": True, "config": args.config, "world_size": world,
+        print(json.dumps({"ok": plan.fits, "config": args.config, "world_size": world,
                           "accelerator": args.accelerator, "warnings": warnings,
                           "parameters": num_parameters(cfg.model),
                           "flops_per_token": model_flops_per_token(cfg.model),
                           "deepspeed": ds, **plan.to_dict(),
                           **({"builds": [b.to_dict() for b in builds]} if builds else {})}))
-        return plan
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    print(format_run(plan, cfg, config_path=args.config, accelerator=args.accelerator))
-    if builds:
-        from pretrain.plan.build_check import format_builds
+    else:
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        print(format_run(plan, cfg, config_path=args.config, accelerator=args.accelerator))
+        if builds:
+            from pretrain.plan.build_check import format_builds
 
-        print(format_builds(builds))
+            print(format_builds(builds))
+    if not plan.fits:
+        sys.stdout.flush()  # the plan first, then the error line
+        raise ConfigError(_does_not_fit(plan, args))
     return plan
+
+
+def _does_not_fit(plan, args: argparse.Namespace) -> str:
+    """The error line of a plan over the GPU's memory, with the cluster it was planned for."""
+    from pretrain.plan.memory import GB
+
+    given = "given" if args.gpu_memory_gb else f"--cluster {args.cluster}'s; pass --gpu-memory-gb " \
+                                               "if the job's GPUs differ"
+    return (f"the plan needs {plan.memory.total / GB:.1f} GB per GPU but "
+            f"{plan.memory_limit_gb:.1f} GB are usable of {plan.cluster.gpu_memory_gb:g} GB "
+            f"({given}): raise ZeRO's stage, tensor or pipeline parallelism, turn on "
+            "activation recomputation, or lower train.micro_batch_size (`pretrain plan "
+            "--search` ranks the layouts that fit)")

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     from pretrain import telemetry
     from pretrain.checkpoint import find_resume
     from pretrain.config import load_config
+    from pretrain.data.build import require_data
     from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
     from pretrain.ds_config import resolve_ds_config
     from pretrain.faults import RunControl
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     if resume is not None and cfg.train.global_batch_size is None:
         # Resharding keeps the global batch: gradient accumulation follows the new dp size.
         cfg.train.global_batch_size = resume.meta["global_batch"]
+    require_data(cfg.data, vocab_size=cfg.model.vocab_size)
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
     choice = choose_run_precision(cfg.train.precision, get_accelerator().device_name(),
                                   resume=resume)

@@ -2,13 +2,11 @@
 builds the model, without launching anything or creating a process group."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pretrain.config import RunConfig
-from pretrain.data import Tokenizer
+from pretrain.data.build import check_data
 from pretrain.ds_config import engine_fields, resolve_ds_config
-from pretrain.errors import ConfigError
 from pretrain.layout import Layout, resolve_layout
 
 
@@ -20,18 +18,8 @@ def dry_run(cfg: RunConfig, *, world_size: int, accelerator: str) -> tuple[dict[
 
 
 def data_warnings(cfg: RunConfig) -> list[str]:
-    """What is missing on this machine; the run's nodes may see other files, so not errors.
-    A tokenizer that is present must match model.vocab_size (the trainer refuses it)."""
-    warnings = []
-    d = cfg.data
-    if d.tokenizer and Path(d.tokenizer).is_file():
-        vocab = Tokenizer.load(d.tokenizer).vocab_size
-        if vocab != cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} but the tokenizer "
-                              f"{d.tokenizer!r} has {vocab} tokens: set model.vocab_size={vocab}")
-    elif d.tokenizer:
-        warnings.append(f"data.tokenizer {d.tokenizer!r} does not exist on this machine")
-    if d.dataset and not Path(d.dataset + ".idx").is_file() and not d.corpus:
-        warnings.append(f"data.dataset {d.dataset!r}(.bin/.idx) does not exist on this machine "
-                        "and data.corpus is empty")
-    return warnings
+    """What of the run's data is missing on this machine; the run's nodes may see other files,
+    so not errors. A tokenizer that does not match model.vocab_size raises ConfigError, as in
+    `pretrain train`."""
+    return [f"{problem} (on this machine)" for problem in
+            check_data(cfg.data, vocab_size=cfg.model.vocab_size)]

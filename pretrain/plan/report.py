@@ -6,7 +6,8 @@ from pretrain.config import RunConfig
 from pretrain.hardware import format_flops
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
 from pretrain.plan.memory import GB
-from pretrain.plan.search import Plan
+from pretrain.layout import Layout
+from pretrain.plan.search import Plan, engine_key
 
 
 def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerator: str) -> str:
@@ -55,11 +56,49 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def format_search(plans: list[Plan], cluster: Cluster, *, top: int) -> str:
-    """The fastest `top` of the layouts that fit, one line each."""
+def selecting_arguments(layout: Layout, ds_config: str) -> str:
+    """The `pretrain train` / `plan` arguments that select `layout` (with `ds_config`, the
+    JSON of its ZeRO stage and offload)."""
+    sets = [f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
+            f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
+            f"train.micro_batch_size={layout.micro_batch}",
+            f"model.activation_checkpointing={layout.recompute.value}",
+            f"train.global_batch_size={layout.global_batch}"]
+    return f"--deepspeed-config {ds_config} " + " ".join(f"--set {s}" for s in sets)
+
+
+def format_search(plans: list[Plan], cluster: Cluster, *, top: int,
+                  ds_configs: dict[tuple[int, str, str], str],
+                  current: tuple[Plan | None, str] | None = None) -> str:
+    """The fastest `top` of the layouts that fit, one line each and the arguments that select
+    it under it; then where `current` (the config's own plan, or None and why) ranks."""
     lines = [f"[plan] {len(plans)} layouts of {cluster.world_size} GPUs ({cluster.nodes} x "
              f"{cluster.gpus_per_node} {cluster.name}) fit; the fastest {min(top, len(plans))}:",
              f"  {'#':>3}  {'layout':<58}{'memory':>9}{'tokens/s':>12}{'MFU':>7}"]
-    lines += [f"  {i:>3}  {p.layout.describe():<58}{p.memory.total / GB:8.1f}G"
-              f"{p.tokens_per_s:12,.0f}{100 * p.mfu:6.1f}%" for i, p in enumerate(plans[:top], 1)]
+    for i, p in enumerate(plans[:top], 1):
+        lines += [f"  {i:>3}  {p.layout.describe():<58}{p.memory.total / GB:8.1f}G"
+                  f"{p.tokens_per_s:12,.0f}{100 * p.mfu:6.1f}%",
+                  f"       {selecting_arguments(p.layout, ds_configs[engine_key(p.layout)])}"]
+    if current is not None:
+        lines.append(f"this config: {_current_rank(plans, *current)}")
     return "\n".join(lines)
+
+
+def _current_rank(plans: list[Plan], plan: Plan | None, why: str) -> str:
+    where = current_rank(plans, plan, why)
+    if not where["ok"]:
+        return why
+    described = f"{where['layout']}, {where['tokens_per_s']:,.0f} tokens/s"
+    if not where["fits"]:
+        return f"{described}: does not fit ({plan.memory.total / GB:.1f} GB per GPU)"
+    return f"{described}: #{where['rank']} of {len(plans)}"
+
+
+def current_rank(plans: list[Plan], plan: Plan | None, why: str) -> dict:
+    """`format_search`'s last line as JSON."""
+    if plan is None:
+        return {"ok": False, "reason": why}
+    return {"ok": True, "layout": plan.layout.describe(), "tokens_per_s": plan.tokens_per_s,
+            "fits": plan.fits,
+            "rank": 1 + sum(p.tokens_per_s > plan.tokens_per_s for p in plans) if plan.fits
+            else None}

@@ -79,12 +79,15 @@ def _divisors(n: int) -> list[int]:
 
 def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
            precision: Precision = Precision.BF16, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
-           allow_offload: bool = True) -> list[Plan]:
+           allow_offload: bool = True,
+           engines: set[tuple[int, str, str]] | None = None) -> list[Plan]:
     """Every valid layout of `cluster.world_size` GPUs that fits, fastest first.
 
     TP stays inside a node (powers of two dividing the GPUs per node); PP divides the world;
     ZeRO 0-3 (0/1 with pipelines), optimizer offload to CPU from ZeRO 1, parameter offload with
     ZeRO 3, recompute none/full, sequence parallelism whenever tp > 1 (it only saves memory).
+    `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
+    passes those a shipped DeepSpeed JSON selects).
     """
     world = cluster.world_size
     base = Layout(precision=precision, global_batch=global_batch)
@@ -103,6 +106,8 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
                              zero_stage=stage, recompute=recompute, sequence_parallel=tp > 1,
                              offload_optimizer="none" if offload == "none" else "cpu",
                              offload_param="cpu" if offload == "opt+param" else "none")
+            if engines is not None and engine_key(layout) not in engines:
+                continue
             try:
                 plan = estimate(model, layout, cluster)
             except ConfigError:
@@ -111,6 +116,11 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
                 plans.append(plan)
     plans.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     return plans
+
+
+def engine_key(layout: Layout) -> tuple[int, str, str]:
+    """What a DeepSpeed JSON decides of a layout: ZeRO stage and the two offload devices."""
+    return layout.zero_stage, layout.offload_optimizer, layout.offload_param
 
 
 def minimum_memory_gb(model: ModelConfig, cluster: Cluster, *, precision: Precision) -> float:
