@@ -115,10 +115,13 @@ def init_deepspeed_comm(**kwargs) -> None:
     """`deepspeed.init_distributed(**kwargs)` without the shared-memory all-reduce op DeepSpeed
     compiles on CPU accelerators: only its `inference_all_reduce` uses it, which training never
     calls, and compiling it costs a fresh machine's first run about 50 s."""
-    import deepspeed
-    import deepspeed.comm.torch as ds_torch_comm
+    import importlib
 
-    with mock.patch.object(ds_torch_comm, "build_shm_op", lambda: None):
+    import deepspeed
+
+    # the module by name: `deepspeed.comm.torch` as an attribute is the torch package
+    backend = importlib.import_module("deepspeed.comm.torch")
+    with mock.patch.object(backend, "build_shm_op", lambda: None):
         deepspeed.init_distributed(**kwargs)
 
 
