@@ -12,12 +12,16 @@
     pretrain plan        dry-run a config for N ranks; memory / speed planner; --search
     pretrain sweep       short runs over ZeRO configs x micro-batches: CSV, table, plot
 
-Errors in the user's input (config, data, checkpoint) print one `error:` line and exit 2.
+Errors in the user's input (config, data, checkpoint) print one `error:` line and exit 2. When
+the reader of stdout goes away (`pretrain sweep --list | head -1`), the command ends quietly with
+status 141, as a shell command killed by SIGPIPE does.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import select
+import signal
 import sys
 
 from pretrain.commands import (convert, data, export_hf, generate, import_hf, launch, plan, sweep,
@@ -72,11 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has closed it (Linux reports POLLERR on
+    such a pipe): a BrokenPipeError from anything else is a real error, with its traceback."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout closed or replaced
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     _quiet_imports()
     try:
         args.func(args)
+        sys.stdout.flush()  # here, not at interpreter exit, where a broken pipe cannot be caught
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        # Python flushes stdout again at exit: point it at /dev/null so that flush succeeds.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + int(signal.SIGPIPE))
     except PretrainError as exc:
         # Validation errors are the same on every rank: one line from rank 0 is enough.
         if os.environ.get("RANK", "0") == "0":

@@ -7,6 +7,8 @@
 #   RUN_DIR       run directory: checkpoints, metrics     (default: the config's run_dir)
 #   LOG_DIR       job record: resolved config, ds_config.json, git commit, attempts
 #                 (default runs/slurm/<job name>-<job id>)
+#   JOB_LOG       copy of the job's output (default runs/slurm/<job name>-<job id>.out; sbatch
+#                 writes <job name>-<job id>.out where it ran, see slurm/job_log.sh)
 #   GPUS_PER_NODE ranks per node = GPUs per node; 0 runs CPU ranks (TASKS_PER_NODE of them)
 #   TASKS_PER_NODE ranks per node (default: GPUS_PER_NODE, else SLURM_NTASKS_PER_NODE)
 #   MASTER_PORT   rendezvous port (default from the job id and attempt, the same on every node)
@@ -23,6 +25,7 @@ if [[ ! -f $ROOT/slurm/common.sh ]]; then
   exit 2
 fi
 cd "$ROOT"
+source "$ROOT/slurm/job_log.sh"  # creates runs/slurm/ and copies this job's output there
 VENV="${VENV:-$ROOT/.venv}"
 [[ -f $VENV/bin/activate ]] && source "$VENV/bin/activate"
 

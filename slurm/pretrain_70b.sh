@@ -5,7 +5,8 @@
 #   master weights, sequence 4096, global batch 1024 sequences = 4.2M tokens a step (micro-batch 1 x
 #   256 accumulation steps x dp 4), full activation recomputation.
 #
-#   mkdir -p runs/slurm && sbatch slurm/pretrain_70b.sh [--set section.key=value ...]
+#   sbatch slurm/pretrain_70b.sh [--set section.key=value ...]
+#   # log: llama70b-<job id>.out here, copied to runs/slurm/llama70b-<job id>.out
 #
 # One task per GPU; see slurm/common.sh for the environment overrides (CONFIG, RUN_DIR, LOG_DIR,
 # GPUS_PER_NODE, ...). A tiny CPU run on 2 nodes (what tests/test_slurm.py submits):
@@ -20,7 +21,7 @@
 #SBATCH --cpus-per-task=12
 #SBATCH --exclusive
 #SBATCH --time=48:00:00
-#SBATCH --output=runs/slurm/%x-%j.out
+#SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@600
 #SBATCH --requeue

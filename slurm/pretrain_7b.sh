@@ -4,7 +4,8 @@
 #   (ds_configs/zero1.json), bf16, sequence 4096, global batch 1024 sequences = 4.2M tokens a step
 #   (micro-batch 1 x 64 accumulation steps x dp 16), full activation recomputation.
 #
-#   mkdir -p runs/slurm && sbatch slurm/pretrain_7b.sh [--set section.key=value ...]
+#   sbatch slurm/pretrain_7b.sh [--set section.key=value ...]
+#   # log: llama7b-<job id>.out here, copied to runs/slurm/llama7b-<job id>.out
 #
 # Same mechanics and overrides as slurm/pretrain_70b.sh (see slurm/common.sh).
 #SBATCH --job-name=llama7b
@@ -14,7 +15,7 @@
 #SBATCH --cpus-per-task=12
 #SBATCH --exclusive
 #SBATCH --time=48:00:00
-#SBATCH --output=runs/slurm/%x-%j.out
+#SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@300
 #SBATCH --requeue

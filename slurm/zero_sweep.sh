@@ -4,11 +4,12 @@
 # $SWEEP_DIR/sweep.md (and sweep.csv, sweep.png) with `pretrain sweep --aggregate`: median
 # tokens/s and step time, peak memory of every rank, final loss per config.
 #
-#   mkdir -p runs/slurm && sbatch slurm/zero_sweep.sh           # --array=0-6: ds_configs/*.json
+#   sbatch slurm/zero_sweep.sh           # --array=0-6: ds_configs/*.json
 #   DS_CONFIGS="ds_configs/zero1.json ds_configs/zero3.json" sbatch --array=0-1 slurm/zero_sweep.sh
 #
 # Overrides (besides slurm/common.sh's): DS_CONFIGS (the list, sorted; task i runs the i-th),
-# SWEEP_DIR (default runs/zero_sweep-<array job id>), SWEEP_STEPS (default 50).
+# SWEEP_DIR (default runs/zero_sweep-<array job id>), SWEEP_STEPS (default 50). Each task's log:
+# zero_sweep-<array id>_<task>.out where sbatch ran, copied to runs/slurm/ (slurm/job_log.sh).
 #SBATCH --job-name=zero_sweep
 #SBATCH --array=0-6
 #SBATCH --nodes=1
@@ -17,12 +18,13 @@
 #SBATCH --cpus-per-task=12
 #SBATCH --exclusive
 #SBATCH --time=01:00:00
-#SBATCH --output=runs/slurm/%x-%A_%a.out
+#SBATCH --output=%x-%A_%a.out
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue
 CONFIG="${CONFIG:-configs/llama_1b.yaml}"
 cd "${PRETRAIN_ROOT:-${SLURM_SUBMIT_DIR:-.}}"  # DS_CONFIGS paths are relative to the repository
+[[ -f slurm/job_log.sh ]] && source slurm/job_log.sh  # first: the errors below go to runs/slurm/ too
 read -r -a SWEEP_CONFIGS <<< "$(printf '%s\n' ${DS_CONFIGS:-ds_configs/*.json} | sort | tr '\n' ' ')"
 for ds in "${SWEEP_CONFIGS[@]}"; do
   [[ -f $ds ]] || { echo "error: DeepSpeed config $ds (from DS_CONFIGS) does not exist" >&2; exit 2; }

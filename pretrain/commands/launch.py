@@ -86,17 +86,27 @@ def _expand_one(item: str) -> list[str]:
 
 
 def node_names(nodelist: str | None = None) -> list[str]:
-    """The job's nodes in Slurm's order: `nodelist`, else `$SLURM_JOB_NODELIST`."""
+    """The job's nodes in Slurm's order: `nodelist`, else `$SLURM_JOB_NODELIST`.
+
+    The spec is checked with `expand_nodelist` first: `scontrol show hostnames` accepts malformed
+    lists (`c[1-` prints `c]`), which would make a hostfile of nodes that do not exist.
+    """
     spec = nodelist or os.environ.get("SLURM_JOB_NODELIST", "")
     if not spec:
         raise ConfigError("no nodes: pass --nodes HOST[,HOST...] or run inside a Slurm allocation "
                           "(SLURM_JOB_NODELIST is not set)")
-    if shutil.which("scontrol"):
-        proc = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True,
-                              text=True, timeout=60)
-        if proc.returncode == 0 and proc.stdout.split():
-            return proc.stdout.split()
-    return expand_nodelist(spec)
+    names = expand_nodelist(spec)
+    return _scontrol_hostnames(spec) or names
+
+
+def _scontrol_hostnames(spec: str) -> list[str]:
+    """`scontrol show hostnames spec` (Slurm's own expansion), or [] where Slurm is not installed
+    or it fails."""
+    if not shutil.which("scontrol"):
+        return []
+    proc = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True,
+                          timeout=60)
+    return proc.stdout.split() if proc.returncode == 0 else []
 
 
 def hostfile_text(nodes: list[str], *, slots: int) -> str:
