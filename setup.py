@@ -31,7 +31,8 @@ setup(
         "numpy>=1.26",
         "safetensors>=0.4",
         "ninja",
+        "matplotlib>=3.8",  # sweep.png of `pretrain sweep`
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8"]},
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
     entry_points={"console_scripts": ["pretrain=pretrain.cli:main"]},
 )

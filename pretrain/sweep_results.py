@@ -2,13 +2,15 @@
 written as sweep.csv, sweep.md (a Markdown table) and sweep.png (tokens/s and peak memory).
 
 The median tokens/s and step time leave out the first step, which pays for warm-up, when a run
-has more than one; peak memory is the maximum over steps of every rank.
+has more than one; peak memory is the maximum over steps of every rank. Where matplotlib cannot be
+imported, the table is still written and the plot skipped with a one-line warning.
 """
 from __future__ import annotations
 
 import csv
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,7 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
 
 
 def write_results(rows: list[dict[str, Any]], out: Path) -> dict[str, Path]:
-    """sweep.csv, sweep.md and sweep.png under `out`; returns their paths."""
+    """sweep.csv, sweep.md and sweep.png (where matplotlib imports) under `out`; their paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "sweep.csv", "md": out / "sweep.md", "png": out / "sweep.png"}
     with open(paths["csv"], "w", newline="") as f:
@@ -62,16 +64,30 @@ def write_results(rows: list[dict[str, Any]], out: Path) -> dict[str, Path]:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
     paths["md"].write_text("\n".join(lines) + "\n")
-    _plot(rows, paths["png"])
+    plt = _pyplot()
+    if plt is None:
+        del paths["png"]
+    else:
+        _plot(plt, rows, paths["png"])
     return paths
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None with a warning: after hours of runs, a
+    missing plotting library must not cost the table."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")  # no display on cluster nodes
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")  # no display on cluster nodes
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"warning: sweep.png skipped: matplotlib cannot be imported ({exc}); "
+              "pip install matplotlib", file=sys.stderr)
+        return None
+    return plt
 
+
+def _plot(plt: Any, rows: list[dict[str, Any]], path: Path) -> None:
     ok = [r for r in rows if r["status"] == "ok"]
     names = [r["name"] for r in ok]
     fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(ok) + 4), 4.5))

@@ -100,15 +100,39 @@ def test_hostfile_text_and_its_errors():
         launch.hostfile_text(["a", "a"], slots=1)
 
 
-def test_hostfile_command_reads_the_slurm_nodelist(tmp_path):
+# A stand-in for `scontrol show hostnames`, which accepts malformed lists: 'c[1-' prints 'c]'.
+FAKE_SCONTROL = """#!/bin/bash
+echo "$*" >> "${0%/*}/calls"
+case "$3" in
+  'c[1-3]') printf 'c1\\nc2\\nc3\\n' ;;
+  'c[1-') echo 'c]' ;;
+  *) echo "scontrol: error: unexpected test input $3" >&2; exit 1 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("slurm", ["scontrol", "no scontrol"])
+def test_hostfile_command_reads_the_slurm_nodelist(slurm, tmp_path):
+    """With Slurm installed (a stand-in `scontrol` first on PATH) and without (no `scontrol` on
+    PATH): the same hostfile, and a malformed list is refused either way."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if slurm == "scontrol":
+        (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+        (bin_dir / "scontrol").chmod(0o755)
     out = tmp_path / "hostfile"
     proc = _pretrain("launch", "hostfile", "--slots", "4", "--output", str(out),
-                     SLURM_JOB_NODELIST="c[1-3]")
+                     SLURM_JOB_NODELIST="c[1-3]", PATH=str(bin_dir))
     assert proc.returncode == 0, proc.stderr
     assert out.read_text() == "c1 slots=4\nc2 slots=4\nc3 slots=4\n"
-    proc = _pretrain("launch", "hostfile", "--slots", "4", "--output", str(out),
-                     "--nodes", "c[1-")
-    assert proc.returncode == 2 and proc.stderr.startswith("error: node list 'c[1-'")
+    bad = tmp_path / "bad_hostfile"
+    proc = _pretrain("launch", "hostfile", "--slots", "4", "--output", str(bad),
+                     "--nodes", "c[1-", PATH=str(bin_dir))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: node list 'c[1-'"), proc.stderr
+    assert not bad.exists()
+    # Slurm's expansion is used where it is installed, for lists that are well formed only.
+    calls = (bin_dir / "calls").read_text() if slurm == "scontrol" else ""
+    assert calls == ("show hostnames c[1-3]\n" if slurm == "scontrol" else "")
 
 
 def test_deepspeed_env_carries_the_run_environment_only():
@@ -147,3 +171,67 @@ def test_preflight_refuses_a_config_that_does_not_fit_the_world(tmp_path):
     assert not (tmp_path / "config.yaml").exists()
     proc = _pretrain("launch", "preflight", "--world-size", "2", "--search", *TINY)
     assert proc.returncode == 2 and "use `pretrain plan --search`" in proc.stderr
+
+
+# ---- Slurm job logs ------------------------------------------------------------------------------
+SBATCH_SCRIPTS = ["pretrain_7b.sh", "pretrain_13b.sh", "pretrain_70b.sh", "zero_sweep.sh"]
+
+
+def test_sbatch_output_is_in_a_directory_of_a_fresh_clone():
+    """sbatch opens the #SBATCH --output file before the script runs: in a directory that does not
+    exist (runs/ is ignored by git), the job fails without any log."""
+    scripts = sorted(p.name for p in (REPO / "slurm").glob("*.sh")
+                     if re.search(r"^#SBATCH ", p.read_text(), re.M))
+    assert scripts == sorted(SBATCH_SCRIPTS)
+    for script in scripts:
+        text = (REPO / "slurm" / script).read_text()
+        outputs = re.findall(r"^#SBATCH --output=(\S+)$", text, re.M)
+        assert len(outputs) == 1, script
+        parent = Path(outputs[0]).parent
+        assert not parent.is_absolute(), f"{script}: {outputs[0]}"
+        tracked = subprocess.run(["git", "ls-files", "--", str(parent)], cwd=REPO, text=True,
+                                 capture_output=True, check=True).stdout
+        assert parent == Path(".") or tracked, (
+            f"{script}: #SBATCH --output={outputs[0]}: {parent}/ is not in a fresh clone")
+
+
+def _job_shell(script: str, cwd: Path, *, stdout=subprocess.PIPE,
+               **env: str) -> subprocess.CompletedProcess:
+    """`script` in a bash with slurm/job_log.sh sourced as the job scripts do, in `cwd`."""
+    env = {"PATH": os.environ["PATH"], **env}
+    return subprocess.run(["bash", "-c", f"set -euo pipefail; source {REPO}/slurm/job_log.sh; "
+                           f"{script}"], cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, timeout=60)
+
+
+def test_job_log_creates_runs_slurm_and_copies_the_job_output(tmp_path):
+    job = {"SLURM_JOB_NAME": "llama70b", "SLURM_JOB_ID": "42"}
+    # Slurm's TERM on cancel reaches every process of the job: tee stays for the last lines.
+    proc = _job_shell('echo one; echo two >&2; kill -TERM "$JOB_LOG_PID"; echo three; exit 3',
+                      tmp_path, **job)
+    log = tmp_path / "runs" / "slurm" / "llama70b-42.out"
+    assert proc.returncode == 3, proc.stderr  # the script's own exit status
+    assert log.read_text() == "one\ntwo\nthree\n"
+    assert (proc.stdout, proc.stderr) == ("one\ntwo\nthree\n", "")  # and still sbatch's --output
+    # A requeued job (same id) appends; sourcing twice (zero_sweep.sh, then common.sh) copies once.
+    proc = _job_shell(f"source {REPO}/slurm/job_log.sh; echo attempt 1", tmp_path, **job)
+    assert proc.returncode == 0 and log.read_text() == "one\ntwo\nthree\nattempt 1\n"
+    # sbatch --output pointing at that file already: no second copy of each line.
+    with open(log, "a") as f:
+        proc = _job_shell("echo attempt 2", tmp_path, stdout=f, **job)
+    assert proc.returncode == 0 and log.read_text().endswith("attempt 1\nattempt 2\n")
+    # Array tasks: the #SBATCH name of zero_sweep.sh, %x-%A_%a.
+    proc = _job_shell("echo task 2", tmp_path, SLURM_JOB_NAME="zero_sweep", SLURM_JOB_ID="51",
+                      SLURM_ARRAY_JOB_ID="49", SLURM_ARRAY_TASK_ID="2")
+    assert (tmp_path / "runs" / "slurm" / "zero_sweep-49_2.out").read_text() == "task 2\n"
+
+
+def test_job_scripts_set_up_the_log_before_anything_else():
+    common = (REPO / "slurm" / "common.sh").read_text()
+    assert common.index('source "$ROOT/slurm/job_log.sh"') < common.index("echo \"[slurm] job")
+    sweep = (REPO / "slurm" / "zero_sweep.sh").read_text()
+    assert sweep.index("source slurm/job_log.sh") < sweep.index("echo \"error:")
+    for script in [*SBATCH_SCRIPTS, "common.sh", "job_log.sh"]:
+        proc = subprocess.run(["bash", "-n", str(REPO / "slurm" / script)], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, proc.stderr

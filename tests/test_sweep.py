@@ -1,21 +1,35 @@
-"""`pretrain sweep`: real short runs over two DeepSpeed configs -> CSV, Markdown, PNG; aggregation."""
+"""`pretrain sweep`: real short runs over two DeepSpeed configs -> CSV, Markdown, PNG; aggregation;
+configs checked before any run, runs stopped at --timeout, a closed stdout, no matplotlib."""
 from __future__ import annotations
 
 import csv
+import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from pretrain import cli
 from pretrain.testing.runs import REPO
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
 
-def _sweep(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain", "sweep", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+def _sweep(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    if "stdout" not in kwargs:
+        kwargs["capture_output"] = True
+    return subprocess.run([sys.executable, "-m", "pretrain", "sweep", *args], cwd=REPO, text=True,
+                          timeout=900, **kwargs)
+
+
+def _data(tiny_data: dict[str, str]) -> list[str]:
+    return ["--config", "configs/tiny.yaml", "--set", f"data.tokenizer={tiny_data['tokenizer']}",
+            "--set", f"data.dataset={tiny_data['dataset']}"]
 
 
 def test_sweep_two_zero_configs_on_two_ranks(tmp_path, tiny_data):
@@ -72,3 +86,117 @@ def test_sweep_refuses_missing_configs_and_empty_directories(tmp_path):
     assert bad.returncode == 2 and "error: --deepspeed-configs: 'ds_configs/zero9.json'" in bad.stderr
     empty = _sweep("--aggregate", str(tmp_path))
     assert empty.returncode == 2 and "no run directories with metrics.jsonl" in empty.stderr
+
+
+def test_sweep_checks_every_run_config_before_listing_or_starting(tmp_path, tiny_data):
+    # A misspelled field (the real one is train.lr) is refused before --list prints anything.
+    bad_field = _sweep(*_data(tiny_data), "--set", "train.learning_rate=1", "--deepspeed-configs",
+                       "ds_configs/zero1.json", "--list")
+    assert bad_field.returncode == 2 and bad_field.stdout == ""
+    lines = bad_field.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: sweep run zero1 (2 ranks): unknown config key train.learning_rate: valid keys are "
+    ), bad_field.stderr
+    # A layout that does not fit --nprocs: only the second run's micro-batch is wrong, and the
+    # first one does not start either.
+    out = tmp_path / "sweep"
+    bad_layout = _sweep(*_data(tiny_data), "--deepspeed-configs", "ds_configs/zero1.json",
+                        "--micro-batches", "1", "3", "--nprocs", "2", "--out", str(out))
+    assert bad_layout.returncode == 2, bad_layout.stdout + bad_layout.stderr
+    assert bad_layout.stderr.strip().splitlines() == [
+        "error: sweep run zero1_mbs3 (2 ranks): train.global_batch_size=4 is not a multiple of "
+        "train.micro_batch_size x data-parallel size = 3 x 2 = 6: set it to a multiple of 6"]
+    assert "[sweep]" not in bad_layout.stdout and not out.exists()
+
+
+def test_sweep_list_into_a_closed_pipe_ends_quietly(tiny_data):
+    """`pretrain sweep --list | head -1`: the reader is gone before the listing is written (here
+    always, with `head` only sometimes): no BrokenPipeError traceback, SIGPIPE's status 141."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = _sweep(*_data(tiny_data), "--deepspeed-configs", "ds_configs/zero1.json",
+                      "ds_configs/zero3.json", "--list", stdout=write_end, stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    command = shlex.join([sys.executable, "-m", "pretrain", "sweep", *_data(tiny_data), "--list"])
+    head = subprocess.run(["bash", "-c", f"set -o pipefail; {command} | head -1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert head.returncode in (0, 141) and head.stdout.startswith("zero0\t"), head.stderr
+    assert "Traceback" not in head.stderr and "BrokenPipeError" not in head.stderr, head.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdout_keeps_its_traceback(monkeypatch):
+    def fails(args):
+        raise BrokenPipeError("a pipe of the command's own")
+
+    help_text, add_arguments, _ = cli.COMMANDS["sweep"]
+    monkeypatch.setitem(cli.COMMANDS, "sweep", (help_text, add_arguments, fails))
+    with pytest.raises(BrokenPipeError, match="a pipe of the command's own"):
+        cli.main(["sweep", "--list"])
+
+
+def _alive_naming(text: str) -> list[str]:
+    """Processes (not zombies) whose command line contains `text`."""
+    alive = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if proc.name.isdigit() and text in cmdline:
+            alive.append(f"{proc.name}: {cmdline}")
+    return alive
+
+
+def test_sweep_timeout_stops_every_process_of_the_run_and_still_writes_the_table(tmp_path,
+                                                                                 tiny_data):
+    out = tmp_path / "sweep"
+    run = _sweep(*_data(tiny_data), "--deepspeed-configs", "ds_configs/zero1.json",
+                 "--micro-batches", "1", "2", "--steps", "100000", "--nprocs", "2",
+                 "--timeout", "15", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    groups = [int(g) for g in re.findall(r"^\[sweep\] \d/2 \w+ \(process group (\d+)\)$",
+                                         run.stdout, re.M)]
+    assert len(groups) == 2, run.stdout  # the second run started after the first timed out
+    for group in groups:  # torchrun's group...
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
+    # ...and its ranks, which torchrun starts in sessions of their own: nothing names the runs.
+    assert _alive_naming(str(out)) == []
+    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    assert [(r["name"], r["status"]) for r in rows] == [("zero1_mbs1", "timeout after 15s"),
+                                                        ("zero1_mbs2", "timeout after 15s")]
+    assert len((out / "sweep.md").read_text().splitlines()) == 4
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_writes_the_table_without_matplotlib(tmp_path):
+    """matplotlib is a runtime dependency; where it is missing anyway, the table is not lost."""
+    requires = re.search(r"install_requires=\[(.*?)\]", (REPO / "setup.py").read_text(), re.S)
+    assert '"matplotlib>=' in requires.group(1)
+    for name, loss in (("zero1", 6.0), ("zero3", 5.5)):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        records = [{"kind": "run", "world_size": 2, "global_batch": 4,
+                    "deepspeed_config": f"ds_configs/{name}.json"}]
+        records += [{"kind": "train", "step": s, "tokens_per_s": 100.0 * s, "step_time_s": 1.0 / s,
+                     "peak_mem_gb": 1.5, "loss": loss} for s in (1, 2, 3)]
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records))
+    shadow = tmp_path / "no_matplotlib" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow.parent)}
+    proc = _sweep("--aggregate", str(tmp_path / "runs"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "matplotlib" in line] == [
+        "warning: sweep.png skipped: matplotlib cannot be imported (No module named 'matplotlib'); "
+        "pip install matplotlib"]
+    rows = list(csv.DictReader(open(tmp_path / "runs" / "sweep.csv")))
+    assert [(r["name"], r["status"], r["tokens_per_s"]) for r in rows] == [
+        ("zero1", "ok", "250.0"), ("zero3", "ok", "250.0")]
+    assert (tmp_path / "runs" / "sweep.md").is_file()
+    assert not (tmp_path / "runs" / "sweep.png").exists()
+    assert "sweep.png" not in proc.stdout

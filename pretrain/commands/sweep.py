@@ -18,13 +18,20 @@ runs, and `--list` prints the runs (name and `pretrain train` arguments, one per
         --deepspeed-configs ds_configs/zero1.json ds_configs/zero3.json --micro-batches 1 2
     pretrain sweep --aggregate runs/zero_sweep-1234
 
+Every run's config is loaded and its DeepSpeed JSON resolved for `--nprocs` ranks before the
+first run starts (and before `--list` prints), as `pretrain train` would: a bad field or layout is
+one `error:` line and exit 2, not N failed runs. A run that exceeds `--timeout` is stopped (SIGTERM
+to its processes, SIGKILL after STOP_GRACE_S) and gets a `timeout after Ns` row; the sweep goes on.
+
 The result rows, table and plot are built by `pretrain.sweep_results`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +42,9 @@ from pretrain.sweep_results import summarize_run, write_results
 
 DEFAULT_DS_CONFIGS = ["ds_configs/zero0.json", "ds_configs/zero1.json", "ds_configs/zero2.json",
                       "ds_configs/zero3.json"]
+# Seconds a timed-out run has between SIGTERM and SIGKILL: its ranks finish the step in flight, save
+# a checkpoint and exit (torchrun waits up to 30 s for them); a rank stuck in a collective does not.
+STOP_GRACE_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +87,24 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return runs
 
 
+def check_runs(runs: list[tuple[str, list[str]]], *, world_size: int) -> None:
+    """Load every run's config and resolve its DeepSpeed JSON for `world_size` ranks, as
+    `pretrain train` would: a bad field or layout fails the sweep before any run starts."""
+    from pretrain.commands import train
+    from pretrain.config import config_overrides, load_config
+    from pretrain.plan.dry_run import dry_run
+
+    parser = argparse.ArgumentParser(prog="pretrain train")
+    train.add_arguments(parser)
+    for name, train_args in runs:
+        args = parser.parse_args(train_args)
+        try:
+            cfg = load_config(args.config, config_overrides(args))
+            dry_run(cfg, world_size=world_size, accelerator="cpu")
+        except ConfigError as exc:
+            raise ConfigError(f"sweep run {name} ({world_size} ranks): {exc}") from None
+
+
 def launcher_command(launcher: str, nprocs: int) -> list[str]:
     """The command that starts `pretrain` on `nprocs` ranks of this machine."""
     from pretrain.dist import free_port
@@ -94,6 +122,92 @@ def launcher_command(launcher: str, nprocs: int) -> list[str]:
             "--master_port", port, "--no_local_rank", "--module", "pretrain"]
 
 
+def _process_groups(pid: int) -> set[int]:
+    """The process groups of `pid` and of every process below it: torchrun starts each rank in a
+    session of its own, out of reach of a signal to the launcher's group. Reads /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):  # no procfs: the launcher's group only
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                    ppid = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue  # exited meanwhile
+                children.setdefault(ppid, []).append(int(entry.name))
+    groups, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(current))
+    return groups
+
+
+def _signal_groups(groups: set[int], sig: signal.Signals) -> None:
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already
+            os.killpg(group, sig)
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM to the sweep raises SystemExit (status 143), so the run it started is stopped on
+    the way out instead of being left running in its own session."""
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_run(proc: subprocess.Popen, *, grace_s: float) -> None:
+    """SIGTERM to the run's process groups (the launcher's and each rank's), SIGKILL to whatever
+    is left of them after `grace_s` or once the launcher has exited; returns once it is reaped."""
+    groups = _process_groups(proc.pid) | {proc.pid}
+    _signal_groups(groups, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        groups |= _process_groups(proc.pid)  # ranks started since the SIGTERM
+    _signal_groups(groups, signal.SIGKILL)
+    proc.wait()
+
+
+def _run_one(label: str, command: list[str], *, run_dir: Path, env: dict[str, str],
+             timeout: float) -> dict[str, Any]:
+    """One run in a session of its own, stopped after `timeout` seconds or when the sweep is
+    interrupted (Ctrl-C or SIGTERM no longer reach it through the terminal); its result row."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    timed_out = False
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            print(f"[sweep] {label} (process group {proc.pid})", flush=True)
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_run(proc, grace_s=STOP_GRACE_S)
+        except BaseException:  # the sweep is stopping: its run must not outlive it
+            print(f"[sweep] stopping {label} (SIGKILL after {STOP_GRACE_S:g}s)", file=sys.stderr,
+                  flush=True)
+            stop_run(proc, grace_s=STOP_GRACE_S)
+            raise
+    row = summarize_run(run_dir)
+    if timed_out:
+        row["status"] = f"timeout after {timeout:g}s"
+    elif proc.returncode != 0:
+        errors = [ln for ln in log.read_text().splitlines() if ln.startswith("error:")]
+        row["status"] = f"exit {proc.returncode}" + (f": {errors[0][7:]}" if errors else "")
+    print(f"[sweep]   {row['status']}: {row['tokens_per_s']} tokens/s, peak "
+          f"{row['peak_mem_gb_max']} GB/rank, loss {row['final_loss']} (log {log})", flush=True)
+    return row
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.aggregate:
         root = Path(args.aggregate)
@@ -108,6 +222,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"[sweep] {len(rows)} runs -> {', '.join(str(p) for p in paths.values())}")
         return rows
     runs = planned_runs(args)
+    check_runs(runs, world_size=1 if args.launcher == "single" else args.nprocs)
     if args.list:
         for name, train_args in runs:
             print(f"{name}\t{shlex.join(train_args)}")
@@ -117,21 +232,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # each run is its own job, not a rank of ours
     rows = []
-    for i, (name, train_args) in enumerate(runs, 1):
-        print(f"[sweep] {i}/{len(runs)} {name}", flush=True)
-        run_dir = Path(args.out) / name
-        log = run_dir.parent / f"{name}.log"
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as f:
-            proc = subprocess.run(prefix + ["train", *train_args], stdout=f,
-                                  stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
-        row = summarize_run(run_dir)
-        if proc.returncode != 0:
-            errors = [ln for ln in log.read_text().splitlines() if ln.startswith("error:")]
-            row["status"] = f"exit {proc.returncode}" + (f": {errors[0][7:]}" if errors else "")
-        rows.append(row)
-        print(f"[sweep]   {row['status']}: {row['tokens_per_s']} tokens/s, peak "
-              f"{row['peak_mem_gb_max']} GB/rank, loss {row['final_loss']} (log {log})", flush=True)
+    with _sigterm_raises():
+        for i, (name, train_args) in enumerate(runs, 1):
+            rows.append(_run_one(f"{i}/{len(runs)} {name}", prefix + ["train", *train_args],
+                                 run_dir=Path(args.out) / name, env=env, timeout=args.timeout))
     paths = write_results(rows, Path(args.out))
     print(paths["md"].read_text(), end="")
     print(f"[sweep] {len(rows)} runs -> {', '.join(str(p) for p in paths.values())}")
