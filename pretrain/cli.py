@@ -8,7 +8,7 @@
     pretrain export-hf   write any checkpoint as a Hugging Face LlamaForCausalLM directory
     pretrain import-hf   turn a Hugging Face Llama directory into a run's initial weights
     pretrain convert-checkpoint  consolidated fp32 weights (--to fp32) or universal checkpoint
-    pretrain launch      hostfile / .deepspeed_env / pre-flight / sweep table for launch scripts
+    pretrain launch      hostfile / .deepspeed_env / pre-flight for the launch scripts
     pretrain plan        dry-run a config for N ranks; memory / speed planner; --search
     pretrain sweep       short runs over ZeRO configs x micro-batches: CSV, table, plot
 
@@ -65,12 +65,28 @@ def _quiet_imports() -> None:
             os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+class _HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """Shows an option's default after its help, when it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or default in (None, False, [], argparse.SUPPRESS)
+                or not action.option_strings or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from pretrain import __version__
+
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pretrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_args, func) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=_HelpWithDefaults)
         add_args(p)
         p.set_defaults(func=func)
     return parser

@@ -126,6 +126,30 @@ def host_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
+def visible_gpus() -> list[tuple[str, float]] | None:
+    """(name, memory in GiB) of each GPU this node's `nvidia-smi` lists; None without one (a
+    login node, a CPU machine). No CUDA context is created: the pre-flight runs before srun."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    gpus = []
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        name, _, mib = line.rpartition(",")
+        try:
+            gpus.append((name.strip(), float(mib) / 1024))
+        except ValueError:
+            return None
+    return gpus or None
+
+
 def bf16_slowdown(*, n: int = 256, seconds: float = 0.4) -> float:
     """fp32 over bf16 matmul throughput on this CPU: above 1 when bf16 is slower."""
     fp32 = measure_matmul_tflops(torch.float32, n=n, seconds=seconds / 2, trials=2)

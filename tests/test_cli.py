@@ -23,6 +23,23 @@ def test_help_of_every_command(command):
             assert sub in out.stdout
 
 
+def test_version_and_help_that_shows_defaults_and_only_real_subcommands():
+    def pretrain(*args):
+        out = subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    from pretrain import __version__
+
+    assert pretrain("--version").strip() == f"pretrain {__version__}"
+    assert "sweep table" not in pretrain("--help")  # launch has no such subcommand
+    assert "(default: 3600)" in pretrain("sweep", "--help")  # --timeout
+    preflight = pretrain("launch", "preflight", "--help")
+    assert "--search" not in preflight and "--json" not in preflight  # plan's, not preflight's
+    assert "--search" in pretrain("plan", "--help")
+
+
 def _assert_one_error_line(run, *expected: str) -> str:
     assert run.returncode == 2, (run.returncode, run.stdout[-2000:], run.stderr[-4000:])
     assert "Traceback" not in run.stderr, run.stderr

@@ -170,7 +170,35 @@ def test_preflight_refuses_a_config_that_does_not_fit_the_world(tmp_path):
         "data-parallel size = 2 x 3 = 6: set it to a multiple of 6"]
     assert not (tmp_path / "config.yaml").exists()
     proc = _pretrain("launch", "preflight", "--world-size", "2", "--search", *TINY)
-    assert proc.returncode == 2 and "use `pretrain plan --search`" in proc.stderr
+    assert proc.returncode == 2 and "unrecognized arguments: --search" in proc.stderr
+
+
+def test_preflight_plans_for_the_gpus_of_the_node_and_refuses_what_does_not_fit(tmp_path):
+    """The batch script's node lists 8 x 16 GiB GPUs (a stand-in nvidia-smi): the 70B recipe's
+    ~24 GB per GPU does not fit, so the pre-flight prints the plan and exits 2 before srun; on
+    80 GiB GPUs it fits and records the run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    for memory_mib, fits in ((16384, False), (81559, True)):
+        smi.write_text("#!/bin/sh\n" + "".join(
+            f"echo 'Tesla GPU-{memory_mib}, {memory_mib}'\n" for _ in range(8)))
+        smi.chmod(0o755)
+        log_dir = tmp_path / f"log{memory_mib}"
+        proc = _pretrain("launch", "preflight", "--world-size", "128", "--accelerator", "cuda",
+                         "--no-build", "--config", "configs/llama_70b.yaml",
+                         "--log-dir", str(log_dir),
+                         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+        gib = memory_mib / 1024
+        assert f"8 GPU(s), the smallest Tesla GPU-{memory_mib} with {gib:.1f} GiB" in proc.stdout
+        if fits:
+            assert proc.returncode == 0, proc.stderr
+            assert "-> fits" in (log_dir / "plan.txt").read_text()
+        else:
+            assert proc.returncode == 2 and "DOES NOT FIT" in proc.stdout, proc.stderr
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1 and "nvidia-smi on this node" in errors[0], proc.stderr
+            assert not (log_dir / "config.yaml").exists()
 
 
 # ---- Slurm job logs ------------------------------------------------------------------------------

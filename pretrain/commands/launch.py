@@ -8,9 +8,10 @@ launcher call. What needs logic lives here, where it is unit tested:
   with `expand_nodelist` (same grammar: `gpu[01-04,7],login1`) when it is not;
 - `env-file`: DeepSpeed's `.deepspeed_env` (one `NAME=value` a line), which its multi-node
   runners (pdsh, ssh, slurm) export to every rank: the variables that must be the same everywhere;
-- `preflight`: `pretrain plan` for the job's world size before any rank starts (layout, memory per
-  GPU; exit 2 with one `error:` line for a config that does not fit), then the resolved run
-  config, the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory;
+- `preflight`: `pretrain plan --build` for the job's world size before any rank starts (layout,
+  memory per GPU of the GPUs `nvidia-smi` lists on the node unless `--gpu-memory-gb` is given;
+  exit 2 with one `error:` line for a config that does not fit), then the resolved run config,
+  the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory;
 """
 from __future__ import annotations
 
@@ -145,15 +146,17 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     """
     from pretrain.plan.dry_run import dry_run
 
-    if args.search or args.json:
-        raise ConfigError("preflight checks the one layout of the run: use `pretrain plan --search`"
-                          " / `--json` for the others")
     if not args.world_size or args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: need the job's number of ranks (>= 1)")
     args.build = not args.no_build
+    gpus_seen = _gpus_of_this_node(args)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        plan_command.run(args)
+    try:
+        with contextlib.redirect_stdout(out):
+            plan_command.run(args)
+    except ConfigError:
+        sys.stdout.write(gpus_seen + out.getvalue())  # the plan that does not fit, then why
+        raise
     if log_dir is not None:
         cfg = load_config(args.config, config_overrides(args))
         ds, _ = dry_run(cfg, world_size=args.world_size, accelerator=args.accelerator)
@@ -161,8 +164,25 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
         cfg.save(log_dir / "config.yaml")
         (log_dir / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
         (log_dir / "git_commit.txt").write_text(git_commit() + "\n")
-        (log_dir / "plan.txt").write_text(out.getvalue())
-    return out.getvalue()
+        (log_dir / "plan.txt").write_text(gpus_seen + out.getvalue())
+    return gpus_seen + out.getvalue()
+
+
+def _gpus_of_this_node(args: argparse.Namespace) -> str:
+    """Plan for the GPUs the job has: unless --gpu-memory-gb is given, the memory of the
+    smallest GPU `nvidia-smi` lists on this node (the batch script runs on the job's first
+    node). A line saying what was seen, or ''."""
+    from pretrain.hardware import visible_gpus
+
+    if args.gpu_memory_gb or args.accelerator == "cpu" or args.cluster == "cpu":
+        return ""
+    gpus = visible_gpus()
+    if not gpus:
+        return ""
+    name, memory = min(gpus, key=lambda gpu: gpu[1])
+    args.gpu_memory_gb, args.gpu_memory_source = memory, f"{name}, nvidia-smi on this node"
+    return (f"[preflight] this node: {len(gpus)} GPU(s), the smallest {name} with "
+            f"{memory:.1f} GiB (nvidia-smi): planned with --gpu-memory-gb {memory:.1f}\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,7 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--var", action="append", default=[], help="also pass this variable (repeatable)")
     p = sub.add_parser("preflight", help="pretrain plan for the job's ranks, then record the "
                                          "resolved config, DeepSpeed JSON and git commit")
-    plan_command.add_arguments(p)  # --config / --set / --deepspeed-config / --world-size ...
+    plan_command.add_arguments(p, search=False)  # --config / --set / --world-size / cluster
     p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, "
                                                  "git_commit.txt and plan.txt here")
     p.add_argument("--no-build", action="store_true",

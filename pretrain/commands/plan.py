@@ -31,7 +31,8 @@ from pretrain.layout import planned_precision
 from pretrain.plan.clusters import CLUSTER_PRESETS, Cluster, make_cluster
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, search: bool = True) -> None:
+    """`search=False`: the arguments planning one run takes (the Slurm pre-flight's)."""
     add_config_arguments(parser)
     parser.add_argument("--world-size", type=int, help="ranks (GPUs) of the run; default: "
                         "--nodes x GPUs per node")
@@ -50,12 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU")
     cluster.add_argument("--intra-node-gbps", type=float, help="NVLink GB/s per GPU, one way")
     cluster.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way")
-    parser.add_argument("--search", action="store_true",
-                        help="rank every valid layout of the model on the cluster that fits")
-    parser.add_argument("--global-batch", type=int,
-                        help="samples per step for --search (default: the config's)")
-    parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(search=False, json=False, global_batch=None, top=10)
+    if search:
+        parser.add_argument("--search", action="store_true",
+                            help="rank every valid layout of the model on the cluster that fits")
+        parser.add_argument("--global-batch", type=int,
+                            help="samples per step for --search (default: the config's)")
+        parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--build", action="store_true",
                         help="also construct every distinct rank's module (pipeline stage x "
                         "tensor rank) on the meta device, in a fake process group of the "
@@ -191,8 +194,8 @@ def _does_not_fit(plan, args: argparse.Namespace) -> str:
     """The error line of a plan over the GPU's memory, with the cluster it was planned for."""
     from pretrain.plan.memory import GB
 
-    given = "given" if args.gpu_memory_gb else f"--cluster {args.cluster}'s; pass --gpu-memory-gb " \
-                                               "if the job's GPUs differ"
+    given = getattr(args, "gpu_memory_source", "given") if args.gpu_memory_gb else \
+        f"--cluster {args.cluster}'s; pass --gpu-memory-gb if the job's GPUs differ"
     return (f"the plan needs {plan.memory.total / GB:.1f} GB per GPU but "
             f"{plan.memory_limit_gb:.1f} GB are usable of {plan.cluster.gpu_memory_gb:g} GB "
             f"({given}): raise ZeRO's stage, tensor or pipeline parallelism, turn on "
