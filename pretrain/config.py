@@ -4,7 +4,7 @@ A run config is a YAML file whose top-level sections map onto the dataclasses be
 
     model:      {preset: tiny, ...}        # architecture (ModelConfig); presets in MODEL_PRESETS
     parallel:   {tensor: 1, pipeline: 1}   # tensor / pipeline sizes; data parallel is derived
-    data:       {...}                      # corpus, tokenizer, dataset prefix (DataConfig)
+    data:       {...}                      # tokenizer, dataset prefix or blend (DataConfig)
     train:      {...}                      # steps, batch, optimizer, schedule (TrainConfig)
     checkpoint: {...}                      # where and how often to save (CheckpointConfig)
     logging:    {...}                      # step-line cadence, tensorboard, wandb (LoggingConfig)
@@ -19,6 +19,7 @@ derived and checked in `pretrain.layout` (`resolve_layout`), the DeepSpeed JSON 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import typing
@@ -199,23 +200,19 @@ class DataConfig:
     """Where the training tokens come from.
 
     `dataset` is the prefix of a preprocessed .bin/.idx pair (`pretrain preprocess`); or
-    `blend` lists several prefixes with weights (see `pretrain.data.blend`). `corpus` and
-    `tokenizer_vocab_size` describe how the data was (or will be) built.
+    `blend` lists several prefixes with weights (see `pretrain.data.blend`). How they were built
+    (`pretrain tokenizer` / `pretrain preprocess --corpus ...`) is not part of a run.
     """
 
-    corpus: list[str] = field(default_factory=list)  # files, globs, dirs, .jsonl, .parquet, ...
     dataset: str = ""  # prefix of the .bin/.idx pair, e.g. runs/data/stdlib
     blend: list = field(default_factory=list)  # ["0.7 runs/data/code", "0.3 runs/data/prose"]
     tokenizer: str = ""  # sentencepiece .model path or Hugging Face tokenizer directory
-    tokenizer_vocab_size: int = 8192  # when training a tokenizer from the corpus
     valid_fraction: float = 0.01  # documents held out for validation
     test_fraction: float = 0.0  # documents held out for testing (never trained or validated on)
     seed: int = 1234  # document and sample shuffle seed
     num_workers: int = 1  # DataLoader workers per rank
 
     def __post_init__(self) -> None:
-        if isinstance(self.corpus, str):
-            self.corpus = [self.corpus]
         for name in ("valid_fraction", "test_fraction"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail("data", name, getattr(self, name), "must be in [0, 1)")
@@ -229,8 +226,6 @@ class DataConfig:
                 parse_blend(self.blend)
             except DataError as error:
                 _fail("data", "blend", self.blend, str(error))
-        if self.tokenizer_vocab_size < 64:
-            _fail("data", "tokenizer_vocab_size", self.tokenizer_vocab_size, "must be >= 64")
         if self.num_workers < 0:
             _fail("data", "num_workers", self.num_workers, "must be >= 0")
 
@@ -374,6 +369,15 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's problem with its line and column (1-based), on one line."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}" + (f" ({context})" if context else "")
+
+
 def _to_plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
@@ -422,13 +426,31 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+# What other stacks (Megatron, Hugging Face, GPT-NeoX) call our fields: the "did you mean" of an
+# unknown key that no spelling distance would find.
+_OTHER_STACKS_NAMES = {
+    "learning_rate": "lr", "min_learning_rate": "min_lr", "max_steps": "steps",
+    "train_iters": "steps", "lr_warmup_steps": "warmup_steps", "lr_warmup_iters": "warmup_steps",
+    "clip_grad": "grad_clip", "max_grad_norm": "grad_clip", "gradient_clipping": "grad_clip",
+    "micro_batch": "micro_batch_size", "global_batch": "global_batch_size",
+    "train_micro_batch_size_per_gpu": "micro_batch_size", "train_batch_size": "global_batch_size",
+    "num_attention_heads": "num_heads", "num_hidden_layers": "num_layers",
+    "num_key_value_heads": "num_kv_heads", "intermediate_size": "ffn_hidden_size",
+    "max_position_embeddings": "seq_length", "data_path": "dataset",
+}
+
+
 def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
         where = f"{path}." if path else ""
-        raise ConfigError(f"unknown config key {where}{unknown[0]}: valid keys are "
+        alias = _OTHER_STACKS_NAMES.get(unknown[0])
+        close = [alias] if alias in names else \
+            difflib.get_close_matches(unknown[0], sorted(names), n=1, cutoff=0.5)
+        hint = f" (did you mean {where}{close[0]}?)" if close else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]}{hint}: valid keys are "
                           f"{', '.join(sorted(names))}")
     raw = dict(raw)
     if cls is ModelConfig and raw.get("preset") is not None:
@@ -466,7 +488,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"run config {str(path)!r} is not valid YAML: "
-                              f"{str(exc).splitlines()[0]}") from None
+                              f"{_yaml_problem(exc)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"run config {str(path)!r}: expected a mapping of sections")
     for text in overrides:

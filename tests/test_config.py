@@ -30,15 +30,18 @@ def test_yaml_file_overrides_and_types(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  preset: tiny\n  num_layers: 3\ntrain:\n  lr: 3e-4\n  precision: fp16\n")
     cfg = load_config(path, ["train.steps=7", "model.activation_checkpointing=every_k",
-                             "data.corpus=[a.txt, b.txt]"])
+                             "data.blend=[0.5 a, 0.5 b]"])
     assert cfg.model.num_layers == 3 and cfg.model.hidden_size == 64  # preset + explicit field
     assert cfg.train.lr == 3e-4 and cfg.train.precision is Precision.FP16
     assert cfg.train.steps == 7 and cfg.model.activation_checkpointing is Recompute.EVERY_K
-    assert cfg.data.corpus == ["a.txt", "b.txt"]
+    assert cfg.data.blend == ["0.5 a", "0.5 b"]
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.stepz=3"], "unknown config key train.stepz"),
+    (["train.stepz=3"], "unknown config key train.stepz (did you mean train.steps?)"),
+    (["data.corpus=x.txt"], "unknown config key data.corpus"),  # `pretrain preprocess --corpus`
+    (["train.learning_rate=1e-3"], "unknown config key train.learning_rate (did you mean train.lr?)"),
+    (["model.num_attention_heads=8"], "(did you mean model.num_heads?)"),
     (["bogus.x=1"], "unknown config key bogus"),
     (["train.steps=ten"], "train.steps='ten': expected int"),
     (["train.steps=0"], "train.steps=0: must be a positive integer"),
@@ -53,6 +56,14 @@ def test_bad_values_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=None) as info:
         load_config(None, overrides)
     assert message in str(info.value)
+
+
+def test_yaml_syntax_errors_keep_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: 3\n  lr: [1,\nmodel: {a: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [])
+    assert "is not valid YAML" in str(info.value) and "at line 5 column 1" in str(info.value)
 
 
 def test_duplicate_yaml_key_rejected(tmp_path):

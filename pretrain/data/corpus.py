@@ -58,7 +58,7 @@ def resolve_corpus(specs: list[str]) -> list[Path]:
         specs = [str(specs)]
     if not specs:
         raise DataError("corpus is empty: give at least one file, directory, glob or "
-                        f"'{PYTHON_STDLIB}' (data.corpus in the run config)")
+                        f"'{PYTHON_STDLIB}' (--corpus)")
     files: list[Path] = []
     seen: set[Path] = set()
     for spec in specs:
@@ -69,7 +69,7 @@ def resolve_corpus(specs: list[str]) -> list[Path]:
                 files.append(path)
     if all(path.is_file() and path.stat().st_size == 0 for path in files):
         raise DataError(f"corpus {specs!r} matched {len(files)} files but all are empty: "
-                        "point data.corpus at files that contain text")
+                        "point --corpus at files that contain text")
     return files
 
 

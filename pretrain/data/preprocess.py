@@ -69,7 +69,7 @@ def preprocess(paths: Sequence[Path], *, tokenizer_path: str | Path, output_pref
                                 refresh=False)
         if writer.num_documents == 0:
             raise DataError(f"no non-empty documents in the {len(paths)} corpus files: "
-                            "check data.corpus (JSONL documents need a non-empty \"text\")")
+                            "check --corpus (JSONL documents need a non-empty \"text\")")
         documents = writer.num_documents
     return {"documents": documents, "tokens": tokens,
             "replaced_utf8_files": read_stats.replaced_utf8_files,
