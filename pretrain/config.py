@@ -303,7 +303,8 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 1  # steps between step lines (metrics.jsonl gets every step)
     tensorboard: bool = True  # event files under <run_dir>/tensorboard
-    wandb_project: str = ""  # wandb project; with WANDB_API_KEY set, "auto" mode goes online
+    wandb_project: str = ""  # wandb project; with a key (WANDB_API_KEY or `wandb login`),
+    # "auto" mode goes online
     wandb_mode: str = "auto"  # auto (online with a project and a key, else offline) | offline |
     # online | disabled; offline runs are kept under <run_dir>/wandb for `wandb sync`
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: taken from the accelerator's table

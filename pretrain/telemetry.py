@@ -179,10 +179,28 @@ def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
 
 
 def resolve_wandb_mode(mode: str, *, project: str, env) -> str:
-    """"auto": online when the user named a project and wandb has a key, else offline."""
+    """"auto": online when the user named a project and wandb has a key (WANDB_API_KEY, or the
+    netrc entry `wandb login` writes), else offline."""
     if mode != "auto":
         return mode
-    return "online" if project and env.get("WANDB_API_KEY") else "offline"
+    return "online" if project and (env.get("WANDB_API_KEY") or _wandb_login(env)) else "offline"
+
+
+def _wandb_login(env) -> bool:
+    """Whether `wandb login` stored a key for the wandb host in the netrc file ($NETRC, else
+    $HOME/.netrc; nothing when neither is in `env`)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    path = env.get("NETRC") or (str(Path(env["HOME"]) / ".netrc") if env.get("HOME") else None)
+    if not path or not Path(path).is_file():
+        return False
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (netrc.NetrcParseError, OSError):
+        return False
+    return bool(entry and entry[2])
 
 
 class MetricsSink:
@@ -207,6 +225,8 @@ class MetricsSink:
             self._wandb = wandb.init(project=wandb_project or "pretrain", dir=str(run_dir),
                                      mode=wandb_mode, config=run_config, name=run_dir.name,
                                      settings=wandb.Settings(silent=True, console="off"))
+            url = getattr(self._wandb, "url", None)
+            log(f"[wandb] {wandb_mode}: {url or run_dir / 'wandb'}")
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

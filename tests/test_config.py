@@ -247,5 +247,20 @@ def test_wandb_goes_online_only_with_a_project_and_a_key():
     assert resolve_wandb_mode("auto", project="llama", env={}) == "offline"
     assert resolve_wandb_mode("auto", project="llama", env={"WANDB_API_KEY": "k"}) == "online"
     assert resolve_wandb_mode("disabled", project="llama", env={"WANDB_API_KEY": "k"}) == "disabled"
+
+
+def test_wandb_goes_online_for_a_user_who_ran_wandb_login(tmp_path):
+    """`wandb login` writes the key to ~/.netrc, not to the environment."""
+    from pretrain.telemetry import resolve_wandb_mode
+
+    home = tmp_path / "home"
+    home.mkdir()
+    assert resolve_wandb_mode("auto", project="llama", env={"HOME": str(home)}) == "offline"
+    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123abcd\n")
+    (home / ".netrc").chmod(0o600)
+    assert resolve_wandb_mode("auto", project="llama", env={"HOME": str(home)}) == "online"
+    assert resolve_wandb_mode("auto", project="", env={"HOME": str(home)}) == "offline"
+    elsewhere = {"HOME": str(home), "WANDB_BASE_URL": "https://wandb.example.org"}
+    assert resolve_wandb_mode("auto", project="llama", env=elsewhere) == "offline"
     with pytest.raises(ConfigError, match="logging.wandb_mode='cloud'"):
         load_config(None, ["logging.wandb_mode=cloud"])
