@@ -95,8 +95,8 @@ def test_sweep_checks_every_run_config_before_listing_or_starting(tmp_path, tiny
     assert bad_field.returncode == 2 and bad_field.stdout == ""
     lines = bad_field.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "error: sweep run zero1 (2 ranks): unknown config key train.learning_rate: valid keys are "
-    ), bad_field.stderr
+        "error: sweep run zero1 (2 ranks): unknown config key train.learning_rate (did you mean "
+        "train.lr?): valid keys are "), bad_field.stderr
     # A layout that does not fit --nprocs: only the second run's micro-batch is wrong, and the
     # first one does not start either.
     out = tmp_path / "sweep"
