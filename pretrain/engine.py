@@ -16,7 +16,8 @@ from pretrain import telemetry
 from pretrain.config import RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.ds_config import zero_stage
-from pretrain.model import ModelForm, build_for_layout, tensor_parallel_group
+from pretrain.model import (ModelForm, build_for_layout, defer_sequence_parallel_grads,
+                            tensor_parallel_group)
 from pretrain.topology import ProcessGroups
 
 def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -65,6 +66,9 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         # own grid (DeepSpeed asserts mpu is None)
         mpu=groups.mpu if flat else None,
         lr_scheduler=_lr_schedule(cfg.train))
+    # every micro-batch's backward runs once per step, in the flat and the pipeline engine alike
+    defer_sequence_parallel_grads(engine.module,
+                                  micro_batches=engine.gradient_accumulation_steps())
     if groups.topology.data == 1 and zero_stage(ds_config) == 0 and flat:
         # One replica: DeepSpeed's bucketed gradient all-reduce would only copy gradients
         # in and out of flat buffers (measured ~2% of a step of the quickstart model).

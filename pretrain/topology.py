@@ -38,7 +38,7 @@ RankCoords(tensor=1, data=2, pipeline=1)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pretrain.errors import ConfigError
@@ -147,7 +147,8 @@ class Topology:
 
         `torch.distributed.new_group` is collective over the whole world and NCCL needs every
         rank to create every group in the same order, including groups it is not part of:
-        all ranks therefore run the same loops and keep only their own groups.
+        all ranks therefore run the same loops and keep only their own groups. A rank list
+        that two kinds share gets one group (one communicator).
         """
         import torch.distributed as dist
 
@@ -159,16 +160,19 @@ class Topology:
                 f"topology built for rank {self.rank} of {self.world_size}, but this process is "
                 f"rank {dist.get_rank()} of {dist.get_world_size()}: build the Topology from the "
                 "launcher's RANK and WORLD_SIZE")
-        mine = {}
+        mine, by_ranks = {}, {}
         for kind, lists in (("tensor", self.tensor_groups()), ("data", self.data_groups()),
                             ("pipeline", self.pipeline_groups()), ("model", self.model_groups())):
             for ranks in lists:
-                group = dist.new_group(ranks=ranks)
+                key = tuple(sorted(ranks))  # one group per rank list: at tp 1 the model
+                if key not in by_ranks:     # groups are the pipeline groups
+                    by_ranks[key] = dist.new_group(ranks=ranks)
+                group = by_ranks[key]
                 if self.rank in ranks:
                     mine[kind] = (group, ranks)
         return ProcessGroups(topology=self, tensor=mine["tensor"][0], data=mine["data"][0],
                              pipeline=mine["pipeline"][0], model=mine["model"][0],
-                             data_ranks=tuple(mine["data"][1]))
+                             data_ranks=tuple(mine["data"][1]), by_ranks=by_ranks)
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,9 @@ class ProcessGroups:
     pipeline: Any
     model: Any  # tp x pp ranks of one replica
     data_ranks: tuple[int, ...]
+    # every group create_groups made (this rank's or not), by its sorted ranks: DeepSpeed's
+    # pipeline grid is handed these instead of creating the same communicators again
+    by_ranks: dict[tuple[int, ...], Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def mpu(self) -> "DeepSpeedMPU":

@@ -18,9 +18,11 @@ from pretrain.config import load_config
 from pretrain.dist import init_deepspeed_comm
 from pretrain.ds_config import check_deepspeed_pipeline_config
 from pretrain.errors import ConfigError
-from pretrain.model import build_flat_pipeline, build_model, build_pipeline_model
+from pretrain.model import (build_flat_pipeline, build_model, build_pipeline_model,
+                            defer_sequence_parallel_grads)
+from pretrain.model.layers import RMSNorm
 from pretrain.model.llama import torch_checkpoint
-from pretrain.model.pipeline import (DecoderLayerPipe, StageActivations,
+from pretrain.model.pipeline import (DecoderLayerPipe, StageActivations, pipeline_module,
                                      pipeline_to_canonical_name, stage_state_dict)
 from pretrain.topology import Topology
 
@@ -176,6 +178,9 @@ def _pipeline_run(rank, world_size, variant):
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                       config=config)
     gas = engine.gradient_accumulation_steps()
+    # as pretrain.engine does: sequence-parallel norm gradients reduced once per step
+    defer_sequence_parallel_grads(module, micro_batches=gas)
+    norms = [m.weight_grad for m in module.modules() if isinstance(m, RMSNorm)]
     dp_rank = engine.grid.get_data_parallel_id()
 
     def mine(step):  # this replica's share of the step's micro-batches, in the global order
@@ -191,7 +196,8 @@ def _pipeline_run(rank, world_size, variant):
         else []
     return {"losses": losses, "eval": eval_loss, "initial": initial, "final": final,
             "parts": module.parts, "stage": engine.stage_id, "checkpointed": checkpointed,
-            "checkpoint_calls": len(checkpoint_calls),
+            "checkpoint_calls": len(checkpoint_calls), "micro_batches": gas,
+            "norm_reductions": [n.reductions for n in norms],
             "autograd_warnings": [str(w.message) for w in caught
                                   if "autograd kernel was not registered" in str(w.message)]}
 
@@ -271,6 +277,10 @@ def test_tp2_pp2_sequence_parallel_matches_single_process(tmp_path):
     assert [r["stage"] for r in results] == [0, 0, 1, 1]  # TP innermost
     _check_against_reference(results, tiny_cfg(tie=True), expected_parts=[0, 3, 7],
                              whole_weights=False)
+    # every norm of every stage all-reduced its weight gradient once per step, not once per
+    # micro-batch
+    assert all(r["micro_batches"] > 1 for r in results)
+    assert all(r["norm_reductions"] and set(r["norm_reductions"]) == {STEPS} for r in results)
 
 
 def test_sequence_parallel_refuses_partitioned_pipe_activations():
@@ -311,3 +321,45 @@ def test_parameters_partition_builds_only_this_stages_layers(tmp_path):
     for real, built, held in run_on_ranks(_count_real_layer_builds, world_size=2,
                                           tmp_path=tmp_path):
         assert (real, built, held) == (3, 9, 3)  # 6 counted on meta + the 3 of its stage
+
+
+def _grid_groups(rank, world_size):
+    import torch.distributed as dist
+
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)
+    topology = Topology(tensor=2, pipeline=2, world_size=world_size, rank=rank)
+    groups = topology.create_groups()
+    created = []
+    create = dist.new_group
+
+    def counted(*args, **kwargs):
+        created.append(kwargs.get("ranks", args[0] if args else None))
+        return create(*args, **kwargs)
+
+    dist.new_group = counted
+    try:
+        module = pipeline_module(tiny_cfg(tie=True), num_stages=2, topology=topology,
+                                 tp_group=groups.tensor, groups_by_ranks=groups.by_ranks)
+        reused = len(created)
+        pipeline_module(tiny_cfg(tie=True), num_stages=2, topology=topology,
+                        tp_group=groups.tensor)
+    finally:
+        dist.new_group = create
+    grid = module._grid
+    return {"reused_new_groups": reused, "ours": sorted(groups.by_ranks),
+            "plain_new_groups": sorted(tuple(sorted(r)) for r in created[reused:]),
+            "same": [grid.slice_proc_group is groups.tensor, grid.dp_proc_group is groups.data,
+                     grid.pp_proc_group is groups.pipeline,
+                     grid.ds_model_proc_group is groups.model]}
+
+
+def test_pipeline_grid_reuses_the_topology_groups(tmp_path):
+    """DeepSpeed's pipeline grid gets our tensor, data, pipe and model groups instead of
+    creating each communicator a second time (tp 2 x pp 2)."""
+    for result in run_on_ranks(_grid_groups, world_size=4, tmp_path=tmp_path):
+        assert result["same"] == [True, True, True, True]
+        assert result["reused_new_groups"] == 0
+        # without them every one of our 9 rank lists (1 model, 4 data, 2 pipe, 2 tensor) is
+        # made again, plus the tied embedding's groups
+        assert len(result["ours"]) == 9
+        assert set(result["ours"]) <= set(result["plain_new_groups"])

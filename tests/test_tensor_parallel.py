@@ -21,7 +21,8 @@ from pretrain.errors import ConfigError
 from pretrain.model import (LlamaModel, build_model, gather_full_state_dict, shard_of,
                             tensor_partition_dim)
 from pretrain.model import llama as llama_module
-from pretrain.model.layers import RMSNorm, column_linear, row_linear, vocab_embedding
+from pretrain.model.layers import (RMSNorm, column_linear, defer_sequence_parallel_grads,
+                                   row_linear, vocab_embedding)
 from pretrain.model.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                             VocabParallelEmbedding, all_gather_along,
                                             copy_to_tp, gather_from_sequence, gather_from_tp,
@@ -179,6 +180,32 @@ def _check_vocab_embedding_and_norm(group, tp, r):
     (y * chunk(grad_out, 1, group)).sum().backward()
     torch.testing.assert_close(norm.weight.grad, ref_norm.weight.grad, **TOL)
     assert not hasattr(norm.weight, "tensor_model_parallel")
+    _check_norm_grads_reduced_once_per_step(group, x_full=x_full, w=w, grad_out=grad_out)
+
+
+def _check_norm_grads_reduced_once_per_step(group, *, x_full, w, grad_out, micro_batches=4):
+    """Under sequence parallelism with gradient accumulation the norm's weight gradient is
+    all-reduced once per step (the last micro-batch's backward), and the accumulated gradient
+    is still the full-sequence gradient summed over the micro-batches; two steps in a row."""
+    ref_norm, norm = RMSNorm(x_full.shape[-1]), RMSNorm(x_full.shape[-1],
+                                                        sequence_parallel_group=group)
+    with torch.no_grad():
+        ref_norm.weight.copy_(w)
+        norm.weight.copy_(w)
+    wrapper = torch.nn.Sequential(norm)
+    assert defer_sequence_parallel_grads(wrapper, micro_batches=micro_batches) == 1
+    assert defer_sequence_parallel_grads(torch.nn.Sequential(ref_norm), micro_batches=4) == 0
+    for step in range(2):
+        ref_norm.weight.grad = norm.weight.grad = None
+        for micro in range(micro_batches):
+            x, g = x_full * (1 + micro), grad_out.roll(micro + step, dims=1)
+            (ref_norm(x) * g).sum().backward()
+            (norm(chunk(x, 1, group)) * chunk(g, 1, group)).sum().backward()
+            if micro < micro_batches - 1:  # nothing reduced yet: DeepSpeed accumulates zeros
+                assert norm.weight_grad.reductions == step
+                assert bool((norm.weight.grad == 0).all())
+        assert norm.weight_grad.reductions == step + 1
+        torch.testing.assert_close(norm.weight.grad, ref_norm.weight.grad, **TOL)
 
 
 def _check_cross_entropy(group, tp, r):

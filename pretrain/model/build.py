@@ -63,7 +63,8 @@ def construct_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
             cfg.model, num_stages=p.pipeline, topology=groups.topology, tp_group=tp_group,
             sequence_parallel=p.sequence_parallel, partition_method=p.pipeline_partition,
             activation_checkpoint_interval=int(
-                cfg.model.activation_checkpointing == Recompute.FULL))
+                cfg.model.activation_checkpointing == Recompute.FULL),
+            groups_by_ranks=groups.by_ranks)
     return LlamaModel(cfg.model, tp_group=tp_group, sequence_parallel=p.sequence_parallel)
 
 

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from pretrain.model.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                            VocabParallelEmbedding, copy_to_tp, tp_world_size)
+                                            SequenceShardedWeightGrad, VocabParallelEmbedding,
+                                            tp_world_size)
 
 
 class RMSNorm(nn.Module):
@@ -30,23 +31,38 @@ class RMSNorm(nn.Module):
 
     Under sequence parallelism the norm sees only this rank's T/tp tokens, so its weight
     gradient is a partial sum: pass the tensor-parallel group as `sequence_parallel_group` and
-    the weight goes through `copy_to_tp` (identity forward, all-reduce backward), so every rank
-    (and DeepSpeed) sees the complete gradient of the replicated weight.
+    the weight goes through a `SequenceShardedWeightGrad` (identity forward; the backward sums
+    the step's micro-batches and all-reduces once per step), so every rank (and DeepSpeed) sees
+    the complete gradient of the replicated weight at the step's end.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, *, sequence_parallel_group=None) -> None:
         super().__init__()
         self.eps = eps
         self.sequence_parallel_group = sequence_parallel_group
+        self.weight_grad = SequenceShardedWeightGrad(sequence_parallel_group)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return copy_to_tp(self.weight, self.sequence_parallel_group) * x32.type_as(x)
+        return self.weight_grad(self.weight) * x32.type_as(x)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def defer_sequence_parallel_grads(module: nn.Module, *, micro_batches: int) -> int:
+    """Reduce the sequence-parallel norms' gradients of `module` once per step of
+    `micro_batches` backward passes (the engine's gradient accumulation); returns how many
+    norms that concerns (0 without sequence parallelism)."""
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches}: a step has at least one")
+    norms = [m for m in module.modules()
+             if isinstance(m, RMSNorm) and tp_world_size(m.sequence_parallel_group) > 1]
+    for norm in norms:
+        norm.weight_grad.micro_batches = micro_batches
+    return len(norms)
 
 
 class RotaryEmbedding(nn.Module):

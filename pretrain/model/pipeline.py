@@ -69,13 +69,18 @@ parallelism run unchanged: no CPU-specific workaround is needed. Quirks a caller
 - `PipelineModule`'s constructor broadcasts tied weights in place with grad mode on, which
   makes autograd warn in every backward (c10d::broadcast_ has no autograd kernel);
   `pipeline_module` constructs it under `torch.no_grad()`.
-- The "parameters" partitioning builds every layer once on every rank to count parameters.
+- The "parameters" partitioning builds every layer once on every rank to count parameters
+  (`_PipelineStages` counts on the meta device instead).
+- The module's grid creates a process group for every data, pipe, model-parallel and tensor
+  rank list, the same lists as `Topology.create_groups`; `pipeline_module(groups_by_ranks=)`
+  hands it those, so each communicator exists once.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -277,6 +282,32 @@ def _deepspeed_topology(topology, *, num_stages: int, tp_group):
     return topology
 
 
+@contextlib.contextmanager
+def _reusing_process_groups(existing: Mapping[tuple[int, ...], Any] | None):
+    """While DeepSpeed's `PipelineParallelGrid` is built, hand it the groups `existing` already
+    has for a rank list instead of a new one. The grid creates a group for every data, pipe,
+    model-parallel and tensor axis list: the very lists `Topology.create_groups` made, so
+    without this every one of them exists twice (on NCCL, two communicators with their own
+    buffers for the same ranks). Lists it lacks are created as usual, on every rank in the
+    same order (the lookup gives the same answer everywhere)."""
+    if not existing:
+        yield
+        return
+    import deepspeed.comm as ds_comm
+
+    create = ds_comm.new_group
+
+    def new_group(ranks):
+        found = existing.get(tuple(sorted(ranks)))
+        return create(ranks) if found is None else found
+
+    ds_comm.new_group = new_group
+    try:
+        yield
+    finally:
+        ds_comm.new_group = create
+
+
 class _PipelineStages(PipelineModule):
     """DeepSpeed's `PipelineModule`, whose "parameters" partition counts each layer's
     parameters on the meta device: it builds every layer of the model on every rank only to
@@ -291,7 +322,9 @@ class _PipelineStages(PipelineModule):
 def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_group=None,
                     sequence_parallel: bool = False, partition_method: str = "parameters",
                     activation_checkpoint_interval: int = 0,
-                    activation_checkpoint_func: Callable = torch_checkpoint) -> PipelineModule:
+                    activation_checkpoint_func: Callable = torch_checkpoint,
+                    groups_by_ranks: Mapping[tuple[int, ...], Any] | None = None
+                    ) -> PipelineModule:
     """This rank's stage of the pipelined `LlamaModel`, weights left at their defaults
     (`pretrain.model.build_pipeline_model` also initialises them).
 
@@ -300,6 +333,7 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
     tensor parallelism (then `tp_group` is this rank's group of it), otherwise DeepSpeed lays
     out pipe x data. Pass the result to `deepspeed.initialize(model=..., config=...)` without
     `mpu` and train with `engine.train_batch(iter_of((input_ids, labels)))`.
+    `groups_by_ranks` (`ProcessGroups.by_ranks`): groups DeepSpeed's grid reuses.
     """
     _check_pipeline_args(cfg, num_stages=num_stages, partition_method=partition_method,
                          activation_checkpoint_interval=activation_checkpoint_interval)
@@ -311,7 +345,7 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
     specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
     # no_grad: the constructor broadcasts tied weights in place; with grad mode on, autograd
     # records that c10d::broadcast_ (which has no autograd kernel) and warns in every backward
-    with torch.no_grad():
+    with torch.no_grad(), _reusing_process_groups(groups_by_ranks):
         module = _PipelineStages(
             layers=specs, num_stages=None if ds_topology else num_stages, topology=ds_topology,
             loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),

@@ -197,6 +197,58 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _apply(_CopyToTP, x, group)
 
 
+class _StepGradSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, reduction):
+        ctx.reduction = reduction
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.reduction.backward(grad), None
+
+
+class SequenceShardedWeightGrad:
+    """The gradient of a weight every tensor-parallel rank holds whole while its input is a
+    sequence shard (RMSNorm under sequence parallelism): each rank's gradient is a partial sum
+    over its T/tp tokens, and the weight needs the sum over the group.
+
+    `copy_to_tp` would all-reduce it in the backward of every micro-batch: for a 70B stage of 20
+    layers and 64 micro-batches, 2,560 tiny all-reduces per step. Sums are linear, so instead the
+    partial gradients of a step's micro-batches are summed here in fp32 and all-reduced once, in
+    the backward of the step's last micro-batch (as Megatron reduces its norms once per step);
+    the earlier micro-batches hand zeros to the optimizer's accumulation. The total DeepSpeed
+    accumulates is the same, for every ZeRO stage and the pipeline engine alike, which call the
+    backward of each micro-batch once. `micro_batches` is the gradient-accumulation count of a
+    step (`defer_sequence_parallel_grads` sets it from the engine; 1 reduces every backward).
+    """
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.micro_batches = 1
+        self.reductions = 0  # all-reduces issued, for tests and telemetry
+        self._seen = 0
+        self._partial: torch.Tensor | None = None
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        if tp_world_size(self.group) == 1:
+            return weight
+        return _StepGradSum.apply(weight, self)
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._partial is None:
+            self._partial = grad.to(torch.float32, copy=True)
+        else:
+            self._partial.add_(grad)
+        self._seen += 1
+        if self._seen < self.micro_batches:
+            return torch.zeros_like(grad)
+        total, self._seen, self._partial = self._partial, 0, None
+        self.reductions += 1
+        dist.all_reduce(total, group=self.group)
+        return total.to(grad.dtype)
+
+
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """All-reduce the partial sums of a row-parallel product; identity backward."""
     return _apply(_ReduceFromTP, x, group)
