@@ -109,25 +109,50 @@ def test_construction_and_init_from_add_about_a_shard_per_rank(tp, wide_final, t
         assert used["load"] <= 0.5 * used["shard"] + largest, (rank, used, largest)
 
 
-def test_offline_export_holds_one_tensor(wide_final, tiny_data, tmp_path):
-    """`export-hf` of a final/ directory (bf16, sharded): the peak is one tensor and its copy,
-    not the 352 MB model."""
+def _export_peak(src, out, *, dtype: str, tokenizer: str | None = None) -> int:
+    """Bytes `export-hf` of `src` adds to a fresh process's peak, the weights opened first."""
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
             "from test_memory_scaling import _peak_added\n"
             "from pretrain.checkpoint.weights import load_weights\n"
             "import pathlib\n"
             "import pretrain.checkpoint.hf as hf\n"
-            f"weights = load_weights({str(wide_final)!r})\n"
-            f"weights.tokenizer = pathlib.Path({tiny_data['tokenizer']!r})\n"
-            f"added = _peak_added(lambda: hf.export_hf(weights, pathlib.Path("
-            f"{str(tmp_path / 'hf')!r}), dtype='bf16', max_shard_size='100MB'))\n"
+            f"weights = load_weights({str(src)!r})\n"
+            + (f"weights.tokenizer = pathlib.Path({tokenizer!r})\n" if tokenizer else "")
+            + f"added = _peak_added(lambda: hf.export_hf(weights, pathlib.Path({str(out)!r}), "
+            f"dtype={dtype!r}, max_shard_size='100MB'))\n"
             "print(added)")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    added = int(run.stdout.split()[-1])
+    return int(run.stdout.split()[-1])
+
+
+def test_offline_export_holds_one_tensor(wide_final, tiny_data, tmp_path):
+    """`export-hf` of a final/ directory (bf16, sharded): the peak is one tensor and its copy,
+    not the 352 MB model."""
+    added = _export_peak(wide_final, tmp_path / "hf", dtype="bf16",
+                         tokenizer=tiny_data["tokenizer"])
     cfg = load_config(None, WIDE).model
     assert added <= 2 * _largest_tensor_bytes(cfg), added / MB
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) >= 3
+
+
+def test_offline_export_of_a_zero_checkpoint_holds_one_tensor(tiny_data, tmp_path):
+    """`export-hf` of a ZeRO-2 engine checkpoint of the wide model (2 data-parallel ranks): the
+    fp32 masters are read parameter by parameter from the optimizer partitions. DeepSpeed's
+    zero_to_fp32 concatenates every partition first (the 352 MB model, then the state dict
+    cut from it)."""
+    from pretrain.testing.runs import train
+
+    run = train(tmp_path, tiny_data, nprocs=2, overrides=[
+        *WIDE, "train.steps=1", "train.precision=fp32", "deepspeed=ds_configs/zero2.json",
+        "checkpoint.save_final=false", "train.eval_interval=0"])
+    step_dir = run.run_dir / "checkpoints" / "step1"
+    added = _export_peak(step_dir, tmp_path / "hf", dtype="fp32")
+    cfg = load_config(None, WIDE).model
+    # the largest tensor, and the pages of the optimizer file it is copied from while they are
+    # mapped (clean file pages, but the process's resident size counts them); 32 MB of slack
+    assert added <= 2 * _largest_tensor_bytes(cfg) + 32 * MB, added / MB
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) >= 3
 
 

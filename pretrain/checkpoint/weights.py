@@ -7,13 +7,15 @@
 names, the run's `config.yaml` and the tokenizer, swapped in whole by `atomic_directory`.
 
 Engine checkpoints are read offline, with no process group, so a checkpoint trained on hundreds
-of ranks converts on one CPU machine:
+of ranks converts on one CPU machine, and lazily: `Weights.state` of an engine checkpoint reads a
+tensor when it is asked for, so a writer going tensor by tensor holds one whole tensor at a time
+(the files are memory-mapped):
 
-- each model-parallel rank's weights come from DeepSpeed's own readers: at ZeRO >= 1 the fp32
-  master weights of the optimizer shards (`deepspeed.utils.zero_to_fp32`, run once per
-  model-parallel rank over its data-parallel shards; for bf16 training these are the exact fp32
-  masters, not the bf16 copies the module computes with), at ZeRO-0 the module weights of
-  `mp_rank_XX_model_states.pt` or of the pipeline's `layer_XX-model_YY-model_states.pt` files,
+- each model-parallel rank's weights: at ZeRO >= 1 the fp32 master weights of the optimizer
+  shards (`zero_shards.ZeroMasters`, over the rank's data-parallel files; for bf16 training
+  these are the exact fp32 masters, not the bf16 copies the module computes with), at ZeRO-0
+  the module weights of `mp_rank_XX_model_states.pt` or of the pipeline's
+  `layer_XX-model_YY-model_states.pt` files,
 - pipeline parameter names ("3.mlp.up_proj.weight", "tied_modules.embed...") become Hugging Face
   names through `pipeline_to_canonical_name`; a model-parallel rank is stage * tp + tp_rank
   (DeepSpeed's model-parallel group, pipeline-major),
@@ -23,7 +25,6 @@ of ranks converts on one CPU machine:
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import re
 import shutil
@@ -37,6 +38,7 @@ import torch
 from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FINAL_TOKENIZER_DIR,
                                        FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
 from pretrain.checkpoint.safetensors_stream import LazyTensors, SafetensorsWriter
+from pretrain.checkpoint.zero_shards import ZeroMasters, load_checkpoint_file
 from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_config
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
@@ -93,12 +95,12 @@ def load_weights(src: str | Path) -> Weights:
 def write_final(weights: Weights, out: Path) -> Path:
     """Write `weights` as a final/ directory: model.safetensors in fp32 with Hugging Face names,
     config.yaml (the run's, or one with just the model section), the tokenizer; atomic."""
-    shapes = {name: tuple(tensor.shape) for name, tensor in weights.state.items()}
+    shapes = {name: tensor_shape(weights.state, name) for name in weights.state}
     with writing_final(out, shapes=shapes, run_config=weights.run_config or
                        RunConfig(model=weights.model), tokenizer=weights.tokenizer,
                        step=weights.step, source=weights.source) as writer:
-        for name, tensor in weights.state.items():
-            writer.write(name, tensor)
+        for name in shapes:  # one tensor read at a time
+            writer.write(name, weights.state[name])
     return out
 
 
@@ -185,8 +187,8 @@ def _lazy_tensors(files: list[Path], **options) -> LazyTensors:
 
 
 def tensor_shape(state: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
-    """The shape of `state[name]`, from the file's header when `state` is lazy."""
-    return state.shape(name) if isinstance(state, LazyTensors) else tuple(state[name].shape)
+    """The shape of `state[name]`, without reading it when `state` is lazy."""
+    return tuple(state.shape(name)) if hasattr(state, "shape") else tuple(state[name].shape)
 
 
 def check_shapes(state: Mapping[str, torch.Tensor], cfg: ModelConfig, *, source: str) -> None:
@@ -201,21 +203,13 @@ def check_shapes(state: Mapping[str, torch.Tensor], cfg: ModelConfig, *, source:
 
 
 # ---- engine checkpoints ------------------------------------------------------------------------
-def _torch_load(path: Path) -> dict:
-    try:  # DeepSpeed's files hold config dicts and numpy values: not weights_only-loadable
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # truncated or foreign files raise many different types
-        raise CheckpointError(f"{str(path)!r} cannot be read ({type(exc).__name__}: "
-                              f"{str(exc)[:200]}): the checkpoint is damaged or incomplete") from None
-
-
 def consolidate_engine_checkpoint(step_dir: Path) -> Weights:
     """The whole model of a DeepSpeed engine checkpoint, in fp32 (see the module docstring)."""
     model_files = sorted(step_dir.glob("*mp_rank_*_model_states.pt"))
     if not model_files:
         raise CheckpointError(f"{str(step_dir)!r} holds no *_model_states.pt files: not a "
                               "DeepSpeed checkpoint of `pretrain train`")
-    meta = _torch_load(model_files[0])
+    meta = load_checkpoint_file(model_files[0])
     if "config" not in meta:
         raise CheckpointError(f"{str(model_files[0])!r} holds no run config (client_state "
                               "'config'): it was not written by `pretrain train`")
@@ -225,22 +219,24 @@ def consolidate_engine_checkpoint(step_dir: Path) -> Weights:
     if meta.get("mp_world_size", tp * pp) != tp * pp:
         raise CheckpointError(f"{step_dir}: mp_world_size {meta['mp_world_size']} differs from "
                               f"parallel.tensor x parallel.pipeline = {tp} x {pp} of its config")
-    shards: dict[str, dict[int, torch.Tensor]] = {}  # name -> {tp rank: shard}
+    # name -> {tp rank: (the mp rank's tensors, local name)}; nothing is read yet
+    shards: dict[str, dict[int, tuple[Mapping[str, torch.Tensor], str]]] = {}
     for mp_rank in range(tp * pp):
         tp_index = mp_rank % tp
         if zero >= 1:
-            local = _zero_fp32_weights(step_dir, mp_rank=mp_rank, zero=zero)
+            local = ZeroMasters(step_dir, mp_rank=mp_rank)
         elif pp > 1:
             if mp_rank >= tp:  # layer files of every stage are read with the first stage's ranks
                 continue
             local = _pipeline_layer_weights(step_dir, tp_rank=tp_index)
         else:
-            local = _torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"]
-        for name, tensor in local.items():
+            local = load_checkpoint_file(
+                step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"]
+        for name in local:
             canonical = _canonical(name, cfg=cfg, pipelined=pp > 1)
             if canonical is not None:  # a tied weight is on two stages: both copies are equal
-                shards.setdefault(canonical, {}).setdefault(tp_index, tensor)
-    state = _merge_tensor_parallel(shards, cfg=cfg, tp=tp, source=str(step_dir))
+                shards.setdefault(canonical, {}).setdefault(tp_index, (local, name))
+    state = MergedShards(shards, cfg=cfg, tp=tp, source=str(step_dir))
     tokenizer = _engine_tokenizer(meta.get("tokenizer") or {}, step_dir=step_dir, cfg=run_cfg)
     return Weights(model=cfg, state=state, tokenizer=tokenizer, source=str(step_dir),
                    run_config=run_cfg, step=meta.get("step"))
@@ -258,94 +254,61 @@ def _canonical(name: str, *, cfg: ModelConfig, pipelined: bool) -> str | None:
     return name if name in expected_hf_keys(cfg) else None
 
 
-def _zero_fp32_weights(step_dir: Path, *, mp_rank: int, zero: int) -> dict[str, torch.Tensor]:
-    """fp32 master weights of one model-parallel rank, merged over its data-parallel shards by
-    DeepSpeed's zero_to_fp32 (which reads only the files given to it). This is the one place
-    that calls its private `_get_fp32_state_dict_from_zero*_checkpoint` functions."""
-    from deepspeed.utils import zero_to_fp32 as z
-
-    tag = f"mp_rank_{mp_rank:02d}"
-    model_files = sorted(step_dir.glob(f"*{tag}_model_states.pt"), key=lambda p: z.natural_keys(p.name))
-    optim_files = sorted(step_dir.glob(f"*{tag}_optim_states.pt"), key=lambda p: z.natural_keys(p.name))
-    if not model_files or not optim_files:
-        raise CheckpointError(f"{step_dir} lacks the {tag} model or optimizer states of a "
-                              f"ZeRO-{zero} checkpoint: a rank's files are missing")
-    model_states = []
-    for file in model_files:
-        sd = _torch_load(file)
-        # pipeline stages save module=None (their weights are in layer files): no buffers here
-        model_states.append(z.zero_model_state(
-            buffers={}, param_shapes=sd["param_shapes"], shared_params=[],
-            ds_version=sd.get("ds_version"), frozen_param_shapes=sd.get("frozen_param_shapes"),
-            frozen_param_fragments=sd.get("frozen_param_fragments")))
-    quiet = io.StringIO()  # zero_to_fp32 prints and draws progress bars for every file
-    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        stage, world, flat_groups, paddings = _fp32_partitions(optim_files, step_dir=step_dir,
-                                                               tag=tag)
-        if stage <= 2:
-            state = z._get_fp32_state_dict_from_zero2_checkpoint(
-                world, flat_groups, model_states, False, paddings)
-        else:
-            state = z._get_fp32_state_dict_from_zero3_checkpoint(
-                world, flat_groups, model_states, False)
-    return {k: v.float() for k, v in z.to_torch_tensor(state).items()}
-
-
-def _fp32_partitions(optim_files: list[Path], *, step_dir: Path, tag: str):
-    """(ZeRO stage, data-parallel size, each rank's flat fp32 partitions, alignment paddings) of
-    one model-parallel rank's optimizer files, like zero_to_fp32's `parse_optim_states`, but also
-    for DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1 with fp32 gradient accumulation), whose state
-    has no zero_stage: it partitions and aligns its flat fp32 groups as ZeRO-1 does."""
-    from deepspeed.checkpoint.constants import (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
-                                                PARAM_ALIGNMENT_PADDINGS, PARTITION_COUNT,
-                                                SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
-
-    states = []
-    for file in optim_files:
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=False)
-        states.append(state[OPTIMIZER_STATE_DICT])
-    first = states[0]
-    if ZERO_STAGE in first:
-        stage = first[ZERO_STAGE]
-    elif SINGLE_PARTITION_OF_FP32_GROUPS in first:
-        stage = 1  # BF16_Optimizer
-    else:
-        raise CheckpointError(f"{step_dir} ({tag}): {optim_files[0].name} holds no ZeRO "
-                              "optimizer partitions")
-    world = first[PARTITION_COUNT]
-    world = max(world) if isinstance(world, list) else world
-    if world != len(states):
-        raise CheckpointError(f"{step_dir} ({tag}): {len(states)} optimizer files for "
-                              f"{world} data-parallel ranks: a rank's file is missing")
-    key = SINGLE_PARTITION_OF_FP32_GROUPS if stage <= 2 else FP32_FLAT_GROUPS
-    return stage, world, [s[key] for s in states], first.get(PARAM_ALIGNMENT_PADDINGS)
-
-
 def _pipeline_layer_weights(step_dir: Path, *, tp_rank: int) -> dict[str, torch.Tensor]:
     """{pipeline name: tensor} of every layer file of one tensor-parallel rank (ZeRO-0)."""
     weights = {}
     for file in sorted(step_dir.glob("layer_*-model_*-model_states.pt")):
         index, rank = map(int, _LAYER_FILE.search(file.name).groups())
         if rank == tp_rank:
-            weights.update({f"{index}.{k}": v.float() for k, v in _torch_load(file).items()})
+            weights.update({f"{index}.{k}": v for k, v in load_checkpoint_file(file).items()})
     return weights
 
 
-def _merge_tensor_parallel(shards: dict[str, dict[int, torch.Tensor]], *, cfg: ModelConfig,
-                           tp: int, source: str) -> dict[str, torch.Tensor]:
-    """Whole tensors with Hugging Face names and vocab_size rows (no lm_head when tied)."""
-    check_keys(set(shards), expected_hf_keys(cfg), f"checkpoint {source}")
-    state = {}
-    for name, by_rank in shards.items():
-        if sorted(by_rank) != list(range(tp)):
-            raise CheckpointError(f"{source}: {name} has tensor-parallel shards {sorted(by_rank)} "
-                                  f"of {tp}: a rank's files are missing")
+class MergedShards(Mapping):
+    """{Hugging Face name: whole fp32 tensor} over the model-parallel ranks of an engine
+    checkpoint: an item is read (from every tensor-parallel rank's source), concatenated along
+    `tensor_partition_dim`, stripped of padded vocabulary rows, when asked for, so a reader
+    going tensor by tensor holds one whole tensor at a time. No lm_head when tied."""
+
+    def __init__(self, shards: dict[str, dict[int, tuple[Mapping[str, torch.Tensor], str]]], *,
+                 cfg: ModelConfig, tp: int, source: str) -> None:
+        check_keys(set(shards), expected_hf_keys(cfg), f"checkpoint {source}")
+        for name, by_rank in shards.items():
+            if sorted(by_rank) != list(range(tp)):
+                raise CheckpointError(f"{source}: {name} has tensor-parallel shards "
+                                      f"{sorted(by_rank)} of {tp}: a rank's files are missing")
+        self._shards, self._cfg, self._tp = shards, cfg, tp
+
+    def __getitem__(self, name: str) -> torch.Tensor:
         dim = tensor_partition_dim(name)
-        tensor = by_rank[0] if dim is None else torch.cat([by_rank[r] for r in range(tp)], dim)
+        if dim is None or self._tp == 1:
+            source, local = self._shards[name][0]
+            tensor = source[local]
+        else:  # each shard copied into its place as it is read: the whole tensor and one shard
+            shape = list(full_parameter_shape(name, self._cfg))
+            shape[dim] = shard_range(name, self._cfg, tp_rank=0, tp_size=self._tp).shape[dim] \
+                * self._tp  # padded vocabulary rows included
+            tensor, filled = torch.empty(shape), 0
+            for rank in range(self._tp):
+                source, local = self._shards[name][rank]
+                shard = source[local]
+                tensor.narrow(dim, filled, shard.shape[dim]).copy_(shard)
+                filled += shard.shape[dim]
+                del shard
         if name in (EMBED, LM_HEAD):
-            tensor = tensor[:cfg.vocab_size]
-        state[name] = tensor.float().contiguous()
-    return state
+            tensor = tensor[:self._cfg.vocab_size]
+        return tensor.float().contiguous()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._shards:
+            raise KeyError(name)
+        return full_parameter_shape(name, self._cfg)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shards)
+
+    def __len__(self) -> int:
+        return len(self._shards)
 
 
 def _engine_tokenizer(info: dict, *, step_dir: Path, cfg: RunConfig) -> Path | None:

@@ -7,6 +7,7 @@ with `pretrain.checkpoint.engine.to_universal`, to resume on another data-parall
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 
@@ -21,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from pretrain.checkpoint.engine import to_universal
-    from pretrain.checkpoint.weights import load_weights, write_final
+    from pretrain.checkpoint.weights import load_weights, tensor_shape, write_final
 
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -31,5 +32,5 @@ def run(args: argparse.Namespace) -> None:
         return
     weights = load_weights(args.src)
     write_final(weights, out)
-    n = sum(t.numel() for t in weights.state.values())
+    n = sum(math.prod(tensor_shape(weights.state, name)) for name in weights.state)
     print(f"[convert] {n / 1e6:.2f}M fp32 parameters from {weights.source} -> {out}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from pretrain.config import Precision
@@ -22,12 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from pretrain.checkpoint.hf import export_hf
-    from pretrain.checkpoint.weights import load_weights
+    from pretrain.checkpoint.weights import load_weights, tensor_shape
 
     weights = load_weights(args.src)
     if args.tokenizer:
         weights.tokenizer = Path(args.tokenizer)
     out = export_hf(weights, Path(args.output), dtype=args.dtype,
                     max_shard_size=args.max_shard_size)
-    n = sum(t.numel() for t in weights.state.values())
+    n = sum(math.prod(tensor_shape(weights.state, name)) for name in weights.state)
     print(f"[export-hf] {n / 1e6:.2f}M parameters ({args.dtype}) from {weights.source} -> {out}")

@@ -1,0 +1,188 @@
+"""The fp32 master weights in a DeepSpeed ZeRO checkpoint, read one parameter at a time.
+
+A ZeRO-1/2/3 checkpoint keeps the fp32 masters only as flat partitions: each data-parallel
+rank's `*_optim_states.pt` holds its slice of every parameter group, flattened. DeepSpeed's
+`zero_to_fp32` concatenates all of them into one vector per group before it cuts out a single
+parameter (twice the model in memory, and its entry points for one model-parallel rank are
+private). `ZeroMasters` instead computes where each parameter lies and, when it is asked for,
+maps the files that hold its pieces (`torch.load(mmap=True)`) and copies out only those: the
+caller holds one full tensor at a time, and the pages of the rest are never read.
+
+The layout is DeepSpeed's (0.19.8; `deepspeed.utils.zero_to_fp32` reads the same):
+
+- ZeRO-1/2 (and DeepSpeed's BF16_Optimizer, which partitions like ZeRO-1): the concatenation of
+  the ranks' partitions of group g, in rank order, is the group's parameters flattened one after
+  the other in `param_shapes[g]` order, each followed by its alignment padding
+  (`param_alignment_paddings[g]`, when saved);
+- ZeRO-3: every parameter is split on its own into `ceil(numel / dp)` elements per rank; a rank's
+  groups, concatenated, hold its piece of each parameter in `param_shapes` order.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from pretrain.errors import CheckpointError
+
+
+def load_checkpoint_file(path: Path) -> dict:
+    """A DeepSpeed checkpoint file, memory-mapped: tensors are read when touched."""
+    try:  # DeepSpeed's files hold config dicts and numpy values: not weights_only-loadable
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as exc:  # truncated or foreign files raise many different types
+        raise CheckpointError(f"{str(path)!r} cannot be read ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}): the checkpoint is damaged or incomplete") from None
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Where a parameter lies: `numel` elements from `offset` of a virtual concatenation."""
+
+    group: int  # ZeRO-1/2: the parameter group; ZeRO-3: unused
+    offset: int  # ZeRO-1/2: in the group's concatenated partitions; ZeRO-3: in each rank's groups
+    numel: int
+    shape: tuple[int, ...]
+
+
+def overlaps(sizes: list[int], start: int, length: int) -> list[tuple[int, int, int]]:
+    """(piece, lo, hi) for each piece of a concatenation of pieces of `sizes` elements that
+    holds some of its elements [start, start + length): those are the piece's [lo, hi)."""
+    found, position = [], 0
+    for piece, size in enumerate(sizes):
+        lo, hi = max(start, position), min(start + length, position + size)
+        if lo < hi:
+            found.append((piece, lo - position, hi - position))
+        position += size
+    if sum(hi - lo for _, lo, hi in found) != length:
+        raise CheckpointError(f"elements {start}..{start + length} lie beyond the {position} "
+                              "saved: the optimizer partitions are incomplete")
+    return found
+
+
+class ZeroMasters(Mapping):
+    """{module parameter name: fp32 master weight} of one model-parallel rank of a ZeRO
+    checkpoint, over its data-parallel ranks' optimizer files; each item is read when asked.
+
+    A lookup maps only the files that hold a piece of the parameter and lets them go with the
+    pieces copied: the process never keeps more than the one parameter (a mapping kept open
+    would count every page read so far as resident memory)."""
+
+    def __init__(self, step_dir: Path, *, mp_rank: int) -> None:
+        tag = f"mp_rank_{mp_rank:02d}"
+        model_files = sorted(step_dir.glob(f"*{tag}_model_states.pt"))
+        self._files = sorted(step_dir.glob(f"*{tag}_optim_states.pt"), key=_rank_order)
+        if not model_files or not self._files:
+            raise CheckpointError(f"{step_dir} lacks the {tag} model or optimizer states of a "
+                                  "ZeRO checkpoint: a rank's files are missing")
+        self.source = f"{step_dir} ({tag})"
+        param_shapes = load_checkpoint_file(model_files[0])["param_shapes"]
+        self.stage, self._sizes, paddings = _fp32_layout(self._files, source=self.source)
+        self._spans = (_zero3_spans(param_shapes, world=len(self._files))
+                       if self.stage == 3 else _zero12_spans(param_shapes, paddings))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        span = self._spans[name]
+        if self.stage == 3:  # each rank's piece in rank order, the last rank's padding cut off
+            per_rank = math.ceil(span.numel / len(self._files))
+            out = torch.empty(per_rank * len(self._files))
+            for rank, sizes in enumerate(self._sizes):
+                self._copy(rank, overlaps(sizes, span.offset, per_rank),
+                           into=out[rank * per_rank:(rank + 1) * per_rank])
+            out = out[:span.numel]
+        else:
+            out, filled = torch.empty(span.numel), 0
+            sizes = [groups[span.group] for groups in self._sizes]
+            for rank, lo, hi in overlaps(sizes, span.offset, span.numel):
+                self._copy(rank, [(span.group, lo, hi)], into=out[filled:filled + hi - lo])
+                filled += hi - lo
+        return out.view(span.shape)
+
+    def _copy(self, rank: int, parts: list[tuple[int, int, int]], *, into: torch.Tensor) -> None:
+        """Copy elements [lo, hi) of flat group g, for each (g, lo, hi), of data-parallel rank
+        `rank` into `into`, one after the other; the file is unmapped on return."""
+        groups = _flat_groups(load_checkpoint_file(self._files[rank]), stage=self.stage)
+        filled = 0
+        for g, lo, hi in parts:
+            into[filled:filled + hi - lo].copy_(groups[g].reshape(-1)[lo:hi])
+            filled += hi - lo
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._spans[name].shape
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._spans)
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+
+def _rank_order(path: Path) -> tuple:
+    """Data-parallel order of `..._pp_rank_<dp>_...` names: 10 after 9, not after 1."""
+    return tuple(int(part) if part.isdigit() else part for part in path.name.split("_"))
+
+
+def _numel(shape) -> int:
+    return math.prod(tuple(shape))
+
+
+def _zero12_spans(param_shapes: list[dict], paddings: list | None) -> dict[str, _Span]:
+    spans = {}
+    for group, shapes in enumerate(param_shapes):
+        offset = 0
+        pads = paddings[group] if paddings is not None else [0] * len(shapes)
+        if len(pads) != len(shapes):
+            raise CheckpointError(f"group {group}: {len(pads)} alignment paddings for "
+                                  f"{len(shapes)} parameters: the checkpoint is inconsistent")
+        for (name, shape), pad in zip(shapes.items(), pads):
+            spans[name] = _Span(group=group, offset=offset, numel=_numel(shape),
+                                shape=tuple(shape))
+            offset += _numel(shape) + pad
+    return spans
+
+
+def _zero3_spans(param_shapes: list[dict], *, world: int) -> dict[str, _Span]:
+    spans, offset = {}, 0
+    for shapes in param_shapes:
+        for name, shape in shapes.items():
+            spans[name] = _Span(group=0, offset=offset, numel=_numel(shape), shape=tuple(shape))
+            offset += math.ceil(_numel(shape) / world)
+    return spans
+
+
+def _flat_groups(state: dict, *, stage: int) -> list[torch.Tensor]:
+    from deepspeed.checkpoint.constants import (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
+                                                SINGLE_PARTITION_OF_FP32_GROUPS)
+
+    key = SINGLE_PARTITION_OF_FP32_GROUPS if stage <= 2 else FP32_FLAT_GROUPS
+    return state[OPTIMIZER_STATE_DICT][key]
+
+
+def _fp32_layout(optim_files: list[Path], *, source: str):
+    """(ZeRO stage, each data-parallel rank's element count per flat fp32 group, alignment
+    paddings). DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1 with fp32 gradient accumulation)
+    saves no zero_stage: it partitions and aligns its flat fp32 groups as ZeRO-1 does."""
+    from deepspeed.checkpoint.constants import (OPTIMIZER_STATE_DICT, PARAM_ALIGNMENT_PADDINGS,
+                                                PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS,
+                                                ZERO_STAGE)
+
+    first = load_checkpoint_file(optim_files[0])[OPTIMIZER_STATE_DICT]
+    if ZERO_STAGE in first:
+        stage = int(first[ZERO_STAGE])
+    elif SINGLE_PARTITION_OF_FP32_GROUPS in first:
+        stage = 1  # BF16_Optimizer
+    else:
+        raise CheckpointError(f"{source}: {optim_files[0].name} holds no ZeRO optimizer "
+                              "partitions")
+    world = first[PARTITION_COUNT]
+    world = max(world) if isinstance(world, list) else world
+    if world != len(optim_files):
+        raise CheckpointError(f"{source}: {len(optim_files)} optimizer files for {world} "
+                              "data-parallel ranks: a rank's file is missing")
+    sizes = [[t.numel() for t in _flat_groups(load_checkpoint_file(file), stage=stage)]
+             for file in optim_files]
+    return stage, sizes, first.get(PARAM_ALIGNMENT_PADDINGS)
