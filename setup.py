@@ -31,7 +31,12 @@ setup(
         "numpy>=1.26",
         "safetensors>=0.4",
         "ninja",
-        "matplotlib>=3.8",  # sweep.png of `pretrain sweep`
+        "matplotlib>=3.8",  # sweep.png of `pretrain sweep`, curves.png, `pretrain plot`
+        # logging.report_to: mlflow. The skinny client (the full package's server and UI pull
+        # pyarrow<26, scikit-learn, Flask...); its SQLite store needs SQLAlchemy and Alembic.
+        "mlflow-skinny>=3.0",
+        "sqlalchemy>=1.4",
+        "alembic>=1.11",
     ],
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
     entry_points={"console_scripts": ["pretrain=pretrain.cli:main"]},

@@ -70,8 +70,8 @@ def main() -> None:
                  "deepspeed=ds_configs/zero0.json", "train.precision=fp32",
                  f"train.steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
                  "train.eval_interval=0", "train.warmup_steps=2", "train.lr=3e-4",
-                 "checkpoint.save_final=false", "logging.wandb_mode=disabled",
-                 "logging.tensorboard=false", "logging.progress_bar=false",
+                 "checkpoint.save_final=false", "logging.report_to=[]",
+                 "logging.progress_bar=false",
                  "data.num_workers=0"]
     ours, theirs = [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,6 +11,8 @@
     pretrain launch      hostfile / .deepspeed_env / pre-flight for the launch scripts
     pretrain plan        dry-run a config for N ranks; memory / speed planner; --search
     pretrain sweep       short runs over ZeRO configs x micro-batches: CSV, table, plot
+    pretrain plot        loss, learning rate and tokens/s of one or more runs, as one PNG
+    pretrain config      print the resolved run config, every field with its comment
 
 Errors in the user's input (config, data, checkpoint) print one `error:` line and exit 2. When
 the reader of stdout goes away (`pretrain sweep --list | head -1`), the command ends quietly with
@@ -24,8 +26,9 @@ import select
 import signal
 import sys
 
-from pretrain.commands import (convert, data, export_hf, generate, import_hf, launch, plan, sweep,
-                               train)
+from pretrain.commands import config as config_command
+from pretrain.commands import (convert, data, export_hf, generate, import_hf, launch, plan, plot,
+                               sweep, train)
 from pretrain.errors import EXIT_USER_ERROR, PretrainError
 
 # name: (one-line help, add_arguments, run). Each command module imports torch and the rest of
@@ -53,7 +56,13 @@ COMMANDS = {
              plan.add_arguments, plan.run),
     "sweep": ("short runs over DeepSpeed configs x micro-batches -> CSV, Markdown, PNG",
               sweep.add_arguments, sweep.run),
+    "plot": ("loss, learning rate and tokens/s of one or more runs against the step, as a PNG",
+             plot.add_arguments, plot.run),
+    "config": ("print the resolved run config as commented YAML (or --json)",
+               config_command.add_arguments, config_command.run),
 }
+# Commands that answer without torch: `_quiet_imports` would load it to look for a GPU.
+WITHOUT_TORCH = frozenset({"config", "plot"})
 
 
 def _quiet_imports() -> None:
@@ -105,7 +114,8 @@ def _stdout_reader_gone() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    _quiet_imports()
+    if args.command not in WITHOUT_TORCH:
+        _quiet_imports()
     try:
         args.func(args)
         sys.stdout.flush()  # here, not at interpreter exit, where a broken pipe cannot be caught

@@ -7,7 +7,7 @@ A run config is a YAML file whose top-level sections map onto the dataclasses be
     data:       {...}                      # tokenizer, dataset prefix or blend (DataConfig)
     train:      {...}                      # steps, batch, optimizer, schedule (TrainConfig)
     checkpoint: {...}                      # where and how often to save (CheckpointConfig)
-    logging:    {...}                      # step-line cadence, tensorboard, wandb (LoggingConfig)
+    logging:    {...}                      # step lines, sinks, log level (LoggingConfig)
     deepspeed:  ds_configs/zero2.json      # the DeepSpeed JSON whose "auto" fields we fill
 
 Loading is strict: unknown keys, duplicate keys and wrong types are errors that name the field.
@@ -15,6 +15,15 @@ Each section validates itself in ``__post_init__``. What needs the world size (d
 size, gradient accumulation, which tensor / pipeline / ZeRO combinations are supported) is
 derived and checked in `pretrain.layout` (`resolve_layout`), the DeepSpeed JSON is resolved in
 `pretrain.ds_config`, and parameter and FLOP counts are in `pretrain.arithmetic`.
+
+Paths. The fields a run reads (`INPUT_PATHS`: deepspeed, model.init_from, data.dataset, each
+data.blend prefix, data.tokenizer) are made absolute when the config is loaded: written in a
+config file, relative to that file's directory, so a config works from any working directory;
+a `ds_configs/...` or `configs/...` path missing there is the project's shipped file
+(`PROJECT_ROOT`), so a copied config still finds them. Given with `--set` or
+`--deepspeed-config`, they are relative to the working directory, as a user typing them expects.
+`run_dir`, which the run writes, is always relative to the working directory. The loaded config
+holds only absolute paths, so the copy saved in a run directory resumes from anywhere.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,8 +58,23 @@ class Precision(str, enum.Enum):
     FP16 = "fp16"  # dynamic loss scaling
 
 
+# model.vocab_size: the vocabulary of data.tokenizer, read by the data checks before the run starts
+# (`pretrain.data.build.check_run_data`); the config keeps the word until then.
+VOCAB_AUTO = "auto"
+
+
 def _fail(section: str, name: str, value: Any, fix: str) -> None:
     raise ConfigError(f"{section}.{name}={value!r}: {fix}")
+
+
+def _did_you_mean(word: str, names: Sequence[str]) -> str:
+    """' (did you mean X?)' for the name closest to a misspelt `word`, or ''."""
+    close = difflib.get_close_matches(word, sorted(names), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+REPORT_SINKS = ("tensorboard", "wandb", "mlflow")  # logging.report_to; metrics.jsonl is always on
+LOG_LEVELS = ("debug", "info", "warning")  # logging.level, most verbose first
 
 
 @dataclass
@@ -57,25 +82,30 @@ class ModelConfig:
     """Llama decoder architecture. `preset` fills every field the YAML does not set."""
 
     preset: str | None = None  # one of MODEL_PRESETS; explicit fields override it
-    vocab_size: int = 32000  # tokenizer's vocabulary; padded for the embedding (padded_vocab_size)
+    vocab_size: int | str = 32000  # tokenizer's vocabulary (or more); padded for the embedding
+    # (padded_vocab_size); auto: data.tokenizer's, read before the process group starts
     hidden_size: int = 4096  # d_model
-    num_layers: int = 32
+    num_layers: int = 32  # decoder layers
     num_heads: int = 32  # query heads
     num_kv_heads: int = 32  # key-value heads; < num_heads is grouped-query attention
     ffn_hidden_size: int = 11008  # SwiGLU inner size
     seq_length: int = 4096  # training context length, also the rotary table length
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # rotary embedding base
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # share input embedding and output projection
     init_std: float = 0.02  # normal init; output projections are scaled by 1/sqrt(2*num_layers)
-    activation_checkpointing: Recompute = Recompute.NONE
+    activation_checkpointing: Recompute = Recompute.NONE  # none | full | every_k (Recompute)
     activation_checkpointing_interval: int = 1  # k for Recompute.EVERY_K
     vocab_pad_multiple: int = 128  # vocabulary rounded up to a multiple of this x tensor size
     init_from: str = ""  # initial weights instead of the seeded init: a Hugging Face Llama
     # directory, `pretrain import-hf` output, a run dir, step dir or final/ (same shapes)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+        if self.vocab_size != VOCAB_AUTO and (isinstance(self.vocab_size, str)
+                                             or self.vocab_size < 1):
+            _fail("model", "vocab_size", self.vocab_size,
+                  f"must be a positive integer, or {VOCAB_AUTO} (the vocabulary of data.tokenizer)")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "ffn_hidden_size", "seq_length", "activation_checkpointing_interval",
                      "vocab_pad_multiple"):
             if getattr(self, name) < 1:
@@ -100,6 +130,10 @@ class ModelConfig:
 
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
         """Vocabulary rounded up so each tensor-parallel shard is a multiple of vocab_pad_multiple."""
+        if self.vocab_size == VOCAB_AUTO:
+            raise ConfigError("model.vocab_size=auto has not been read from data.tokenizer yet: "
+                              "pretrain.data.build.check_run_data settles it before the model "
+                              "is sized")
         multiple = self.vocab_pad_multiple * tensor_parallel
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
@@ -237,13 +271,13 @@ class TrainConfig:
     steps: int = 1000  # optimizer steps
     micro_batch_size: int = 1  # samples per rank per forward
     global_batch_size: int | None = None  # samples per optimizer step; None: micro * dp (accum 1)
-    lr: float = 3e-4
+    lr: float = 3e-4  # peak learning rate, reached after warmup
     min_lr: float = 3e-5  # cosine decays to this
     warmup_steps: int = 100  # linear warmup from 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    eps: float = 1e-8  # AdamW
     grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
     precision: Precision = Precision.AUTO  # auto | bf16 | fp32 | fp16; auto: pretrain/hardware.py
     seed: int = 1234  # model init and dropout
@@ -302,7 +336,12 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = 1  # steps between step lines (metrics.jsonl gets every step)
-    tensorboard: bool = True  # event files under <run_dir>/tensorboard
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard", "wandb"])  # sinks
+    # besides metrics.jsonl (always written): tensorboard (<run_dir>/tensorboard), wandb, mlflow
+    level: str = "info"  # info | warning (our notes hidden) | debug (DeepSpeed's INFO and DEBUG
+    # lines too); step and eval lines are printed at every level
+    mlflow_tracking_uri: str = ""  # "": a SQLite store, <run_dir>/mlruns/mlflow.db; else as given
+    mlflow_experiment: str = "pretrain"  # MLflow experiment of the run (run name: run_dir's name)
     wandb_project: str = ""  # wandb project; with a key (WANDB_API_KEY or `wandb login`),
     # "auto" mode goes online
     wandb_mode: str = "auto"  # auto (online with a project and a key, else offline) | offline |
@@ -318,6 +357,15 @@ class LoggingConfig:
         if self.wandb_mode not in ("auto", "offline", "online", "disabled"):
             _fail("logging", "wandb_mode", self.wandb_mode,
                   "use auto, offline, online or disabled")
+        for sink in self.report_to:
+            if sink not in REPORT_SINKS:
+                _fail("logging", "report_to", self.report_to,
+                      f"unknown sink {sink!r}{_did_you_mean(sink, REPORT_SINKS)}: choose from "
+                      f"{', '.join(REPORT_SINKS)} (metrics.jsonl is always written)")
+        if self.level not in LOG_LEVELS:
+            _fail("logging", "level", self.level,
+                  f"unknown level{_did_you_mean(str(self.level), LOG_LEVELS)}: use "
+                  f"{', '.join(LOG_LEVELS)}")
         self.profile_range()
 
     def profile_range(self) -> tuple[int, int] | None:
@@ -396,8 +444,13 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(path, value, inner[0])
+        errors = []
+        for alternative in (a for a in args if a is not type(None)):  # int | str: 8192 or auto
+            try:
+                return _coerce(path, value, alternative)
+            except ConfigError as error:
+                errors.append(error)
+        raise errors[0]
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
@@ -441,7 +494,20 @@ _OTHER_STACKS_NAMES = {
 }
 
 
+def _retired_tensorboard(raw: dict[str, Any]) -> dict[str, Any]:
+    """A logging section with the retired boolean `tensorboard` as the `report_to` it meant:
+    the configs saved in earlier runs' checkpoints and final/ directories still load."""
+    if not isinstance(raw.get("tensorboard"), bool):
+        return raw
+    raw = dict(raw)
+    enabled = raw.pop("tensorboard")
+    raw.setdefault("report_to", ["tensorboard", "wandb"] if enabled else ["wandb"])
+    return raw
+
+
 def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
+    if cls is LoggingConfig:
+        raw = _retired_tensorboard(raw)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
@@ -478,7 +544,9 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load a run config YAML (or the defaults), apply `--set` overrides, validate."""
+    """Load a run config YAML (or the defaults), apply `--set` overrides, validate; every path
+    absolute, the file's against its directory and the overrides' against the cwd (see Paths in
+    the module docstring)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -492,6 +560,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                               f"{_yaml_problem(exc)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"run config {str(path)!r}: expected a mapping of sections")
+        raw = _absolute_inputs("", raw, base=path.absolute().parent)
     for text in overrides:
         keys, value = parse_override(text)
         node = raw
@@ -499,8 +568,60 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {text!r}: {k!r} is not a section")
-        node[keys[-1]] = value
-    return _build(RunConfig, raw, "")
+        node[keys[-1]] = _absolute_inputs(".".join(keys), value, base=Path.cwd())
+    cfg = _build(RunConfig, raw, "")
+    cfg.run_dir = os.path.abspath(os.path.expanduser(cfg.run_dir))  # an output: the cwd's
+    cfg.deepspeed = resolve_input_path(cfg.deepspeed, base=Path.cwd())  # the default, if unset
+    return cfg
+
+
+# ---- paths ------------------------------------------------------------------------------------
+
+# The fields naming a file or directory the run reads (see the module docstring for the rule).
+INPUT_PATHS = ("deepspeed", "model.init_from", "data.dataset", "data.blend", "data.tokenizer")
+# The checkout or installation holding the shipped ds_configs/ and configs/.
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+_SHIPPED_DIRS = ("ds_configs", "configs")
+
+
+def resolve_input_path(text: str, *, base: Path) -> str:
+    """`text` made absolute against `base`; a `ds_configs/...` or `configs/...` path that is not
+    there but is shipped is the shipped one, so a config copied out of the project still finds
+    its DeepSpeed JSON. "" (an unset field) stays ""."""
+    if not text:
+        return text
+    path = Path(text).expanduser()
+    found = os.path.abspath(base / path)  # `base / path` is `path` when it is absolute
+    shipped = PROJECT_ROOT / path
+    if not path.is_absolute() and not os.path.exists(found) and path.parts[0] in _SHIPPED_DIRS \
+            and shipped.exists():
+        return str(shipped)
+    return found
+
+
+def _absolute_inputs(name: str, value: Any, *, base: Path) -> Any:
+    """`value` of the config key `name` ("" for the whole config, a section, or one field) with
+    its input paths absolute against `base`. Values of the wrong type are left for the loader to
+    name."""
+    if name == "data.blend":
+        return [_absolute_blend_entry(e, base=base) for e in value] \
+            if isinstance(value, list) else _absolute_blend_entry(value, base=base)
+    if name in INPUT_PATHS:
+        return resolve_input_path(value, base=base) if isinstance(value, str) else value
+    if isinstance(value, dict):
+        return {k: _absolute_inputs(f"{name}.{k}" if name else str(k), v, base=base)
+                for k, v in value.items()}
+    return value
+
+
+def _absolute_blend_entry(entry: Any, *, base: Path) -> Any:
+    """A data.blend entry ("WEIGHT PREFIX" or {weight, prefix}) with its prefix absolute."""
+    if isinstance(entry, dict) and isinstance(entry.get("prefix"), str):
+        return {**entry, "prefix": resolve_input_path(entry["prefix"].strip(), base=base)}
+    if isinstance(entry, str) and len(entry.split(maxsplit=1)) == 2:
+        weight, prefix = entry.split(maxsplit=1)
+        return f"{weight} {resolve_input_path(prefix.strip(), base=base)}"
+    return entry
 
 
 def add_config_arguments(parser) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
-from pretrain import checkpoint, faults, telemetry
+from pretrain import checkpoint, curves, faults, telemetry
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets, require_data
@@ -33,6 +33,7 @@ from pretrain.files import git_commit
 from pretrain.layout import resolve_layout
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
 from pretrain.model import ModelForm
+from pretrain.terminal import show_progress_bar
 from pretrain.topology import ProcessGroups
 
 # DeepSpeed 0.19.8's ZeRO-2 calls a torch.distributed function that torch 2.13 deprecates, once
@@ -102,14 +103,13 @@ class Trainer:
         self.guard = faults.NonFiniteGuard(
             self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
             spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
-            log=lambda text: telemetry.log(text, main=self.main))
+            log=lambda text: telemetry.log(text, main=self.main, level="warning"))
         self._git_commit = git_commit()  # recorded in every checkpoint's meta.json
         self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
                                    main=self.main)
-        self.metrics = telemetry.MetricsSink(
-            self.run_dir, enabled=self.main, tensorboard=cfg.logging.tensorboard,
-            wandb_mode=cfg.logging.wandb_mode, wandb_project=cfg.logging.wandb_project,
-            run_config=cfg.to_dict())
+        self.metrics = telemetry.MetricsSink(self.run_dir, enabled=self.main,
+                                             settings=cfg.logging, run_config=cfg.to_dict())
+        self._curves_step: int | None = None  # the step curves.png shows; -1: drawing failed
         announce_run(self.metrics, cfg, world, ds_config, self.records, layout=self.layout,
                      train_samples=len(self.train_data), run_dir=self.run_dir)
 
@@ -207,6 +207,15 @@ class Trainer:
         return self._mean_over_dp(total / n)
 
     def train(self) -> TrainResult:
+        """Train to train.steps or a stop request. The metric sinks are closed on every way out:
+        a run that raised is FAILED in MLflow (KILLED when interrupted)."""
+        try:
+            return self._train()
+        except BaseException as exc:
+            self.metrics.close(status="FAILED" if isinstance(exc, Exception) else "KILLED")
+            raise
+
+    def _train(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult()
         if self.main:
@@ -215,7 +224,7 @@ class Trainer:
                                workers=cfg.data.num_workers)
         tokens_per_step = self.global_batch * cfg.model.seq_length
         bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (self.main and cfg.logging.progress_bar))
+                   disable=not (self.main and show_progress_bar(cfg.logging.progress_bar)))
         profiler = telemetry.StepProfiler(cfg.logging.profile_range(), run_dir=self.run_dir,
                                           rank=self.world.rank)
         while self.step < t.steps:
@@ -249,7 +258,7 @@ class Trainer:
             if stop and self.step < t.steps:
                 result.stop_reason = stop
                 telemetry.log(f"[stop] {stop}: saving step {self.step}, then exiting to be "
-                              "requeued", main=self.main)
+                              "requeued", main=self.main, level="warning")
                 self.save()
                 if self.main:
                     checkpoint.mark_stopped(self.run_dir, step=self.step, reason=stop,
@@ -263,7 +272,8 @@ class Trainer:
         self.control.restore_handlers()
         result.final_step = self.step
         if result.stop_reason:
-            self.metrics.close()
+            self._draw_curves()
+            self.metrics.close(status="KILLED")
             return result
         if self._saved_step != self.step:  # the last step is always resumable, save_final or not
             self.save()
@@ -273,6 +283,7 @@ class Trainer:
                 run_dir=self.run_dir,
                 step=self.step, main=self.main)
             telemetry.log(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
+        self._draw_curves()
         self.metrics.close()
         return result
 
@@ -282,7 +293,21 @@ class Trainer:
         ppl = math.exp(min(loss, 50.0))
         self.metrics.write({"kind": "eval", "step": self.step, "loss": loss, "ppl": ppl})
         telemetry.log(f"[eval] step {self.step} | valid loss {loss:.4f} | ppl {ppl:.2f}",
-                      main=self.main)
+                      main=self.main, level="result")
+        self._draw_curves()
+
+    def _draw_curves(self) -> None:
+        """<run_dir>/curves.png from metrics.jsonl (rank 0), once per step. A failure turns the
+        picture off for the run after one warning: it never stops training."""
+        if not self.main or self._curves_step in (self.step, -1):
+            return
+        try:
+            curves.write_png([curves.read_curves(self.run_dir)], self.run_dir / "curves.png")
+            self._curves_step = self.step
+        except Exception as exc:  # noqa: BLE001 - matplotlib missing or failing
+            self._curves_step = -1
+            telemetry.log(f"warning: curves.png off for this run: {type(exc).__name__}: {exc}",
+                          level="warning")
 
     def save(self) -> None:
         """A checkpoint of this step (collective): DeepSpeed's state plus ours (`meta.json`)."""

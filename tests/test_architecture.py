@@ -14,12 +14,13 @@ PACKAGE = REPO / "pretrain"
 # Lower layers never import higher ones; modules of one layer may import each other (no cycle).
 # The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("pretrain.errors", "pretrain.files"),
+    ("pretrain.errors", "pretrain.files", "pretrain.terminal"),
     ("pretrain.config",),
     ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
      "pretrain.dist", "pretrain.hardware", "pretrain.data"),
     ("pretrain.model",),
-    ("pretrain.checkpoint", "pretrain.telemetry", "pretrain.faults", "pretrain.plan"),
+    ("pretrain.checkpoint", "pretrain.telemetry", "pretrain.curves", "pretrain.faults",
+     "pretrain.plan"),
     ("pretrain.engine", "pretrain.metrics", "pretrain.trainer", "pretrain.sweep_results",
      "pretrain.testing"),
     ("pretrain.commands",),

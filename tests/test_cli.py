@@ -12,7 +12,8 @@ from pretrain.testing.runs import REPO, run_pretrain
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
 
-@pytest.mark.parametrize("command", [None, "train", "tokenizer", "preprocess", "generate"])
+@pytest.mark.parametrize("command", [None, "train", "tokenizer", "preprocess", "generate",
+                                     "config"])
 def test_help_of_every_command(command):
     args = [sys.executable, "-m", "pretrain"] + ([command] if command else []) + ["--help"]
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -116,3 +117,29 @@ def test_empty_corpus(tmp_path, tiny_data):
                        run_dir=tmp_path)
     _assert_one_error_line(run, "empty")
     assert not list(tmp_path.glob("out*")), "a failed preprocess left files behind"
+
+
+def test_run_from_another_directory_saves_absolute_paths(tmp_path, tiny_data):
+    """Paths given with --set are the working directory's; `vocab_size: auto` is the
+    tokenizer's; the config saved in the run directory holds both resolved, so resuming does
+    not depend on where the command runs."""
+    import os
+
+    import yaml
+
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["train", "--config", str(REPO / "configs/tiny.yaml"), "--set", "run_dir=run",
+            "--set", f"data.tokenizer={os.path.relpath(tiny_data['tokenizer'], work)}",
+            "--set", f"data.dataset={os.path.relpath(tiny_data['dataset'], work)}",
+            "--set", "model.vocab_size=auto", "--set", "train.steps=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    saved = yaml.safe_load((work / "run" / "config.yaml").read_text())
+    assert saved["run_dir"] == str(work / "run")
+    assert saved["data"]["tokenizer"] == tiny_data["tokenizer"]
+    assert saved["data"]["dataset"] == tiny_data["dataset"]
+    assert saved["deepspeed"] == str(REPO / "ds_configs/zero1.json")
+    assert saved["model"]["vocab_size"] == 512

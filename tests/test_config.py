@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +39,7 @@ def test_yaml_file_overrides_and_types(tmp_path):
     assert cfg.model.num_layers == 3 and cfg.model.hidden_size == 64  # preset + explicit field
     assert cfg.train.lr == 3e-4 and cfg.train.precision is Precision.FP16
     assert cfg.train.steps == 7 and cfg.model.activation_checkpointing is Recompute.EVERY_K
-    assert cfg.data.blend == ["0.5 a", "0.5 b"]
+    assert cfg.data.blend == [f"0.5 {Path.cwd() / 'a'}", f"0.5 {Path.cwd() / 'b'}"]  # --set: cwd
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -264,3 +268,142 @@ def test_wandb_goes_online_for_a_user_who_ran_wandb_login(tmp_path):
     assert resolve_wandb_mode("auto", project="llama", env=elsewhere) == "offline"
     with pytest.raises(ConfigError, match="logging.wandb_mode='cloud'"):
         load_config(None, ["logging.wandb_mode=cloud"])
+
+
+# ---- `pretrain config` and where a config's paths resolve -------------------------------------
+
+def _printed_config(capsys, *args: str) -> str:
+    from pretrain.cli import main
+
+    main(["config", *args])
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_printed_config_loads_back_to_the_same_config_from_anywhere(tmp_path, monkeypatch,
+                                                                    capsys, name):
+    """`pretrain config` prints a run config: `train --config printed.yaml` runs the same one,
+    whatever the working directory (its paths are absolute)."""
+    cfg = load_config(REPO / "configs" / name, ["train.lr=2e-3"])
+    printed = tmp_path / "printed" / "run.yaml"
+    printed.parent.mkdir()
+    printed.write_text(_printed_config(capsys, "--config", str(REPO / "configs" / name),
+                                       "--set", "train.lr=2e-3"))
+    as_json = json.loads(_printed_config(capsys, "--config", str(REPO / "configs" / name),
+                                         "--set", "train.lr=2e-3", "--json"))
+    assert as_json == cfg.to_dict()
+    monkeypatch.chdir(tmp_path)
+    assert load_config(printed) == cfg
+
+
+def test_printed_config_explains_every_field_and_the_changed_defaults(capsys):
+    import dataclasses
+
+    from pretrain.config import RunConfig
+
+    text = _printed_config(capsys, "--config", str(REPO / "configs" / "quickstart.yaml"),
+                           "--set", "train.lr=0.002")
+    lines = {line.strip().split(":")[0]: line.strip() for line in text.splitlines()
+             if not line.startswith("#")}
+    assert lines["lr"] == "lr: 0.002  # peak learning rate, reached after warmup (default 0.0003)"
+    assert lines["steps"] == "steps: 150  # optimizer steps (default 1000)"
+    assert lines["grad_clip"] == "grad_clip: 1.0  # global gradient-norm clipping; 0 disables"
+    assert lines["vocab_size"].startswith("vocab_size: auto  # tokenizer's vocabulary")
+    assert "(padded_vocab_size); auto:" in lines["vocab_size"]  # the continuation line
+    assert "`pretrain import-hf` output" in lines["init_from"]  # the continuation line
+    assert "How long the other ranks wait" in lines["io_timeout_minutes"]  # the block above it
+    assert lines["deepspeed"] == (f"deepspeed: {REPO / 'ds_configs/zero2.json'}  # DeepSpeed "
+                                  'JSON with "auto" fields')
+    assert lines["model"].startswith("model:  # Llama decoder architecture.")
+    sections = [f.name for f in dataclasses.fields(RunConfig) if f.name in ("model", "train")]
+    fields = [f.name for s in sections for f in dataclasses.fields(getattr(RunConfig(), s))]
+    assert set(fields) <= set(lines)
+    assert all("  # " in lines[name] for name in fields)  # every one explained
+
+
+def test_field_comments_follow_the_source_layout():
+    """The comment beside a field, its continuation lines, or the block right above a field
+    without one; a '#' inside a string is no comment."""
+    import dataclasses
+
+    from pretrain.commands.config import field_comments
+
+    @dataclasses.dataclass
+    class Example:
+        plain: int = 1
+        hashed: str = "a # b"  # not the '#' in the string
+        wrapped: int = 2  # first line,
+        # second line
+
+        # A block above a field without a comment of its own.
+        blocked: int = 3
+        last: int = 4  # own comment
+        # trailing note on last
+
+        def method(self) -> int:  # a method's comment is no field's
+            return self.plain
+
+    assert field_comments(Example) == {
+        "hashed": "not the '#' in the string", "wrapped": "first line, second line",
+        "blocked": "A block above a field without a comment of its own.",
+        "last": "own comment trailing note on last"}
+
+
+def test_config_command_does_not_import_torch():
+    code = ("import sys\nfrom pretrain.cli import main\n"
+            "main(['config', '--config', 'configs/llama_7b.yaml', '--json'])\n"
+            "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # cli would look for a GPU
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env=env, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
+
+
+def test_paths_in_a_file_resolve_against_its_directory_and_overrides_against_the_cwd(
+        tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "mine.json").write_text("{}")
+    (project / "run.yaml").write_text(
+        "run_dir: out/run\ndeepspeed: mine.json\nmodel: {init_from: ../weights}\n"
+        "data:\n  tokenizer: data/tok.model\n  blend: ['0.7 data/code', {weight: 0.3, prefix: "
+        "/abs/prose}]\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(project / "run.yaml")
+    assert cfg.deepspeed == str(project / "mine.json")
+    assert cfg.model.init_from == str(tmp_path / "weights")
+    assert cfg.data.tokenizer == str(project / "data/tok.model")
+    assert cfg.data.blend == [f"0.7 {project / 'data/code'}",
+                              {"weight": 0.3, "prefix": "/abs/prose"}]
+    assert cfg.run_dir == str(elsewhere / "out/run")  # written, not read: the cwd's
+    over = load_config(project / "run.yaml", ["data.blend=[]", "data.dataset=rel/corpus",
+                                              "data.tokenizer=tok.model", "deepspeed=x.json"])
+    assert over.data.dataset == str(elsewhere / "rel/corpus")
+    assert over.data.tokenizer == str(elsewhere / "tok.model")
+    assert over.deepspeed == str(elsewhere / "x.json")
+
+
+def test_shipped_ds_configs_are_found_from_a_copied_config(tmp_path, monkeypatch):
+    """`deepspeed: ds_configs/zero1.json` in a config outside the project is the shipped file,
+    unless the config's directory has its own; so is the default."""
+    (tmp_path / "run.yaml").write_text("deepspeed: ds_configs/zero1.json\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config(tmp_path / "run.yaml").deepspeed == str(REPO / "ds_configs/zero1.json")
+    assert load_config(None).deepspeed == str(REPO / "ds_configs/zero2.json")
+    (tmp_path / "ds_configs").mkdir()
+    (tmp_path / "ds_configs/zero1.json").write_text("{}")
+    assert load_config(tmp_path / "run.yaml").deepspeed == str(tmp_path / "ds_configs/zero1.json")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("big", "model.vocab_size='big': must be a positive integer, or auto"),
+    ("0", "model.vocab_size=0: must be a positive integer, or auto"),
+    ("2.5", "model.vocab_size=2.5: expected int, got float"),
+])
+def test_vocab_size_is_a_positive_integer_or_auto(value, message):
+    assert load_config(None, ["model.vocab_size=auto"]).model.vocab_size == "auto"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.vocab_size={value}"])
+    assert message in str(info.value)

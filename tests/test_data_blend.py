@@ -149,7 +149,7 @@ def test_blend_weights_that_do_not_parse(entry, message):
 def test_blend_through_a_config_override_and_with_dataset():
     cfg = load_config("configs/tiny.yaml", ['data.blend=["0.25 a/code", "0.75 b/prose"]'])
     assert [(e.weight, e.prefix) for e in parse_blend(cfg.data.blend)] == \
-        [(0.25, "a/code"), (0.75, "b/prose")]
+        [(0.25, str(Path.cwd() / "a/code")), (0.75, str(Path.cwd() / "b/prose"))]  # --set: cwd
     with pytest.raises(ConfigError, match="give data.dataset or data.blend, not both"):
         load_config("configs/tiny.yaml", ["data.dataset=x", 'data.blend=["1 a"]'])
 

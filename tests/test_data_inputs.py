@@ -164,6 +164,22 @@ def test_hub_datasets_are_streamed(monkeypatch):
 
 # ----------------------------------------------------------------------------- tokenizers
 
+def test_vocab_size_auto_reads_a_hugging_face_tokenizer_directory(tmp_path, hf_tokenizer_dir):
+    """`model.vocab_size: auto` with data.tokenizer a Hugging Face directory written in a config
+    file (relative to it): the tokenizer's 300 tokens, before anything is sized."""
+    from pretrain.config import load_config
+    from pretrain.data.build import check_run_data
+
+    (tmp_path / "run.yaml").write_text(
+        f"model: {{preset: tiny, vocab_size: auto}}\n"
+        f"data: {{tokenizer: {Path(hf_tokenizer_dir).name}, dataset: corpus}}\n")
+    (tmp_path / Path(hf_tokenizer_dir).name).symlink_to(hf_tokenizer_dir)
+    cfg = load_config(tmp_path / "run.yaml")
+    warnings = check_run_data(cfg, required=False)
+    assert cfg.model.vocab_size == 300
+    assert [w.split(":")[0] for w in warnings] == ["data.dataset"]  # only the dataset is missing
+
+
 def test_hugging_face_tokenizer_has_the_same_interface(tmp_path, hf_tokenizer_dir, inputs):
     tokenizer = Tokenizer.load(hf_tokenizer_dir)
     assert isinstance(tokenizer, HuggingFaceTokenizer)

@@ -62,15 +62,17 @@ def test_dry_run_rejects_bad_configs_with_one_line(extra, expected):
 
 
 def test_dry_run_checks_the_tokenizer_when_present(tiny_data):
-    out = _plan("--config", "configs/tiny.yaml", "--world-size", "2", "--accelerator", "cpu",
-                "--set", f"data.tokenizer={tiny_data['tokenizer']}",
-                "--set", f"data.dataset={tiny_data['dataset']}", "--set", "model.vocab_size=1024")
-    _one_error_line(out, "model.vocab_size=1024", "512 tokens")
-    ok = _plan("--config", "configs/tiny.yaml", "--world-size", "2", "--accelerator", "cpu",
-               "--set", f"data.tokenizer={tiny_data['tokenizer']}",
-               "--set", f"data.dataset={tiny_data['dataset']}")
-    assert ok.returncode == 0, ok.stderr
-    assert "warning" not in ok.stderr
+    """A vocabulary smaller than the tokenizer's would index past the embedding: an error; a
+    larger one only pads."""
+    data = ("--config", "configs/tiny.yaml", "--world-size", "2", "--accelerator", "cpu",
+            "--set", f"data.tokenizer={tiny_data['tokenizer']}",
+            "--set", f"data.dataset={tiny_data['dataset']}")
+    _one_error_line(_plan(*data, "--set", "model.vocab_size=256"), "model.vocab_size=256",
+                    "smaller than the 512 tokens", "set model.vocab_size=512 or auto")
+    for vocab in ("512", "1024"):
+        ok = _plan(*data, "--set", f"model.vocab_size={vocab}")
+        assert ok.returncode == 0, ok.stderr
+        assert "warning" not in ok.stderr
 
 
 def test_plan_on_a_cpu_machine_uses_the_precision_it_would_run_and_its_peak(tmp_path):
@@ -148,3 +150,80 @@ def test_a_misspelled_deepspeed_section_is_an_error_not_zero_0(tmp_path):
                 "--deepspeed-config", str(tmp_path / "typo.json"))
     _one_error_line(out, "unknown DeepSpeed key 'zero_optimisation'",
                     "did you mean 'zero_optimization'?")
+
+
+def test_plan_from_another_directory_finds_the_configs_files(tmp_path, tiny_data):
+    """Paths in a config file are relative to it (`ds_configs/` falls back to the shipped
+    directory), so the working directory does not matter."""
+    experiment = tmp_path / "experiment"
+    experiment.mkdir()
+    (experiment / "run.yaml").write_text(
+        "deepspeed: ds_configs/zero1.json\nmodel: {preset: tiny, vocab_size: auto}\n"
+        f"data:\n  tokenizer: {os.path.relpath(tiny_data['tokenizer'], experiment)}\n"
+        f"  dataset: {os.path.relpath(tiny_data['dataset'], experiment)}\n"
+        "train: {micro_batch_size: 2, global_batch_size: 4, precision: fp32}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = subprocess.run([sys.executable, "-m", "pretrain", "plan", "--config",
+                          str(experiment / "run.yaml"), "--world-size", "2", "--accelerator",
+                          "cpu", "--json"], cwd=elsewhere, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["warnings"] == []  # the tokenizer and the dataset were found
+    assert plan["deepspeed"]["zero_optimization"]["stage"] == 1
+    shipped = subprocess.run([sys.executable, "-m", "pretrain", "plan", "--config",
+                              str(REPO / "configs/llama_7b.yaml"), "--world-size", "8"],
+                             cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert shipped.returncode == 0, shipped.stderr
+    assert "tp 4 x pp 1 x dp 2 = 8 ranks" in shipped.stdout
+    assert str(REPO / "data/tokenizer.model") in shipped.stderr  # a warning: no data here
+
+
+def test_vocab_size_auto_is_the_tokenizers(tiny_data):
+    """`auto` reads the tokenizer before anything is sized: the plan of tiny with auto is the
+    plan of tiny with the tokenizer's 512 tokens."""
+    data = ("--config", "configs/tiny.yaml", "--world-size", "2", "--accelerator", "cpu",
+            "--json", "--set", f"data.tokenizer={tiny_data['tokenizer']}",
+            "--set", f"data.dataset={tiny_data['dataset']}")
+    plans = {vocab: _plan(*data, "--set", f"model.vocab_size={vocab}") for vocab in ("auto", "512")}
+    assert all(p.returncode == 0 for p in plans.values()), [p.stderr for p in plans.values()]
+    auto, explicit = (json.loads(plans[v].stdout) for v in ("auto", "512"))
+    assert auto["parameters"] == explicit["parameters"] and auto["warnings"] == []
+
+
+def test_vocab_size_auto_without_a_tokenizer(tmp_path):
+    """`plan` on a login node that cannot read the tokenizer: with a preset it plans with the
+    preset's vocabulary and says so; without one it cannot plan: an error naming the fix."""
+    missing = ("--set", f"data.tokenizer={tmp_path / 'nope.model'}",
+               "--set", "model.vocab_size=auto")
+    with_preset = _plan("--config", "configs/tiny.yaml", "--world-size", "2", "--accelerator",
+                        "cpu", *missing)
+    assert with_preset.returncode == 0, with_preset.stderr
+    assert "planned with preset tiny's 512 tokens" in with_preset.stderr
+    no_preset = _plan("--world-size", "8", "--set", "model.preset=null", *missing)
+    _one_error_line(no_preset, "model.vocab_size=auto", "nope.model",
+                    "set model.vocab_size to its vocabulary size")
+
+
+def test_train_settles_the_vocabulary_before_any_process_group(tmp_path, tiny_data):
+    """`train` (required data): `auto` becomes the tokenizer's size; `auto` with no tokenizer,
+    or a vocabulary the tokenizer's ids overflow, is an error before the process group."""
+    from pretrain.config import load_config
+    from pretrain.data.build import check_run_data
+    from pretrain.errors import ConfigError
+
+    data = [f"data.tokenizer={tiny_data['tokenizer']}", f"data.dataset={tiny_data['dataset']}"]
+    cfg = load_config(REPO / "configs/tiny.yaml", [*data, "model.vocab_size=auto"])
+    assert check_run_data(cfg, required=True) == [] and cfg.model.vocab_size == 512
+    bigger = load_config(REPO / "configs/tiny.yaml", [*data, "model.vocab_size=640"])
+    assert check_run_data(bigger, required=True) == [] and bigger.model.vocab_size == 640
+    smaller = load_config(REPO / "configs/tiny.yaml", [*data, "model.vocab_size=500"])
+    with pytest.raises(ConfigError, match="model.vocab_size=500 is smaller than the 512 tokens"):
+        check_run_data(smaller, required=True)
+    unreadable = load_config(REPO / "configs/tiny.yaml", [
+        f"data.tokenizer={tmp_path / 'nope.model'}", f"data.dataset={tiny_data['dataset']}",
+        "model.vocab_size=auto"])
+    with pytest.raises(ConfigError, match="model.vocab_size=auto reads the vocabulary of "
+                                          "data.tokenizer, but data.tokenizer: .*nope.model"):
+        check_run_data(unreadable, required=True)

@@ -32,7 +32,7 @@ TWO_CPU_NODES = ["--nodes", "2", "--ntasks-per-node", "1", "--gpus-per-node", "0
 TINY_70B = ["model.preset=tiny", "model.seq_length=64", "parallel.tensor=1", "parallel.pipeline=2",
             "train.micro_batch_size=2", "train.global_batch_size=4", "train.precision=fp32",
             "train.warmup_steps=2", "train.eval_interval=0", "data.num_workers=0",
-            "logging.tensorboard=false", "logging.wandb_mode=disabled",
+            "logging.report_to=[]",
             "logging.progress_bar=false", "checkpoint.save_final=false"]
 
 

@@ -58,7 +58,7 @@ def test_sweep_two_zero_configs_on_two_ranks(tmp_path, tiny_data):
         assert float(r["peak_mem_gb_max"]) == max(ranks)
         assert 3.0 < float(r["final_loss"]) < 7.0  # near ln(512) = 6.2 after 3 steps
     assert [r["zero_stage"] for r in rows] == ["1", "3"]
-    assert rows[0]["deepspeed"] == "ds_configs/zero1.json"
+    assert rows[0]["deepspeed"] == str(REPO / "ds_configs/zero1.json")  # resolved, absolute
     # same seed and data: ZeRO stages give the same fp32 losses
     assert abs(float(rows[0]["final_loss"]) - float(rows[1]["final_loss"])) < 1e-3
     md = (out / "sweep.md").read_text().splitlines()

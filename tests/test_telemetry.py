@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -121,3 +122,238 @@ def test_nvml_is_opened_once_and_its_errors_turn_the_stats_off(fail, monkeypatch
         good = 1 if fail == "read" else 0
         assert readings[good:] == [{}] * (4 - good)
         assert capsys.readouterr().out.count("GPU utilisation/temperature off") == 1
+
+
+# ---- sinks, log levels, progress bars --------------------------------------------------------
+
+@pytest.mark.parametrize("sinks, hint", [(["tensorboard", "mlfow"], " (did you mean mlflow?)"),
+                                         (["comet"], "")])
+def test_an_unknown_sink_names_the_valid_ones(sinks, hint):
+    with pytest.raises(ConfigError) as error:
+        LoggingConfig(report_to=sinks)
+    message = str(error.value)
+    assert message.startswith(f"logging.report_to={sinks!r}: unknown sink {sinks[-1]!r}{hint}:")
+    assert "choose from tensorboard, wandb, mlflow" in message
+    assert LoggingConfig().report_to == ["tensorboard", "wandb"]
+
+
+@pytest.mark.parametrize("saved, report_to", [(True, ["tensorboard", "wandb"]),
+                                              (False, ["wandb"])])
+def test_configs_saved_with_the_retired_tensorboard_flag_still_load(saved, report_to):
+    from pretrain.config import config_from_dict
+
+    cfg = config_from_dict({"logging": {"tensorboard": saved, "wandb_mode": "offline"}})
+    assert cfg.logging.report_to == report_to and cfg.logging.wandb_mode == "offline"
+    assert "tensorboard" not in cfg.to_dict()["logging"]
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("enabled, out_tty, err_tty, shown", [
+    (True, True, True, True), (True, False, True, False), (True, True, False, False),
+    (True, False, False, False), (False, True, True, False)])
+def test_the_progress_bar_is_drawn_only_on_a_terminal(enabled, out_tty, err_tty, shown):
+    from pretrain.terminal import show_progress_bar
+
+    assert show_progress_bar(enabled, stdout=_Stream(out_tty), stderr=_Stream(err_tty)) is shown
+
+
+def test_a_closed_or_plain_stream_is_not_a_terminal(tmp_path):
+    import io
+
+    from pretrain.terminal import show_progress_bar
+
+    closed = open(tmp_path / "log", "w")
+    closed.close()
+    assert not show_progress_bar(True, stdout=closed, stderr=_Stream(True))
+    assert not show_progress_bar(True, stdout=io.StringIO(), stderr=_Stream(True))
+
+
+@pytest.fixture
+def restore_log_level():
+    yield
+    from pretrain import telemetry
+
+    telemetry.set_log_level("info")
+
+
+@pytest.mark.parametrize("level, deepspeed_level, notes", [
+    ("debug", logging.DEBUG, True), ("info", logging.WARNING, True),
+    ("warning", logging.WARNING, False)])
+def test_the_log_level_sets_deepspeeds_logger_and_our_notes(level, deepspeed_level, notes,
+                                                            capsys, restore_log_level):
+    from deepspeed.utils import logger as deepspeed_logger
+
+    from pretrain import telemetry
+
+    telemetry.set_log_level(level)
+    assert deepspeed_logger.level == deepspeed_level
+    assert {handler.level for handler in deepspeed_logger.handlers} == {deepspeed_level}
+    assert deepspeed_logger.isEnabledFor(logging.INFO) is (level == "debug")
+    telemetry.log("[checkpoint] a note")
+    telemetry.log("warning: a warning", level="warning")
+    telemetry.log("[eval] a result", level="result")
+    shown = capsys.readouterr().out.splitlines()
+    assert shown == (["[checkpoint] a note"] if notes else []) + ["warning: a warning",
+                                                                  "[eval] a result"]
+
+
+def test_train_takes_a_log_level_option():
+    from pretrain.cli import build_parser
+
+    assert build_parser().parse_args(["train", "--log-level", "warning"]).log_level == "warning"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--log-level", "loud"])
+
+
+def _mlflow_runs(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("pretrain")
+    return client, client.search_runs([experiment.experiment_id])
+
+
+def test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run(tmp_path):
+    from pretrain.config import RunConfig
+    from pretrain.telemetry import MetricsSink, mlflow_local_uri
+
+    run_dir = tmp_path / "mlrun"
+    run_dir.mkdir()
+    cfg = RunConfig(run_dir=str(run_dir))
+    cfg.logging.report_to = ["mlflow"]
+    sink = MetricsSink(run_dir, enabled=True, settings=cfg.logging, run_config=cfg.to_dict())
+    sink.write({"kind": "run", "world_size": 1})
+    sink.write({"kind": "train", "step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": None,
+                "mfu": float("nan"), "skipped_steps": 0})
+    sink.write({"kind": "train", "step": 2, "loss": 2.25, "lr": 5e-4, "grad_norm": 0.75,
+                "mfu": 0.125, "skipped_steps": 0})
+    sink.write({"kind": "eval", "step": 2, "loss": 2.0, "ppl": 7.5})
+    sink.close(status="KILLED")  # stopped to be requeued
+    sink.close(status="FINISHED")  # a second close changes nothing
+    # the requeued job starts again in the same run directory: a run of its own, same name
+    again = MetricsSink(run_dir, enabled=True, settings=cfg.logging, run_config=cfg.to_dict())
+    again.write({"kind": "train", "step": 3, "loss": 2.0})
+    again.close(status="FAILED")
+    client, runs = _mlflow_runs(mlflow_local_uri(run_dir))
+    assert sorted((r.info.run_name, r.info.status) for r in runs) == [("mlrun", "FAILED"),
+                                                                      ("mlrun", "KILLED")]
+    first, second = ({r.info.status: r for r in runs}[status] for status in ("KILLED", "FAILED"))
+
+    def history(run, key):
+        return [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+
+    assert history(first, "train/loss") == [(1, 2.5), (2, 2.25)]
+    assert history(first, "train/grad_norm") == [(2, 0.75)]  # null and NaN are not metrics
+    assert history(first, "train/mfu") == [(2, 0.125)]
+    assert history(first, "eval/ppl") == [(2, 7.5)]
+    assert history(second, "train/loss") == [(3, 2.0)]
+    params = first.data.params
+    assert params["train.lr"] == str(cfg.train.lr) and params["logging.report_to"] == '["mlflow"]'
+    assert params["run_dir"] == str(run_dir) and params["model.preset"] == "null"
+
+
+def test_a_failing_sink_is_turned_off_after_one_warning(tmp_path, monkeypatch, capsys):
+    from pretrain import telemetry
+
+    class Broken:
+        calls = 0
+
+        def __init__(self, run_dir, **_):
+            pass
+
+        def log(self, numbers, step):
+            Broken.calls += 1
+            raise ConnectionError("tracking server gone")
+
+        def close(self, status):
+            raise AssertionError("a sink turned off is not closed")
+
+    monkeypatch.setitem(telemetry.SINKS, "mlflow", (Broken, ()))
+    settings = LoggingConfig(report_to=["mlflow"])
+    sink = telemetry.MetricsSink(tmp_path, enabled=True, settings=settings, run_config={})
+    for step in (1, 2, 3):
+        sink.write({"kind": "train", "step": step, "loss": 1.0})
+    sink.close()
+    assert Broken.calls == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert capsys.readouterr().out.splitlines() == [
+        "warning: [mlflow] off for the rest of the run: ConnectionError: tracking server gone"]
+
+
+def test_a_sink_whose_package_is_missing_is_an_error_before_the_run(monkeypatch):
+    import importlib.util
+
+    from pretrain.telemetry import check_sinks
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "alembic" else real(name, *a))
+    check_sinks(["tensorboard", "wandb"])
+    with pytest.raises(ConfigError, match=r"mlflow needs alembic, not installed here"):
+        check_sinks(["tensorboard", "mlflow"])
+
+
+@pytest.mark.slow
+def test_training_reports_to_mlflow_and_draws_curves(tmp_path, tiny_data):
+    from pretrain.telemetry import mlflow_local_uri
+
+    run = train(tmp_path, tiny_data, name="tracked",
+                overrides=["train.steps=4", "train.eval_interval=2", "logging.report_to=[mlflow]"])
+    client, runs = _mlflow_runs(mlflow_local_uri(run.run_dir))
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    run_id = runs[0].info.run_id
+    assert f"[mlflow] sqlite:///{run.run_dir / 'mlruns' / 'mlflow.db'} run {run_id}" in run.stdout
+    train_records = [r for r in run.records if r["kind"] == "train"]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == \
+        [(r["step"], r["loss"]) for r in train_records] and len(train_records) == 4
+    assert [m.step for m in client.get_metric_history(run_id, "eval/loss")] == [2, 4]
+    assert runs[0].data.params["train.steps"] == "4"
+    assert not (run.run_dir / "tensorboard").exists()  # report_to has no tensorboard
+    png = (run.run_dir / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def _tiny_train_args(run_dir, tiny_data, *overrides: str) -> list[str]:
+    """`pretrain train` of the tiny config on the test corpus with `overrides`."""
+    args = ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={run_dir}",
+            "--set", f"data.tokenizer={tiny_data['tokenizer']}",
+            "--set", f"data.dataset={tiny_data['dataset']}"]
+    for override in overrides:
+        args += ["--set", override]
+    return args
+
+
+@pytest.mark.slow
+def test_log_level_warning_keeps_step_and_eval_lines_only(tmp_path, tiny_data):
+    run_dir = tmp_path / "quiet"
+    args = _tiny_train_args(run_dir, tiny_data, "train.steps=3", "train.eval_interval=3",
+                            "logging.progress_bar=true") + ["--log-level", "warning"]
+    run = run_pretrain(args, run_dir=run_dir).check()
+    lines = run.stdout.splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3",
+                                                       "[eval] step 3"], run.stdout
+    assert "[INFO]" not in run.stdout + run.stderr
+    assert "train:" not in run.stderr  # stdout is a pipe: no progress bar
+
+
+@pytest.mark.slow
+def test_a_diverged_run_ends_its_mlflow_run_failed(tmp_path, tiny_data):
+    from pretrain.errors import EXIT_FAULT
+    from pretrain.telemetry import mlflow_local_uri
+
+    run_dir = tmp_path / "diverged"
+    args = _tiny_train_args(run_dir, tiny_data, "train.steps=6", "train.max_nonfinite_steps=2",
+                            "logging.report_to=[mlflow]")
+    run = run_pretrain(args, run_dir=run_dir, env={"PRETRAIN_INJECT_NAN_STEP": "2,3"})
+    assert run.returncode == EXIT_FAULT, run.stderr[-3000:]
+    client, runs = _mlflow_runs(mlflow_local_uri(run_dir))
+    assert [r.info.status for r in runs] == ["FAILED"]
+    history = client.get_metric_history(runs[0].info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(1, run.records[1]["loss"])]  # NaNs: none

@@ -48,11 +48,12 @@ def preprocess_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_preprocess(args: argparse.Namespace) -> None:
     from pretrain.data import preprocess, resolve_corpus
+    from pretrain.terminal import show_progress_bar
 
     _make_parent(args.output_prefix)
     stats = preprocess(resolve_corpus(args.corpus), tokenizer_path=args.tokenizer,
                        output_prefix=args.output_prefix, workers=args.workers,
-                       text_field=args.text_field)
+                       text_field=args.text_field, show_progress=show_progress_bar())
     seconds = max(stats["seconds"], 1e-9)
     print(f"[preprocess] {stats['documents']:,} documents, {stats['tokens']:,} tokens in "
           f"{stats['seconds']:.1f}s ({stats['documents'] / seconds:,.0f} documents/s, "

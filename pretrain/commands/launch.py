@@ -144,7 +144,7 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     job with a bad config fails in seconds with the reason in its log instead of after start-up.
     One process for both: each Python start with torch costs seconds per job.
     """
-    from pretrain.plan.dry_run import dry_run
+    from pretrain.plan.dry_run import data_warnings, dry_run
 
     if not args.world_size or args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: need the job's number of ranks (>= 1)")
@@ -159,6 +159,7 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
         raise
     if log_dir is not None:
         cfg = load_config(args.config, config_overrides(args))
+        data_warnings(cfg)  # the record holds model.vocab_size: auto settled, as the run will
         ds, _ = dry_run(cfg, world_size=args.world_size, accelerator=args.accelerator)
         log_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(log_dir / "config.yaml")

@@ -155,6 +155,7 @@ def run(args: argparse.Namespace):
     from pretrain.plan.search import estimate
 
     cfg = load_config(args.config, config_overrides(args))
+    warnings = data_warnings(cfg)  # first: it settles model.vocab_size: auto
     cluster = _cluster(args, cfg)
     args.accelerator = args.accelerator or ("cpu" if args.cluster == "cpu" else "cuda")
     if args.search:
@@ -162,7 +163,6 @@ def run(args: argparse.Namespace):
         return None
     world = args.world_size or cluster.world_size
     ds, layout = dry_run(cfg, world_size=world, accelerator=args.accelerator)
-    warnings = data_warnings(cfg)
     plan = estimate(cfg.model, layout, cluster)
     builds = None
     if args.build:

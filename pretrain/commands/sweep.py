@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pretrain.config import resolve_input_path
 from pretrain.errors import ConfigError
 from pretrain.sweep_results import summarize_run, write_results
 
@@ -71,7 +72,7 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     micro_batches = args.micro_batches or [None]
     runs = []
     for ds in args.deepspeed_configs:
-        if not Path(ds).is_file():
+        if not Path(resolve_input_path(ds, base=Path.cwd())).is_file():  # as train will read it
             raise ConfigError(f"--deepspeed-configs: {ds!r} does not exist; choose from "
                               "ds_configs/*.json")
         for mbs in micro_batches:

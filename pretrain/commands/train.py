@@ -18,7 +18,7 @@ import os
 import sys
 from typing import NoReturn
 
-from pretrain.config import add_config_arguments, config_overrides
+from pretrain.config import LOG_LEVELS, add_config_arguments, config_overrides
 from pretrain.errors import EXIT_REQUEUE
 
 
@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exit-after-minutes", type=float, metavar="M",
                         help="wall-time limit: save a checkpoint and exit 75 after M minutes "
                              "(same as --set train.exit_after_minutes=M)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS,
+                        help="our notes and DeepSpeed's logger: warning hides our [checkpoint], "
+                             "[run]... notes, debug adds DeepSpeed's INFO and DEBUG lines; step "
+                             "and eval lines print at every level (logging.level, default info)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help=argparse.SUPPRESS)  # passed by launchers; LOCAL_RANK is what we read
 
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     from pretrain import telemetry
     from pretrain.checkpoint import find_resume
     from pretrain.config import load_config
-    from pretrain.data.build import require_data
+    from pretrain.data.build import check_run_data
     from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
     from pretrain.ds_config import resolve_ds_config
     from pretrain.faults import RunControl
@@ -52,6 +56,8 @@ def run(args: argparse.Namespace) -> NoReturn:
         overrides.append(f"train.exit_after_minutes={args.exit_after_minutes}")
     if args.profile_steps:  # quoted: YAML 1.1 would read 3:5 as a base-60 integer
         overrides.append(f"logging.profile_steps='{args.profile_steps}'")
+    if args.log_level:
+        overrides.append(f"logging.level={args.log_level}")
     cfg = load_config(args.config, overrides)
     # Signals are caught from here on (a SIGTERM while loading still stops after the first step).
     control = RunControl(save_interval_minutes=cfg.checkpoint.save_interval_minutes,
@@ -59,13 +65,15 @@ def run(args: argparse.Namespace) -> NoReturn:
     world = discover_world()
     from deepspeed.accelerator import get_accelerator  # after the world: picks the device type
 
+    telemetry.set_log_level(cfg.logging.level)  # DeepSpeed, now imported, logs from here on
     # Every check that can fail does so here, before a process group or an engine exists.
+    telemetry.check_sinks(cfg.logging.report_to)
+    check_run_data(cfg, required=True)  # first: it settles model.vocab_size: auto
     resume = find_resume(cfg, world_size=world.world_size, resume_from=args.resume_from,
                          log=lambda text: telemetry.log(text, main=world.is_main))
     if resume is not None and cfg.train.global_batch_size is None:
         # Resharding keeps the global batch: gradient accumulation follows the new dp size.
         cfg.train.global_batch_size = resume.meta["global_batch"]
-    require_data(cfg.data, vocab_size=cfg.model.vocab_size)
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
     choice = choose_run_precision(cfg.train.precision, get_accelerator().device_name(),
                                   resume=resume)
@@ -86,7 +94,7 @@ def run(args: argparse.Namespace) -> NoReturn:
         telemetry.log(f"[precision] {choice.precision.value}: {choice.reason}",
                       main=world.is_main)
         if choice.warning:
-            telemetry.log(f"warning: {choice.warning}", main=world.is_main)
+            telemetry.log(f"warning: {choice.warning}", main=world.is_main, level="warning")
         result = Trainer(cfg, world, ds_config, groups, resume=resume, control=control).train()
     except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
         _exit_on_fault(exc, rank=world.rank)

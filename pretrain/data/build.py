@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pretrain.config import DataConfig, parse_blend
+from pretrain.config import MODEL_PRESETS, VOCAB_AUTO, DataConfig, RunConfig, parse_blend
 from pretrain.data.blend import BlendedSamples
 from pretrain.data.indexed import IndexedDataset
 from pretrain.data.samples import PackedSamples
@@ -57,34 +57,81 @@ def build_datasets(data: DataConfig, *, seq_length: int, train_samples: int, wit
     return train, valid
 
 
-def check_data(data: DataConfig, *, vocab_size: int) -> list[str]:
+def check_data(data: DataConfig, *, vocab_size: int | str) -> list[str]:
     """What this machine lacks of a run's data: the tokenizer and every dataset's .bin/.idx pair
     (opened, headers checked), one message per field unset or file missing or unreadable.
-    Raises ConfigError for a tokenizer whose vocabulary is not model.vocab_size.
+    Raises ConfigError for a model.vocab_size smaller than the tokenizer's vocabulary, or `auto`
+    with no tokenizer to read it from (`vocab_size_for`).
 
     `pretrain train` turns the messages into errors before any process group starts; `pretrain
     plan` prints them as warnings (the job's nodes may see other files than a login node).
     """
-    missing = []
+    tokenizer_size, problem = _tokenizer_vocab_size(data)
+    vocab_size_for(data, vocab_size=vocab_size, tokenizer_size=tokenizer_size, problem=problem)
+    return ([problem] if problem else []) + _missing_datasets(data)
+
+
+def check_run_data(cfg: RunConfig, *, required: bool) -> list[str]:
+    """The data checks of a run before its process group, in `train`, `plan` and the Slurm
+    pre-flight: settles `model.vocab_size: auto` to the tokenizer's vocabulary (in `cfg`), then
+    `check_data`. `required` (train): what is missing is one DataError. Otherwise (plan, whose
+    login node may not see the files) it comes back as warnings, and `auto` with no tokenizer
+    to read plans with the preset's vocabulary, saying so; without a preset it is an error."""
+    tokenizer_size, problem = _tokenizer_vocab_size(cfg.data)
+    model = cfg.model
+    notes = []
+    if model.vocab_size == VOCAB_AUTO and problem and not required and model.preset:
+        model.vocab_size = MODEL_PRESETS[model.preset]["vocab_size"]
+        notes.append(f"model.vocab_size=auto planned with preset {model.preset}'s "
+                     f"{model.vocab_size} tokens (set model.vocab_size to plan with the "
+                     "tokenizer's): data.tokenizer cannot be read")
+    model.vocab_size = vocab_size_for(cfg.data, vocab_size=model.vocab_size,
+                                      tokenizer_size=tokenizer_size, problem=problem)
+    missing = ([problem] if problem else []) + _missing_datasets(cfg.data)
+    if required and missing:
+        raise DataError("; ".join(missing))
+    return notes + missing
+
+
+def vocab_size_for(data: DataConfig, *, vocab_size: int | str, tokenizer_size: int | None,
+                   problem: str | None) -> int:
+    """The vocabulary the model is built with: the tokenizer's for `auto`; an explicit size may
+    exceed it (padding rows no token reaches) but not fall short of it, since a token id past
+    the embedding fails only in the first forward pass, after the process group started."""
+    if vocab_size == VOCAB_AUTO:
+        if tokenizer_size is None:
+            raise ConfigError(f"model.vocab_size=auto reads the vocabulary of data.tokenizer, but "
+                              f"{problem}: make the tokenizer readable here or set "
+                              "model.vocab_size to its vocabulary size")
+        return tokenizer_size
+    if tokenizer_size is not None and vocab_size < tokenizer_size:
+        raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the {tokenizer_size} "
+                          f"tokens of the tokenizer {data.tokenizer!r}: token ids from "
+                          f"{vocab_size} up would index past the embedding; set "
+                          f"model.vocab_size={tokenizer_size} or auto")
+    return vocab_size
+
+
+def _tokenizer_vocab_size(data: DataConfig) -> tuple[int | None, str | None]:
+    """(the vocabulary of data.tokenizer, None), or (None, why this machine cannot read it)."""
     if not data.tokenizer:
-        missing.append("data.tokenizer is empty: set it to the .model file written by `pretrain "
-                       "tokenizer` (or a Hugging Face tokenizer directory)")
-    else:
-        try:
-            tokenizer = Tokenizer.load(data.tokenizer)
-        except DataError as error:
-            missing.append(f"data.tokenizer: {error}")
-        else:
-            if tokenizer.vocab_size != vocab_size:
-                raise ConfigError(f"model.vocab_size={vocab_size} but the tokenizer "
-                                  f"{data.tokenizer!r} has {tokenizer.vocab_size} tokens: set "
-                                  f"model.vocab_size={tokenizer.vocab_size}")
+        return None, ("data.tokenizer is empty: set it to the .model file written by `pretrain "
+                      "tokenizer` (or a Hugging Face tokenizer directory)")
+    try:
+        return Tokenizer.load(data.tokenizer).vocab_size, None
+    except DataError as error:
+        return None, f"data.tokenizer: {error}"
+
+
+def _missing_datasets(data: DataConfig) -> list[str]:
+    """One message per dataset of data.dataset / data.blend that this machine cannot open."""
     if not data.dataset and not data.blend:
-        missing.append("data.dataset and data.blend are both empty: set data.dataset to the "
-                       "prefix written by `pretrain preprocess --output-prefix PREFIX`, or "
-                       "data.blend to weighted prefixes")
+        return ["data.dataset and data.blend are both empty: set data.dataset to the prefix "
+                "written by `pretrain preprocess --output-prefix PREFIX`, or data.blend to "
+                "weighted prefixes"]
     field = "data.dataset" if data.dataset else "data.blend"
     prefixes = [data.dataset] if data.dataset else [e.prefix for e in parse_blend(data.blend)]
+    missing = []
     for prefix in prefixes:
         try:
             IndexedDataset(prefix)

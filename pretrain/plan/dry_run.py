@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pretrain.config import RunConfig
-from pretrain.data.build import check_data
+from pretrain.data.build import check_run_data
 from pretrain.ds_config import engine_fields, resolve_ds_config
 from pretrain.layout import Layout, resolve_layout
 
@@ -19,7 +19,7 @@ def dry_run(cfg: RunConfig, *, world_size: int, accelerator: str) -> tuple[dict[
 
 def data_warnings(cfg: RunConfig) -> list[str]:
     """What of the run's data is missing on this machine; the run's nodes may see other files,
-    so not errors. A tokenizer that does not match model.vocab_size raises ConfigError, as in
-    `pretrain train`."""
-    return [f"{problem} (on this machine)" for problem in
-            check_data(cfg.data, vocab_size=cfg.model.vocab_size)]
+    so not errors. Settles `model.vocab_size: auto` in `cfg` (the planner needs a number); a
+    tokenizer larger than model.vocab_size raises ConfigError, as in `pretrain train`
+    (`check_run_data`)."""
+    return [f"{problem} (on this machine)" for problem in check_run_data(cfg, required=False)]
