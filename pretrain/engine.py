@@ -16,6 +16,7 @@ from pretrain import telemetry
 from pretrain.config import RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.ds_config import zero_stage
+from pretrain.metrics import global_grad_norm
 from pretrain.model import (ModelForm, build_for_layout, defer_sequence_parallel_grads,
                             tensor_parallel_group)
 from pretrain.topology import ProcessGroups
@@ -50,6 +51,27 @@ def _lr_schedule(t: TrainConfig):
                                      warmup=t.warmup_steps, total=t.steps))
 
 
+def clip_by_the_whole_models_norm(engine: deepspeed.DeepSpeedEngine,
+                                   groups: ProcessGroups) -> None:
+    """Make an fp32 pipeline engine at ZeRO-0 clip by the whole model's gradient norm.
+
+    DeepSpeed clips such an engine with `clip_grad_norm_(mpu=grid)`, which counts replicated
+    weights (the norms) only where the grid's model-parallel rank is 0: on the first stage's
+    first tensor rank. Every later stage's norms are left out, the norm is too small, and the
+    run drifts from one process as soon as clipping acts (1e-5 relative in three steps of the
+    tiny model at pp 2). `global_grad_norm` counts each element once across the grid; the norm
+    is also what `get_global_grad_norm` (the step record) reports. bf16 and fp16 engines and
+    ZeRO >= 1 clip through their optimizers, which count by the tensor-parallel rank."""
+    def clip() -> None:
+        grads = [p for p in engine.module.parameters() if p.grad is not None]
+        norm = global_grad_norm(grads, groups, device=str(engine.device))
+        torch.nn.utils.clip_grads_with_norm_(grads, engine.gradient_clipping(),
+                                             torch.tensor(norm))
+        engine._global_grad_norm = norm  # what engine.get_global_grad_norm() returns
+
+    engine.clip_fp32_gradients = clip
+
+
 def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
                  main: bool) -> deepspeed.DeepSpeedEngine:
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
@@ -66,6 +88,8 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         # own grid (DeepSpeed asserts mpu is None)
         mpu=groups.mpu if flat else None,
         lr_scheduler=_lr_schedule(cfg.train))
+    if not flat and zero_stage(ds_config) == 0:
+        clip_by_the_whole_models_norm(engine, groups)
     # every micro-batch's backward runs once per step, in the flat and the pipeline engine alike
     defer_sequence_parallel_grads(engine.module,
                                   micro_batches=engine.gradient_accumulation_steps())

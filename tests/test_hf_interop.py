@@ -1,8 +1,9 @@
 """Hugging Face interop end to end: import-hf, training from it, export-hf, generate.
 
 Each run starts from a random transformers `LlamaForCausalLM` imported with `import-hf`
-(`model.init_from`), trains 2 fp32 steps and keeps its engine checkpoint and final/: at tp=1
-x dp=2 under ZeRO-3 with untied embeddings, and at tp=2 x pp=2 (ZeRO-0) with tied ones. The
+(`model.init_from`), trains 4 fp32 steps and keeps its engine checkpoint and final/: at tp=1
+x dp=2 under ZeRO-3 with untied embeddings, and at tp=2 x pp=2 (ZeRO-0) with tied ones, whose
+consolidated weights are checked against one process trained from the same import. The
 vocabulary has 515 tokens (not a multiple of 128: padded to 640 rows at tp=1, 768 at tp=2) and
 attention is grouped-query (4 query heads, 2 kv heads). transformers' LlamaForCausalLM (eager
 attention) is the independent reference. Commands run in-process through `pretrain.cli.main`;
@@ -30,13 +31,20 @@ from pretrain.model.hf import from_hf_state_dict, to_hf_config
 
 transformers.logging.set_verbosity_error()
 VOCAB = 515
+STEPS = 4
 RUN_OVERRIDES = {
     "tp1_dp2_zero3_untied": (2, ["deepspeed=ds_configs/zero3.json"]),
     # ZeRO-0: the pipeline's weights are read from its layer_XX-model_YY files (ZeRO-1
-    # pipelines, through the optimizer shards, are covered in test_convert_checkpoint.py)
+    # pipelines, through the optimizer shards, are covered in test_convert_checkpoint.py).
+    # Clipping on (train.grad_clip 1.0): a ZeRO-0 pipeline must clip by the whole model's norm
+    # (pretrain.engine.clip_by_the_whole_models_norm), or its weights drift from one process's.
     "tp2_pp2_tied": (4, ["parallel.tensor=2", "parallel.pipeline=2", "model.tie_embeddings=true",
                          "deepspeed=ds_configs/zero0.json"]),
 }
+# tp2_pp2_tied in one process: the reference its consolidated weights are compared with
+SINGLE_TIED = "tp1_pp1_tied"
+REFERENCE_OVERRIDES = {SINGLE_TIED: (1, ["model.tie_embeddings=true",
+                                         "deepspeed=ds_configs/zero0.json"])}
 
 
 def make_data(out: Path, *, vocab_size: int = VOCAB) -> dict[str, str]:
@@ -82,12 +90,12 @@ def data515(shared_dir) -> dict[str, str]:
 
 
 def _train_from_import(root: Path, *, layout: str, data: dict[str, str]) -> None:
-    """Import a random HF Llama (root/hf_src) and train 2 fp32 steps from it (root/run)."""
-    nprocs, overrides = RUN_OVERRIDES[layout]
+    """Import a random HF Llama (root/hf_src) and train STEPS fp32 steps from it (root/run)."""
+    nprocs, overrides = {**RUN_OVERRIDES, **REFERENCE_OVERRIDES}[layout]
     random_hf_llama(root / "hf_src", tied="tied" in layout.split("_"))
     cli("import-hf", root / "hf_src", "--output", root / "init")
     run = train(root, data, name="run", nprocs=nprocs, overrides=[
-        f"model.vocab_size={VOCAB}", "train.steps=2", "checkpoint.save_final=true",
+        f"model.vocab_size={VOCAB}", f"train.steps={STEPS}", "checkpoint.save_final=true",
         f"model.init_from={root / 'init'}", *overrides])
     assert "[init] weights from" in run.stdout + run.stderr
 
@@ -142,13 +150,13 @@ def test_export_logits_tokenizer_and_consolidation(layout, runs, data515, tmp_pa
     run_dir = runs(layout)
     cfg = load_config(run_dir / "config.yaml").model
     tp = 2 if layout.startswith("tp2") else 1
-    assert load_weights(run_dir).step == 2  # the run dir's newest engine checkpoint
+    assert load_weights(run_dir).step == STEPS  # the run dir's newest engine checkpoint
     assert cfg.vocab_size == VOCAB and cfg.padded_vocab_size(tp) == (768 if tp == 2 else 640)
     assert cfg.num_kv_heads < cfg.num_heads and cfg.tie_embeddings == ("tied" in layout.split("_"))
 
     # convert-checkpoint --to fp32 reads the engine shards offline: equal to the live weights
     # that the run gathered into final/ (fp32 training: module weights = master weights)
-    cli("convert-checkpoint", run_dir / "checkpoints" / "step2", "--to", "fp32", "--output",
+    cli("convert-checkpoint", run_dir / "checkpoints" / f"step{STEPS}", "--to", "fp32", "--output",
         tmp_path / "fp32")
     consolidated, live = (load_file(str(p / "model.safetensors"))
                           for p in (tmp_path / "fp32", run_dir / "final"))
@@ -177,6 +185,46 @@ def test_export_logits_tokenizer_and_consolidation(layout, runs, data515, tmp_pa
         assert ids == ours_tok.encode(text), path
         assert theirs.decode(ids) == text
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours_tok.bos_id, ours_tok.eos_id)
+
+
+@pytest.mark.slow
+def test_consolidated_tp2_pp2_weights_are_those_of_one_process(runs, tmp_path):
+    """convert-checkpoint of the tp 2 x pp 2 run (tensor shards merged, pipeline layer files
+    renamed) against one process trained from the same import on the same global batches, its
+    weights read straight from its one DeepSpeed file (nothing merged, nothing renamed)."""
+    run_dir, single_dir = runs("tp2_pp2_tied"), runs(SINGLE_TIED)
+    cli("convert-checkpoint", run_dir / "checkpoints" / f"step{STEPS}", "--to", "fp32",
+        "--output", tmp_path / "fp32")
+    consolidated = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    module = torch.load(single_dir / "checkpoints" / f"step{STEPS}" / "mp_rank_00_model_states.pt",
+                        map_location="cpu", weights_only=False)["module"]
+    initial = load_file(str(single_dir.parent / "init" / "model.safetensors"))  # the import
+    assert consolidated.keys() == initial.keys() and "lm_head.weight" not in consolidated  # tied
+    steps = {name: [r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                    if r["kind"] == "train"] for name, d in (("single", single_dir),
+                                                             ("pipeline", run_dir))}
+    lrs = [r["lr"] for r in steps["single"]]
+    assert len(lrs) == STEPS
+    # the norm the pipeline clipped by (and reports) is the whole model's, above the clip of 1.0
+    norms = [[r["grad_norm"] for r in steps[name]] for name in ("single", "pipeline")]
+    assert min(norms[0]) > 1.0, norms
+    torch.testing.assert_close(norms[1], norms[0], rtol=1e-4, atol=0.0)
+    # Adam moves every weight by about lr a step (|m_hat / sqrt(v_hat)| ~ 1: it ignores the
+    # gradient's scale), so sum(lrs) in all. The two runs sum fp32 partial products and
+    # gradients in other orders (the TP all-reduces, the tied embedding's gradient over two
+    # stages): ~1e-7 relative changes of a gradient, which move Adam's update by about that
+    # fraction of lr, more only for the rare element whose gradient cancels to within its
+    # rounding. 1% of sum(lrs) bounds that with a wide margin; a consolidation error (shards
+    # swapped or merged along the wrong dimension, a pipeline layer under another layer's
+    # name) is off by the weights' own spread, and a training difference by ~sum(lrs).
+    tol = 1e-2 * sum(lrs)
+    for name, tensor in consolidated.items():
+        reference = module[name][:VOCAB] if name == "model.embed_tokens.weight" else module[name]
+        assert tensor.shape == reference.shape, name
+        assert (reference - initial[name]).abs().max() > 0.5 * sum(lrs), name  # it trained
+        assert tol < 1e-2 * reference.std(), name  # could fail: far below the weights' spread
+        torch.testing.assert_close(tensor, reference, rtol=0.0, atol=tol,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
@@ -213,7 +261,7 @@ def test_generate_native_and_exported_match_transformers(runs, tmp_path, capsys)
 
     if theirs.eos_token_id in expected:  # ours stops after the end of a document
         expected = expected[:expected.index(theirs.eos_token_id) + 1]
-    step_dir = run_dir / "checkpoints" / "step2"
+    step_dir = run_dir / "checkpoints" / f"step{STEPS}"
     assert ids_of(step_dir) == expected  # native engine checkpoint (ZeRO-3 shards), greedy
     assert ids_of(tmp_path / "hf") == expected  # the exported directory, greedy
     sampled = ("--temperature", "0.9", "--top-k", "20", "--seed", "3")
