@@ -77,25 +77,66 @@ def test_truncated_checkpoint_is_skipped_and_resume_falls_back(tiny_data, tmp_pa
     assert [r["loss"] for r in records] == first.losses[1:3]
 
 
+def _error_line(run) -> str:
+    """The one `error:` line of a `pretrain train` that refused its input (exit 2)."""
+    assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.stderr[-2000:]
+    return errors[0]
+
+
 def test_explicit_damaged_or_mismatched_checkpoint_is_a_clear_error(tiny_data, tmp_path):
-    run = train(tmp_path, tiny_data, name="run", overrides=[
-        "train.steps=2", "checkpoint.save_interval=1"])
+    """Resuming through `pretrain train` (one process, tp 1 x pp 1 x dp 1) a checkpoint of a
+    tp 2 run: of another model, of another layout, or damaged, is one `error:` line, exit 2."""
+    run = train(tmp_path, tiny_data, name="run", nprocs=2, overrides=[
+        "train.steps=2", "checkpoint.save_interval=1", "parallel.tensor=2"])
     step1 = run.run_dir / "checkpoints" / "step1"
+    assert json.loads((step1 / "meta.json").read_text())["layout"]["tensor"] == 2
     base = ["train", "--config", "configs/tiny.yaml", "--set", f"data.tokenizer={tiny_data['tokenizer']}",
             "--set", f"data.dataset={tiny_data['dataset']}", "--set", "train.steps=3"]
 
-    other_model = run_pretrain(base + ["--set", f"run_dir={tmp_path / 'deeper'}", "--set",
-                                       "model.num_layers=3", "--resume-from", str(step1)],
-                               run_dir=tmp_path / "deeper")
-    assert other_model.returncode == 2, other_model.stderr[-2000:]
-    assert "does not match this run: it was written for another model: model.num_layers=2 " \
-           "there, 3 here" in other_model.stderr
-    assert "Traceback" not in other_model.stderr
+    def resume(name: str, *overrides: str):
+        args = base + ["--set", f"run_dir={tmp_path / name}", "--resume-from", str(step1)]
+        for override in overrides:
+            args += ["--set", override]
+        return run_pretrain(args, run_dir=tmp_path / name)
+
+    other_model = _error_line(resume("deeper", "model.num_layers=3"))
+    assert other_model == (f"error: checkpoint {str(step1)!r} does not match this run: it was "
+                           "written for another model: model.num_layers=2 there, 3 here; use the "
+                           "run's own config or start a new run_dir")
+
+    # the same model on another layout: refused before any process group (tp, pp and dp are
+    # compared; a universal checkpoint is the way to another dp)
+    other_layout = _error_line(resume("tp1"))
+    assert other_layout == (
+        f"error: checkpoint {str(step1)!r} does not match this run: it was written by layout "
+        "tp 2 x pp 1 x dp 1, this run is tp 1 x pp 1 x dp 1: convert it with `pretrain "
+        "convert-checkpoint --to universal` and resume with --resume-from the converted directory")
+    assert not (tmp_path / "tp1" / "metrics.jsonl").exists()  # nothing trained
 
     next(step1.glob("*optim_states.pt")).unlink()  # a rank's shard lost
-    missing = run_pretrain(base + ["--set", f"run_dir={tmp_path / 'again'}",
-                                   "--resume-from", str(step1)], run_dir=tmp_path / "again")
-    assert missing.returncode == 2 and "is damaged: missing file" in missing.stderr, missing.stderr
+    missing = _error_line(resume("again"))
+    assert missing.startswith(f"error: checkpoint {str(step1)!r} is damaged: missing file"), missing
+
+
+@pytest.mark.parametrize("key", ["tensor", "pipeline", "data"])
+def test_checkpoint_of_another_layout_is_refused_unless_universal(key, tiny_data):
+    """What `resume_mismatch` compares of the layout: tp, pp and dp, each on its own; a
+    universal checkpoint (the conversion for another dp) is not compared."""
+    from pretrain.checkpoint.engine import resume_mismatch
+    from pretrain.config import load_config
+    from pretrain.data import Tokenizer
+
+    cfg = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}"])
+    meta = _meta(cfg, sha256=Tokenizer.load(tiny_data["tokenizer"]).sha256)
+    assert resume_mismatch(meta, cfg, world_size=1) is None
+    meta["layout"][key] = 2
+    assert resume_mismatch(meta, cfg, world_size=1).startswith(
+        "it was written by layout tp {tensor} x pp {pipeline} x dp {data}, this run is tp 1 x pp 1 "
+        "x dp 1: convert it".format(**meta["layout"]))
+    assert resume_mismatch({**meta, "universal": True}, cfg, world_size=1) is None
 
 
 def test_keep_last_and_keep_every(tiny_data, tmp_path):

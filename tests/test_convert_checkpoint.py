@@ -1,10 +1,12 @@
 """`pretrain convert-checkpoint`: consolidated fp32 weights of bf16 ZeRO runs (the fp32 masters).
 
 The fp32 layouts (tp=1, and tp=2 x pp=2) are checked against the live weights of final/ in
-tests/test_hf_interop.py. Here bf16 runs at ZeRO >= 1 keep fp32 master weights in the optimizer
-shards: the consolidated weights must be those masters exactly (DeepSpeed's own zero_to_fp32 on
-the whole checkpoint is the reference), and rounded to bf16 they must be the module's live
-weights, which the run gathered into final/.
+tests/test_hf_interop.py, the tp=2 x pp=2 one also against a single process's weights. Here
+bf16 runs at ZeRO >= 1 keep fp32 master weights in the optimizer shards: the consolidated weights
+must be those masters exactly (DeepSpeed's own zero_to_fp32 on the whole checkpoint is the
+reference; for a pipeline, which zero_to_fp32 does not read, DeepSpeed's universal conversion,
+whose per-parameter masters carry the pipeline's names), and rounded to bf16 they must be the
+module's live weights, which the run gathered into final/.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from safetensors.torch import load_file
 from test_hf_interop import VOCAB, make_data
 
 from pretrain.cli import main as pretrain_main
+from pretrain.config import load_config
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
@@ -42,6 +45,36 @@ def deepspeed_reference(step_dir: Path, *, vocab_size: int) -> dict[str, torch.T
     return state
 
 
+def deepspeed_pipeline_reference(step_dir: Path, out: Path, *, vocab_size: int,
+                                 num_layers: int) -> dict[str, torch.Tensor]:
+    """DeepSpeed's universal conversion (ds_to_universal) of a pipeline checkpoint: each
+    parameter's fp32 master under its pipeline name, renamed here by hand (layer spec 0 the
+    tied embedding, 1..num_layers the decoder layers, num_layers + 1 the final norm)."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    ds_to_universal.main(Namespace(input_folder=str(step_dir), output_folder=str(out),
+                                   num_extract_workers=1, num_merge_workers=1,
+                                   keep_temp_folder=False, strict=True,
+                                   inject_missing_state=False))
+    state = {}
+    for param in (out / "zero").iterdir():
+        if not param.is_dir():  # optimizer_state.pt: the optimizer's common state
+            continue
+        index, _, local = param.name.partition(".")
+        if param.name == "tied_modules.embed.embed_tokens.weight":
+            name = "model.embed_tokens.weight"
+        elif index == str(num_layers + 1):
+            name = f"model.{local}"
+        else:
+            assert 1 <= int(index) <= num_layers, param.name
+            name = f"model.layers.{int(index) - 1}.{local}"
+        state[name] = torch.load(param / "fp32.pt", weights_only=False)["param"]
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:vocab_size]
+    return state
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_consolidated_fp32_are_the_bf16_runs_master_weights(layout, data, tmp_path):
     nprocs, overrides = LAYOUTS[layout]
@@ -61,10 +94,15 @@ def test_consolidated_fp32_are_the_bf16_runs_master_weights(layout, data, tmp_pa
         assert torch.equal(tensor.bfloat16().float(), live[name]), name
         masters_differ |= not torch.equal(tensor, live[name])
     assert masters_differ  # fp32 masters, not the bf16 module copies widened
-    if "pp" not in layout:  # DeepSpeed's zero_to_fp32 reads flat data-parallel checkpoints
+    if "pp" in layout:  # DeepSpeed's zero_to_fp32 reads flat data-parallel checkpoints only
+        num_layers = load_config(run.run_dir / "config.yaml").model.num_layers
+        reference = deepspeed_pipeline_reference(step_dir, tmp_path / "universal",
+                                                 vocab_size=VOCAB, num_layers=num_layers)
+    else:
         reference = deepspeed_reference(step_dir, vocab_size=VOCAB)
-        for name, tensor in consolidated.items():
-            assert torch.equal(tensor, reference[name]), name
+    assert consolidated.keys() <= reference.keys()  # zero_to_fp32 adds a tied head's alias
+    for name, tensor in consolidated.items():
+        assert torch.equal(tensor, reference[name]), name
 
 
 def test_universal_conversion_and_damaged_checkpoints(data, tmp_path, capsys):

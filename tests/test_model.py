@@ -5,6 +5,8 @@ eager attention path, so our SDPA attention is checked against an independent im
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -81,17 +83,69 @@ def test_logits_and_loss_match_hugging_face(variant):
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
 
 
+BF16_U = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, round to nearest
+
+
+def bf16_logits_tolerance(ref_logits: torch.Tensor, *, roundings: int) -> float:
+    """The largest |difference| between two bf16 forward passes of the same model's logits that
+    bf16 rounding explains, when the passes differ in `roundings` roundings of activations.
+
+    - Each pass rounds its logits to bf16 once, by at most half an ulp: one ulp of bf16 at the
+      logits' largest magnitude M (ulp = 2^(floor(log2 M) - 7)) between the two.
+    - Any other rounding changes an activation by at most u = 2^-8 of its magnitude, uniformly
+      within that (standard deviation u / sqrt(3)), with a sign that follows no pattern. Counted
+      as a rounding of the whole hidden state (an overestimate where the rounded sublayer output
+      is smaller than the residual stream it joins; the final norm keeps relative errors), it
+      moves a logit z = w . h, a sum over the hidden size, by ~u / sqrt(3) * rms(z); n such
+      roundings by sqrt(n) of that. 4 u sqrt(n) rms(z) is 7 of those standard deviations:
+      beyond the largest of the few 10^4 logits compared (~4.5 standard deviations).
+    """
+    z = ref_logits.float()
+    ulp = 2.0 ** (math.floor(math.log2(z.abs().max().item())) - 7)
+    rms = z.pow(2).mean().sqrt().item()
+    tol = ulp + 4 * math.sqrt(roundings) * BF16_U * rms
+    # could fail: logits off by their own scale (all zero, a dropped norm weight, a wrong
+    # projection) differ by more than rms / 8 on most elements
+    assert tol < rms / 8, (tol, rms)
+    return tol
+
+
+def cross_entropy64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy of (B, T, V) logits over the labels that are not -100, in fp64."""
+    return torch.nn.functional.cross_entropy(logits.double().reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1), ignore_index=-100)
+
+
 def test_bf16_forward_close_to_hugging_face():
     cfg = tiny_cfg()
     model = build_model(cfg, seed=3)
+    with torch.no_grad():  # non-trivial norms, so a dropped or misplaced norm weight shows
+        generator = torch.Generator().manual_seed(3)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=generator))
     hf = hf_twin(model)
     model, hf = model.to(torch.bfloat16), hf.to(torch.bfloat16)
-    _, inputs, labels = batch(cfg, length=16)
+    tokens, inputs, labels = batch(cfg, length=16)
+    labels, hf_labels = labels.clone(), tokens.clone()  # as in the fp32 test: HF shifts itself
+    labels[0, :5] = -100
+    hf_labels[0, 1:6] = -100
     with torch.no_grad():
         ours, theirs = model(inputs), hf(inputs).logits
-        loss = model(inputs, labels)
-    assert ours.dtype == torch.bfloat16 and loss.dtype == torch.float32
-    torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.0, atol=2e-2)
+        loss, hf_out = model(inputs, labels), hf(tokens, labels=hf_labels)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert loss.dtype == hf_out.loss.dtype == torch.float32
+    # The two differ in attention only (norms, rotary and MLP round the same values in the same
+    # order): Hugging Face's eager path rounds the scores, the scaled scores, the probabilities
+    # and their product with the values to bf16; SDPA rounds its output once. 5 a layer.
+    tol = bf16_logits_tolerance(theirs, roundings=5 * cfg.num_layers)
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.0, atol=tol)
+    # Both losses are fp32 cross entropies of bf16 logits (Hugging Face's of its 17-position
+    # forward): their difference is the one the logits' difference makes, to the fp32
+    # roundings of the two losses (a few ulps of fp32 at the loss's magnitude each).
+    expected = cross_entropy64(ours, labels) - cross_entropy64(hf_out.logits[:, :-1], labels)
+    torch.testing.assert_close((loss - hf_out.loss).double(), expected, rtol=0.0,
+                               atol=8 * torch.finfo(torch.float32).eps * float(hf_out.loss))
 
 
 @pytest.mark.parametrize("tied", [False, True])
