@@ -1,6 +1,7 @@
-"""What a run writes to its metrics sink: one "run" record when it starts, one "train" record
-per optimizer step (loss, lr, gradient norm, throughput, MFU / HFU, memory), and the whole-model
-gradient norm DeepSpeed does not keep at ZeRO-0."""
+"""What a run writes to its metrics sink: one "run" record when it starts (with what the engine
+really built: `engine_facts`), one "train" record per optimizer step (loss, lr, gradient norm,
+throughput, MFU / HFU, memory), and the whole-model gradient norm DeepSpeed does not keep at
+ZeRO-0."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +14,9 @@ import torch.distributed as torch_dist
 from pretrain import telemetry
 from pretrain.arithmetic import hardware_flops_per_token, model_flops_per_token, num_parameters
 from pretrain.config import Precision, RunConfig
+from pretrain.data import BlendedSamples
+from pretrain.data.build import Samples
 from pretrain.dist import World, wait_for_io
-from pretrain.ds_config import offload_devices, zero_stage
 from pretrain.hardware import cpu_mfu_peak, format_flops
 from pretrain.layout import Layout
 from pretrain.model import DTYPES
@@ -120,19 +122,73 @@ class StepRecords:
         return rec
 
 
+def _dtype_names(tensors) -> list[str]:
+    return sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+
+
+def _offload_targets(optimizer) -> tuple[str, str]:
+    """(optimizer state, parameters): where DeepSpeed's ZeRO optimizer keeps them outside
+    accelerator memory ('none': not offloaded), from the flags its step and gather code
+    follows: `offload_optimizer` / `swap_optimizer` / `offload_param` /
+    `params_in_nvme_and_cpu` at ZeRO-3, `cpu_offload` at ZeRO-1/2."""
+    if getattr(optimizer, "offload_optimizer", False) is True:
+        state = "nvme" if optimizer.swap_optimizer else "cpu"
+    else:
+        state = "cpu" if getattr(optimizer, "cpu_offload", False) is True else "none"
+    params = "none"
+    if getattr(optimizer, "offload_param", False) is True:
+        params = "nvme" if optimizer.params_in_nvme_and_cpu else "cpu"
+    return state, params
+
+
+def _stepped_tensors(wrapper, inner) -> list:
+    """The tensors the optimizer updates: the flat partitions of DeepSpeed's ZeRO-3, ZeRO-1/2
+    and bf16 optimizers (ZeRO-3 hands its partitions to the inner optimizer only during a
+    step), else the inner optimizer's parameters."""
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups",
+                 "fp32_groups_flat_partition"):
+        if getattr(wrapper, name, None):
+            return list(getattr(wrapper, name))
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
+def engine_facts(engine: deepspeed.DeepSpeedEngine) -> dict[str, Any]:
+    """What DeepSpeed built, read from the engine and the model instead of the config that asked
+    for it, so a setting DeepSpeed or the model builder dropped shows in the run record: the
+    ZeRO stage and optimizer wrapper, the inner optimizer (DeepSpeed's CPU Adam when the
+    optimizer state is offloaded), the dtypes of the module's parameters (what forward computes
+    in) and of the tensors the optimizer steps (the fp32 masters of a bf16 run at ZeRO >= 1),
+    where the optimizer state and parameters are offloaded, and whether every layer of the
+    model splits sequences over the tensor-parallel ranks."""
+    wrapper = engine.optimizer
+    inner = getattr(wrapper, "optimizer", wrapper)
+    offload_state, offload_params = _offload_targets(wrapper)
+    flags = {m.sequence_parallel for m in engine.module.modules()
+             if isinstance(getattr(m, "sequence_parallel", None), bool)}
+    return {"zero_stage": engine.zero_optimization_stage(),
+            "zero_optimizer": type(wrapper).__name__, "optimizer": type(inner).__name__,
+            "param_dtypes": _dtype_names(engine.module.parameters()),
+            "master_dtypes": _dtype_names(_stepped_tensors(wrapper, inner)),
+            "offload_optimizer": offload_state, "offload_param": offload_params,
+            "sequence_parallel": flags == {True}}
+
+
 def announce_run(sink: telemetry.MetricsSink, cfg: RunConfig, world: World,
-                 ds_config: dict[str, Any], steps: StepRecords, *, layout: Layout,
-                 train_samples: int, run_dir: Path) -> None:
-    """The "run" record (layout, ZeRO stage, sizes, versions) and its one-line summary."""
-    stage = zero_stage(ds_config)
-    opt_dev, param_dev = offload_devices(ds_config)
+                 engine: deepspeed.DeepSpeedEngine, steps: StepRecords, *, layout: Layout,
+                 train_data: Samples, run_dir: Path) -> None:
+    """The "run" record (layout, what the engine built, sizes, the training samples and, for a
+    blend, how many of them each source gives, versions) and its one-line summary."""
+    facts = engine_facts(engine)
+    train_samples = len(train_data)
+    per_source = train_data.counts().tolist() if isinstance(train_data, BlendedSamples) else None
     n_params = num_parameters(cfg.model)
     dp_size, global_batch, grad_accum = layout.data, layout.global_batch, layout.grad_accum
     sink.write({"kind": "run", "world_size": world.world_size, "launcher": world.launcher,
                 "tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-                "data_parallel": dp_size, "zero_stage": stage,
+                "data_parallel": dp_size, **facts,
                 "parameters": n_params, "global_batch": global_batch,
                 "grad_accum": grad_accum, "precision": cfg.train.precision.value,
+                "train_samples": train_samples, "train_samples_per_source": per_source,
                 "peak_tflops": steps.peak_tflops, "peak_source": steps.peak_source,
                 "deepspeed_config": cfg.deepspeed,
                 "torch": torch.__version__,
@@ -140,7 +196,8 @@ def announce_run(sink: telemetry.MetricsSink, cfg: RunConfig, world: World,
     telemetry.log(
         f"[run] {n_params / 1e6:.1f}M parameters | world {world.world_size} ({world.launcher}) = "
         f"tp {cfg.parallel.tensor} x pp {cfg.parallel.pipeline} x dp {dp_size} | "
-        f"ZeRO-{stage} offload opt={opt_dev} param={param_dev} | {cfg.train.precision.value} | "
+        f"ZeRO-{facts['zero_stage']} offload opt={facts['offload_optimizer']} "
+        f"param={facts['offload_param']} | {cfg.train.precision.value} | "
         f"global batch {global_batch} = micro {cfg.train.micro_batch_size} x accum "
         f"{grad_accum} x dp {dp_size} | {train_samples} train samples of "
         f"{cfg.model.seq_length} tokens | peak {format_flops(steps.peak_tflops)}/device "

@@ -110,8 +110,8 @@ class Trainer:
         self.metrics = telemetry.MetricsSink(self.run_dir, enabled=self.main,
                                              settings=cfg.logging, run_config=cfg.to_dict())
         self._curves_step: int | None = None  # the step curves.png shows; -1: drawing failed
-        announce_run(self.metrics, cfg, world, ds_config, self.records, layout=self.layout,
-                     train_samples=len(self.train_data), run_dir=self.run_dir)
+        announce_run(self.metrics, cfg, world, self.engine, self.records, layout=self.layout,
+                     train_data=self.train_data, run_dir=self.run_dir)
 
     # ---- setup ------------------------------------------------------------------------------
     def _load_data(self) -> tuple[Tokenizer, Samples, Samples | None]:

@@ -207,8 +207,28 @@ def test_packed_samples_resume_too(two_datasets):
 
 # ----------------------------------------------------------------------------- end to end
 
+def _train_documents_of_samples(samples: PackedSamples, indices) -> set[int]:
+    """The documents whose tokens the samples `indices` (in served order) hold: every document
+    a sample's ``seq_length + 1`` tokens run through, read from the sample index."""
+    document_of = np.searchsorted(samples.dataset.document_indices, samples._sequences,
+                                  side="right") - 1  # the document of each sequence position
+    documents = set()
+    for index in indices:
+        position, offset = (int(v) for v in samples._index[int(samples.order[index])])
+        needed = samples.seq_length + 1
+        while needed > 0:
+            documents.add(int(document_of[position]))
+            needed -= int(samples._sequence_sizes[position]) - offset
+            position, offset = position + 1, 0
+    return documents
+
+
 @pytest.mark.slow
 def test_training_on_a_blend_with_a_test_split(tmp_path, tiny_data):
+    """The run draws 16 samples, 11 and 5 from the two sources (0.7 and 0.3 of 16 by largest
+    remainder: 11.2 and 4.8), reported by the run itself; it split `other` with the test
+    fraction (the sample indices it cached beside `other` are those of that split, nothing
+    else), and the samples it read hold no test-split document."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     other = tmp_path / "other"
     preprocess(sorted((stdlib / "xml").rglob("*.py")), tokenizer_path=tiny_data["tokenizer"],
@@ -218,4 +238,24 @@ def test_training_on_a_blend_with_a_test_split(tmp_path, tiny_data):
         "data.test_fraction=0.05", "train.steps=4", "train.eval_interval=2"])
     losses = run.losses
     assert len(losses) == 4 and all(np.isfinite(losses))
-    assert any(r["kind"] == "eval" for r in run.records)
+    assert [r["step"] for r in run.records if r["kind"] == "eval"] == [2, 4]
+    head = run.records[0]
+    assert (head["train_samples"], head["train_samples_per_source"]) == (16, [11, 5])
+    assert [r for r in run.records if r["kind"] == "train"][-1]["consumed_samples"] == 16
+    cached = sorted(p.name for p in tmp_path.glob("other.*.npy"))  # before the checks add any
+
+    cfg = load_config(run.run_dir / "config.yaml")
+    assert cfg.data.test_fraction == 0.05
+    fractions = dict(seq_length=cfg.model.seq_length, valid_fraction=cfg.data.valid_fraction,
+                     test_fraction=cfg.data.test_fraction, seed=cfg.data.seed)
+    splits = {split: PackedSamples(str(other), split=split, **fractions)
+              for split in ("train", "valid", "test")}
+    assert cached == sorted(name for split in ("train", "valid") for name in (
+        splits[split].cache_path.name, splits[split].cache_path.with_suffix(".order.npy").name))
+    blend = BlendedSamples([PackedSamples(tiny_data["dataset"], split="train", **fractions),
+                            splits["train"]], weights=[0.7, 0.3], num_samples=16)
+    for source, samples in enumerate(blend.datasets):
+        test = PackedSamples(samples.dataset, split="test", **fractions).documents
+        assert len(test) > 0
+        read = blend.dataset_sample_index[blend.dataset_index == source] % len(samples)
+        assert _train_documents_of_samples(samples, read).isdisjoint(test.tolist())

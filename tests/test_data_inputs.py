@@ -331,8 +331,24 @@ def test_wrong_column_type_and_unreadable_parquet(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 
+def _directory_sha256(directory: Path) -> str:
+    """The tokenizer directory's hash as documented: sha256 over each file's relative name and
+    the sha256 of its bytes, in sorted order (written out here, not imported)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
 @pytest.mark.slow
 def test_training_with_a_hugging_face_tokenizer(tmp_path, hf_tokenizer_dir):
+    """The run trains on the tokenizer's ids with its 300-token vocabulary (the first loss is
+    ln 300 of a near-uniform start, not the tiny preset's ln 512) and its checkpoint records
+    that tokenizer directory and its hash."""
+    import math
     import sysconfig
 
     from pretrain.testing.runs import train
@@ -344,3 +360,7 @@ def test_training_with_a_hugging_face_tokenizer(tmp_path, hf_tokenizer_dir):
     run = train(tmp_path, {"tokenizer": str(hf_tokenizer_dir), "dataset": str(tmp_path / "hf")},
                 overrides=["model.vocab_size=300", "train.steps=3"])
     assert len(run.losses) == 3 and all(np.isfinite(run.losses))
+    assert abs(run.losses[0] - math.log(300)) < 0.05, run.losses
+    meta = json.loads((run.run_dir / "checkpoints" / "step3" / "meta.json").read_text())
+    assert meta["tokenizer"] == {"path": str(hf_tokenizer_dir),
+                                 "sha256": _directory_sha256(hf_tokenizer_dir)}

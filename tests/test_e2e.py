@@ -2,11 +2,15 @@
 the real `deepspeed` launcher (2 ranks, ZeRO-2), a checkpoint, and `pretrain generate`."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from pathlib import Path
 
 import pytest
+import torch
 
+from pretrain.config import load_config
 from pretrain.testing.runs import run_pretrain
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
@@ -25,6 +29,28 @@ def stdlib_data(tmp_path_factory):
                         "--workers", "2"], run_dir=out).check()
     assert "documents" in run.stdout
     return {"tokenizer": str(out / "sp1k.model"), "dataset": str(out / "stdlib")}
+
+
+def assert_final_is_the_last_step(run_dir: Path, step_dir: Path) -> None:
+    """final/ holds the model of the last step: every tensor is the checkpoint's fp32 master
+    rounded to bf16 (the module weights a bf16 run computes with), bit for bit."""
+    from pretrain.checkpoint.weights import load_weights
+
+    final, masters = load_weights(run_dir / "final"), load_weights(step_dir)
+    assert sorted(final.state) == sorted(masters.state)
+    for name in masters.state:
+        master = masters.state[name]
+        assert master.dtype == torch.float32, name
+        assert torch.equal(final.state[name], master.to(torch.bfloat16).float()), name
+
+
+def tensorboard_losses(run_dir: Path) -> list[float]:
+    """The train/loss scalars of the run's tensorboard event files, by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [event.value for event in sorted(events.Scalars("train/loss"), key=lambda e: e.step)]
 
 
 def test_deepspeed_launcher_zero2_trains_checkpoints_and_generates(stdlib_data, tmp_path):
@@ -73,17 +99,30 @@ def test_deepspeed_launcher_zero2_trains_checkpoints_and_generates(stdlib_data, 
     assert evals[1]["loss"] < evals[0]["loss"] and evals[1]["ppl"] > 1.0
     run_rec = records[0]
     assert run_rec["kind"] == "run" and run_rec["launcher"] == "deepspeed"
-    assert run_rec["world_size"] == 2 and run_rec["zero_stage"] == 2
+    assert run_rec["world_size"] == 2 and run_rec["data_parallel"] == 2
+    assert (run_rec["zero_stage"], run_rec["zero_optimizer"]) == (2, "DeepSpeedZeroOptimizer")
+    assert run_rec["param_dtypes"] == ["bfloat16"] and run_rec["master_dtypes"] == ["float32"]
 
     # run directory: resolved configs, DeepSpeed checkpoints (keep_last), final weights, logs
-    assert (run_dir / "config.yaml").is_file()
-    assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8
+    saved = load_config(run_dir / "config.yaml")
+    assert (saved.model.hidden_size, saved.train.steps, saved.train.precision.value) == \
+        (128, STEPS, "bf16")
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert (ds["train_batch_size"], ds["zero_optimization"]["stage"], ds["bf16"]["enabled"]) == \
+        (8, 2, True)
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == f"step{STEPS}"
     assert sorted(p.name for p in ckpts.glob("step*")) == ["step25", "step50"]
-    assert (run_dir / "final" / "model.safetensors").is_file()
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert list((run_dir / "wandb").glob("offline-run-*"))
+    meta = json.loads((ckpts / f"step{STEPS}" / "meta.json").read_text())
+    assert (meta["step"], meta["consumed_samples"]) == (STEPS, STEPS * 8)
+    tokenizer = Path(stdlib_data["tokenizer"])
+    assert meta["tokenizer"] == {"path": str(tokenizer),
+                                 "sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest()}
+    assert meta["layout"] == {"tensor": 1, "pipeline": 1, "data": 2, "world_size": 2,
+                              "zero_stage": 2}
+    assert_final_is_the_last_step(run_dir, ckpts / f"step{STEPS}")
+    assert tensorboard_losses(run_dir) == pytest.approx(losses, rel=1e-6)
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert (run_dir / "curves.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
     # generate from the final checkpoint: greedy is deterministic and prints the prompt + text

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from pretrain.testing.runs import REPO, launcher_prefix, run_pretrain, train
 
@@ -193,10 +194,44 @@ def test_killed_rank_makes_the_others_exit_then_restart_resumes(tiny_data, tmp_p
     assert _train_steps(run_dir)[before:] == [latest + 1]
 
 
+def _saved_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's DeepSpeed files, by file and key path: each rank's model
+    weights, fp32 masters, Adam moments and step counts (the RNG states left out)."""
+    def walk(value, path: str):
+        if isinstance(value, torch.Tensor):
+            yield path, value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield from walk(item, f"{path}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                yield from walk(item, f"{path}/{index}")
+
+    tensors = {}
+    for file in sorted(step_dir.glob("*.pt")):
+        if not file.name.startswith("rng_"):
+            state = torch.load(file, map_location="cpu", weights_only=False)
+            tensors.update(walk(state, file.name))
+    return tensors
+
+
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
+    """The keys whose tensors differ in any bit (dtype, shape or value)."""
+    assert sorted(before) == sorted(after)
+    return [key for key, tensor in before.items()
+            if tensor.dtype != after[key].dtype or tensor.shape != after[key].shape
+            or not torch.equal(tensor, after[key])]
+
+
 @pytest.mark.parametrize("nprocs, zero", [(1, 0), (2, 1)], ids=["single-zero0", "dp2-zero1"])
 def test_nan_step_is_skipped_and_training_continues(nprocs, zero, tiny_data, tmp_path):
+    """Rank 0's loss is NaN at step 3. The checkpoints of steps 2 and 3 (saved after each) hold
+    bitwise the same weights and optimizer state on every rank: no rank applied an update, and
+    no weight decay or moment decay ran on zeroed gradients; step 4's shows a real update."""
     run_dir = tmp_path / "run"
-    run = run_pretrain(_args(run_dir, tiny_data, ["train.steps=5", f"deepspeed=ds_configs/zero{zero}.json"]),
+    overrides = ["train.steps=5", f"deepspeed=ds_configs/zero{zero}.json",
+                 "checkpoint.save_interval=1", "checkpoint.keep_last=5"]
+    run = run_pretrain(_args(run_dir, tiny_data, overrides),
                        run_dir=run_dir, nprocs=nprocs, launcher="single" if nprocs == 1 else "torchrun",
                        env={"PRETRAIN_INJECT_NAN_STEP": "3"}).check()
     records = [r for r in run.records if r["kind"] == "train"]
@@ -207,6 +242,13 @@ def test_nan_step_is_skipped_and_training_continues(nprocs, zero, tiny_data, tmp
     assert records[-1]["nonfinite_steps"] == 1 and records[-1]["skipped_steps"] == 1
     assert "[fault] step 3: non-finite loss/grad norm" in run.stdout
     assert "update skipped (1 in a row, 1 in total)" in run.stdout
+    saved = {step: _saved_tensors(run_dir / "checkpoints" / f"step{step}") for step in (2, 3, 4)}
+    files = {key.split("/")[0] for key in saved[2]}
+    optimizer_files = {"mp_rank_00_model_states.pt"} if zero == 0 else \
+        {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(nprocs)}
+    assert optimizer_files <= files, files  # every rank's optimizer partition is compared
+    assert _changed(saved[2], saved[3]) == []
+    assert _changed(saved[3], saved[4]) == list(saved[3])  # an applied step changes every one
 
 
 def test_nonfinite_steps_in_a_row_stop_the_run(tiny_data, tmp_path):

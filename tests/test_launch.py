@@ -49,7 +49,16 @@ def test_single_node_script_runs_two_cpu_ranks(launcher, tiny_data, tmp_path):
     assert f"[launch] {launcher}: 2 ranks" in proc.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert (records[0]["world_size"], records[0]["launcher"]) == (2, launcher)
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    assert (records[0]["data_parallel"], records[0]["zero_stage"]) == (2, 1)
+    steps = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["consumed_samples"] for r in steps] == [4, 8, 12]  # one global batch per step
+    # both ranks answered every step's memory all-gather and saved their shard of the end
+    assert all(len(r["peak_mem_gb_ranks"]) == 2 and min(r["peak_mem_gb_ranks"]) > 0
+               for r in steps), steps
+    last = run_dir / "checkpoints" / "step3"
+    assert sorted(p.name for p in last.glob("zero_pp_rank_*_optim_states.pt")) == \
+        [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)]
 
 
 def test_single_node_script_refuses_unknown_launcher():

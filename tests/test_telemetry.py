@@ -41,10 +41,19 @@ def test_step_line_shows_hfu_only_when_it_differs():
     assert "HFU" not in format_step_line({**rec, "hfu": 0.10}, 10)
 
 
+def _attention_forwards(trace_path) -> int:
+    """Attention forwards in a profiler trace: recomputation in backward runs them again."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    return sum(e.get("name") == "aten::scaled_dot_product_attention" for e in events)
+
+
 @pytest.mark.slow
 def test_training_records_hardware_flops_and_writes_a_profile_trace(tmp_path, tiny_data):
-    run = train(tmp_path, tiny_data, overrides=["train.steps=4", "model.activation_checkpointing=full"],
-                name="recompute")
+    """HFU above MFU comes from the config's recomputation; the traces of the same steps show
+    the hardware really ran every layer's forward twice (full recomputation) against once."""
+    run = train(tmp_path, tiny_data, name="recompute",
+                overrides=["train.steps=4", "model.activation_checkpointing=full",
+                           "logging.profile_steps='2:3'"])
     records = [r for r in run.records if r["kind"] == "train"]
     assert len(records) == 4
     for r in records:
@@ -70,6 +79,10 @@ def test_training_records_hardware_flops_and_writes_a_profile_trace(tmp_path, ti
     assert len(events) > 100
     assert any("aten::mm" in n or "aten::addmm" in n or "aten::linear" in n for n in names)
     assert list(plain_dir.joinpath("profile").iterdir()) == [trace_path]  # one rank, one file
+    # 2 layers x 2 micro-batches x 2 steps of forwards; recomputation adds as many in backward
+    once = _attention_forwards(trace_path)
+    assert once == 8, once
+    assert _attention_forwards(run.run_dir / "profile" / "rank0_steps2-3.json") == 2 * once
 
 
 class _FakeNVMLError(Exception):
