@@ -72,6 +72,26 @@ def clip_by_the_whole_models_norm(engine: deepspeed.DeepSpeedEngine,
     engine.clip_fp32_gradients = clip
 
 
+@torch.no_grad()
+def forget_the_construction_step(engine: deepspeed.DeepSpeedEngine) -> bool:
+    """Undo the optimizer step DeepSpeed's bf16 path at ZeRO-0 takes while it is built.
+
+    `FP16_UnfusedOptimizer` (bf16 at ZeRO-0) steps its optimizer once with zero gradients in
+    its constructor, to create Adam's state: Adam's step count then runs one ahead (the first
+    real update gets step 2's bias correction, 0.735 x lr instead of lr) and AdamW's decoupled
+    weight decay has already shrunk every fp32 master once, at the peak learning rate. Clear the
+    state (torch's AdamW creates it again at its first step) and copy the module's weights back
+    into the masters, which were exactly those weights widened. Returns whether it applied."""
+    wrapper = engine.optimizer
+    if type(wrapper).__name__ != "FP16_UnfusedOptimizer":
+        return False
+    wrapper.optimizer.state.clear()
+    for low_group, master_group in zip(wrapper.fp16_groups, wrapper.fp32_groups):
+        for low, master in zip(low_group, master_group):
+            master.copy_(low)
+    return True
+
+
 def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
                  main: bool) -> deepspeed.DeepSpeedEngine:
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
@@ -90,6 +110,7 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         lr_scheduler=_lr_schedule(cfg.train))
     if not flat and zero_stage(ds_config) == 0:
         clip_by_the_whole_models_norm(engine, groups)
+    forget_the_construction_step(engine)
     # every micro-batch's backward runs once per step, in the flat and the pipeline engine alike
     defer_sequence_parallel_grads(engine.module,
                                   micro_batches=engine.gradient_accumulation_steps())

@@ -13,9 +13,11 @@ import json
 from collections import Counter
 
 import pytest
+import torch
 
 from pretrain.config import load_config
-from pretrain.testing.runs import rel_diff, train
+from pretrain.testing.ranks import run_on_ranks
+from pretrain.testing.runs import REPO, rel_diff, train
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
@@ -248,3 +250,50 @@ def test_bf16_sums_128_micro_batch_gradients_in_fp32(tiny_data, tmp_path):
     assert summing > 2 * compute, norm
     resolved = (runs["bf16"].run_dir / "ds_config.json").read_text()
     assert '"grad_accum_dtype": "fp32"' in resolved and '"communication_data_type": "fp32"' in resolved
+
+
+def _first_bf16_zero0_update(rank: int, world_size: int, ds_json: str) -> dict:
+    from pretrain.config import load_config
+    from pretrain.dist import init_deepspeed_comm
+    from pretrain.ds_config import resolve_ds_config
+    from pretrain.engine import build_engine
+    from pretrain.topology import Topology
+
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)
+    cfg = load_config(None, ["model.preset=tiny", "train.precision=bf16", f"deepspeed={ds_json}",
+                             "train.lr=1e-2", "train.warmup_steps=1", "train.weight_decay=0.1",
+                             "train.micro_batch_size=2", "train.global_batch_size=2"])
+    ds_config = resolve_ds_config(cfg, world_size=1)
+    groups = Topology(tensor=1, pipeline=1, world_size=1).create_groups()
+    engine = build_engine(cfg, ds_config, groups, main=True)
+    wrapper = engine.optimizer
+    masters = [m for group in wrapper.fp32_groups for m in group]
+    lows = [p for group in wrapper.fp16_groups for p in group]
+    before = [m.clone() for m in masters]
+    weights = [p.float() for p in lows]
+    state_before = len(wrapper.optimizer.state)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(ids[:, :-1], labels=ids[:, 1:]))
+    engine.step()
+    steps = {int(s["step"]) for s in wrapper.optimizer.state.values()}
+    norm_deltas = [(m - b).abs() for m, b, p in zip(masters, before, lows) if p.ndim == 1]
+    return {"wrapper": type(wrapper).__name__, "state_before": state_before, "steps": steps,
+            "masters_were_the_weights": all(torch.equal(b, w) for b, w in zip(before, weights)),
+            "norm_delta_max": max(float(d.max()) for d in norm_deltas),
+            "norm_delta_median": float(torch.cat(norm_deltas).median()),
+            "lr": cfg.train.lr}  # warmup of one step: the first update is at the peak
+
+
+def test_bf16_zero0_first_update_is_adams_first_step(tmp_path):
+    """DeepSpeed's bf16 ZeRO-0 optimizer steps once with zero gradients while it is built;
+    pretrain.engine forgets that step: before the first update the optimizer has no state and the
+    fp32 masters are the module's weights (no weight decay applied yet); after it, Adam's step
+    count is 1 and an undecayed weight (the norms) moved by lr * g / (|g| + eps), ~lr, where the
+    step DeepSpeed took makes it 0.735 x lr (bias correction of step 2)."""
+    [result] = run_on_ranks(_first_bf16_zero0_update, world_size=1, tmp_path=tmp_path,
+                            args=(str(REPO / "ds_configs" / "zero0.json"),))
+    assert result["wrapper"] == "FP16_UnfusedOptimizer"
+    assert result["state_before"] == 0 and result["masters_were_the_weights"], result
+    assert result["steps"] == {1}, result
+    assert result["norm_delta_max"] <= result["lr"] * (1 + 1e-6), result
+    assert result["norm_delta_median"] > 0.99 * result["lr"], result

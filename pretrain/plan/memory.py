@@ -35,8 +35,9 @@ def bytes_per_param(layout: Layout) -> tuple[int, int, int]:
     """(params, grads, optimizer states) bytes per parameter before ZeRO sharding."""
     low = 4 if layout.precision == Precision.FP32 else 2
     if layout.precision == Precision.BF16 and layout.zero_stage == 0:
-        return low, low, 8  # DeepSpeed's bf16 ZeRO-0 path: no fp32 master; 8 bytes of Adam state
-        # per parameter counted tensor by tensor (bench/plan_memory.py)
+        # DeepSpeed's bf16 ZeRO-0 optimizer (FP16_UnfusedOptimizer) keeps fp32 masters (4) with
+        # Adam's two moments (8), and at each step widens every gradient to fp32 at once (4 more)
+        return low, low + 4, 12
     if layout.precision == Precision.FP32 and layout.zero_stage == 0:
         return low, low, 8
     return low, low, 12
