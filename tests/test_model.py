@@ -5,8 +5,6 @@ eager attention path, so our SDPA attention is checked against an independent im
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import transformers
@@ -17,6 +15,7 @@ from pretrain.errors import ConfigError
 from pretrain.model import LlamaModel, build_model, causal_lm_loss
 from pretrain.model.hf import from_hf_state_dict, to_hf_config, to_hf_state_dict
 from pretrain.model.layers import column_linear, row_linear, vocab_embedding
+from pretrain.testing.numerics import bf16_logits_tolerance, cross_entropy64
 from pretrain.model.llama import (INIT_BLOCK, full_parameter_init, parameter_seed, shard_init,
                                   shard_of)
 
@@ -81,39 +80,6 @@ def test_logits_and_loss_match_hugging_face(variant):
         hf_loss = hf(tokens, labels=hf_labels).loss
     assert loss.dtype == torch.float32 and loss.ndim == 0
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
-
-
-BF16_U = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, round to nearest
-
-
-def bf16_logits_tolerance(ref_logits: torch.Tensor, *, roundings: int) -> float:
-    """The largest |difference| between two bf16 forward passes of the same model's logits that
-    bf16 rounding explains, when the passes differ in `roundings` roundings of activations.
-
-    - Each pass rounds its logits to bf16 once, by at most half an ulp: one ulp of bf16 at the
-      logits' largest magnitude M (ulp = 2^(floor(log2 M) - 7)) between the two.
-    - Any other rounding changes an activation by at most u = 2^-8 of its magnitude, uniformly
-      within that (standard deviation u / sqrt(3)), with a sign that follows no pattern. Counted
-      as a rounding of the whole hidden state (an overestimate where the rounded sublayer output
-      is smaller than the residual stream it joins; the final norm keeps relative errors), it
-      moves a logit z = w . h, a sum over the hidden size, by ~u / sqrt(3) * rms(z); n such
-      roundings by sqrt(n) of that. 4 u sqrt(n) rms(z) is 7 of those standard deviations:
-      beyond the largest of the few 10^4 logits compared (~4.5 standard deviations).
-    """
-    z = ref_logits.float()
-    ulp = 2.0 ** (math.floor(math.log2(z.abs().max().item())) - 7)
-    rms = z.pow(2).mean().sqrt().item()
-    tol = ulp + 4 * math.sqrt(roundings) * BF16_U * rms
-    # could fail: logits off by their own scale (all zero, a dropped norm weight, a wrong
-    # projection) differ by more than rms / 8 on most elements
-    assert tol < rms / 8, (tol, rms)
-    return tol
-
-
-def cross_entropy64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The mean cross entropy of (B, T, V) logits over the labels that are not -100, in fp64."""
-    return torch.nn.functional.cross_entropy(logits.double().reshape(-1, logits.shape[-1]),
-                                             labels.reshape(-1), ignore_index=-100)
 
 
 def test_bf16_forward_close_to_hugging_face():

@@ -1,6 +1,7 @@
 """Helpers shared by the test suite and the benchmarks (like `torch.testing`), importable wherever
 the package is installed, so neither edits `sys.path` to borrow the other's code.
 
+- `pretrain.testing.numerics`: bf16 tolerances derived from rounding, fp64 reference losses,
 - `pretrain.testing.ranks`: run a function on N gloo ranks (spawned processes, file rendezvous),
 - `pretrain.testing.runs`: run `pretrain` as a user would, through the real launchers, from the
   repository checkout (`REPO`: the launch scripts and configs live there).

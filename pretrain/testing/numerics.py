@@ -1,0 +1,40 @@
+"""Tolerances of bf16 comparisons derived from bf16's rounding, and fp64 reference losses: one
+derivation for every test that compares a bf16 forward pass with another."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+BF16_U = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, round to nearest
+
+
+def bf16_logits_tolerance(ref_logits: torch.Tensor, *, roundings: int) -> float:
+    """The largest |difference| between two bf16 forward passes of the same model's logits that
+    bf16 rounding explains, when the passes differ in `roundings` roundings of activations.
+
+    - Each pass rounds its logits to bf16 once, by at most half an ulp: one ulp of bf16 at the
+      logits' largest magnitude M (ulp = 2^(floor(log2 M) - 7)) between the two.
+    - Any other rounding changes an activation by at most u = 2^-8 of its magnitude, uniformly
+      within that (standard deviation u / sqrt(3)), with a sign that follows no pattern. Counted
+      as a rounding of the whole hidden state (an overestimate where the rounded sublayer output
+      is smaller than the residual stream it joins; the final norm keeps relative errors), it
+      moves a logit z = w . h, a sum over the hidden size, by ~u / sqrt(3) * rms(z); n such
+      roundings by sqrt(n) of that. 4 u sqrt(n) rms(z) is 7 of those standard deviations:
+      beyond the largest of the few 10^4 logits compared (~4.5 standard deviations).
+    """
+    z = ref_logits.float()
+    ulp = 2.0 ** (math.floor(math.log2(z.abs().max().item())) - 7)
+    rms = z.pow(2).mean().sqrt().item()
+    tol = ulp + 4 * math.sqrt(roundings) * BF16_U * rms
+    # could fail: logits off by their own scale (all zero, a dropped norm weight, a shard in the
+    # wrong place, a missing reduction) differ by more than rms / 8 on most elements
+    assert tol < rms / 8, (tol, rms)
+    return tol
+
+
+def cross_entropy64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy of (B, T, V) logits over the labels that are not -100, in fp64."""
+    return F.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=-100)
