@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from pretrain.testing.runs import run_pretrain, train
+from pretrain.testing.runs import run_pretrain, train, train_args
 from pretrain.arithmetic import (hardware_flops_per_token, layer_forward_flops_per_token,
                                  model_flops_per_token)
 from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
@@ -63,9 +63,7 @@ def test_training_records_hardware_flops_and_writes_a_profile_trace(tmp_path, ti
         assert r["skipped_steps"] == 0
 
     plain_dir = tmp_path / "plain"
-    args = ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={plain_dir}",
-            "--set", f"data.tokenizer={tiny_data['tokenizer']}",
-            "--set", f"data.dataset={tiny_data['dataset']}", "--set", "train.steps=4",
+    args = [*train_args(plain_dir, tiny_data, overrides=["train.steps=4"]),
             "--profile-steps", "2:3"]
     plain = run_pretrain(args, run_dir=plain_dir).check()
     for r in (r for r in plain.records if r["kind"] == "train"):
@@ -333,21 +331,12 @@ def test_training_reports_to_mlflow_and_draws_curves(tmp_path, tiny_data):
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def _tiny_train_args(run_dir, tiny_data, *overrides: str) -> list[str]:
-    """`pretrain train` of the tiny config on the test corpus with `overrides`."""
-    args = ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={run_dir}",
-            "--set", f"data.tokenizer={tiny_data['tokenizer']}",
-            "--set", f"data.dataset={tiny_data['dataset']}"]
-    for override in overrides:
-        args += ["--set", override]
-    return args
-
-
 @pytest.mark.slow
 def test_log_level_warning_keeps_step_and_eval_lines_only(tmp_path, tiny_data):
     run_dir = tmp_path / "quiet"
-    args = _tiny_train_args(run_dir, tiny_data, "train.steps=3", "train.eval_interval=3",
-                            "logging.progress_bar=true") + ["--log-level", "warning"]
+    args = train_args(run_dir, tiny_data, overrides=[
+        "train.steps=3", "train.eval_interval=3", "logging.progress_bar=true"]) + [
+        "--log-level", "warning"]
     run = run_pretrain(args, run_dir=run_dir).check()
     lines = run.stdout.splitlines()
     assert [line.split(" |")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3",
@@ -362,8 +351,8 @@ def test_a_diverged_run_ends_its_mlflow_run_failed(tmp_path, tiny_data):
     from pretrain.telemetry import mlflow_local_uri
 
     run_dir = tmp_path / "diverged"
-    args = _tiny_train_args(run_dir, tiny_data, "train.steps=6", "train.max_nonfinite_steps=2",
-                            "logging.report_to=[mlflow]")
+    args = train_args(run_dir, tiny_data, overrides=[
+        "train.steps=6", "train.max_nonfinite_steps=2", "logging.report_to=[mlflow]"])
     run = run_pretrain(args, run_dir=run_dir, env={"PRETRAIN_INJECT_NAN_STEP": "2,3"})
     assert run.returncode == EXIT_FAULT, run.stderr[-3000:]
     client, runs = _mlflow_runs(mlflow_local_uri(run_dir))

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,15 +65,23 @@ def run_pretrain(args: list[str], *, run_dir: Path, launcher: str = "single", np
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
+def train_args(run_dir: Path, data: dict[str, str], *, overrides: Sequence[str] = (),
+               config: str = "configs/tiny.yaml") -> list[str]:
+    """The arguments of `pretrain train` of `config` on `data` into `run_dir`, with `overrides`
+    (each a `--set`)."""
+    args = ["train", "--config", config, "--set", f"run_dir={run_dir}",
+            "--set", f"data.tokenizer={data['tokenizer']}", "--set", f"data.dataset={data['dataset']}"]
+    for o in overrides:
+        args += ["--set", o]
+    return args
+
+
 def train(tmp_path: Path, data: dict[str, str], *, overrides: list[str] = (), nprocs: int = 1,
           launcher: str | None = None, name: str = "run", config: str = "configs/tiny.yaml",
           timeout: float = 900) -> Run:
     """Train the tiny config on `data` with `overrides`; returns the finished Run (checked)."""
     run_dir = tmp_path / name
-    args = ["train", "--config", config, "--set", f"run_dir={run_dir}",
-            "--set", f"data.tokenizer={data['tokenizer']}", "--set", f"data.dataset={data['dataset']}"]
-    for o in overrides:
-        args += ["--set", o]
+    args = train_args(run_dir, data, overrides=overrides, config=config)
     launcher = launcher or ("single" if nprocs == 1 else "torchrun")
     return run_pretrain(args, run_dir=run_dir, launcher=launcher, nprocs=nprocs,
                         timeout=timeout).check()
