@@ -23,7 +23,7 @@ from tqdm import tqdm
 from pretrain import checkpoint, curves, faults, telemetry
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
-from pretrain.data.build import Samples, build_datasets, require_data
+from pretrain.data.build import Samples, build_datasets, check_run_data
 from pretrain.data.loader import micro_batches
 from pretrain.dist import World, wait_for_io
 from pretrain.ds_config import engine_fields, zero_stage
@@ -116,7 +116,7 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------------
     def _load_data(self) -> tuple[Tokenizer, Samples, Samples | None]:
         d, m = self.cfg.data, self.cfg.model
-        require_data(d, vocab_size=m.vocab_size)  # `pretrain train` checked it before the group
+        check_run_data(self.cfg, required=True)  # `pretrain train` checked it before the group
         tokenizer = Tokenizer.load(d.tokenizer)
         # Rank 0 builds (and caches) the sample indices; the others then load the cached files.
         if not self.main:

@@ -37,8 +37,7 @@ from pretrain.data.tokenizer import (
 
 _SAMPLES_NAMES = ("DistributedPackedSampler", "PackedSamples", "micro_batch_indices",
                   "seeded_permutation", "split_documents")
-_BUILD_NAMES = ("build_datasets", "build_split", "check_data", "check_run_data",
-                "require_data")
+_BUILD_NAMES = ("build_datasets", "build_split", "check_run_data")
 
 __all__ = [
     "PYTHON_STDLIB", "ReadStats", "iter_documents", "resolve_corpus",

@@ -57,26 +57,15 @@ def build_datasets(data: DataConfig, *, seq_length: int, train_samples: int, wit
     return train, valid
 
 
-def check_data(data: DataConfig, *, vocab_size: int | str) -> list[str]:
-    """What this machine lacks of a run's data: the tokenizer and every dataset's .bin/.idx pair
-    (opened, headers checked), one message per field unset or file missing or unreadable.
-    Raises ConfigError for a model.vocab_size smaller than the tokenizer's vocabulary, or `auto`
-    with no tokenizer to read it from (`vocab_size_for`).
-
-    `pretrain train` turns the messages into errors before any process group starts; `pretrain
-    plan` prints them as warnings (the job's nodes may see other files than a login node).
-    """
-    tokenizer_size, problem = _tokenizer_vocab_size(data)
-    vocab_size_for(data, vocab_size=vocab_size, tokenizer_size=tokenizer_size, problem=problem)
-    return ([problem] if problem else []) + _missing_datasets(data)
-
-
 def check_run_data(cfg: RunConfig, *, required: bool) -> list[str]:
-    """The data checks of a run before its process group, in `train`, `plan` and the Slurm
-    pre-flight: settles `model.vocab_size: auto` to the tokenizer's vocabulary (in `cfg`), then
-    `check_data`. `required` (train): what is missing is one DataError. Otherwise (plan, whose
-    login node may not see the files) it comes back as warnings, and `auto` with no tokenizer
-    to read plans with the preset's vocabulary, saying so; without a preset it is an error."""
+    """What this machine lacks of a run's data, checked before its process group in `train`,
+    `plan` and the Slurm pre-flight (and again by the trainer): the tokenizer and every
+    dataset's .bin/.idx pair (opened, headers checked), one message per field unset or file
+    missing or unreadable. Settles `model.vocab_size: auto` to the tokenizer's vocabulary (in
+    `cfg`); a vocabulary smaller than the tokenizer's is a ConfigError (`vocab_size_for`).
+    `required` (train): what is missing is one DataError. Otherwise (plan, whose login node may
+    not see the files) it comes back as warnings, and `auto` with no tokenizer to read plans
+    with the preset's vocabulary, saying so; without a preset it is an error."""
     tokenizer_size, problem = _tokenizer_vocab_size(cfg.data)
     model = cfg.model
     notes = []
@@ -138,10 +127,3 @@ def _missing_datasets(data: DataConfig) -> list[str]:
         except DataError as error:
             missing.append(f"{field}: {error}")
     return missing
-
-
-def require_data(data: DataConfig, *, vocab_size: int) -> None:
-    """`check_data`, with whatever is missing as one DataError (exit 2)."""
-    missing = check_data(data, vocab_size=vocab_size)
-    if missing:
-        raise DataError("; ".join(missing))
