@@ -33,7 +33,7 @@ import enum
 import math
 import os
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,10 +67,19 @@ def _fail(section: str, name: str, value: Any, fix: str) -> None:
     raise ConfigError(f"{section}.{name}={value!r}: {fix}")
 
 
-def _did_you_mean(word: str, names: Sequence[str]) -> str:
+def nearest_name(word: str, names: Iterable[str], *, cutoff: float = 0.5) -> str | None:
+    """The name closest to a misspelt `word` (difflib's ratio at least `cutoff`), or None."""
+    close = difflib.get_close_matches(word, sorted(names), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, names: Iterable[str], *, cutoff: float = 0.5,
+                 quote: bool = False) -> str:
     """' (did you mean X?)' for the name closest to a misspelt `word`, or ''."""
-    close = difflib.get_close_matches(word, sorted(names), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]}?)" if close else ""
+    close = nearest_name(word, names, cutoff=cutoff)
+    if close is None:
+        return ""
+    return f" (did you mean {close!r}?)" if quote else f" (did you mean {close}?)"
 
 
 REPORT_SINKS = ("tensorboard", "wandb", "mlflow")  # logging.report_to; metrics.jsonl is always on
@@ -360,11 +369,11 @@ class LoggingConfig:
         for sink in self.report_to:
             if sink not in REPORT_SINKS:
                 _fail("logging", "report_to", self.report_to,
-                      f"unknown sink {sink!r}{_did_you_mean(sink, REPORT_SINKS)}: choose from "
+                      f"unknown sink {sink!r}{did_you_mean(sink, REPORT_SINKS)}: choose from "
                       f"{', '.join(REPORT_SINKS)} (metrics.jsonl is always written)")
         if self.level not in LOG_LEVELS:
             _fail("logging", "level", self.level,
-                  f"unknown level{_did_you_mean(str(self.level), LOG_LEVELS)}: use "
+                  f"unknown level{did_you_mean(str(self.level), LOG_LEVELS)}: use "
                   f"{', '.join(LOG_LEVELS)}")
         self.profile_range()
 
@@ -514,9 +523,8 @@ def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
     if unknown:
         where = f"{path}." if path else ""
         alias = _OTHER_STACKS_NAMES.get(unknown[0])
-        close = [alias] if alias in names else \
-            difflib.get_close_matches(unknown[0], sorted(names), n=1, cutoff=0.5)
-        hint = f" (did you mean {where}{close[0]}?)" if close else ""
+        close = alias if alias in names else nearest_name(unknown[0], names)
+        hint = f" (did you mean {where}{close}?)" if close else ""
         raise ConfigError(f"unknown config key {where}{unknown[0]}{hint}: valid keys are "
                           f"{', '.join(sorted(names))}")
     raw = dict(raw)

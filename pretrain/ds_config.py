@@ -21,7 +21,6 @@ refused here:
 from __future__ import annotations
 
 import copy
-import difflib
 import importlib
 import json
 import os
@@ -29,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import Precision, RunConfig
+from pretrain.config import Precision, RunConfig, did_you_mean
 from pretrain.errors import ConfigError
 from pretrain.layout import DEEPSPEED_DEFAULT_BUCKET, Layout, resolve_layout
 
@@ -93,11 +92,6 @@ def shipped_ds_configs() -> dict[tuple[int, str, str], str]:
     return found
 
 
-def _did_you_mean(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _known_top_level_keys() -> frozenset[str]:
     from deepspeed.runtime import constants
 
@@ -110,8 +104,9 @@ def check_top_level_keys(ds: dict[str, Any], *, where: str) -> None:
     known = _known_top_level_keys()
     for key in ds:
         if key not in known:
-            raise ConfigError(f"{where}: unknown DeepSpeed key {key!r}"
-                              f"{_did_you_mean(key, DEEPSPEED_KEYS)}: DeepSpeed would ignore it")
+            hint = did_you_mean(key, DEEPSPEED_KEYS, cutoff=0.6, quote=True)
+            raise ConfigError(f"{where}: unknown DeepSpeed key {key!r}{hint}: DeepSpeed would "
+                              "ignore it")
 
 
 def _model_fields(model: type, path: tuple) -> set[str]:
@@ -149,7 +144,8 @@ def check_sections(ds: dict[str, Any], *, where: str) -> None:
             loc = tuple(str(part) for part in first["loc"])
             key = ".".join((section, *loc))
             if first["type"] == "extra_forbidden":
-                hint = _did_you_mean(loc[-1], _model_fields(model, loc[:-1]))
+                hint = did_you_mean(loc[-1], _model_fields(model, loc[:-1]), cutoff=0.6,
+                                    quote=True)
                 raise ConfigError(f"{where}: unknown DeepSpeed key {key}{hint}") from None
             raise ConfigError(f"{where}: DeepSpeed rejects {key}={first.get('input')!r}: "
                               f"{first['msg']}") from None
