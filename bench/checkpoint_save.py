@@ -1,13 +1,21 @@
-"""Checkpoint save throughput against a plain sequential write of the same bytes, and resume time.
+"""Checkpoint saves: synchronous against a plain write, what a background save costs training,
+and resume time.
 
-Two ranks (gloo, ZeRO-1, fp32, a ~30M-parameter model) take one step, then save real checkpoints
-with `pretrain.checkpoint.engine.save` (DeepSpeed shards + RNG states + manifest + atomic `latest`).
-The baseline, in the same run and directory: rank 0 writes the same number of bytes to one
-file in 16 MiB chunks. Both are timed with and without a closing `os.sync()` (page cache vs
-on disk); rounds alternate so drift in the machine's load hits both alike. Resume time is
-`find_resume` (manifest check) + `checkpoint.load` on both ranks.
+Two ranks (gloo, ZeRO-1, fp32, a ~16M-parameter model) take one step, then save real
+checkpoints with `pretrain.checkpoint.Saver` (DeepSpeed shards + RNG states, every file fsync'd,
+manifest with checksums, atomic `latest`), in rounds that alternate so drift in the machine's
+load hits every mode alike:
 
-    .venv/bin/python bench/checkpoint_save.py          # ~2 minutes on 2 cores
+- synchronous: the time `save` takes; the baseline, in the same directory, is rank 0 writing
+  the same number of bytes to one file in 16 MiB chunks, fsync'd;
+- background (`checkpoint.async_save`): the time training is blocked (the call to `save`,
+  until it returns), against the synchronous save of the same state; then training steps go on
+  while the files are written, until no rank is writing (agreed by an all-reduce after each
+  step, as the trainer does), and their rate is compared with as many steps without a save;
+- resume: `find_resume` (the manifest's sizes) + `confirm_content` (checksums, each rank its
+  share of the files) + `checkpoint.load` on both ranks.
+
+    .venv/bin/python bench/checkpoint_save.py          # ~30 s on 2 cores
 """
 from __future__ import annotations
 
@@ -29,15 +37,15 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _sequential_write(path: Path, nbytes: int, *, sync: bool) -> float:
+def _sequential_write(path: Path, nbytes: int) -> float:
     chunk = os.urandom(16 << 20)
     start = time.perf_counter()
     with open(path, "wb") as f:
         left = nbytes
         while left > 0:
             left -= f.write(chunk[:min(left, len(chunk))])
-    if sync:
-        os.sync()
+        f.flush()
+        os.fsync(f.fileno())
     elapsed = time.perf_counter() - start
     path.unlink()
     return elapsed
@@ -51,8 +59,8 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict:
     from pretrain import checkpoint
     from pretrain.config import load_config
     from pretrain.ds_config import resolve_ds_config
-    from pretrain.model import build_model
     from pretrain.engine import param_groups
+    from pretrain.model import build_model
 
     cfg = load_config("configs/tiny.yaml", OVERRIDES + [f"run_dir={out_dir}"])
     ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
@@ -60,43 +68,79 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict:
     engine, *_ = deepspeed.initialize(model=model, config=ds_config,
                                       model_parameters=param_groups(model, 0.1))
     ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
-    engine.backward(engine(ids, labels=ids))
-    engine.step()  # optimizer states exist: the checkpoint has its full size
 
+    def train_step() -> None:
+        engine.backward(engine(ids, labels=ids))
+        engine.step()
+
+    def anyone_writing(saver) -> bool:  # the trainer's per-step agreement
+        flag = torch.tensor([float(saver.writing())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    train_step()  # optimizer states exist: the checkpoint has its full size
     ckpt_dir = Path(out_dir) / "checkpoints"
-    meta = {"step": 0, "consumed_samples": 0, "config": cfg.to_dict(), "global_batch": 2,
-            "layout": {"tensor": 1, "pipeline": 1, "data": world_size, "world_size": world_size,
-                       "zero_stage": 1}}
-    times: dict[str, list[float]] = {"save": [], "write": [], "save_sync": [], "write_sync": []}
+    layout = {"tensor": 1, "pipeline": 1, "data": world_size, "world_size": world_size,
+              "zero_stage": 1, "offload": "none", "precision": "fp32"}
+    savers = {mode: checkpoint.Saver(engine, ckpt_dir=ckpt_dir, keep_last=1, keep_every=0,
+                                     rank=rank, background=mode == "background")
+              for mode in ("sync", "background")}
+    step = 0
+
+    def save(mode: str) -> Path:
+        nonlocal step
+        step += 1
+        return savers[mode].save(client_state={"step": step}, meta={
+            "step": step, "consumed_samples": 0, "config": cfg.to_dict(), "global_batch": 2,
+            "layout": layout})
+
+    times: dict[str, list[float]] = {k: [] for k in ("sync", "write", "blocked", "during",
+                                                     "without")}
+    steps_during: list[int] = []
     nbytes = 0
-    checkpoint.save(engine, ckpt_dir=ckpt_dir, meta=meta, client_state={}, keep_last=1,
-                    keep_every=0, rank=rank)  # warm-up: first-save costs (directories, imports)
-    for i in range(2 * ROUNDS):
-        sync = i % 2 == 1
+    save("sync")  # warm-up: first-save costs (directories, imports)
+    save("background")
+    savers["background"].finish()
+    for _ in range(ROUNDS):
         dist.barrier()
         start = time.perf_counter()
-        tag = checkpoint.save(engine, ckpt_dir=ckpt_dir, meta={**meta, "step": i + 1},
-                              client_state={"step": i + 1}, keep_last=1, keep_every=0, rank=rank)
-        if sync:
-            os.sync()
+        tag = save("sync")
         dist.barrier()
-        times["save_sync" if sync else "save"].append(time.perf_counter() - start)
+        times["sync"].append(time.perf_counter() - start)
         if rank == 0:
             nbytes = _dir_bytes(tag)
-            times["write_sync" if sync else "write"].append(
-                _sequential_write(Path(out_dir) / "plain.bin", nbytes, sync=sync))
+            times["write"].append(_sequential_write(Path(out_dir) / "plain.bin", nbytes))
+
         dist.barrier()
+        start = time.perf_counter()
+        save("background")
+        times["blocked"].append(time.perf_counter() - start)
+        start, n = time.perf_counter(), 0
+        while True:
+            train_step()
+            n += 1
+            if not anyone_writing(savers["background"]):
+                break
+        times["during"].append(time.perf_counter() - start)
+        steps_during.append(n)
+        savers["background"].finish()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            train_step()
+            anyone_writing(savers["background"])
+        times["without"].append(time.perf_counter() - start)
 
     resume = []
     for _ in range(ROUNDS):
         dist.barrier()
         start = time.perf_counter()
-        point = checkpoint.find_resume(cfg, world_size=world_size, resume_from=None,
-                                       log=lambda text: None)
-        checkpoint.load(engine, point, rank=rank, world_size=world_size)
+        point = checkpoint.find_resume(cfg, resume_from=None, log=lambda text: None)
+        point = checkpoint.confirm_content(point, cfg, resume_from=None, log=lambda text: None)
+        checkpoint.load(engine, point, cfg=cfg, groups=None, layout=layout, rank=rank)
         dist.barrier()
         resume.append(time.perf_counter() - start)
-    return {"bytes": nbytes, "times": times, "resume": resume,
+    return {"bytes": nbytes, "times": times, "steps_during": steps_during, "resume": resume,
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -107,12 +151,20 @@ def main() -> None:
     t, nbytes = result["times"], result["bytes"]
     print(f"machine: {machine()}; 2 ranks, ZeRO-1 fp32, {result['params'] / 1e6:.1f}M parameters, "
           f"checkpoint {nbytes / 2**20:.1f} MiB; medians of {ROUNDS} rounds")
-    for label, save, write in (("page cache", "save", "write"), ("with os.sync()", "save_sync",
-                                                                 "write_sync")):
-        s, w = median(t[save]), median(t[write])
-        print(f"{label:15s} checkpoint save {nbytes / s / 2**20:8.1f} MiB/s ({s:.2f}s) | plain "
-              f"write {nbytes / w / 2**20:8.1f} MiB/s ({w:.2f}s) | ratio {w / s:.2f} (target >= 0.5)")
-    print(f"resume (verify manifest + load on both ranks): median {median(result['resume']):.2f}s")
+    s, w = median(t["sync"]), median(t["write"])
+    print(f"synchronous save {nbytes / s / 2**20:8.1f} MiB/s ({s:.2f}s) | plain write + fsync "
+          f"{nbytes / w / 2**20:8.1f} MiB/s ({w:.2f}s) | ratio {w / s:.2f} (target >= 0.5)")
+    b = median(t["blocked"])
+    print(f"background save: training blocked {b:.3f}s vs {s:.2f}s synchronous | ratio "
+          f"{b / s:.3f} (target <= 0.2)")
+    n = result["steps_during"]
+    during = [k / x for k, x in zip(n, t["during"])]
+    without = [k / x for k, x in zip(n, t["without"])]
+    ratio = median([x / y for x, y in zip(t["without"], t["during"])])
+    print(f"steps/s while the background save writes {median(during):.1f} vs {median(without):.1f}"
+          f" without a save | ratio {ratio:.2f} (target >= 0.8; {n} steps per round)")
+    print(f"resume (manifest sizes and checksums + load on both ranks): median "
+          f"{median(result['resume']):.2f}s")
 
 
 if __name__ == "__main__":

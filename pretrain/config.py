@@ -332,6 +332,10 @@ class CheckpointConfig:
     keep_last: int = 2  # DeepSpeed checkpoints kept (older ones deleted)
     keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple; 0: none
     save_final: bool = True  # write a plain `final/` checkpoint that `pretrain generate` loads
+    async_save: bool = True  # a thread writes each save from a host copy of the state (host
+    # memory: one copy of the rank's files) while training goes on; the save completes (manifest,
+    # `latest`) at the first step all ranks' files are on disk, else at the next save, a stop or
+    # the end of the run; false: training waits for every save's files
 
     def __post_init__(self) -> None:
         if self.save_interval < 0 or self.keep_last < 1 or self.keep_every < 0 \

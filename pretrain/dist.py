@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 from unittest import mock
 
 import torch
@@ -159,6 +159,16 @@ def wait_for_io() -> None:
     train.io_timeout_minutes, not the collectives' (NCCL's watchdog would abort a long wait)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier(group=_IO_GROUP)
+
+
+def gather_for_io(value: Any) -> list[Any]:
+    """Every rank's `value` (a small picklable object), in rank order, on every rank: a
+    `wait_for_io` that also tells each rank what the others report (a checkpoint's files)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [value]
+    values: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value, group=_IO_GROUP)
+    return values
 
 
 def same_on_every_rank(value: int) -> bool:

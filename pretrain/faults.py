@@ -1,8 +1,9 @@
 """Faults a long run must survive: preemption signals, wall-time limits, dead ranks, NaNs.
 
 - `RunControl`: SIGTERM / SIGUSR1 only set a flag; once per step every rank all-reduces (MAX)
-  its flags, so all ranks stop (or save on the wall-clock cadence) at the same step even when the
-  signal reached only some of them. The trainer then saves and exits with EXIT_REQUEUE (75).
+  its flags, so all ranks stop (or save on the wall-clock cadence, or complete a checkpoint
+  written in the background) at the same step even when the signal reached only some of them.
+  The trainer then saves, waits for the checkpoint's files and exits with EXIT_REQUEUE (75).
 - `NonFiniteGuard`: a step whose loss or gradient norm is NaN/Inf is not applied (DeepSpeed's ZeRO
   and bf16 optimizers skip it themselves; the plain torch optimizer of ZeRO-0 is wrapped to do
   the same), counted and logged; after `max_in_a_row` such steps in a row the run stops with
@@ -19,7 +20,7 @@ import math
 import os
 import signal
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as torch_dist
@@ -46,8 +47,15 @@ def is_collective_failure(exc: BaseException) -> bool:
                             "timed out", "timeout", "broken pipe"))
 
 
+class Poll(NamedTuple):
+    """What the ranks agreed on after a step."""
+    stop: str | None  # why to stop now (None: go on)
+    save_due: bool  # the wall-clock save cadence is due (or a stop needs a save)
+    writing: bool  # some rank is still writing the checkpoint saved in the background
+
+
 class RunControl:
-    """When to stop or save, agreed by all ranks once per step (one 3-element all-reduce)."""
+    """When to stop or save, agreed by all ranks once per step (one 4-element all-reduce)."""
 
     def __init__(self, *, save_interval_minutes: float, exit_after_minutes: float):
         """Installs the SIGTERM / SIGUSR1 handlers and starts the wall-time clock: create it
@@ -69,22 +77,22 @@ class RunControl:
     def mark_saved(self) -> None:
         self.last_save = time.monotonic()
 
-    def poll(self, *, device: str) -> tuple[str | None, bool]:
-        """(why to stop now or None, whether the wall-clock save cadence is due), same on all
-        ranks: signal, time limit and save cadence are each the MAX over the world."""
+    def poll(self, *, device: str, writing: bool = False) -> Poll:
+        """The same `Poll` on all ranks: signal, time limit, save cadence and `writing` (this
+        rank still writes a checkpoint in the background) are each the MAX over the world."""
         now = time.monotonic()
         flags = torch.tensor([float(self.received is not None),
                               float(self.deadline is not None and now >= self.deadline),
-                              float(self.save_every_s > 0 and now - self.last_save >= self.save_every_s)],
-                             device=device)
+                              float(self.save_every_s > 0 and now - self.last_save >= self.save_every_s),
+                              float(writing)], device=device)
         if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
             torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
-        signalled, out_of_time, save_due = (bool(v) for v in flags.tolist())
+        signalled, out_of_time, save_due, writing = (bool(v) for v in flags.tolist())
         if signalled:
-            return f"signal {self.received or 'received by another rank'}", True
+            return Poll(f"signal {self.received or 'received by another rank'}", True, writing)
         if out_of_time:
-            return "--exit-after-minutes reached", True
-        return None, save_due
+            return Poll("--exit-after-minutes reached", True, writing)
+        return Poll(None, save_due, writing)
 
 
 def _has_nonfinite_grad(params: list[torch.nn.Parameter], device: str) -> bool:

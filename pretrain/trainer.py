@@ -26,7 +26,7 @@ from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets, check_run_data
 from pretrain.data.loader import micro_batches
 from pretrain.dist import World, wait_for_io
-from pretrain.ds_config import engine_fields, zero_stage
+from pretrain.ds_config import engine_fields, offload_devices, zero_stage
 from pretrain.engine import build_engine
 from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
@@ -92,9 +92,17 @@ class Trainer:
         self.pipelined = ModelForm.of(self.engine) is ModelForm.PIPELINE
         self.step, self.consumed_samples = 0, 0
         self._saved_step: int | None = None  # the step the newest checkpoint holds
+        self.saver = checkpoint.Saver(self.engine, ckpt_dir=self.run_dir / "checkpoints",
+                                      keep_last=cfg.checkpoint.keep_last,
+                                      keep_every=cfg.checkpoint.keep_every, rank=world.rank,
+                                      background=cfg.checkpoint.async_save)
+        self._save_started = 0.0  # perf_counter of the save in flight
         # The pipeline engine steps inside train_batch: at ZeRO-0 it reports no norm (null).
         self._norm_before_step = zero_stage(ds_config) == 0 and not self.pipelined
         self._grad_norm: float | None = None
+        self.checkpoint_layout = checkpoint.run_layout(
+            cfg, topology=groups.topology, zero_stage=zero_stage(ds_config),
+            offload=offload_devices(ds_config)[0])
         if resume is not None:
             self._resume(resume)
         self.control = control or faults.RunControl(
@@ -138,16 +146,19 @@ class Trainer:
 
     def _resume(self, point: checkpoint.ResumePoint) -> None:
         start = time.perf_counter()
-        checkpoint.load(self.engine, point, rank=self.world.rank, world_size=self.world.world_size)
+        change = checkpoint.load(self.engine, point, cfg=self.cfg, groups=self.groups,
+                                 layout=self.checkpoint_layout, rank=self.world.rank)
         self.step, self.consumed_samples = point.step, point.meta["consumed_samples"]
         self._saved_step = point.step
         if point.meta["global_batch"] != self.global_batch:
             raise ConfigError(f"{point.path} was trained with a global batch of "
                               f"{point.meta['global_batch']}, this run has {self.global_batch}: set "
                               f"train.global_batch_size={point.meta['global_batch']}")
+        how = (", universal" if point.universal else "") + (f", resharded {change}" if change
+                                                             else "")
         telemetry.log(f"[resume] from {point.path} at step {self.step} ({self.consumed_samples} "
-                      f"samples consumed{', universal' if point.universal else ''}) in "
-                      f"{time.perf_counter() - start:.1f}s", main=self.main)
+                      f"samples consumed{how}) in {time.perf_counter() - start:.1f}s",
+                      main=self.main)
 
     def _write_run_configs(self) -> None:
         """The run's config and resolved DeepSpeed config, next to its checkpoints."""
@@ -254,12 +265,16 @@ class Trainer:
             if self.valid_data is not None and t.eval_interval and (
                     self.step % t.eval_interval == 0 or self.step == t.steps):
                 self._log_eval(result)
-            stop, save_due = self.control.poll(device=self.device)  # same on every rank
+            stop, save_due, writing = self.control.poll(  # the same on every rank
+                device=self.device, writing=self.saver.writing())
+            if self.saver.in_flight and not writing:  # every rank's files are on disk
+                self._finish_save()
             if stop and self.step < t.steps:
                 result.stop_reason = stop
                 telemetry.log(f"[stop] {stop}: saving step {self.step}, then exiting to be "
                               "requeued", main=self.main, level="warning")
                 self.save()
+                self._finish_save()
                 if self.main:
                     checkpoint.mark_stopped(self.run_dir, step=self.step, reason=stop,
                                             exit_code=EXIT_REQUEUE)
@@ -277,6 +292,7 @@ class Trainer:
             return result
         if self._saved_step != self.step:  # the last step is always resumable, save_final or not
             self.save()
+        self._finish_save()
         if cfg.checkpoint.save_final:
             result.final_dir = checkpoint.save_final(
                 self.engine, cfg=cfg, groups=self.groups, tokenizer=self.tokenizer,
@@ -310,16 +326,28 @@ class Trainer:
                           level="warning")
 
     def save(self) -> None:
-        """A checkpoint of this step (collective): DeepSpeed's state plus ours (`meta.json`)."""
+        """A checkpoint of this step (collective): DeepSpeed's state plus ours (`meta.json`).
+        With `checkpoint.async_save` it returns once the state is copied to host memory; the
+        save completes in `_finish_save`."""
         cfg = self.cfg
         state, meta = checkpoint.checkpoint_meta(
             cfg, step=self.step, consumed_samples=self.consumed_samples,
             global_batch=self.global_batch, tokenizer=self.tokenizer, git_commit=self._git_commit,
-            topology=self.groups.topology, zero_stage=zero_stage(self.ds_config))
-        start = time.perf_counter()
-        path = checkpoint.save(self.engine, ckpt_dir=self.run_dir / "checkpoints", meta=meta,
-                               client_state=state, keep_last=cfg.checkpoint.keep_last,
-                               keep_every=cfg.checkpoint.keep_every, rank=self.world.rank)
+            layout=self.checkpoint_layout)
+        self._finish_save()  # the previous save, if it is still being written
+        self._save_started = time.perf_counter()
+        path = self.saver.save(meta=meta, client_state=state)
         self.control.mark_saved()
         self._saved_step = self.step
-        telemetry.log(f"[checkpoint] {path} in {time.perf_counter() - start:.1f}s", main=self.main)
+        took = f"{time.perf_counter() - self._save_started:.1f}s"
+        telemetry.log(f"[checkpoint] {path}: state copied in {took}, written in the background"
+                      if self.saver.in_flight else f"[checkpoint] {path} in {took}", main=self.main)
+
+    def _finish_save(self) -> None:
+        """Complete the save in flight, if any (collective): every rank's files on disk, then
+        the manifest and `latest`."""
+        path = self.saver.finish()
+        if path is not None:
+            telemetry.log(f"[checkpoint] {path} complete, "
+                          f"{time.perf_counter() - self._save_started:.1f}s after the save began",
+                          main=self.main)

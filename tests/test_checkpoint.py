@@ -44,7 +44,7 @@ def test_resume_gives_bitwise_the_same_losses(tp, pp, dp, zero, tiny_data, tmp_p
     meta = json.loads((saved / "meta.json").read_text())
     assert meta["step"] == SAVE_AT and meta["consumed_samples"] == SAVE_AT * 4
     assert meta["layout"] == {"tensor": tp, "pipeline": pp, "data": dp, "world_size": nprocs,
-                              "zero_stage": zero}
+                              "zero_stage": zero, "offload": "none", "precision": "fp32"}
 
     shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
     resumed = train(tmp_path, tiny_data, nprocs=nprocs, name="resumed",
@@ -88,7 +88,8 @@ def _error_line(run) -> str:
 
 def test_explicit_damaged_or_mismatched_checkpoint_is_a_clear_error(tiny_data, tmp_path):
     """Resuming through `pretrain train` (one process, tp 1 x pp 1 x dp 1) a checkpoint of a
-    tp 2 run: of another model, of another layout, or damaged, is one `error:` line, exit 2."""
+    tp 2 run: of another model, of another layout with --require-same-layout, or damaged, is
+    one `error:` line, exit 2."""
     run = train(tmp_path, tiny_data, name="run", nprocs=2, overrides=[
         "train.steps=2", "checkpoint.save_interval=1", "parallel.tensor=2"])
     step1 = run.run_dir / "checkpoints" / "step1"
@@ -107,36 +108,20 @@ def test_explicit_damaged_or_mismatched_checkpoint_is_a_clear_error(tiny_data, t
                            "written for another model: model.num_layers=2 there, 3 here; use the "
                            "run's own config or start a new run_dir")
 
-    # the same model on another layout: refused before any process group (tp, pp and dp are
-    # compared; a universal checkpoint is the way to another dp)
-    other_layout = _error_line(resume("tp1"))
+    # the same model on another layout, with --require-same-layout: refused before any process
+    # group (without it the checkpoint is resharded: tests/test_reshard.py)
+    other_layout = _error_line(run_pretrain(
+        base + ["--set", f"run_dir={tmp_path / 'tp1'}", "--resume-from", str(step1),
+                "--require-same-layout"], run_dir=tmp_path / "tp1"))
     assert other_layout == (
-        f"error: checkpoint {str(step1)!r} does not match this run: it was written by layout "
-        "tp 2 x pp 1 x dp 1, this run is tp 1 x pp 1 x dp 1: convert it with `pretrain "
-        "convert-checkpoint --to universal` and resume with --resume-from the converted directory")
+        f"error: checkpoint {str(step1)!r} was saved on another layout (tp2 pp1 dp1 ZeRO-1 -> "
+        "tp1 pp1 dp1 ZeRO-1) and --require-same-layout is set: run it on its own layout, or drop "
+        "the flag to reshard it")
     assert not (tmp_path / "tp1" / "metrics.jsonl").exists()  # nothing trained
 
     next(step1.glob("*optim_states.pt")).unlink()  # a rank's shard lost
     missing = _error_line(resume("again"))
     assert missing.startswith(f"error: checkpoint {str(step1)!r} is damaged: missing file"), missing
-
-
-@pytest.mark.parametrize("key", ["tensor", "pipeline", "data"])
-def test_checkpoint_of_another_layout_is_refused_unless_universal(key, tiny_data):
-    """What `resume_mismatch` compares of the layout: tp, pp and dp, each on its own; a
-    universal checkpoint (the conversion for another dp) is not compared."""
-    from pretrain.checkpoint.engine import resume_mismatch
-    from pretrain.config import load_config
-    from pretrain.data import Tokenizer
-
-    cfg = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}"])
-    meta = _meta(cfg, sha256=Tokenizer.load(tiny_data["tokenizer"]).sha256)
-    assert resume_mismatch(meta, cfg, world_size=1) is None
-    meta["layout"][key] = 2
-    assert resume_mismatch(meta, cfg, world_size=1).startswith(
-        "it was written by layout tp {tensor} x pp {pipeline} x dp {data}, this run is tp 1 x pp 1 "
-        "x dp 1: convert it".format(**meta["layout"]))
-    assert resume_mismatch({**meta, "universal": True}, cfg, world_size=1) is None
 
 
 def test_keep_last_and_keep_every(tiny_data, tmp_path):
@@ -225,10 +210,9 @@ def test_checkpoint_of_another_tokenizer_is_refused(tiny_data):
     from pretrain.data import Tokenizer
 
     cfg = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}"])
-    problem = resume_mismatch(_meta(cfg), cfg, world_size=1)
+    problem = resume_mismatch(_meta(cfg), cfg)
     assert problem.startswith("it was trained with the tokenizer 'other.model' (sha256 000000000000")
-    assert resume_mismatch(_meta(cfg, sha256=Tokenizer.load(tiny_data["tokenizer"]).sha256), cfg,
-                     world_size=1) is None
+    assert resume_mismatch(_meta(cfg, sha256=Tokenizer.load(tiny_data["tokenizer"]).sha256), cfg) is None
 
 
 def test_resume_allows_recompute_and_init_changes_but_not_shapes(tiny_data):
@@ -241,11 +225,11 @@ def test_resume_allows_recompute_and_init_changes_but_not_shapes(tiny_data):
     changed = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}",
                                                 "model.activation_checkpointing=full",
                                                 "model.init_from=/elsewhere", "model.init_std=0.01"])
-    assert resume_mismatch(meta, changed, world_size=1) is None
+    assert resume_mismatch(meta, changed) is None
     reshaped = load_config("configs/tiny.yaml", [f"data.tokenizer={tiny_data['tokenizer']}",
                                                  "model.activation_checkpointing=full",
                                                  "model.hidden_size=128"])
-    assert resume_mismatch(meta, reshaped, world_size=1) == (
+    assert resume_mismatch(meta, reshaped) == (
         "it was written for another model: model.hidden_size=64 there, 128 here; use the run's "
         "own config or start a new run_dir")
 

@@ -146,17 +146,17 @@ def test_run_control_wall_clock_cadence_and_signals(monkeypatch):
     monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
     control = faults.RunControl(save_interval_minutes=1.0, exit_after_minutes=10.0)
     try:
-        assert control.poll(device="cpu") == (None, False)
+        assert control.poll(device="cpu") == (None, False, False)
         now[0] += 61
-        assert control.poll(device="cpu") == (None, True)  # a save is due
+        assert control.poll(device="cpu") == (None, True, False)  # a save is due
         control.mark_saved()
         now[0] += 30
-        assert control.poll(device="cpu") == (None, False)
+        assert control.poll(device="cpu", writing=True) == (None, False, True)
         os.kill(os.getpid(), signal.SIGUSR1)  # handled: only sets the flag
-        assert control.poll(device="cpu") == ("signal SIGUSR1", True)
+        assert control.poll(device="cpu") == ("signal SIGUSR1", True, False)
         control.received = None
         now[0] += 600
-        assert control.poll(device="cpu") == ("--exit-after-minutes reached", True)
+        assert control.poll(device="cpu") == ("--exit-after-minutes reached", True, False)
     finally:
         control.restore_handlers()
 

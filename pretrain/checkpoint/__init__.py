@@ -6,7 +6,8 @@ Layout of a run directory::
     <run_dir>/checkpoints/step<N>/rng_rank<R>.pt  Python / NumPy / torch RNG states of rank R
     <run_dir>/checkpoints/step<N>/meta.json      step, consumed samples, layout, config, tokenizer,
                                                  git commit (small: read without loading tensors)
-    <run_dir>/checkpoints/step<N>/manifest.json  size of every file: written last, it marks the
+    <run_dir>/checkpoints/step<N>/manifest.json  size and CRC32 of every file: written last, once
+                                                 every rank's files are on disk, it marks the
                                                  checkpoint complete
     <run_dir>/checkpoints/latest                 the newest complete tag (DeepSpeed's format)
     <run_dir>/stopped.json                       written when a signal or time limit stopped the
@@ -21,17 +22,21 @@ Modules, each on top of the previous ones:
 - `weights`: `Weights` and `load_weights`, the one reader of every checkpoint format (engine
   step dirs of any layout consolidated offline, final/, Hugging Face directories); `write_final`,
   the one writer of final/; `load_initial_weights` for `model.init_from`.
-- `engine`: saving, pruning, resuming and loading DeepSpeed engine checkpoints, the universal
-  conversion, and `save_final` (the in-training gather that `write_final` writes).
+- `writer`: `ShardWriter`, DeepSpeed's checkpoint engine replaced by ours: each file written
+  at once or from a host copy by a background thread, its CRC32 taken as it is written, synced.
+- `engine`: saving (`Saver`: at most one save in flight, completed by `finish`), pruning,
+  resuming and loading DeepSpeed engine checkpoints, the universal conversion, and `save_final`
+  (the in-training gather that `write_final` writes).
 - `hf`: Hugging Face export and import, with the sentencepiece tokenizer conversion.
 - `generate`: continue a prompt from any checkpoint (`pretrain generate`).
 
 The names the trainer and `pretrain train` use are importable from the package itself.
 """
-from pretrain.checkpoint.engine import (ResumePoint, checkpoint_meta, find_resume, load, save,
-                                        save_final)
+from pretrain.checkpoint.engine import (ResumePoint, Saver, checkpoint_meta, confirm_content,
+                                        find_resume, load,
+                                        run_layout, save_final)
 from pretrain.checkpoint.paths import clear_stopped, mark_stopped
 from pretrain.checkpoint.weights import load_initial_weights
 
-__all__ = ["ResumePoint", "checkpoint_meta", "clear_stopped", "find_resume", "load",
-           "load_initial_weights", "mark_stopped", "save", "save_final"]
+__all__ = ["ResumePoint", "Saver", "checkpoint_meta", "clear_stopped", "confirm_content", "find_resume", "load",
+           "load_initial_weights", "mark_stopped", "run_layout", "save_final"]

@@ -1,12 +1,14 @@
 """DeepSpeed engine checkpoints: saving, pruning, choosing the one to resume from, loading.
 
-A save is complete only when every rank has written its files: all ranks write, meet at a
-barrier, then rank 0 writes `meta.json`, `manifest.json` and `latest`. DeepSpeed's own `latest`
-is written by rank 0 before the other ranks are done, so it is switched off (`save_latest=False`).
-A crash during a save leaves a directory without a manifest, which resuming skips. Resuming
-checks every file of the manifest (present, same size), that the model and tokenizer match the
-run, and that the layout matches (or the checkpoint is universal); automatic resume falls back to
-the previous complete checkpoint and says why.
+A save is complete only when every rank's files are on disk: all ranks write (now, or from a
+host copy in a background thread: `Saver`, `pretrain.checkpoint.writer`), meet at a barrier,
+then rank 0 writes `meta.json`, `manifest.json` (size and CRC32 of every file) and `latest`.
+DeepSpeed's own `latest` is written by rank 0 before the other ranks are done, so it is switched
+off (`save_latest=False`). A crash during a save leaves a directory without a manifest, which
+resuming skips. Resuming checks every file of the manifest (present, same size, same CRC32),
+and that the model and tokenizer match the run; automatic resume falls back to the previous
+complete checkpoint and says why. A checkpoint of the run's layout is DeepSpeed's to load (or a
+universal one, with `load_universal`); any other layout is resharded (`reshard`).
 
 `save_final` writes the module's working weights as `final/` at the end of training, whatever
 the layout (ZeRO-3 shards and tensor-parallel shards gathered, padded vocabulary rows dropped, a
@@ -36,11 +38,16 @@ from deepspeed.checkpoint import ds_to_universal
 
 from pretrain.checkpoint.paths import (FINAL, MANIFEST, read_meta, step_dirs, tag_step, verify,
                                        write_latest, write_manifest)
+from pretrain.checkpoint.reshard import (OPTIMIZER_NAMES, derived_rng_seed, layout_change,
+                                         load_resharded, optimizer_parameter_names,
+                                         seed_generators)
 from pretrain.checkpoint.weights import writing_final
+from pretrain.checkpoint.writer import ShardWriter
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
-from pretrain.dist import wait_for_io
+from pretrain.dist import gather_for_io, wait_for_io
 from pretrain.errors import CheckpointError
+from pretrain.faults import TrainingFault
 from pretrain.model import canonical_parameters, tensor_parallel_group
 from pretrain.model.hf import expected_hf_keys
 from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
@@ -54,17 +61,24 @@ RESUMABLE_MODEL_CHANGES = frozenset({"preset", "init_std", "init_from", "activat
                                      "activation_checkpointing_interval"})
 
 
+def run_layout(cfg: RunConfig, *, topology: Topology, zero_stage: int,
+               offload: str = "none") -> dict[str, Any]:
+    """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`)."""
+    return {"tensor": topology.tensor, "pipeline": topology.pipeline, "data": topology.data,
+            "world_size": topology.world_size, "zero_stage": zero_stage, "offload": offload,
+            "precision": cfg.train.precision.value}
+
+
 def checkpoint_meta(cfg: RunConfig, *, step: int, consumed_samples: int, global_batch: int,
-                    tokenizer: Tokenizer, git_commit: str, topology: Topology,
-                    zero_stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
+                    tokenizer: Tokenizer, git_commit: str,
+                    layout: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(client_state, meta) of a save: what DeepSpeed stores with the engine state, and the
-    `meta.json` that resuming and the readers check without loading tensors."""
+    `meta.json` that resuming and the readers check without loading tensors; `layout` is
+    `run_layout`'s."""
     state = {"step": step, "consumed_samples": consumed_samples, "config": cfg.to_dict(),
              "tokenizer": {"path": str(tokenizer.path), "sha256": tokenizer.sha256}}
     meta = {**state, "global_batch": global_batch, "git_commit": git_commit,
-            "layout": {"tensor": topology.tensor, "pipeline": topology.pipeline,
-                       "data": topology.data, "world_size": topology.world_size,
-                       "zero_stage": zero_stage},
+            "layout": layout,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return state, meta
 
@@ -86,31 +100,80 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         get_accelerator().set_rng_state(state["accelerator"])
 
 
-def save(engine, *, ckpt_dir: Path, meta: dict[str, Any], client_state: dict[str, Any],
-         keep_last: int, keep_every: int, rank: int) -> Path:
-    """Save a checkpoint tagged step<meta['step']> on every rank (collective); its directory.
+class Saver:
+    """The checkpoints of one engine in `ckpt_dir`, at most one save in flight.
 
-    Every rank writes its DeepSpeed shards and its RNG states; after a barrier rank 0 writes the
-    manifest and moves `latest`, then prunes: the newest `keep_last` complete checkpoints stay,
-    and every step that is a multiple of `keep_every` (when > 0) stays forever.
+    `save` (collective) hands every file of the step - each rank's DeepSpeed shards and RNG
+    states - to a `ShardWriter`; `finish` (collective) waits until every rank's files are on
+    disk, then rank 0 writes `meta.json`, `manifest.json` (size and CRC32 of every file) and
+    `latest`, and prunes: the newest `keep_last` complete checkpoints stay, and every step that
+    is a multiple of `keep_every` (when > 0) stays forever. Without `background`, `save`
+    finishes before it returns. With it, `save` returns once the state is copied to host memory,
+    a thread writes the files while training goes on, and the caller calls `finish` at a step
+    every rank agrees on (the trainer: the first step at which no rank is still writing, or the
+    next save, a stop, the end of the run); until then the previous complete checkpoint stays
+    `latest`, and a crash leaves the new directory without a manifest, which resuming skips.
     """
-    tag = f"step{meta['step']}"
-    tag_dir = ckpt_dir / tag
-    if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if tag_dir.exists():  # a save of this step that crashed half-way: start it over
-            shutil.rmtree(tag_dir)
-    wait_for_io()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, **UNIVERSAL_INFO},
-                           save_latest=False)
-    torch.save(_rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
-    wait_for_io()  # every rank's files are on disk
-    if rank == 0:
-        write_manifest(tag_dir, meta)
-        write_latest(ckpt_dir, tag)
-        _prune(ckpt_dir, keep_last=keep_last, keep_every=keep_every)
-    wait_for_io()
-    return tag_dir
+
+    def __init__(self, engine, *, ckpt_dir: Path, keep_last: int, keep_every: int, rank: int,
+                 background: bool):
+        self.engine, self.ckpt_dir, self.rank = engine, Path(ckpt_dir), rank
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.writer = ShardWriter(background=background)
+        self.in_flight: tuple[Path, dict[str, Any]] | None = None  # (step dir, its meta)
+
+    def save(self, *, meta: dict[str, Any], client_state: dict[str, Any]) -> Path:
+        """Save a checkpoint tagged step<meta['step']> (collective): its directory. A save
+        still in flight is finished first."""
+        self.finish()
+        tag_dir = self.ckpt_dir / f"step{meta['step']}"
+        if self.rank == 0:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            if tag_dir.exists():  # a save of this step that crashed half-way: start it over
+                shutil.rmtree(tag_dir)
+        wait_for_io()
+        self.engine.checkpoint_engine = self.writer  # every file DeepSpeed saves goes through it
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag_dir.name, save_latest=False,
+                                    client_state={**client_state, **UNIVERSAL_INFO,
+                                                  OPTIMIZER_NAMES:
+                                                  optimizer_parameter_names(self.engine)})
+        self.writer.save(_rng_state(), str(tag_dir / f"rng_rank{self.rank:05d}.pt"))
+        self.in_flight = tag_dir, meta
+        if not self.writer.background:
+            self.finish()
+        return tag_dir
+
+    def writing(self) -> bool:
+        """Whether this rank is still writing files of the save in flight (no collective)."""
+        return self.writer.writing()
+
+    def finish(self) -> Path | None:
+        """Complete the save in flight (collective): its directory, None when there is none.
+        Raises `TrainingFault` on every rank when a rank could not write its files."""
+        if self.in_flight is None:
+            return None
+        tag_dir, meta = self.in_flight
+        self.in_flight = None
+        try:
+            written: dict[str, tuple[int, int]] | str = {
+                str(Path(path).relative_to(tag_dir)): size_crc
+                for path, size_crc in self.writer.wait().items()}
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, raised below
+            written = f"{type(exc).__name__}: {exc}"
+        reports = gather_for_io(written)  # every rank's files are on disk
+        failed = [(rank, report) for rank, report in enumerate(reports) if isinstance(report, str)]
+        if failed:
+            rank, error = failed[0]
+            raise TrainingFault(f"checkpoint {tag_dir} was not saved: rank {rank} could not "
+                                f"write its files ({error}); the previous complete checkpoint "
+                                "is still the one resuming starts from")
+        if self.rank == 0:
+            write_manifest(tag_dir, meta, {name: size_crc for report in reports
+                                           for name, size_crc in report.items()})
+            write_latest(self.ckpt_dir, tag_dir.name)
+            _prune(self.ckpt_dir, keep_last=self.keep_last, keep_every=self.keep_every)
+        wait_for_io()
+        return tag_dir
 
 
 def _prune(ckpt_dir: Path, *, keep_last: int, keep_every: int) -> None:
@@ -136,8 +199,9 @@ class ResumePoint:
         return int(self.meta["step"])
 
 
-def resume_mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) -> str | None:
-    """Why a checkpoint cannot be loaded into this run (None: it can)."""
+def resume_mismatch(meta: dict[str, Any], cfg: RunConfig) -> str | None:
+    """Why a checkpoint cannot be loaded into this run (None: it can): another model or another
+    tokenizer. Another layout can (`reshard`)."""
     saved_model, model = meta["config"]["model"], cfg.to_dict()["model"]
     diff = {k: (saved_model.get(k), v) for k, v in model.items()
             if k not in RESUMABLE_MODEL_CHANGES and saved_model.get(k) != v}
@@ -152,28 +216,22 @@ def resume_mismatch(meta: dict[str, Any], cfg: RunConfig, *, world_size: int) ->
             return (f"it was trained with the tokenizer {meta['tokenizer'].get('path')!r} (sha256 "
                     f"{saved_sha[:12]}...), data.tokenizer={cfg.data.tokenizer!r} has sha256 "
                     f"{sha[:12]}...: point data.tokenizer at the run's tokenizer")
-    if meta.get("universal"):
-        return None
-    saved = meta["layout"]
-    here = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-            "data": Topology.from_parallel_config(cfg.parallel, world_size=world_size).data}
-    if any(saved[k] != v for k, v in here.items()):
-        return (f"it was written by layout tp {saved['tensor']} x pp {saved['pipeline']} x dp "
-                f"{saved['data']}, this run is tp {here['tensor']} x pp {here['pipeline']} x dp "
-                f"{here['data']}: convert it with `pretrain convert-checkpoint --to universal` and "
-                "resume with --resume-from the converted directory")
     return None
 
 
-def find_resume(cfg: RunConfig, *, world_size: int, resume_from: str | None,
-                log: Callable[[str], None]) -> ResumePoint | None:
+def find_resume(cfg: RunConfig, *, resume_from: str | None, log: Callable[[str], None],
+                damaged: dict[Path, str] | None = None) -> ResumePoint | None:
     """The checkpoint this run starts from, read from files only (runs before any collective).
 
     `resume_from` None: the newest complete checkpoint of `<run_dir>/checkpoints` (None when
-    there is none); damaged ones are skipped with a message. With `resume_from` (a run dir, a
-    checkpoints dir or a step dir) a damaged checkpoint is an error. A checkpoint of another
-    model or another layout is always an error: falling back would not fix the config.
+    there is none); damaged ones (a missing or truncated file, or one of `damaged`, whose
+    content `confirm_content` found wrong) are skipped with a message. With `resume_from` (a run
+    dir, a checkpoints dir or a step dir) a damaged checkpoint is an error when it is the only
+    one. A checkpoint of another model or tokenizer is always an error: falling back would not
+    fix the config. File sizes are checked here; contents, by every rank's share, once the
+    process group exists (`confirm_content`).
     """
+    damaged = damaged or {}
     explicit = resume_from is not None
     root = Path(resume_from) if explicit else Path(cfg.run_dir) / "checkpoints"
     candidates = step_dirs(root)
@@ -182,7 +240,7 @@ def find_resume(cfg: RunConfig, *, world_size: int, resume_from: str | None,
                               "directory, its checkpoints/ directory or a checkpoints/step<N> one")
     problems = []
     for tag_dir in candidates:
-        problem = verify(tag_dir)
+        problem = damaged.get(tag_dir) or verify(tag_dir)
         if problem is not None:
             problems.append(f"{tag_dir.name}: {problem}")
             if explicit and len(candidates) == 1:
@@ -190,7 +248,7 @@ def find_resume(cfg: RunConfig, *, world_size: int, resume_from: str | None,
             log(f"[resume] skipping {tag_dir}: {problem}; trying the previous checkpoint")
             continue
         meta = read_meta(tag_dir)
-        mismatch = resume_mismatch(meta, cfg, world_size=world_size)
+        mismatch = resume_mismatch(meta, cfg)
         if mismatch:
             raise CheckpointError(f"checkpoint {str(tag_dir)!r} does not match this run: {mismatch}")
         if problems:
@@ -204,30 +262,63 @@ def find_resume(cfg: RunConfig, *, world_size: int, resume_from: str | None,
     return None
 
 
-def load(engine, point: ResumePoint, *, rank: int, world_size: int) -> None:
-    """Load a checkpoint into the engine (collective) and this rank's RNG states.
+def confirm_content(point: ResumePoint | None, cfg: RunConfig, *, resume_from: str | None,
+                    log: Callable[[str], None]) -> ResumePoint | None:
+    """`point`, once the CRC32 of every file matches its manifest, else the newest checkpoint
+    that passes (as `find_resume` chooses, the damaged ones skipped). Collective: each rank reads
+    its share of the files, and all see every rank's findings, so they choose alike."""
+    rank, world = ((torch_dist.get_rank(), torch_dist.get_world_size())
+                   if torch_dist.is_initialized() else (0, 1))
+    damaged: dict[Path, str] = {}
+    while point is not None:
+        found = [p for p in gather_for_io(verify(point.path, content=True, share=(rank, world)))
+                 if p is not None]
+        if not found:
+            return point
+        damaged[point.path] = found[0]
+        point = find_resume(cfg, resume_from=resume_from, log=log, damaged=damaged)
+    return None
 
-    RNG states are restored only on the layout that saved them; after resharding each rank's
-    generators start from the run seed (the model has no dropout: losses do not depend on them).
+
+def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str, Any],
+         rank: int) -> str | None:
+    """Load a checkpoint into the engine (collective) and this rank's RNG states; returns the
+    layout change (`tp2 pp1 dp1 ZeRO-1 -> tp1 pp1 dp2 ZeRO-3`) when it was resharded.
+
+    A checkpoint of this run's `layout` (or a universal one) is DeepSpeed's to load; any other
+    is resharded (`reshard.load_resharded`). RNG states are carried where every rank keeps its
+    role (the same tp, pp and dp); otherwise each rank's generators are seeded from
+    (train.seed, step, rank) (the model has no dropout: losses do not depend on them).
     """
+    change = None if point.universal else layout_change(point.meta["layout"], layout)
     try:
-        path, _ = engine.load_checkpoint(str(point.path.parent), tag=point.path.name,
-                                         load_module_strict=True)
+        if change:
+            load_resharded(engine, point.path, point.meta, cfg=cfg, groups=groups, rank=rank)
+            path = point.path
+        else:
+            path, _ = engine.load_checkpoint(str(point.path.parent), tag=point.path.name,
+                                             load_module_strict=True)
     except (RuntimeError, OSError, KeyError, ValueError, EOFError) as exc:
         raise CheckpointError(f"checkpoint {str(point.path)!r} cannot be loaded ({exc}); "
                               "move it away to resume from an older one") from None
     if path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {str(point.path)!r}: its "
                               "model_states files are missing")
+    saved = point.meta["layout"]
+    same_roles = all(saved[k] == layout[k] for k in ("tensor", "pipeline", "data"))
     rng = point.path / f"rng_rank{rank:05d}.pt"
-    if rng.is_file() and point.meta["layout"]["world_size"] == world_size:
+    if same_roles and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
+    elif not same_roles:
+        seed_generators(derived_rng_seed(cfg, step=point.step, rank=rank))
+    return change
 
 
 # ---- universal ---------------------------------------------------------------------------------
 def to_universal(src: Path, dst: Path) -> Path:
     """Convert a checkpoint (run dir, checkpoints dir or step dir) to DeepSpeed's universal
-    format in `dst/step<N>`, loadable on another data-parallel size; returns that directory.
+    format in `dst/step<N>`, for tools that read it; returns that directory. (Resuming on
+    another layout needs no conversion: `reshard`.)
 
     `pretrain train --resume-from DST` then resumes with DeepSpeed's `checkpoint.load_universal`
     setting, keeping the saved global batch (gradient accumulation is recomputed for the new dp).
@@ -258,13 +349,14 @@ def _check_convertible(tag_dir: Path, meta: dict[str, Any]) -> None:
     if meta["layout"]["zero_stage"] == 0:
         raise CheckpointError(
             f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "
-            "checkpoint (it is built from ZeRO optimizer partitions): resume it on the same "
-            "layout, or train with ds_configs/zero1.json (or 2, 3) to reshard later")
+            "checkpoint (it is built from ZeRO optimizer partitions); to resume it on another "
+            "layout no conversion is needed: pass it to `pretrain train --resume-from`")
     if meta["layout"]["tensor"] > 1:
         raise CheckpointError(
             f"{str(tag_dir)!r} has tensor parallel {meta['layout']['tensor']}: our tensor-parallel "
             "layers do not declare DeepSpeed's merge patterns, so the universal conversion would "
-            "merge their shards wrongly; resume it with the same tensor-parallel size")
+            "merge their shards wrongly; to resume it on another layout no conversion is "
+            "needed: pass it to `pretrain train --resume-from`")
 
 
 # ---- final weights -----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ old file or the new one, never half of one.
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +68,22 @@ def step_dirs(path: str | Path, *, follow_latest: bool = False) -> list[Path]:
                   key=tag_step, reverse=True)
 
 
-def verify(tag_dir: Path) -> str | None:
+def verify(tag_dir: Path, *, content: bool = False,
+           share: tuple[int, int] = (0, 1)) -> str | None:
     """What is wrong with a checkpoint directory (None: complete and undamaged).
 
     Checks that the save finished (manifest present) and that every file it lists is there
     with the size it had when written: a truncated or missing shard is found without reading it.
+    With `content` the files are also read and their CRC32 compared with the ones their writers
+    computed, so damage that keeps the size (a flipped byte) is found too; `share` = (i, n)
+    reads only every n-th file from the i-th (n ranks share the reading: `confirm_content`).
+    Manifests written before checksums were recorded are checked by size only.
     """
     if not (tag_dir / MANIFEST).is_file():
         return "incomplete (no manifest.json: the save did not finish)"
     try:
-        files = json.loads((tag_dir / MANIFEST).read_text())["files"]
+        manifest = json.loads((tag_dir / MANIFEST).read_text())
+        files, checksums = manifest["files"], manifest.get("crc32", {}) if content else {}
     except (OSError, ValueError, KeyError) as exc:
         return f"unreadable manifest.json ({exc})"
     for name, size in files.items():
@@ -85,6 +92,12 @@ def verify(tag_dir: Path) -> str | None:
             return f"missing file {name}"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, {size} were written (truncated?)"
+    index, count = share
+    for name, crc in sorted(checksums.items())[index::count]:
+        found = file_crc32(tag_dir / name)
+        if found != crc:
+            return (f"{name} is damaged: its content has CRC32 {found:08x}, {crc:08x} was "
+                    "written")
     try:
         read_meta(tag_dir)
     except (OSError, ValueError) as exc:
@@ -92,17 +105,37 @@ def verify(tag_dir: Path) -> str | None:
     return None
 
 
+def file_crc32(path: Path) -> int:
+    """The CRC32 of a file's bytes (zlib's, as the checkpoint writer computes it)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def read_meta(tag_dir: Path) -> dict[str, Any]:
     """The `meta.json` of a checkpoint directory (step, layout, config, tokenizer, commit)."""
     return json.loads((tag_dir / META).read_text())
 
 
-def write_manifest(tag_dir: Path, meta: dict[str, Any]) -> None:
-    """Write meta.json, then manifest.json (sizes of every file): the completion marker."""
+def write_manifest(tag_dir: Path, meta: dict[str, Any],
+                   written: dict[str, tuple[int, int]] | None = None) -> None:
+    """Write meta.json, then manifest.json (size and CRC32 of every file): the completion marker.
+
+    `written` holds the (size, CRC32) of files by their names in `tag_dir`, as their writers
+    computed them (`pretrain.checkpoint.writer`); any other file is measured and read here.
+    """
     write_text_atomic(tag_dir / META, json.dumps(meta, indent=2))
-    files = {str(p.relative_to(tag_dir)): p.stat().st_size
-             for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    write_text_atomic(tag_dir / MANIFEST, json.dumps({"files": files}, indent=1))
+    written = dict(written or {})
+    for p in sorted(tag_dir.rglob("*")):
+        name = str(p.relative_to(tag_dir))
+        if p.is_file() and p.name != MANIFEST and name not in written:
+            written[name] = (p.stat().st_size, file_crc32(p))
+    names = sorted(written)
+    write_text_atomic(tag_dir / MANIFEST, json.dumps(
+        {"files": {n: written[n][0] for n in names}, "crc32": {n: written[n][1] for n in names}},
+        indent=1))
 
 
 def write_latest(ckpt_dir: Path, tag: str) -> None:

@@ -50,6 +50,8 @@ from pretrain.model.llama import (ShardRange, full_parameter_shape, shard_range,
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
 from pretrain.model.pipeline import pipeline_to_canonical_name
 
+# The client-state entry naming a ZeRO-0 optimizer's parameters, group by group, in its order.
+OPTIMIZER_NAMES = "optimizer_parameter_names"
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 # The files of a Hugging Face tokenizer (a model directory also holds weights: not these).
 _TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
@@ -205,6 +207,14 @@ def check_shapes(state: Mapping[str, torch.Tensor], cfg: ModelConfig, *, source:
 # ---- engine checkpoints ------------------------------------------------------------------------
 def consolidate_engine_checkpoint(step_dir: Path) -> Weights:
     """The whole model of a DeepSpeed engine checkpoint, in fp32 (see the module docstring)."""
+    meta, run_cfg = _engine_checkpoint_config(step_dir)
+    tokenizer = _engine_tokenizer(meta.get("tokenizer") or {}, step_dir=step_dir, cfg=run_cfg)
+    return Weights(model=run_cfg.model, state=engine_tensors(step_dir), tokenizer=tokenizer,
+                   source=str(step_dir), run_config=run_cfg, step=meta.get("step"))
+
+
+def _engine_checkpoint_config(step_dir: Path) -> tuple[dict, RunConfig]:
+    """(the first model-states file's contents, memory-mapped; the run config it holds)."""
     model_files = sorted(step_dir.glob("*mp_rank_*_model_states.pt"))
     if not model_files:
         raise CheckpointError(f"{str(step_dir)!r} holds no *_model_states.pt files: not a "
@@ -213,7 +223,14 @@ def consolidate_engine_checkpoint(step_dir: Path) -> Weights:
     if "config" not in meta:
         raise CheckpointError(f"{str(model_files[0])!r} holds no run config (client_state "
                               "'config'): it was not written by `pretrain train`")
-    run_cfg = config_from_dict(meta["config"])
+    return meta, config_from_dict(meta["config"])
+
+
+def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
+    """{Hugging Face name: whole fp32 tensor} of an engine checkpoint, read lazily: the fp32
+    master weights (`key` None), or the optimizer state `key` ("exp_avg", "exp_avg_sq") of each
+    parameter, whatever the layout that saved it."""
+    meta, run_cfg = _engine_checkpoint_config(step_dir)
     cfg, tp, pp = run_cfg.model, run_cfg.parallel.tensor, run_cfg.parallel.pipeline
     zero = int(meta.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
     if meta.get("mp_world_size", tp * pp) != tp * pp:
@@ -224,22 +241,60 @@ def consolidate_engine_checkpoint(step_dir: Path) -> Weights:
     for mp_rank in range(tp * pp):
         tp_index = mp_rank % tp
         if zero >= 1:
-            local = ZeroMasters(step_dir, mp_rank=mp_rank)
-        elif pp > 1:
-            if mp_rank >= tp:  # layer files of every stage are read with the first stage's ranks
-                continue
-            local = _pipeline_layer_weights(step_dir, tp_rank=tp_index)
+            local = ZeroMasters(step_dir, mp_rank=mp_rank, key=key)
         else:
-            local = load_checkpoint_file(
-                step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"]
+            local = _zero0_optimizer_tensors(step_dir, mp_rank=mp_rank, key=key,
+                                             pipelined=pp > 1)
+            if local is None and pp > 1:  # fp32: the masters are the module's weights
+                if mp_rank >= tp:  # layer files of every stage: read with the first stage's ranks
+                    continue
+                local = _pipeline_layer_weights(step_dir, tp_rank=tp_index)
+            elif local is None:
+                local = load_checkpoint_file(
+                    step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"]
         for name in local:
             canonical = _canonical(name, cfg=cfg, pipelined=pp > 1)
             if canonical is not None:  # a tied weight is on two stages: both copies are equal
                 shards.setdefault(canonical, {}).setdefault(tp_index, (local, name))
-    state = MergedShards(shards, cfg=cfg, tp=tp, source=str(step_dir))
-    tokenizer = _engine_tokenizer(meta.get("tokenizer") or {}, step_dir=step_dir, cfg=run_cfg)
-    return Weights(model=cfg, state=state, tokenizer=tokenizer, source=str(step_dir),
-                   run_config=run_cfg, step=meta.get("step"))
+    what = str(step_dir) if key is None else f"{step_dir} ({key})"
+    return MergedShards(shards, cfg=cfg, tp=tp, source=what)
+
+
+def _zero0_optimizer_tensors(step_dir: Path, *, mp_rank: int, key: str | None,
+                             pipelined: bool) -> dict[str, torch.Tensor] | None:
+    """{module parameter name: tensor} from a ZeRO-0 optimizer's state: its fp32 masters (`key`
+    None; None when the optimizer keeps none, in fp32 training, where the module's weights are
+    the masters) or its per-parameter state `key`. Parameters are named by the optimizer's order
+    of them, saved as OPTIMIZER_NAMES; checkpoints saved without it name a flat model's by the
+    grouping `pretrain.engine.param_groups` makes (matrices, then vectors, in module order)."""
+    state = load_checkpoint_file(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")
+    optimizer = state.get("optimizer")
+    if key is None and "fp32_groups" not in (optimizer or {}):
+        return None
+    if not optimizer:
+        raise CheckpointError(f"{step_dir}: mp rank {mp_rank} saved no optimizer state")
+    names = state.get(OPTIMIZER_NAMES)
+    if names is None and not pipelined:
+        module = state["module"]
+        names = [[n for n, t in module.items() if t.dim() >= 2],
+                 [n for n, t in module.items() if t.dim() < 2]]
+    if names is None:
+        raise CheckpointError(f"{step_dir} (a ZeRO-0 pipeline checkpoint) does not name its "
+                              "optimizer's parameters (saved by an older version): resume it on "
+                              "its own layout")
+    flat = [name for group in names for name in group]
+    if key is None:  # bf16 at ZeRO-0: the fp32 masters, group by group
+        tensors = [t for group in optimizer["fp32_groups"] for t in group]
+    else:
+        per_param = optimizer.get("optimizer_state_dict", optimizer)["state"]
+        if len(per_param) != len(flat) or any(key not in per_param[i] for i in per_param):
+            raise CheckpointError(f"{step_dir}: mp rank {mp_rank}'s optimizer holds no {key!r} "
+                                  f"for each of its {len(flat)} parameters")
+        tensors = [per_param[i][key] for i in range(len(flat))]
+    if len(tensors) != len(flat):
+        raise CheckpointError(f"{step_dir}: {len(tensors)} optimizer tensors for {len(flat)} "
+                              "named parameters: the checkpoint is inconsistent")
+    return dict(zip(flat, tensors))
 
 
 def _canonical(name: str, *, cfg: ModelConfig, pipelined: bool) -> str | None:

@@ -1,4 +1,5 @@
-"""The fp32 master weights in a DeepSpeed ZeRO checkpoint, read one parameter at a time.
+"""The fp32 master weights and Adam moments in a DeepSpeed ZeRO checkpoint, read one parameter
+at a time.
 
 A ZeRO-1/2/3 checkpoint keeps the fp32 masters only as flat partitions: each data-parallel
 rank's `*_optim_states.pt` holds its slice of every parameter group, flattened. DeepSpeed's
@@ -6,7 +7,9 @@ rank's `*_optim_states.pt` holds its slice of every parameter group, flattened. 
 parameter (twice the model in memory, and its entry points for one model-parallel rank are
 private). `ZeroMasters` instead computes where each parameter lies and, when it is asked for,
 maps the files that hold its pieces (`torch.load(mmap=True)`) and copies out only those: the
-caller holds one full tensor at a time, and the pages of the rest are never read.
+caller holds one full tensor at a time, and the pages of the rest are never read. The optimizer's
+per-element state (Adam's `exp_avg`, `exp_avg_sq`) is flattened and partitioned exactly as the
+masters are, so the same spans read it (`key=`).
 
 The layout is DeepSpeed's (0.19.8; `deepspeed.utils.zero_to_fp32` reads the same):
 
@@ -67,19 +70,20 @@ def overlaps(sizes: list[int], start: int, length: int) -> list[tuple[int, int, 
 class ZeroMasters(Mapping):
     """{module parameter name: fp32 master weight} of one model-parallel rank of a ZeRO
     checkpoint, over its data-parallel ranks' optimizer files; each item is read when asked.
+    With `key` ("exp_avg", "exp_avg_sq") the items are that optimizer state instead.
 
     A lookup maps only the files that hold a piece of the parameter and lets them go with the
     pieces copied: the process never keeps more than the one parameter (a mapping kept open
     would count every page read so far as resident memory)."""
 
-    def __init__(self, step_dir: Path, *, mp_rank: int) -> None:
+    def __init__(self, step_dir: Path, *, mp_rank: int, key: str | None = None) -> None:
         tag = f"mp_rank_{mp_rank:02d}"
         model_files = sorted(step_dir.glob(f"*{tag}_model_states.pt"))
         self._files = sorted(step_dir.glob(f"*{tag}_optim_states.pt"), key=_rank_order)
         if not model_files or not self._files:
             raise CheckpointError(f"{step_dir} lacks the {tag} model or optimizer states of a "
                                   "ZeRO checkpoint: a rank's files are missing")
-        self.source = f"{step_dir} ({tag})"
+        self.source, self.key = f"{step_dir} ({tag})", key
         param_shapes = load_checkpoint_file(model_files[0])["param_shapes"]
         self.stage, self._sizes, paddings = _fp32_layout(self._files, source=self.source)
         self._spans = (_zero3_spans(param_shapes, world=len(self._files))
@@ -105,7 +109,8 @@ class ZeroMasters(Mapping):
     def _copy(self, rank: int, parts: list[tuple[int, int, int]], *, into: torch.Tensor) -> None:
         """Copy elements [lo, hi) of flat group g, for each (g, lo, hi), of data-parallel rank
         `rank` into `into`, one after the other; the file is unmapped on return."""
-        groups = _flat_groups(load_checkpoint_file(self._files[rank]), stage=self.stage)
+        groups = _flat_groups(load_checkpoint_file(self._files[rank]), stage=self.stage,
+                              key=self.key)
         filled = 0
         for g, lo, hi in parts:
             into[filled:filled + hi - lo].copy_(groups[g].reshape(-1)[lo:hi])
@@ -154,12 +159,24 @@ def _zero3_spans(param_shapes: list[dict], *, world: int) -> dict[str, _Span]:
     return spans
 
 
-def _flat_groups(state: dict, *, stage: int) -> list[torch.Tensor]:
-    from deepspeed.checkpoint.constants import (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
+def _flat_groups(state: dict, *, stage: int, key: str | None = None) -> list[torch.Tensor]:
+    """A rank's flat fp32 groups (`key` None) or the optimizer state `key` of each of them (the
+    base optimizer's state of flat group g is its entry g: ZeRO-1/2 and BF16_Optimizer under
+    `base_optimizer_state`, ZeRO-3 under a nested `optimizer_state_dict`)."""
+    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, FP32_FLAT_GROUPS,
+                                                OPTIMIZER_STATE_DICT,
                                                 SINGLE_PARTITION_OF_FP32_GROUPS)
 
-    key = SINGLE_PARTITION_OF_FP32_GROUPS if stage <= 2 else FP32_FLAT_GROUPS
-    return state[OPTIMIZER_STATE_DICT][key]
+    saved = state[OPTIMIZER_STATE_DICT]
+    masters = saved[SINGLE_PARTITION_OF_FP32_GROUPS if stage <= 2 else FP32_FLAT_GROUPS]
+    if key is None:
+        return masters
+    base = saved[BASE_OPTIMIZER_STATE if stage <= 2 else OPTIMIZER_STATE_DICT]["state"]
+    try:
+        return [base[g][key] for g in range(len(masters))]
+    except KeyError:
+        raise CheckpointError(f"the optimizer state holds no {key!r} for every group: it was "
+                              "not saved by Adam, or before the first step") from None
 
 
 def _fp32_layout(optim_files: list[Path], *, source: str):

@@ -30,7 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-from", metavar="PATH",
                         help="start from this checkpoint (a run dir, its checkpoints/ dir, a "
                              "step<N> dir, or a universal checkpoint) instead of the newest one "
-                             "of run_dir")
+                             "of run_dir; a checkpoint of another layout (tp, pp, dp, ZeRO "
+                             "stage, offload, precision) is resharded onto this one")
+    parser.add_argument("--require-same-layout", action="store_true",
+                        help="refuse to resume a checkpoint of another layout instead of "
+                             "resharding it")
     parser.add_argument("--exit-after-minutes", type=float, metavar="M",
                         help="wall-time limit: save a checkpoint and exit 75 after M minutes "
                              "(same as --set train.exit_after_minutes=M)")
@@ -44,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> NoReturn:
     from pretrain import telemetry
-    from pretrain.checkpoint import find_resume
+    from pretrain.checkpoint import confirm_content, find_resume
     from pretrain.config import load_config
     from pretrain.data.build import check_run_data
     from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     # Every check that can fail does so here, before a process group or an engine exists.
     telemetry.check_sinks(cfg.logging.report_to)
     check_run_data(cfg, required=True)  # first: it settles model.vocab_size: auto
-    resume = find_resume(cfg, world_size=world.world_size, resume_from=args.resume_from,
+    resume = find_resume(cfg, resume_from=args.resume_from,
                          log=lambda text: telemetry.log(text, main=world.is_main))
     if resume is not None and cfg.train.global_batch_size is None:
         # Resharding keeps the global batch: gradient accumulation follows the new dp size.
@@ -80,6 +84,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     cfg.train.precision = choice.precision
     ds_config = resolve_ds_config(cfg, world_size=world.world_size,
                                   accelerator=get_accelerator().device_name())
+    if resume is not None and args.require_same_layout:
+        refuse_another_layout(resume, cfg, ds_config, world_size=world.world_size)
     if resume is not None and resume.universal:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     init_distributed(world, timeout_minutes=cfg.train.collective_timeout_minutes,
@@ -90,6 +96,9 @@ def run(args: argparse.Namespace) -> NoReturn:
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world.world_size,
                                            rank=world.rank).create_groups()
     try:
+        # every rank reads its share of the checkpoint's files: damage found anywhere is skipped
+        resume = confirm_content(resume, cfg, resume_from=args.resume_from,
+                                 log=lambda text: telemetry.log(text, main=world.is_main))
         agree_on_precision(choice, rank=world.rank)
         telemetry.log(f"[precision] {choice.precision.value}: {choice.reason}",
                       main=world.is_main)
@@ -100,6 +109,31 @@ def run(args: argparse.Namespace) -> NoReturn:
         _exit_on_fault(exc, rank=world.rank)
         raise
     exit_distributed(EXIT_REQUEUE if result.stop_reason else 0)
+
+
+def refuse_another_layout(resume, cfg, ds_config, *, world_size: int) -> None:
+    """`--require-same-layout`: a `CheckpointError` when the checkpoint's layout is not the
+    run's (before any process group)."""
+    from pretrain.checkpoint.reshard import layout_change
+    from pretrain.errors import CheckpointError
+
+    change = layout_change(resume.meta["layout"], run_layout_of(cfg, ds_config,
+                                                                world_size=world_size))
+    if change and not resume.universal:
+        raise CheckpointError(f"checkpoint {str(resume.path)!r} was saved on another layout "
+                              f"({change}) and --require-same-layout is set: run it on its own "
+                              "layout, or drop the flag to reshard it")
+
+
+def run_layout_of(cfg, ds_config, *, world_size: int) -> dict:
+    """This run's layout as a checkpoint records it."""
+    from pretrain.checkpoint.engine import run_layout
+    from pretrain.ds_config import offload_devices, zero_stage
+    from pretrain.topology import Topology
+
+    return run_layout(cfg, topology=Topology.from_parallel_config(cfg.parallel,
+                                                                  world_size=world_size),
+                      zero_stage=zero_stage(ds_config), offload=offload_devices(ds_config)[0])
 
 
 def choose_run_precision(requested, device_type: str, *, resume):

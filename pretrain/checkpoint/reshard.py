@@ -1,0 +1,233 @@
+"""Resuming an engine checkpoint on another layout: tp, pp, dp, ZeRO stage, offload, precision.
+
+A checkpoint saved on the run's own layout is loaded by DeepSpeed (`engine.load`), bitwise.
+Any other is resharded here, online, by every rank of the new run, from the saved files alone:
+
+- each parameter this rank holds (by Hugging Face name, so pipeline stages may move) gets its
+  tensor-parallel shard of the saved fp32 master weight and of Adam's two moments, read one
+  whole tensor at a time from the saved partitions (`weights.engine_tensors`: ZeRO-1/2/3 flat
+  partitions, ZeRO-0 per-parameter states, tensor-parallel shards merged);
+- those go where the new engine keeps them: the module's weight (rounded to its dtype), the
+  fp32 master (ZeRO-1/2 and DeepSpeed's bf16 optimizer through the parameter's
+  `_hp_mapping` fragment, ZeRO-3 through its partition, bf16 at ZeRO-0 through the
+  optimizer's fp32 groups; fp32 at ZeRO-0: the module's weight is the master) and the
+  optimizer state of that master;
+- Adam's step count, the learning-rate schedule's position and the engine's step and sample
+  counters are the saved ones; the trainer carries consumed samples and the global batch
+  (gradient accumulation follows the new dp).
+
+The result is the state the old layout held, to the last bit of every fp32 tensor: continuing
+differs from the uninterrupted run only by the new layout's reduction order. RNG states are
+carried where every rank keeps its role (same tp, pp and dp: a ZeRO-stage or offload change);
+otherwise each rank's generators are seeded from (train.seed, step, rank), the same on every
+restart of that layout. The model has no dropout, so losses do not depend on them.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pretrain.checkpoint.weights import OPTIMIZER_NAMES, engine_tensors
+from pretrain.checkpoint.zero_shards import load_checkpoint_file
+from pretrain.config import RunConfig
+from pretrain.errors import CheckpointError
+from pretrain.model import canonical_parameters, tensor_parallel_group
+from pretrain.model.llama import shard_of
+from pretrain.model.tensor_parallel import tp_rank, tp_world_size
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+# What makes two layouts the same for a checkpoint: every rank's files mean the same thing.
+LAYOUT_KEYS = ("tensor", "pipeline", "data", "zero_stage", "offload", "precision")
+
+
+def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> str:
+    """`tp2 pp2 dp1 ZeRO-1`, with offload and precision when set (and, given `other`, when
+    they differ from it)."""
+    text = (f"tp{layout['tensor']} pp{layout['pipeline']} dp{layout['data']} "
+            f"ZeRO-{layout['zero_stage']}")
+    if layout.get("offload", "none") != "none":
+        text += f" offload {layout['offload']}"
+    if layout.get("precision") and (other is None or other.get("precision") != layout["precision"]):
+        text += f" {layout['precision']}"
+    return text
+
+
+def layout_change(saved: dict[str, Any], run: dict[str, Any]) -> str | None:
+    """`tp2 pp2 dp1 ZeRO-1 -> tp1 pp1 dp2 ZeRO-3` when the layouts differ (keys saved by older
+    versions, absent from `saved`, count as equal), else None."""
+    if all(saved[k] == run[k] for k in LAYOUT_KEYS if k in saved and k in run):
+        return None
+    return f"{describe(saved, other=run)} -> {describe(run, other=saved)}"
+
+
+def optimizer_parameter_names(engine) -> list[list[str]] | None:
+    """The module names of a ZeRO-0 optimizer's parameters, group by group in its order (saved
+    with the checkpoint: a ZeRO-0 optimizer's state is indexed by that order alone); None when
+    ZeRO partitions it (their files name the parameters)."""
+    if engine.zero_optimization_stage() > 0:
+        return None
+    optimizer = engine.optimizer
+    groups = getattr(optimizer, "fp16_groups", None)  # bf16 at ZeRO-0: the module's params
+    if groups is None:
+        groups = [group["params"] for group in optimizer.param_groups]
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    return [[names[id(p)] for p in group] for group in groups]
+
+
+def saved_optimizer_step(step_dir: Path, *, default: int) -> int:
+    """Adam's step count in a checkpoint (the same for every parameter; `default` when the
+    optimizer had not stepped)."""
+    for file in sorted(step_dir.glob("*optim_states.pt")):
+        saved = load_checkpoint_file(file)["optimizer_state_dict"]
+        state = saved.get("base_optimizer_state", saved.get("optimizer_state_dict", {}))
+        return _step_of(state.get("state", {}), default)
+    model_files = sorted(step_dir.glob("*mp_rank_*_model_states.pt"))
+    optimizer = load_checkpoint_file(model_files[0]).get("optimizer") or {}
+    return _step_of(optimizer.get("optimizer_state_dict", optimizer).get("state", {}), default)
+
+
+def _step_of(state: dict, default: int) -> int:
+    for entry in state.values():
+        if "step" in entry:
+            return int(entry["step"])
+    return default
+
+
+@torch.no_grad()
+def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConfig, groups,
+                   rank: int) -> None:
+    """Set this rank's engine to the state of `step_dir`, saved on another layout (module
+    weights, fp32 masters, Adam moments and step, lr schedule, step and sample counters)."""
+    m = cfg.model
+    tp_group = tensor_parallel_group(groups)
+    tp_size, my_tp = tp_world_size(tp_group), tp_rank(tp_group)
+    step = saved_optimizer_step(step_dir, default=int(meta["step"]))
+    _create_adam_state(engine, step=step)
+    sources = {"master": engine_tensors(step_dir),
+               **{key: engine_tensors(step_dir, key) for key in ADAM_MOMENTS}}
+    targets = _Targets(engine, dp_rank=groups.topology.my_coords.data,
+                       dp_size=groups.topology.data)
+    for name, param in canonical_parameters(engine.module, m):
+        for what, source in sources.items():
+            try:
+                full = source[name]
+            except KeyError:
+                raise CheckpointError(f"{step_dir} holds no {what} of {name}") from None
+            shard = shard_of(full, name, cfg=m, tp_rank=my_tp, tp_size=tp_size)
+            targets.set(param, shard.contiguous(), what)
+            del full, shard
+    _set_schedule(engine, step_dir, meta)
+
+
+class _Targets:
+    """Where the new engine keeps a parameter's module weight, fp32 master and Adam moments."""
+
+    def __init__(self, engine, *, dp_rank: int, dp_size: int) -> None:
+        self.wrapper = engine.optimizer
+        self.base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.masters: dict[int, torch.Tensor] = {}
+        if hasattr(self.wrapper, "fp16_groups") and hasattr(self.wrapper, "fp32_groups"):
+            for low_group, master_group in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups):
+                self.masters.update({id(low): master for low, master in zip(low_group,
+                                                                             master_group)})
+
+    def set(self, param: torch.nn.Parameter, value: torch.Tensor, what: str) -> None:
+        if hasattr(param, "ds_id"):  # ZeRO-3: this rank's piece of the flat parameter
+            self._set_zero3(param, value, what)
+        elif hasattr(param, "_hp_mapping") and param._hp_mapping is not None:
+            self._set_fragment(param, value, what)
+        elif hasattr(param, "_hp_mapping"):  # ZeRO-1/2: a parameter outside this partition
+            if what == "master":
+                param.data.copy_(value)
+        else:  # ZeRO-0: per-parameter masters and state
+            master = self.masters.get(id(param), param)
+            if what == "master":
+                param.data.copy_(value)
+                master.data.copy_(value)
+            else:
+                self.base.state[master][what].copy_(value)
+
+    def _set_fragment(self, param, value: torch.Tensor, what: str) -> None:
+        mapping = param._hp_mapping
+        if what == "master":
+            param.data.copy_(value)  # the low-precision copy every rank computes with
+            piece = value.reshape(-1).narrow(0, mapping.lp_fragment_address.start,
+                                             mapping.lp_fragment_address.numel)
+            mapping.hp_fragment.data.copy_(piece)
+        else:
+            mapping.get_hp_fragment(optim_state_key=what).data.copy_(value.reshape(-1).narrow(
+                0, mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel))
+
+    def _set_zero3(self, param, value: torch.Tensor, what: str) -> None:
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+        size = param.ds_tensor.numel()
+        flat = torch.zeros(size * self.dp_size, dtype=torch.float32)
+        flat[:value.numel()] = value.reshape(-1)
+        piece = flat[self.dp_rank * size:(self.dp_rank + 1) * size]
+        if what == "master":
+            param.ds_tensor.data.copy_(piece.view_as(param.ds_tensor))
+            safe_set_local_fp32_param(param, piece)
+        else:
+            safe_set_local_optimizer_state(param, piece, what)
+
+
+def _create_adam_state(engine, *, step: int) -> None:
+    """Give every tensor the optimizer updates Adam's state (zero moments where it has none
+    yet, as DeepSpeed's bf16 optimizer and torch's AdamW before their first step) at step count
+    `step`, and link DeepSpeed's per-parameter views of that state."""
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    as_tensor = isinstance(base, torch.optim.Adam)  # torch keeps the count as a tensor
+    updated = [p for group in base.param_groups for p in group["params"]]
+    # ZeRO-3 hands its flat fp32 partitions to the optimizer only while it steps
+    updated += getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
+    for p in updated:
+        state = base.state[p]
+        for key in ADAM_MOMENTS:
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        old = state.get("step")
+        state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
+                         if isinstance(old, torch.Tensor) else
+                         torch.tensor(float(step)) if old is None and as_tensor else step)
+    for group in base.param_groups:
+        if "step" in group:  # optimizers that count per group (DeepSpeed's fused Adam)
+            group["step"] = step
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # ZeRO-1/2 and the bf16 optimizer link their state views lazily
+        link()
+
+
+def _set_schedule(engine, step_dir: Path, meta: dict[str, Any]) -> None:
+    """The learning-rate schedule where it was (and the optimizer's lr with it), and the
+    engine's counters."""
+    model_files = sorted(step_dir.glob("*mp_rank_*_model_states.pt"))
+    saved = load_checkpoint_file(model_files[0])
+    if engine.lr_scheduler is not None and saved.get("lr_scheduler"):
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+    engine.global_steps = int(saved.get("global_steps", meta["step"]))
+    engine.global_samples = int(saved.get("global_samples", meta["consumed_samples"]))
+    engine.skipped_steps = int(saved.get("skipped_steps", 0))
+
+
+def derived_rng_seed(cfg: RunConfig, *, step: int, rank: int) -> int:
+    """The seed of a rank's generators after a reshard: fixed by (train.seed, step, rank)."""
+    return (cfg.train.seed * 1_000_003 + step * 8191 + rank) % (2 ** 31)
+
+
+def seed_generators(seed: int) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if get_accelerator().device_name() != "cpu":
+        get_accelerator().manual_seed(seed)
+

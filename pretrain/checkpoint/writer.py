@@ -1,0 +1,165 @@
+"""The files of a checkpoint, written now or by a background thread: DeepSpeed's pluggable
+checkpoint engine.
+
+`ShardWriter` takes the place of `engine.checkpoint_engine` while a checkpoint is saved, so every
+file DeepSpeed's `save_checkpoint` writes goes through `save(state, path)`, as do our RNG states.
+In the background mode `save` first takes a host copy of the state (`host_copy`: every tensor
+storage copied once, off the device) and queues the file for the one writer thread: training
+may change the live tensors as soon as `save` returns; the thread runs at the lowest CPU
+priority, so it slows training as little as it can. The host storages of a save are kept and
+copied into at the next one (allocating them afresh costs a page fault per page, several times
+the copy itself), so from its first save on a rank holds one copy of its checkpoint files in
+host memory. Either way a file is written by `torch.save` through a stream that adds up its
+CRC32 as the bytes go out, then fsync'd; `wait` returns the (size, CRC32) of every file saved
+since the previous `wait` once all of them, and their directories, are on disk, or raises the
+first writer's error.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import threading
+import zlib
+from concurrent import futures
+from typing import Any, Callable
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (CheckpointCommitInfo,
+                                                                   CheckpointEngine)
+
+
+class _Checksummed:
+    """A binary file that adds up the CRC32 and the size of what is written through it."""
+
+    def __init__(self, out):
+        self.out, self.crc, self.size = out, 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += memoryview(data).nbytes
+        return self.out.write(data)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _write_file(path: str, state: Any) -> tuple[str, int, int]:
+    """`torch.save(state)` into `path`, synced to disk: (path, size, CRC32)."""
+    with open(path, "wb") as out:
+        stream = _Checksummed(out)
+        torch.save(state, stream)
+        out.flush()
+        os.fsync(out.fileno())
+    return path, stream.size, stream.crc
+
+
+def _lowest_priority() -> None:
+    """Run the writer thread at nice 19: training threads get the cores first and the writer
+    what they leave idle (waits in collectives, data loading), all of it once training waits
+    for the write. Only on Linux, where nice is per thread (elsewhere it is the process's)."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def host_copy(state: Any, storage: Callable[[int], torch.UntypedStorage] = torch.UntypedStorage
+              ) -> Any:
+    """A deep copy of `state` whose tensors are copies in host memory.
+
+    Each tensor storage is copied once, into `storage(nbytes)`, and the tensors are rebuilt as
+    the same views of the copies, so `torch.save` of the copy stores what it would have stored
+    of `state`: the same bytes (for CPU tensors), sharing the same storages.
+    """
+    copies: dict[int, torch.UntypedStorage] = {}
+    memo: dict[int, Any] = {}
+
+    def tensor_copy(tensor: torch.Tensor) -> torch.Tensor:
+        source = tensor.untyped_storage()
+        key = source._cdata  # what torch.save tells storages apart by
+        if key not in copies:
+            copies[key] = storage(source.nbytes())
+            copies[key].copy_(source)
+        out = torch.empty(0, dtype=tensor.dtype).set_(copies[key], tensor.storage_offset(),
+                                                      tensor.size(), tensor.stride())
+        if isinstance(tensor, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=tensor.requires_grad)
+        return out.requires_grad_(tensor.requires_grad)
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:
+                memo[id(obj)] = tensor_copy(obj)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, (list, tuple, set)):
+            for value in obj:
+                visit(value)
+
+    visit(state)
+    return copy.deepcopy(state, memo)  # the tensors come from the memo, the containers are new
+
+
+class ShardWriter(CheckpointEngine):
+    """DeepSpeed's checkpoint engine interface; files are written at once or, with `background`,
+    from a host copy by one thread (files in the order they were saved)."""
+
+    def __init__(self, *, background: bool):
+        super().__init__()
+        self.name = "ShardWriter"
+        self.background = background
+        self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer",
+                                                initializer=_lowest_priority)
+        self._files: list[futures.Future] = []
+        self._spare: dict[int, list[torch.UntypedStorage]] = {}  # host storages of the last save
+        self._used: list[torch.UntypedStorage] = []  # ... and of the save being written
+
+    def _host_storage(self, nbytes: int) -> torch.UntypedStorage:
+        spare = self._spare.get(nbytes)
+        self._used.append(spare.pop() if spare else torch.UntypedStorage(nbytes))
+        return self._used[-1]
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.background:
+            snapshot = host_copy(state_dict, self._host_storage)
+            self._files.append(self._pool.submit(_write_file, path, snapshot))
+        else:
+            done: futures.Future = futures.Future()
+            done.set_result(_write_file(path, state_dict))
+            self._files.append(done)
+
+    def writing(self) -> bool:
+        """Whether files saved since the last `wait` are still being written (this rank)."""
+        return not all(f.done() for f in self._files)
+
+    def wait(self) -> dict[str, tuple[int, int]]:
+        """{path: (size, CRC32)} of the files saved since the last `wait`, once they and their
+        directories are on disk; the first writer's exception if one failed."""
+        files, self._files = self._files, []
+        try:
+            written = {}
+            for future in files:
+                path, size, crc = future.result()
+                written[path] = (size, crc)
+        finally:
+            futures.wait(files)  # none is written any more: the next save may copy into them
+            self._spare = {}
+            for storage in self._used:
+                self._spare.setdefault(storage.nbytes(), []).append(storage)
+            self._used = []
+        for directory in {os.path.dirname(p) for p in written}:
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return written
+
+    def load(self, path: str, map_location=None) -> Any:
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        pass
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        return True  # the save becomes complete in `pretrain.checkpoint.engine.Saver.finish`
