@@ -77,7 +77,10 @@ run_training() {
   trap forward_usr1 USR1
   # --cpus-per-task explicitly: srun of Slurm 22.05-23.02 does not inherit it from sbatch, and
   # every rank would get one core. Each rank bound to its own cores (CPU_BIND=none: off).
-  srun --ntasks-per-node="$TASKS_PER_NODE" --nodes="$NNODES" --wait="${SRUN_WAIT:-300}" \
+  # --ntasks explicitly: a job requeued onto fewer nodes keeps the first attempt's SLURM_NTASKS,
+  # and srun would start that many ranks on the nodes it has.
+  srun --ntasks="$WORLD_SIZE" --ntasks-per-node="$TASKS_PER_NODE" --nodes="$NNODES" \
+    --wait="${SRUN_WAIT:-300}" \
     --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" --cpu-bind="${CPU_BIND:-cores}" \
     python -u -m pretrain train "${RUN_ARGS[@]}" &
   SRUN_PID=$!

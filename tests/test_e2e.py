@@ -118,8 +118,11 @@ def test_deepspeed_launcher_zero2_trains_checkpoints_and_generates(stdlib_data, 
     tokenizer = Path(stdlib_data["tokenizer"])
     assert meta["tokenizer"] == {"path": str(tokenizer),
                                  "sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest()}
+    # the precision `auto` chose on this CPU, as the saved config records it
     assert meta["layout"] == {"tensor": 1, "pipeline": 1, "data": 2, "world_size": 2,
-                              "zero_stage": 2}
+                              "zero_stage": 2, "offload": "none",
+                              "precision": meta["config"]["train"]["precision"]}
+    assert meta["layout"]["precision"] in ("bf16", "fp32")
     assert_final_is_the_last_step(run_dir, ckpts / f"step{STEPS}")
     assert tensorboard_losses(run_dir) == pytest.approx(losses, rel=1e-6)
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))

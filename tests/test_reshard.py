@@ -39,6 +39,11 @@ TRANSITIONS = {
                            "tp1 pp1 dp2 ZeRO-3 offload cpu -> tp2 pp1 dp1 ZeRO-2"),
     "tp2sp-dp2z2": (_layout(2, 1, 1, "zero1", "parallel.sequence_parallel=true"),
                     _layout(1, 1, 2, "zero2"), "tp2 pp1 dp1 ZeRO-1 -> tp1 pp1 dp2 ZeRO-2"),
+    # a pipeline as the target; ZeRO-0 as the source; CPU offload as source and target
+    "dp2z2offload-pp2z1": (_layout(1, 1, 2, "zero2_offload_cpu"), _layout(1, 2, 1, "zero1"),
+                           "tp1 pp1 dp2 ZeRO-2 offload cpu -> tp1 pp2 dp1 ZeRO-1"),
+    "z0-dp2z2offload": (_layout(1, 1, 1, "zero0"), _layout(1, 1, 2, "zero2_offload_cpu"),
+                        "tp1 pp1 dp1 ZeRO-0 -> tp1 pp1 dp2 ZeRO-2 offload cpu"),
     # DeepSpeed's two bf16 optimizers: BF16_Optimizer (ZeRO-1) and FP16_UnfusedOptimizer (ZeRO-0)
     "bf16-dp2z1-tp2z0": (_layout(1, 1, 2, "zero1", BF16), _layout(2, 1, 1, "zero0", BF16),
                          "tp1 pp1 dp2 ZeRO-1 -> tp2 pp1 dp1 ZeRO-0"),

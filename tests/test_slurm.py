@@ -1,7 +1,8 @@
 """The real `slurm/*.sh` scripts on a real local Slurm cluster (tests/slurm_cluster.py).
 
 Two slurmd "nodes" on this host, one CPU rank each: the 70B script with tiny overrides trains and
-checkpoints; USR1 leads to a checkpoint, a requeue and a resume at the next step; the ZeRO sweep
+checkpoints; USR1 leads to a checkpoint, a requeue and a resume at the next step (also on fewer
+nodes than the first attempt had: the checkpoint is resharded); the ZeRO sweep
 array leaves a result table; a bad config fails in the pre-flight with its message in the log.
 Each test submits exactly what a user would, with `sbatch` options and environment overrides.
 """
@@ -123,6 +124,48 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, tiny_data, tmp_path):
     steps = _train_steps(run_dir)
     # Attempt 1 continues at the step after the checkpoint of attempt 0: no step repeated or lost.
     assert steps == list(range(1, 61)), steps
+
+
+def test_requeued_job_on_fewer_nodes_resumes_resharded(cluster, tiny_data, tmp_path):
+    """A job on 2 nodes (dp 2): node 2 is drained, USR1 checkpoints and requeues, the requeued
+    job is shrunk to the one node left (`scontrol update NumNodes=1`: this Slurm starts a
+    `--nodes 1-2` job on one node even when both are idle, so a range cannot show the shrink),
+    reshards the checkpoint to dp 1 and finishes the run with the same global batch, no step
+    repeated or lost."""
+    run_dir, log_dir = tmp_path / "run", tmp_path / "job"
+    job = _submit(cluster, "pretrain_70b.sh", tmp_path, sbatch_args=TWO_CPU_NODES,
+                  env={"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir)},
+                  script_args=_sets(*TINY_70B, "parallel.pipeline=1", "train.steps=60",
+                                    "train.micro_batch_size=1", "train.global_batch_size=4",
+                                    f"data.tokenizer={tiny_data['tokenizer']}",
+                                    f"data.dataset={tiny_data['dataset']}"))
+    deadline = time.monotonic() + 300
+    while len(_train_steps(run_dir)) < 2:
+        assert time.monotonic() < deadline, _log(tmp_path)
+        assert cluster.job(job)[0].state in ("PENDING", "RUNNING"), _log(tmp_path)
+        time.sleep(0.2)  # polling a condition, not synchronising on time
+    assert cluster.job(job)[0].fields["NodeList"] == "pretrain-node[1-2]"
+    cluster.run(["scontrol", "update", "nodename=pretrain-node2", "state=drain",
+                 "reason=the shrink test"])
+    try:
+        cluster.run(["scancel", "--signal=USR1", "--batch", job])
+        # requeued, it waits for a second node that is drained: give it the one left
+        while not (cluster.job(job)[0].state == "PENDING"
+                   and cluster.job(job)[0].fields.get("Restarts") == "1"):
+            assert time.monotonic() < deadline + 300, _log(tmp_path)
+            time.sleep(0.2)  # polling a condition, not synchronising on time
+        cluster.run(["scontrol", "update", f"jobid={job}", "NumNodes=1", "NumTasks=1"])
+        (info,), log = _done(cluster, job, tmp_path, timeout=600)
+    finally:
+        cluster.run(["scontrol", "update", "nodename=pretrain-node2", "state=resume"])
+    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
+    assert info.fields["Restarts"] == "1" and info.fields["NodeList"] == "pretrain-node1", log
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    starts = [(r["world_size"], r["data_parallel"], r["global_batch"]) for r in records
+              if r["kind"] == "run"]
+    assert starts == [(2, 2, 4), (1, 1, 4)], starts
+    assert "resharded tp1 pp1 dp2 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in log
+    assert _train_steps(run_dir) == list(range(1, 61))
 
 
 def test_zero_sweep_array_leaves_result_table(cluster, tiny_data, tmp_path):
