@@ -79,7 +79,9 @@ def test_this_cpus_flags_agree_with_its_measured_bf16_speed():
         pytest.skip("/proc/cpuinfo has no flags here")
     slowdown = bf16_slowdown()
     if info.bf16_native:
-        assert slowdown < 2.0, (info.describe(), slowdown)
+        # uncontended ~0.5 on AVX512-BF16, up to 2.5 measured beside the suite's other worker;
+        # CPUs without bf16 run it 50-80x slower, so 10 still tells the two apart
+        assert slowdown < 10.0, (info.describe(), slowdown)
     else:
         assert slowdown > 1.5, (info.describe(), slowdown)
 
