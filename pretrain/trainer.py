@@ -26,7 +26,7 @@ from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets, check_run_data
 from pretrain.data.loader import micro_batches
 from pretrain.dist import World, wait_for_io
-from pretrain.ds_config import engine_fields, offload_devices, zero_stage
+from pretrain.ds_config import engine_fields, zero_stage
 from pretrain.engine import build_engine
 from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
@@ -100,9 +100,7 @@ class Trainer:
         # The pipeline engine steps inside train_batch: at ZeRO-0 it reports no norm (null).
         self._norm_before_step = zero_stage(ds_config) == 0 and not self.pipelined
         self._grad_norm: float | None = None
-        self.checkpoint_layout = checkpoint.run_layout(
-            cfg, topology=groups.topology, zero_stage=zero_stage(ds_config),
-            offload=offload_devices(ds_config)[0])
+        self.checkpoint_layout = checkpoint.run_layout(cfg, ds_config, topology=groups.topology)
         if resume is not None:
             self._resume(resume)
         self.control = control or faults.RunControl(

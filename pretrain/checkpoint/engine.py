@@ -46,6 +46,7 @@ from pretrain.checkpoint.writer import ShardWriter
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
 from pretrain.dist import gather_for_io, wait_for_io
+from pretrain.ds_config import offload_devices, zero_stage
 from pretrain.errors import CheckpointError
 from pretrain.faults import TrainingFault
 from pretrain.model import canonical_parameters, tensor_parallel_group
@@ -61,12 +62,13 @@ RESUMABLE_MODEL_CHANGES = frozenset({"preset", "init_std", "init_from", "activat
                                      "activation_checkpointing_interval"})
 
 
-def run_layout(cfg: RunConfig, *, topology: Topology, zero_stage: int,
-               offload: str = "none") -> dict[str, Any]:
-    """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`)."""
+def run_layout(cfg: RunConfig, ds_config: dict[str, Any], *,
+               topology: Topology) -> dict[str, Any]:
+    """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`), of a run
+    with the resolved DeepSpeed config `ds_config`."""
     return {"tensor": topology.tensor, "pipeline": topology.pipeline, "data": topology.data,
-            "world_size": topology.world_size, "zero_stage": zero_stage, "offload": offload,
-            "precision": cfg.train.precision.value}
+            "world_size": topology.world_size, "zero_stage": zero_stage(ds_config),
+            "offload": offload_devices(ds_config)[0], "precision": cfg.train.precision.value}
 
 
 def checkpoint_meta(cfg: RunConfig, *, step: int, consumed_samples: int, global_batch: int,

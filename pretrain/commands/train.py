@@ -114,26 +114,18 @@ def run(args: argparse.Namespace) -> NoReturn:
 def refuse_another_layout(resume, cfg, ds_config, *, world_size: int) -> None:
     """`--require-same-layout`: a `CheckpointError` when the checkpoint's layout is not the
     run's (before any process group)."""
+    from pretrain.checkpoint.engine import run_layout
     from pretrain.checkpoint.reshard import layout_change
     from pretrain.errors import CheckpointError
+    from pretrain.topology import Topology
 
-    change = layout_change(resume.meta["layout"], run_layout_of(cfg, ds_config,
-                                                                world_size=world_size))
+    layout = run_layout(cfg, ds_config, topology=Topology.from_parallel_config(
+        cfg.parallel, world_size=world_size))
+    change = layout_change(resume.meta["layout"], layout)
     if change and not resume.universal:
         raise CheckpointError(f"checkpoint {str(resume.path)!r} was saved on another layout "
                               f"({change}) and --require-same-layout is set: run it on its own "
                               "layout, or drop the flag to reshard it")
-
-
-def run_layout_of(cfg, ds_config, *, world_size: int) -> dict:
-    """This run's layout as a checkpoint records it."""
-    from pretrain.checkpoint.engine import run_layout
-    from pretrain.ds_config import offload_devices, zero_stage
-    from pretrain.topology import Topology
-
-    return run_layout(cfg, topology=Topology.from_parallel_config(cfg.parallel,
-                                                                  world_size=world_size),
-                      zero_stage=zero_stage(ds_config), offload=offload_devices(ds_config)[0])
 
 
 def choose_run_precision(requested, device_type: str, *, resume):
