@@ -86,6 +86,11 @@ def _steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in _records(run_dir) if r["kind"] == "train"]
 
 
+def _latest_step(run_dir: Path) -> int:
+    """The step of the newest complete checkpoint (`latest` is replaced atomically)."""
+    return int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
+
+
 def _training_at(run_dir: Path, *, dp: int, start: int) -> bool:
     """Whether the `start`-th start of the run (1-based) has begun, at data-parallel size `dp`,
     and trained a step."""
@@ -118,6 +123,10 @@ def test_elastic_run_survives_a_lost_node_and_takes_a_new_one(tiny_data, tmp_pat
         _kill_node(leaving)
 
         _until(lambda: _training_at(run_dir, dp=1, start=2), what="the survivor training at dp 1",
+               procs=[host])
+        # the joined run must resume from a checkpoint saved at dp 1, or it has nothing to reshard
+        resumed = _latest_step(run_dir)
+        _until(lambda: _latest_step(run_dir) > resumed, what="a checkpoint saved at dp 1",
                procs=[host])
         joining = _agent(args, port=port, log=tmp_path / "joining.log")
         _until(lambda: _training_at(run_dir, dp=2, start=3), what="the run going back to dp 2",

@@ -62,6 +62,18 @@ def _wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], *,
         time.sleep(0.2)
 
 
+def _wait_for_checkpoint(run_dir: Path, step: int, procs: list[subprocess.Popen], *,
+                         timeout: float = 300) -> None:
+    """Poll checkpoints/latest until it names `step` or a later one: saves finish in the
+    background, so a logged step does not yet mean its checkpoint is complete."""
+    latest, deadline = run_dir / "checkpoints" / "latest", time.monotonic() + timeout
+    while not (latest.exists() and int(latest.read_text()[4:]) >= step):
+        for p in procs:
+            assert p.poll() is None, f"exited {p.returncode} before checkpoint {step}: {p.stderr and p.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint {step} within {timeout}s"
+        time.sleep(0.2)
+
+
 def _ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
     """The training processes under a launcher, by rank (their RANK variable)."""
     ranks = []
@@ -178,7 +190,7 @@ def test_killed_rank_makes_the_others_exit_then_restart_resumes(tiny_data, tmp_p
         procs.append(subprocess.Popen([sys.executable, "-m", "pretrain", *args], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        _wait_for_step(run_dir, 5, procs)
+        _wait_for_checkpoint(run_dir, 4, procs)
         procs[1].kill()
         _, err = procs[0].communicate(timeout=90)  # the timeout is 60 s; gloo is usually faster
     finally:

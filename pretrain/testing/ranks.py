@@ -15,7 +15,9 @@ ranks are spawned, not forked. Each rank runs on one thread: several ranks share
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import sys
 import time
 import traceback
 import uuid
@@ -31,6 +33,7 @@ from torch.multiprocessing.spawn import ProcessException
 def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, result_dir: str,
                timeout_s: float, args: tuple) -> None:
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a C++ abort in a rank prints every thread's stack
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # deepspeed.init_distributed and the engine read these; the rendezvous itself is the file
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -41,16 +44,20 @@ def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, result_
                                 timeout=datetime.timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
-        dist.barrier()  # nobody tears the group down while a peer still uses it
+        dist.barrier()  # nobody leaves while a peer still uses the group
     except BaseException:
         # time-stamped, so the caller can tell the first failure from its peers' consequences
         # ("connection closed by peer" in every rank that waited for the failed one)
         (Path(result_dir) / f"rank{rank}.error").write_text(
             f"{time.time():.6f}\n{traceback.format_exc()}")
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # Done: leave without the interpreter's teardown. Process groups that DeepSpeed or the test
+    # made (and a background writer's pool) are still alive; tearing them down at exit has
+    # aborted a rank ("terminate called without an active exception") after its result was
+    # saved, which the caller would take for a failure of the code under test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RankFailed(AssertionError):
