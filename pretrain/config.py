@@ -108,6 +108,12 @@ class ModelConfig:
     vocab_pad_multiple: int = 128  # vocabulary rounded up to a multiple of this x tensor size
     init_from: str = ""  # initial weights instead of the seeded init: a Hugging Face Llama
     # directory, `pretrain import-hf` output, a run dir, step dir or final/ (same shapes)
+    compile: bool = False  # torch.compile each decoder layer (regional; inductor, cached in
+    # <build>/torch_compile); parameters and checkpoints are unchanged
+    fused_projections: bool = True  # q/k/v and gate/up each as one matmul; the parameters stay
+    # separate (Hugging Face names and values in every format)
+    loss_chunk_tokens: int = 4096  # lm_head + cross entropy over chunks of this many tokens of a
+    # micro-batch, gradients computed chunk by chunk: the full fp32 logits never exist (0: whole)
 
     def __post_init__(self) -> None:
         if self.vocab_size != VOCAB_AUTO and (isinstance(self.vocab_size, str)
@@ -129,6 +135,9 @@ class ModelConfig:
         if self.head_dim % 2:
             _fail("model", "hidden_size", self.hidden_size,
                   f"gives an odd head_dim={self.head_dim}; rotary embeddings need an even one")
+        if self.loss_chunk_tokens < 0:
+            _fail("model", "loss_chunk_tokens", self.loss_chunk_tokens,
+                  "must be 0 (the whole micro-batch at once) or a positive number of tokens")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             _fail("model", "rope_theta/norm_eps/init_std",
                   (self.rope_theta, self.norm_eps, self.init_std), "must be positive")

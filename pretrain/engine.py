@@ -7,6 +7,8 @@ schedule is ours (`warmup_cosine`), so the DeepSpeed config carries no "schedule
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -17,8 +19,8 @@ from pretrain.config import RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.ds_config import zero_stage
 from pretrain.metrics import global_grad_norm
-from pretrain.model import (ModelForm, build_for_layout, defer_sequence_parallel_grads,
-                            tensor_parallel_group)
+from pretrain.model import (ModelForm, build_for_layout, compile_blocks,
+                            defer_sequence_parallel_grads, tensor_parallel_group)
 from pretrain.topology import ProcessGroups
 
 def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -114,6 +116,11 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     # every micro-batch's backward runs once per step, in the flat and the pipeline engine alike
     defer_sequence_parallel_grads(engine.module,
                                   micro_batches=engine.gradient_accumulation_steps())
+    if cfg.model.compile:
+        cache = Path(cfg.run_dir) / "torch_compile"
+        layers = compile_blocks(engine.module, cache_dir=cache)
+        telemetry.log(f"[compile] {layers} decoder layers compiled by torch.compile at the first "
+                      f"step (inductor cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']})", main=main)
     if groups.topology.data == 1 and zero_stage(ds_config) == 0 and flat:
         # One replica: DeepSpeed's bucketed gradient all-reduce would only copy gradients
         # in and out of flat buffers (measured ~2% of a step of the quickstart model).

@@ -32,7 +32,7 @@ from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
 from pretrain.layout import resolve_layout
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
-from pretrain.model import ModelForm
+from pretrain.model import ModelForm, compile_report
 from pretrain.terminal import show_progress_bar
 from pretrain.topology import ProcessGroups
 
@@ -249,6 +249,13 @@ class Trainer:
                 telemetry.log(f"[profile] Chrome trace of steps {cfg.logging.profile_steps} in "
                               f"{profiler.path}", main=self.main)
             result.losses.append(loss)
+            if cfg.model.compile and len(result.losses) == 1:
+                report = compile_report()
+                telemetry.log(f"[compile] {report.seconds:.1f} s of the first step "
+                              f"({elapsed:.1f} s) compiling {report.graphs} graphs "
+                              f"({report.graph_breaks} graph breaks); inductor cache: "
+                              f"{report.cache_hits} reused, {report.cache_misses} built",
+                              main=self.main)
             rec = self.records.record(self.engine, step=self.step, loss=loss, lr=lr, wait=wait,
                                       elapsed=elapsed, tokens=tokens_per_step,
                                       consumed_samples=self.consumed_samples,

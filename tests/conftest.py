@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 # repository's ignored build folder, shared by every test process.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".build" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# torch.compile's inductor kernels (model.compile) likewise: built once, reused by every run
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".build" / "torch_compile"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # A fixed slice of the bundled corpus (the interpreter's standard library): small enough that

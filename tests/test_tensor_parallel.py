@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pretrain.testing.numerics import bf16_logits_tolerance, cross_entropy64
+from pretrain.testing.numerics import (VOCAB_MATRICES, bf16_logits_tolerance, cross_entropy64,
+                                       full_grads)
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.arithmetic import num_parameters
 from pretrain.config import load_config
@@ -25,14 +26,13 @@ from pretrain.model import llama as llama_module
 from pretrain.model.layers import (RMSNorm, column_linear, defer_sequence_parallel_grads,
                                    row_linear, vocab_embedding)
 from pretrain.model.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                            VocabParallelEmbedding, all_gather_along,
+                                            VocabParallelEmbedding,
                                             copy_to_tp, gather_from_sequence, gather_from_tp,
                                             reduce_from_tp, reduce_scatter_to_sequence,
                                             scatter_to_sequence, scatter_to_tp,
                                             vocab_parallel_cross_entropy)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # padded rows
 
 
 def tiny_cfg(**fields):
@@ -282,21 +282,6 @@ def test_shard_of_splits_by_name_and_pads_the_vocabulary():
 
 # ---- the whole model ----------------------------------------------------------------------------
 
-def _full_grads(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """Gradients of the tp model gathered to full, unpadded tensors (HF names)."""
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        dim = tensor_partition_dim(name)
-        if dim is not None:
-            g = all_gather_along(g, model.tp_group, dim)
-        if name in VOCAB_MATRICES:
-            assert bool((g[model.cfg.vocab_size:] == 0).all()), f"{name}: padded rows got grads"
-            g = g[:model.cfg.vocab_size]
-        grads[name] = g
-    return grads
-
-
 def _compare_with_tp1(cfg, group, *, sequence_parallel, seed=3):
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
                            generator=torch.Generator().manual_seed(1))
@@ -322,7 +307,7 @@ def _compare_with_tp1(cfg, group, *, sequence_parallel, seed=3):
     torch.testing.assert_close(loss, ref_loss, **TOL, msg=what)
     loss.backward()
     ref_loss.backward()
-    grads = _full_grads(model)
+    grads = full_grads(model)
     for name, p in ref.named_parameters():
         expected = p.grad[:cfg.vocab_size] if name in VOCAB_MATRICES else p.grad
         torch.testing.assert_close(grads[name], expected, **TOL, msg=f"{what}: {name}")

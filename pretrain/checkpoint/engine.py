@@ -59,7 +59,8 @@ UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 
 # Model fields that do not change the saved tensors or their meaning: a resumed run may change
 # its recompute mode, and the initial weights / init scale only mattered at step 0.
 RESUMABLE_MODEL_CHANGES = frozenset({"preset", "init_std", "init_from", "activation_checkpointing",
-                                     "activation_checkpointing_interval"})
+                                     "activation_checkpointing_interval", "compile",
+                                     "fused_projections", "loss_chunk_tokens"})
 
 
 def run_layout(cfg: RunConfig, ds_config: dict[str, Any], *,

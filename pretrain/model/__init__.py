@@ -5,7 +5,8 @@
 - `pipeline.py`: the same model as DeepSpeed pipeline stages,
 - `form.py`: flat or pipeline (`ModelForm`), parameters under Hugging Face names, and the one
   loop that copies full weights into this rank's shards (`copy_full_weights`, `init_weights`),
-- `build.py`: initialised models of either form, and the one for a run's layout,
+- `build.py`: initialised models of either form, the one for a run's layout, and their
+  decoder layers compiled (`compile_blocks`),
 - `layers.py`: RMSNorm, rotary embeddings, and the tensor-parallel swap points,
 - `tensor_parallel.py`: Megatron-style collectives, sharded layers, vocab-parallel loss,
 - `hf.py`: conversion to and from Hugging Face's `LlamaForCausalLM`.
@@ -16,8 +17,8 @@ import torch
 
 from pretrain.config import Precision
 from pretrain.model.build import (build_flat_pipeline, build_for_layout, build_model,
-                                  build_pipeline_model, construct_for_layout,
-                                  tensor_parallel_group)
+                                  build_pipeline_model, compile_blocks, compile_report,
+                                  construct_for_layout, tensor_parallel_group)
 from pretrain.model.form import ModelForm, canonical_parameters, copy_full_weights, init_weights
 from pretrain.model.layers import defer_sequence_parallel_grads
 from pretrain.model.llama import (LlamaModel, causal_lm_loss, gather_full_state_dict, shard_of,
@@ -28,7 +29,8 @@ DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
           Precision.FP16: torch.float16}
 
 __all__ = ["DTYPES", "LlamaModel", "ModelForm", "build_flat_pipeline", "build_for_layout", "build_model",
-           "build_pipeline_model", "canonical_parameters", "causal_lm_loss", "construct_for_layout", "copy_full_weights",
+           "build_pipeline_model", "canonical_parameters", "causal_lm_loss", "compile_blocks",
+           "compile_report", "construct_for_layout", "copy_full_weights",
            "defer_sequence_parallel_grads",
            "gather_full_state_dict", "init_weights", "shard_of", "tensor_parallel_group",
            "tensor_partition_dim"]

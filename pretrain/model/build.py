@@ -7,16 +7,19 @@ seed holds bitwise the same model.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import deepspeed
+import torch
 import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 
 from pretrain.config import ModelConfig, Recompute, RunConfig
 from pretrain.ds_config import zero_stage
 from pretrain.model.form import ModelForm, init_weights
-from pretrain.model.llama import LlamaModel
+from pretrain.model.llama import DecoderLayer, LlamaModel, fused_projections
 from pretrain.model.pipeline import SequentialPipeline, pipeline_module, sequential_pipeline
 from pretrain.topology import ProcessGroups
 
@@ -82,3 +85,48 @@ def build_for_layout(cfg: RunConfig, groups: ProcessGroups, *,
         model = construct_for_layout(cfg, groups)
     init_weights(model, cfg.model, seed=cfg.train.seed, tp_group=tensor_parallel_group(groups))
     return model
+
+
+def compile_blocks(module: nn.Module, *, cache_dir: Path) -> int:
+    """`torch.compile` every decoder layer of `module` in place (regional compilation, as
+    torchtitan does): the layers share one code object, so one graph serves all of them and
+    compiling costs one layer's time, not the model's. `nn.Module.compile` keeps the module
+    and its parameter names (no `_orig_mod.` prefix), so checkpoints, hooks (ZeRO-3's gathers,
+    activation checkpointing, the pipeline's stages) and every weight format are unchanged.
+
+    Inductor's caches go to `cache_dir` unless TORCHINDUCTOR_CACHE_DIR is set: a restart of the
+    run reuses the compiled kernels instead of generating and building them again. Compiling
+    happens at the first forward and backward; `compile_report` says what it cost. Returns the
+    number of layers compiled."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
+    # ZeRO-3: a partitioned weight is gathered when eager code reads it (DeepSpeed's hooks);
+    # traced, the fused projections would see its empty partition. They run eagerly there (a
+    # graph break around each fused matmul); the rest of each layer stays compiled.
+    partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
+    for layer in layers:
+        if partitioned:
+            for part in (layer.self_attn, layer.mlp):
+                part.project = torch.compiler.disable(fused_projections, recursive=True)
+        layer.compile()
+    return len(layers)
+
+
+class CompileReport(NamedTuple):
+    seconds: float  # dynamo tracing + inductor code generation and builds, forward and backward
+    graphs: int  # distinct graphs compiled (one per layer shape, plus one per graph break)
+    graph_breaks: int  # places dynamo left to eager Python (e.g. ZeRO-3's eager projections)
+    cache_hits: int  # inductor graphs loaded from the cache instead of being built
+    cache_misses: int
+
+
+def compile_report() -> CompileReport:
+    """What compiling has cost so far in this process, from torch's own counters."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(sum(compilation_time_metrics.get(key, ()))
+                  for key in ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"))
+    inductor = counters["inductor"]
+    return CompileReport(seconds, counters["stats"]["unique_graphs"],
+                         sum(counters["graph_break"].values()), inductor["fxgraph_cache_hit"],
+                         inductor["fxgraph_cache_miss"])

@@ -31,8 +31,8 @@ class RMSNorm(nn.Module):
 
     Under sequence parallelism the norm sees only this rank's T/tp tokens, so its weight
     gradient is a partial sum: pass the tensor-parallel group as `sequence_parallel_group` and
-    the weight goes through a `SequenceShardedWeightGrad` (identity forward; the backward sums
-    the step's micro-batches and all-reduces once per step), so every rank (and DeepSpeed) sees
+    the weight's gradient goes through a `SequenceShardedWeightGrad` hook (which sums the
+    step's micro-batches and all-reduces once per step), so every rank (and DeepSpeed) sees
     the complete gradient of the replicated weight at the step's end.
     """
 
@@ -42,11 +42,12 @@ class RMSNorm(nn.Module):
         self.sequence_parallel_group = sequence_parallel_group
         self.weight_grad = SequenceShardedWeightGrad(sequence_parallel_group)
         self.weight = nn.Parameter(torch.ones(dim))
+        self.weight_grad.attach(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight_grad(self.weight) * x32.type_as(x)
+        return self.weight * x32.type_as(x)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

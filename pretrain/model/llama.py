@@ -12,7 +12,12 @@ Architecture choices:
 - no biases, no dropout; optional tied input/output embeddings,
 - a vocabulary padded to `cfg.padded_vocab_size(tp)` rows (a multiple of 128 x tp, for fast
   matmuls and equal tensor-parallel shards); the padded logit columns are cut off before the
-  loss and before anything is returned, so they never affect training or generation.
+  loss and before anything is returned, so they never affect training or generation,
+- the loss is computed from the lm_head's input (`pretrain.model.loss`): with
+  `cfg.loss_chunk_tokens` > 0 (the default) the lm_head matmul, the fp32 cross entropy and
+  their gradients go `loss_chunk_tokens` tokens at a time, so the fp32 logits of a whole
+  micro-batch (N x V: the largest activation of the model) never exist; 0 computes whole
+  logits and their cross entropy, the same loss and gradients within fp32 rounding.
 
 Tensor parallelism (Megatron-LM; `pretrain.model.tensor_parallel`), when a group of tp > 1
 ranks is given:
@@ -21,8 +26,8 @@ ranks is given:
   column-parallel, o_proj row-parallel); SwiGLU: gate/up column-parallel, down row-parallel.
   A block's forward then has one all-reduce after attention and one after the MLP,
 - embedding and lm_head are vocab-parallel (rows of the padded vocabulary); the loss is the
-  vocab-parallel cross entropy, so the full logits are never gathered in training; a tied
-  lm_head is the embedding's shard,
+  vocab-parallel cross entropy (whole or chunked: the log-sum-exp's max and sums all-reduced),
+  so the full logits are never gathered in training; a tied lm_head is the embedding's shard,
 - sequence parallelism (Korthikanti et al. 2022): the residual stream and the norms hold T/tp
   tokens per rank; the all-reduces become an all-gather before each block's projections and a
   reduce-scatter after them (same bytes, 1/tp of the norm activations).
@@ -30,7 +35,9 @@ ranks is given:
 Parameter names are exactly those of Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn
 .q_proj.weight`, ...), so converting a checkpoint only drops or adds the padded vocabulary rows
 (`pretrain.model.hf`); `gather_full_state_dict` turns tensor-parallel shards into that full
-state dict. Every projection is built by the factories of `pretrain.model.layers`.
+state dict. Every projection is built by the factories of `pretrain.model.layers`, except the
+lm_head: a `pretrain.model.loss.LMHead` (the same `weight`, sharded the same way), whose
+forward also gives the loss.
 """
 from __future__ import annotations
 
@@ -53,9 +60,11 @@ from pretrain.layout import check_tensor_split
 from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
                                    row_linear, vocab_embedding)
+# the loss of whole logits lives with the chunked one; imported here for both model forms
+from pretrain.model.loss import LMHead, causal_lm_loss, lm_loss  # noqa: F401
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
                                             gather_from_sequence, gather_from_tp, tp_rank,
-                                            tp_world_size, vocab_parallel_cross_entropy)
+                                            tp_world_size)
 
 
 def torch_checkpoint(function, *args):
@@ -67,32 +76,61 @@ def torch_checkpoint(function, *args):
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mean next-token cross-entropy over all labels that are not -100, computed in fp32.
+class _ConcatLinear(torch.autograd.Function):
+    """x @ cat(weights)^T as one matmul, saving the weights themselves for backward.
 
-    `logits` (B, T, V_padded) may carry padded vocabulary columns: they are sliced off so that
-    whatever the padded lm_head rows hold cannot change the softmax. `labels` (B, T) are already
-    shifted by the caller (labels[:, t] is the token after input_ids[:, t]). The upcast follows
-    Hugging Face: a bf16 log-softmax over 32k+ classes loses digits of the loss.
-    Under tensor parallelism `vocab_parallel_cross_entropy` replaces this function.
+    Autograd through `torch.cat` + `F.linear` would save the concatenation for the input
+    gradient: a second copy of these weights held from each layer's forward to its backward
+    (~65% of a Llama layer's parameters, every layer, unless recomputed), and under ZeRO-3 a
+    copy of parameters DeepSpeed releases after the forward. Here backward concatenates them
+    again (gathered again by ZeRO-3 before the module's backward, like any parameter of it).
+    Gradients come out in the weights' dtype and the input's, also under autocast.
     """
-    if logits.shape[-1] > vocab_size:
-        logits = logits[..., :vocab_size]
-    logits = logits.float().reshape(-1, vocab_size)  # (B*T, V)
-    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        w = torch.cat(weights).to(grad.dtype)  # (sum of outs, in)
+        grad_x = (grad @ w).to(x.dtype) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[1:]):
+            return grad_x, *[None] * len(weights)
+        # one (sum of outs, in) product over all tokens, split into each weight's rows
+        grad_w = grad.flatten(0, -2).T @ x.flatten(0, -2).to(grad.dtype)
+        split = grad_w.split([weight.shape[0] for weight in weights])
+        return grad_x, *(g.to(weight.dtype) for g, weight in zip(split, weights))
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
-            tp_group=None) -> torch.Tensor:
-    """The training loss of both model forms (`LlamaModel`, the pipeline's last stage): the
-    plain cross entropy on whole logits, or the vocab-parallel one on this rank's shard."""
-    if tp_world_size(tp_group) == 1:
-        return causal_lm_loss(logits, labels, vocab_size)
-    return vocab_parallel_cross_entropy(logits, labels, vocab_size=vocab_size, tp_group=tp_group)
+def fused_projections(x: torch.Tensor, layers: list[nn.Module],
+                      sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """The outputs of several bias-free projections of the same x, computed as ONE matmul.
+
+    The parameters stay separate (Hugging Face names and values in every checkpoint format,
+    `shard_init`, resharding and ZeRO partitioning never see the fusion): each forward
+    concatenates this rank's weight shards along the output rows - under tensor parallelism
+    each rank's q/k/v rows are whole heads, so the cat is [q_local; k_local; v_local] - and
+    splits the output by `sizes` (each layer's local output features). One larger matmul
+    reads x once and keeps the cores busier than two or three thinner ones. The price is a copy
+    of the weights per forward (and one per backward): weight elements against tokens x weight
+    elements multiply-adds, about 1/tokens of the matmul's work.
+
+    The weights are read without calling the layers: under ZeRO-3 DeepSpeed gathers a
+    parameter read during another module's forward and registers it as that module's external
+    parameter (gathered with it from then on, in forward and backward).
+    """
+    return _ConcatLinear.apply(x, *(layer.weight for layer in layers)).split(sizes, dim=-1)
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings.
+
+    `cfg.fused_projections`: q, k and v come out of one matmul (`fused_projections`); otherwise
+    three. The parameters, their names and values are the same either way.
+    """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
@@ -106,6 +144,10 @@ class Attention(nn.Module):
         self.v_proj = column_linear(h, cfg.num_kv_heads * hd, tp_group=tp_group)
         self.o_proj = row_linear(cfg.num_heads * hd, h, tp_group=tp_group,
                                  sequence_parallel=sequence_parallel)
+        self.fused = cfg.fused_projections
+        self.project = fused_projections  # `compile_blocks` swaps in an eager one at ZeRO-3
+        tp = tp_world_size(tp_group)  # local sizes: under ZeRO-3 a weight's shape is not its own
+        self.qkv_sizes = [cfg.num_heads * hd // tp, *[cfg.num_kv_heads * hd // tp] * 2]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -114,10 +156,14 @@ class Attention(nn.Module):
         # (B, T, C) on every TP rank; under sequence parallelism gathered from (B, T/tp, C)
         x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         B, T, _ = x.shape
+        if self.fused:
+            q, k, v = self.project(x, [self.q_proj, self.k_proj, self.v_proj], self.qkv_sizes)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # -1 heads: under tensor parallelism each rank holds its share of the heads
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        v = v.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.transpose(1, 2)  # (B, nkv, T, hd)
@@ -162,7 +208,10 @@ def attention_backends(device_type: str, dtype: torch.dtype) -> list[SDPBackend]
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)).
+
+    `cfg.fused_projections`: gate and up come out of one matmul (`fused_projections`).
+    """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
@@ -171,10 +220,17 @@ class MLP(nn.Module):
         self.gate_proj = column_linear(h, f, tp_group=tp_group)
         self.up_proj = column_linear(h, f, tp_group=tp_group)
         self.down_proj = row_linear(f, h, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.fused = cfg.fused_projections
+        self.project = fused_projections  # `compile_blocks` swaps in an eager one at ZeRO-3
+        self.gate_up_sizes = [f // tp_world_size(tp_group)] * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # f/tp inner features
+        if self.fused:
+            gate, up = self.project(x, [self.gate_proj, self.up_proj], self.gate_up_sizes)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)  # f/tp inner features
 
 
 class DecoderLayer(nn.Module):
@@ -219,7 +275,7 @@ class LlamaModel(nn.Module):
     """Llama causal language model with Hugging Face `LlamaForCausalLM` parameter names.
 
     `forward(input_ids)` gives logits (B, T, vocab_size); `forward(input_ids, labels)` the mean
-    cross-entropy. `checkpoint_fn(function, *args)` runs the layers chosen by
+    cross-entropy, from `lm_head(hidden, labels)` (chunked by cfg.loss_chunk_tokens). `checkpoint_fn(function, *args)` runs the layers chosen by
     `cfg.activation_checkpointing`; replace it to use DeepSpeed's activation checkpointing.
     Weights are left at PyTorch's defaults: call `form.init_weights` (or use `build_model`).
 
@@ -243,7 +299,10 @@ class LlamaModel(nn.Module):
         self.padded_vocab_size = cfg.padded_vocab_size(self.tensor_parallel)
         self.model = LlamaBackbone(cfg, padded_vocab_size=self.padded_vocab_size,
                                    tp_group=tp_group, sequence_parallel=sequence_parallel)
-        self.lm_head = column_linear(cfg.hidden_size, self.padded_vocab_size, tp_group=tp_group)
+        # column-parallel rows of the vocabulary, like `column_linear`; its forward also gives the
+        # loss, chunked by cfg.loss_chunk_tokens (ZeRO-3 gathers the weight for that forward)
+        self.lm_head = LMHead(cfg.hidden_size, self.padded_vocab_size, vocab_size=cfg.vocab_size,
+                              tp_group=tp_group, chunk_tokens=cfg.loss_chunk_tokens)
         if cfg.tie_embeddings:
             # one Parameter under two names: named_parameters() yields it once, as the embedding;
             # under TP both are the same (V/tp, C) row shard of the vocabulary
@@ -300,10 +359,15 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.vocab_logits(self.hidden_states(input_ids))  # (B, T, V_padded/tp)
+        hidden = self.hidden_states(input_ids)
         if labels is None:  # evaluation / generation: gather the vocabulary shards
+            logits = self.vocab_logits(hidden)  # (B, T, V_padded/tp)
             return gather_from_tp(logits, self.tp_group)[..., :self.cfg.vocab_size]  # (B, T, V)
-        return lm_loss(logits, labels, vocab_size=self.cfg.vocab_size, tp_group=self.tp_group)
+        hidden = column_parallel_input(hidden, self.tp_group,
+                                       sequence_parallel=self.sequence_parallel)  # (B, T, C)
+        # the loss from the head's input: with cfg.loss_chunk_tokens > 0 the logits of the
+        # whole micro-batch never exist (`pretrain.model.loss`)
+        return self.lm_head(hidden, labels)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,

@@ -5,8 +5,8 @@
     index 0           EmbeddingPipe      model.embed_tokens         input_ids -> activations
     index 1 .. L      DecoderLayerPipe   model.layers.{index - 1}   activations -> activations
     index L + 1       FinalNormPipe      model.norm                 activations -> activations
-    index L + 2       LMHeadPipe         lm_head                    activations -> logits
-    loss              PipelineLoss       the flat model's loss      (logits, labels) -> loss
+    index L + 2       LMHeadPipe         lm_head                    activations -> head output
+    loss              PipelineLoss       the flat model's loss      (head output, labels) -> loss
 
 - `pipeline_module(cfg, num_stages=)` cuts that list into stages
   (`deepspeed.pipe.PipelineModule`), for `deepspeed.initialize` and the 1F1B `PipelineEngine`;
@@ -23,6 +23,14 @@
   the key "embed"; the head runs `EmbeddingPipe.project_to_vocab` on the embedding module.
   DeepSpeed broadcasts the tied weight at start-up and all-reduces its gradient across the
   stages that hold it (`_exec_reduce_tied_grads`), counting it once in the gradient norm.
+- The head's output: DeepSpeed hands labels only to `loss_fn(outputs, labels)`, so with
+  `cfg.loss_chunk_tokens` > 0 the head does not multiply: it returns the pair (full hidden
+  states (B, T, C), its weight) and `PipelineLoss` computes the chunked loss
+  (`pretrain.model.loss`), whose fp32 logits never exist for the whole micro-batch; the
+  weight's gradient reaches the parameter through that pair (the tied one's too, before
+  DeepSpeed's all-reduce). The pipeline runs ZeRO <= 1, so the weight is the whole tensor.
+  With 0 the head returns this rank's logits (B, T, V_padded/tp) as before. `head_logits`
+  turns either into logits (a `SequentialPipeline` without labels).
 - Initialisation is ours, not DeepSpeed's (`seed_layers` stays False: with `type:` partitioning
   it fails on a NumPy integer seed). Every parameter is mapped to its Hugging Face name
   (`pipeline_to_canonical_name`) and filled by `form.init_weights` exactly as in the flat
@@ -91,8 +99,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.layout import check_pipeline_split, check_tensor_split
-from pretrain.model.layers import RMSNorm, RotaryEmbedding, column_linear, vocab_embedding
-from pretrain.model.llama import DecoderLayer, lm_loss, torch_checkpoint
+from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
+from pretrain.model.llama import DecoderLayer, torch_checkpoint
+from pretrain.model.loss import LMHead, lm_head_loss, lm_loss
 from pretrain.model.tensor_parallel import column_parallel_input, gather_from_tp, tp_world_size
 
 TIED_EMBEDDING_KEY = "embed"
@@ -138,6 +147,7 @@ class EmbeddingPipe(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.loss_chunk_tokens = cfg.loss_chunk_tokens
         self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
                                             sequence_parallel=sequence_parallel)
 
@@ -149,11 +159,14 @@ class EmbeddingPipe(nn.Module):
                              f"length divisible by {shards}")
         return StageActivations(hidden=self.embed_tokens(input_ids)).to_tuple()
 
-    def project_to_vocab(self, activations) -> torch.Tensor:
-        """The tied lm_head: logits (B, T, V_padded/tp) = hidden @ embedding^T."""
+    def project_to_vocab(self, activations) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The tied lm_head: logits (B, T, V_padded/tp) = hidden @ embedding^T, or with a
+        chunked loss (hidden, embedding weight) for `PipelineLoss`."""
         hidden = StageActivations.from_tuple(activations).hidden
         hidden = column_parallel_input(hidden, self.tp_group,
                                        sequence_parallel=self.sequence_parallel)  # (B, T, C)
+        if self.loss_chunk_tokens > 0:
+            return hidden, self.embed_tokens.weight
         return F.linear(hidden, self.embed_tokens.weight)
 
 
@@ -189,29 +202,48 @@ class FinalNormPipe(nn.Module):
 
 
 class LMHeadPipe(nn.Module):
-    """The untied output projection (`lm_head`): StageActivations -> logits (B, T, V_padded/tp)."""
+    """The untied output projection (`lm_head`, the flat model's `LMHead`): StageActivations ->
+    logits (B, T, V_padded/tp), or with a chunked loss (hidden (B, T, C), lm_head weight)."""
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.lm_head = column_linear(cfg.hidden_size, padded_vocab_size, tp_group=tp_group)
+        self.lm_head = LMHead(cfg.hidden_size, padded_vocab_size, vocab_size=cfg.vocab_size,
+                              tp_group=tp_group, chunk_tokens=cfg.loss_chunk_tokens)
 
-    def forward(self, activations) -> torch.Tensor:
+    def forward(self, activations) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden = StageActivations.from_tuple(activations).hidden
         hidden = column_parallel_input(hidden, self.tp_group,
                                        sequence_parallel=self.sequence_parallel)  # (B, T, C)
+        if self.lm_head.chunk_tokens > 0:
+            return hidden, self.lm_head.weight
         return self.lm_head(hidden)
 
 
+def head_logits(outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """This rank's logits (B, T, V_padded/tp) from the head's output: logits already, or the
+    (hidden, weight) pair of a chunked loss."""
+    if isinstance(outputs, tuple):
+        hidden, weight = outputs
+        return F.linear(hidden, weight)
+    return outputs
+
+
 class PipelineLoss:
-    """`loss_fn(logits, labels)` of the last stage: `llama.lm_loss`, as in `LlamaModel.forward`."""
+    """`loss_fn(head output, labels)` of the last stage, as in `LlamaModel.forward`: the chunked
+    `loss.lm_head_loss` of a (hidden, weight) pair, or `loss.lm_loss` of whole logits."""
 
-    def __init__(self, *, vocab_size: int, tp_group=None) -> None:
-        self.vocab_size, self.tp_group = vocab_size, tp_group
+    def __init__(self, *, vocab_size: int, tp_group=None, chunk_tokens: int = 0) -> None:
+        self.vocab_size, self.tp_group, self.chunk_tokens = vocab_size, tp_group, chunk_tokens
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, labels, vocab_size=self.vocab_size, tp_group=self.tp_group)
+    def __call__(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                 labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(outputs, tuple):
+            hidden, weight = outputs
+            return lm_head_loss(hidden, weight, labels, vocab_size=self.vocab_size,
+                                tp_group=self.tp_group, chunk_tokens=self.chunk_tokens)
+        return lm_loss(outputs, labels, vocab_size=self.vocab_size, tp_group=self.tp_group)
 
 
 # ---- the model definition ------------------------------------------------------------------------
@@ -348,7 +380,8 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
     with torch.no_grad(), _reusing_process_groups(groups_by_ranks):
         module = _PipelineStages(
             layers=specs, num_stages=None if ds_topology else num_stages, topology=ds_topology,
-            loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
+            loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group,
+                                 chunk_tokens=cfg.loss_chunk_tokens),
             seed_layers=False, partition_method=partition_method,
             activation_checkpoint_interval=activation_checkpoint_interval,
             activation_checkpoint_func=activation_checkpoint_func,
@@ -392,7 +425,7 @@ class SequentialPipeline(nn.Module):
             x = function(x)
         if labels is not None:
             return self.loss_fn(x, labels)
-        logits = gather_from_tp(x, self.tp_group)
+        logits = gather_from_tp(head_logits(x), self.tp_group)
         return logits if self.vocab_size is None else logits[..., :self.vocab_size]
 
 
@@ -411,8 +444,9 @@ def sequential_pipeline(cfg: ModelConfig, *, tp_group=None,
     """The pipeline's specs as one sequential model with its loss, weights left at their
     defaults (`pretrain.model.build_flat_pipeline` also initialises them)."""
     specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    return flatten(specs, loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group),
-                   vocab_size=cfg.vocab_size, tp_group=tp_group)
+    loss_fn = PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group,
+                           chunk_tokens=cfg.loss_chunk_tokens)
+    return flatten(specs, loss_fn=loss_fn, vocab_size=cfg.vocab_size, tp_group=tp_group)
 
 
 # ---- canonical (Hugging Face) names, initialisation, export --------------------------------------
@@ -479,6 +513,6 @@ def stage_state_dict(module: nn.Module, *, num_layers: int) -> dict[str, torch.T
 
 __all__ = ["DecoderLayerPipe", "EmbeddingPipe", "FinalNormPipe", "LMHeadPipe", "PipelineLoss",
            "SequentialPipeline", "StageActivations", "canonical_name",
-           "flatten", "pipeline_layer_specs",
+           "flatten", "head_logits", "pipeline_layer_specs",
            "pipeline_module", "pipeline_to_canonical_name", "sequential_pipeline",
            "stage_state_dict"]

@@ -197,17 +197,6 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _apply(_CopyToTP, x, group)
 
 
-class _StepGradSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, weight, reduction):
-        ctx.reduction = reduction
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.reduction.backward(grad), None
-
-
 class SequenceShardedWeightGrad:
     """The gradient of a weight every tensor-parallel rank holds whole while its input is a
     sequence shard (RMSNorm under sequence parallelism): each rank's gradient is a partial sum
@@ -221,6 +210,11 @@ class SequenceShardedWeightGrad:
     accumulates is the same, for every ZeRO stage and the pipeline engine alike, which call the
     backward of each micro-batch once. `micro_batches` is the gradient-accumulation count of a
     step (`defer_sequence_parallel_grads` sets it from the engine; 1 reduces every backward).
+
+    It is a hook on the weight (`attach`), run by autograd before the gradient is accumulated,
+    not a function in the forward: the forward stays free of Python state, so a compiled block
+    traces as one graph, and the hook runs eagerly after the compiled backward hands the
+    gradient back.
     """
 
     def __init__(self, group) -> None:
@@ -230,10 +224,10 @@ class SequenceShardedWeightGrad:
         self._seen = 0
         self._partial: torch.Tensor | None = None
 
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        if tp_world_size(self.group) == 1:
-            return weight
-        return _StepGradSum.apply(weight, self)
+    def attach(self, weight: nn.Parameter) -> None:
+        """Sum `weight`'s gradient over the group as described (nothing when tp is 1)."""
+        if tp_world_size(self.group) > 1:
+            weight.register_hook(self.backward)
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self._partial is None:

@@ -38,3 +38,26 @@ def cross_entropy64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The mean cross entropy of (B, T, V) logits over the labels that are not -100, in fp64."""
     return F.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=-100)
+
+
+VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # rows padded under tp
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """A tensor-parallel `LlamaModel`'s gradients gathered to whole, unpadded tensors by Hugging
+    Face name (collective over its tp group), to compare with a one-process model's; the padded
+    vocabulary rows must have received no gradient."""
+    from pretrain.model import tensor_partition_dim
+    from pretrain.model.tensor_parallel import all_gather_along
+
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        dim = tensor_partition_dim(name)
+        if dim is not None:
+            g = all_gather_along(g, model.tp_group, dim)
+        if name in VOCAB_MATRICES:
+            assert bool((g[model.cfg.vocab_size:] == 0).all()), f"{name}: padded rows got grads"
+            g = g[:model.cfg.vocab_size]
+        grads[name] = g
+    return grads

@@ -36,6 +36,17 @@ class Run:
         return self
 
 
+# The layouts that reach a decoder layer's weights differently, for checks that a change in how
+# the model computes (fused projections, compiled layers) leaves training unchanged: one
+# process, tensor-parallel shards, pipeline stages, ZeRO-3's partitions. name: (ranks, overrides)
+LEVER_LAYOUTS = {
+    "flat": (1, []),
+    "tp2": (2, ["parallel.tensor=2"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+    "zero3": (2, ["deepspeed=ds_configs/zero3.json"]),
+}
+
+
 def launcher_prefix(launcher: str, nprocs: int) -> list[str]:
     port = str(free_port())
     if launcher == "single":

@@ -1,0 +1,242 @@
+"""The language-model loss: the lm_head's logits and their cross entropy, whole or in chunks.
+
+The model's last step is logits = hidden @ W^T over the whole (padded) vocabulary, then a mean
+cross entropy in fp32. Done at once (`lm_loss` on whole logits), a micro-batch of N = B*T tokens
+holds N x V/tp logits in the compute dtype, their fp32 copy, the log-softmax autograd keeps for
+backward, and in backward a gradient of each: at 16k tokens and a 128k vocabulary one fp32 copy
+is 8 GiB, far more than any other activation of the model (a 8B layer's input is N x 4096).
+
+`fused_linear_cross_entropy` (`model.loss_chunk_tokens` > 0; the idea of Liger-Kernel's fused
+linear cross entropy, written here for vocabulary shards) never holds more than one chunk of
+logits. For `chunk_tokens` tokens of the flattened micro-batch at a time, its forward computes
+the logits in the weight's dtype, upcasts them, takes the log-sum-exp and the loss, and at once
+the gradients: d loss/d logits = (softmax - onehot(label)) / n_labels in fp32 (zero for ignored
+labels), d hidden = that @ W, d W += that^T @ hidden (summed over the chunks in fp32). The loss
+ends the graph, so its backward only scales the two saved gradients by the incoming scalar
+(1 / gradient-accumulation steps, a loss scale). What it keeps from forward to backward is one
+(N, C) and one (V/tp, C) gradient instead of (N, V/tp) tensors; the matmuls are the same three
+as the unchunked forward and backward, moved into the forward.
+
+- Padded vocabulary: the lm_head has `cfg.padded_vocab_size(tp)` rows; rows >= vocab_size
+  (a suffix of the vocabulary: only the last tensor-parallel rank(s) hold any) are left out of
+  the matmul, so whatever they hold never enters the softmax, and their gradient is 0, exactly
+  as `causal_lm_loss` and `vocab_parallel_cross_entropy` slice the padded columns off.
+- Tensor parallelism: each rank holds V/tp rows of W and computes its columns of each chunk's
+  logits; per chunk the row max is all-reduced (MAX) and the sum of exponentials together with
+  the label's logit (SUM, one collective), as `vocab_parallel_cross_entropy` does for whole
+  logits. d hidden is then this rank's partial sum over its columns: `column_parallel_input`
+  (the hidden states' entry into the head; `copy_to_tp`, or the sequence all-gather) sums it
+  over the group in its backward. The backward here needs no collective.
+- Without gradients (evaluation, `torch.no_grad`) the same chunks compute the loss alone.
+- `LMHead` is the lm_head module of both model forms: its only parameter is `weight`, so the
+  name stays `lm_head.weight` (a tied head shares the embedding's). Under ZeRO-3 DeepSpeed
+  gathers a module's parameters in its pre-forward hook, so the fused loss runs inside
+  `LMHead.forward(hidden, labels)`, never on the weight outside a forward.
+
+`chunk_tokens` = 0 is the unchunked path (`lm_loss` of `F.linear`), the reference in tests.
+In fp32 both give the loss and every gradient within rounding (tests/test_chunked_loss.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pretrain.model.tensor_parallel import (mark_tensor_parallel, tp_rank, tp_world_size,
+                                            vocab_parallel_cross_entropy)
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean next-token cross-entropy over all labels that are not -100, computed in fp32.
+
+    `logits` (B, T, V_padded) may carry padded vocabulary columns: they are sliced off so that
+    whatever the padded lm_head rows hold cannot change the softmax. `labels` (B, T) are already
+    shifted by the caller (labels[:, t] is the token after input_ids[:, t]). The upcast follows
+    Hugging Face: a bf16 log-softmax over 32k+ classes loses digits of the loss.
+    Under tensor parallelism `vocab_parallel_cross_entropy` replaces this function.
+    """
+    if logits.shape[-1] > vocab_size:
+        logits = logits[..., :vocab_size]
+    logits = logits.float().reshape(-1, vocab_size)  # (B*T, V)
+    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
+            tp_group=None) -> torch.Tensor:
+    """The loss of whole logits (this rank's vocabulary shard under tensor parallelism): the
+    plain cross entropy, or the vocab-parallel one. `lm_head_loss` with chunk_tokens=0."""
+    if tp_world_size(tp_group) == 1:
+        return causal_lm_loss(logits, labels, vocab_size)
+    return vocab_parallel_cross_entropy(logits, labels, vocab_size=vocab_size, tp_group=tp_group)
+
+
+def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                           vocab_size: int, tp_group, chunk_tokens: int, grad_hidden: bool,
+                           grad_weight: bool):
+    """(mean loss, d loss/d hidden or None, d loss/d weight or None), one chunk at a time.
+
+    hidden (N, C), weight (V_padded/tp, C) this rank's rows, labels (N,) global ids.
+    """
+    n_tokens, width = hidden.shape
+    shard = weight.shape[0]
+    start = tp_rank(tp_group) * shard
+    n_real = max(0, min(shard, vocab_size - start))  # unpadded rows of this shard
+    w = weight[:n_real]  # the padded rows never enter a logit
+    parallel = tp_world_size(tp_group) > 1
+    ignored = labels == IGNORE_INDEX
+    count = (~ignored).sum()  # the same on every TP rank (same labels)
+    # 1/n_labels for each kept token, 0 for ignored ones: one multiply scales and masks
+    token_scale = (~ignored).float() / count  # nan without any label, like F.cross_entropy
+    hidden = hidden.to(weight.dtype)  # a no-op unless autocast made them differ
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    d_hidden = torch.empty_like(hidden) if grad_hidden else None  # weight dtype
+    if grad_hidden and n_real == 0:
+        d_hidden.zero_()
+    d_weight = torch.zeros(shard, width, dtype=torch.float32, device=weight.device) \
+        if grad_weight else None
+    grads = grad_hidden or grad_weight
+    for first in range(0, n_tokens, chunk_tokens):
+        h = hidden[first:first + chunk_tokens]  # (n, C)
+        y = labels[first:first + chunk_tokens]
+        n = h.shape[0]
+        logits = (h @ w.T).float()  # (n, n_real): the only (tokens, vocabulary) buffer
+        if n_real:
+            row_max = logits.max(dim=-1).values
+        else:
+            row_max = logits.new_full((n,), float("-inf"))
+        if parallel:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+        logits.sub_(row_max.unsqueeze(-1))
+        in_shard = (y >= start) & (y < start + n_real)  # -100 is never in a shard
+        local = (y - start).masked_fill(~in_shard, 0)
+        target = torch.zeros(n, dtype=torch.float32, device=h.device)
+        if n_real:
+            target = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~in_shard, 0.0)
+        exp = logits.exp_()  # in place: logits are not needed again
+        stats = torch.stack((exp.sum(dim=-1), target))  # (2, n)
+        if parallel:
+            dist.all_reduce(stats, group=tp_group)
+        sum_exp, target = stats[0], stats[1]
+        per_token = (sum_exp.log() - target).masked_fill(ignored[first:first + n], 0.0)
+        loss_sum += per_token.sum()
+        if grads and n_real:
+            grad = exp.div_(sum_exp.unsqueeze(-1))  # softmax, in the same buffer
+            grad.scatter_add_(1, local.unsqueeze(1), -in_shard.float().unsqueeze(1))  # - onehot
+            grad.mul_(token_scale[first:first + n].unsqueeze(-1))
+            grad = grad.to(weight.dtype)  # the matmuls in the weight's dtype
+            if grad_hidden:
+                torch.mm(grad, w, out=d_hidden[first:first + n])
+            if grad_weight:
+                if grad.dtype == torch.float32:
+                    d_weight[:n_real].addmm_(grad.T, h)
+                else:  # each chunk's product in the weight's dtype, their sum in fp32
+                    d_weight[:n_real].add_(grad.T @ h)
+        logits = exp = grad = None  # all one buffer: freed before the next chunk's
+    loss = loss_sum / count
+    if d_weight is not None:
+        d_weight = d_weight.to(weight.dtype)
+    return loss, d_hidden, d_weight
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """mean CE(hidden @ weight^T, labels), its gradients computed in forward (see the module
+    docstring); backward scales them by the loss's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, vocab_size, tp_group, chunk_tokens):
+        grad_hidden, grad_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss, d_hidden, d_weight = _chunked_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+            vocab_size=vocab_size, tp_group=tp_group, chunk_tokens=chunk_tokens,
+            grad_hidden=grad_hidden, grad_weight=grad_weight)
+        if d_hidden is not None:
+            d_hidden = d_hidden.view(hidden.shape).to(hidden.dtype)
+        ctx.save_for_backward(d_hidden, d_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        d_hidden, d_weight = ctx.saved_tensors
+        # in place: the saved buffers are not needed again (a second backward fails on their
+        # version counter instead of returning doubly scaled gradients)
+        if d_hidden is not None:
+            d_hidden = d_hidden.mul_(grad_loss.to(d_hidden.dtype))
+        if d_weight is not None:
+            d_weight = d_weight.mul_(grad_loss.to(d_weight.dtype))
+        return d_hidden, d_weight, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               *, vocab_size: int, tp_group=None,
+                               chunk_tokens: int) -> torch.Tensor:
+    """Mean cross entropy (fp32 scalar) of hidden @ weight^T against `labels`, `chunk_tokens`
+    tokens at a time, never materialising the logits of more than one chunk.
+
+    `hidden` (..., C): the full hidden states of every token on every tensor-parallel rank
+    (after `column_parallel_input`); `weight` (V_padded/tp, C): this rank's lm_head rows;
+    `labels` (...): global token ids, -100 ignored. Equals `lm_loss(F.linear(hidden, weight),
+    labels, ...)`, gradients included.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: a chunk has at least one token")
+    if not torch.is_grad_enabled():  # evaluation: the loss alone, chunk by chunk
+        loss, _, _ = _chunked_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+            vocab_size=vocab_size, tp_group=tp_group, chunk_tokens=chunk_tokens,
+            grad_hidden=False, grad_weight=False)
+        return loss
+    return _FusedLinearCrossEntropy.apply(hidden, weight, labels, vocab_size, tp_group,
+                                          chunk_tokens)
+
+
+def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                 vocab_size: int, tp_group=None, chunk_tokens: int) -> torch.Tensor:
+    """The training loss from the head's input: `fused_linear_cross_entropy` when
+    `chunk_tokens` > 0 (`model.loss_chunk_tokens`), else the whole logits' `lm_loss`."""
+    if chunk_tokens > 0:
+        return fused_linear_cross_entropy(hidden, weight, labels, vocab_size=vocab_size,
+                                          tp_group=tp_group, chunk_tokens=chunk_tokens)
+    return lm_loss(F.linear(hidden, weight), labels, vocab_size=vocab_size, tp_group=tp_group)
+
+
+class LMHead(nn.Module):
+    """The output projection: `weight` (V_padded/tp, C), this rank's rows of the padded
+    vocabulary (`tensor_model_parallel`, partition dim 0, under tensor parallelism, like a
+    `ColumnParallelLinear`; a plain parameter like `nn.Linear`'s otherwise).
+
+    `forward(hidden)` gives this rank's logits (..., V_padded/tp); `forward(hidden, labels)` the
+    loss (`lm_head_loss`, chunked by `chunk_tokens`). `hidden` is the full (B, T, C) of every
+    tensor-parallel rank: the caller takes it through `column_parallel_input`.
+    """
+
+    def __init__(self, in_features: int, padded_vocab_size: int, *, vocab_size: int,
+                 tp_group=None, chunk_tokens: int = 0, device=None, dtype=None) -> None:
+        super().__init__()
+        tensor_parallel = tp_world_size(tp_group)
+        if padded_vocab_size % tensor_parallel:
+            raise ValueError(f"padded vocabulary {padded_vocab_size} is not divisible by the "
+                             f"{tensor_parallel} tensor-parallel ranks")
+        self.in_features, self.padded_vocab_size = in_features, padded_vocab_size
+        self.vocab_size, self.tp_group, self.chunk_tokens = vocab_size, tp_group, chunk_tokens
+        self.weight = nn.Parameter(torch.empty(padded_vocab_size // tensor_parallel, in_features,
+                                               device=device, dtype=dtype))
+        if tensor_parallel > 1:
+            mark_tensor_parallel(self.weight, partition_dim=0)
+        bound = 1.0 / math.sqrt(in_features)  # nn.Linear's default; init_weights replaces it
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return F.linear(hidden, self.weight)  # (..., V_padded/tp)
+        return lm_head_loss(hidden, self.weight, labels, vocab_size=self.vocab_size,
+                            tp_group=self.tp_group, chunk_tokens=self.chunk_tokens)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.padded_vocab_size}, "
+                f"local={tuple(self.weight.shape)}, chunk_tokens={self.chunk_tokens}")
