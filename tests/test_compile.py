@@ -14,6 +14,8 @@ folder's, like DeepSpeed's compiled ops), so only the first compile of a shape b
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -27,13 +29,18 @@ pytestmark = pytest.mark.slow  # inductor builds C++ kernels (tens of seconds th
 STEPS = 10
 
 
-def test_compiled_layers_keep_the_model_and_its_gradients(tmp_path):
+def test_compiled_layers_keep_the_model_and_its_gradients(tmp_path, monkeypatch):
     """In one process: the compiled model has the eager model's parameters under the same names
     (no `_orig_mod.`), and its loss and every gradient agree with the eager model's within fp32
-    rounding; the compile shows in torch's own counters."""
+    rounding; the compile shows in torch's own counters, and its kernels in the run's cache
+    folder (torch had already written its own default into TORCHINDUCTOR_CACHE_DIR)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     cfg = load_config(None, ["model.preset=tiny"]).model
     eager, compiled = build_model(cfg, seed=0), build_model(cfg, seed=0)
     assert compile_blocks(compiled, cache_dir=tmp_path / "cache") == cfg.num_layers
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")
     assert all(layer._compiled_call_impl is not None
                for layer in compiled.modules() if isinstance(layer, DecoderLayer))
     assert list(compiled.state_dict()) == list(eager.state_dict())
@@ -49,6 +56,7 @@ def test_compiled_layers_keep_the_model_and_its_gradients(tmp_path):
     after = compile_report()  # dynamo and inductor ran: one graph serves both layers
     assert after.seconds > before.seconds and after.graphs > before.graphs
     assert after.graph_breaks == before.graph_breaks  # the whole layer is one graph
+    assert any((tmp_path / "cache").rglob("*.so"))  # inductor's C++ kernels, built there
     assert abs(losses[1] - losses[0]) <= 1e-6 * abs(losses[0]), losses
     for (name, p), (_, q) in zip(compiled.named_parameters(), eager.named_parameters()):
         scale = float(q.grad.abs().max())
@@ -78,3 +86,22 @@ def test_compiled_training_matches_eager(layout, tiny_data, tmp_path):
     if layout == "flat":  # nothing left to eager Python inside a layer
         assert "(0 graph breaks)" in out, out[-3000:]
     assert "[compile]" not in eager.stdout + eager.stderr
+
+
+def test_a_restarted_run_reuses_its_compiled_kernels(tiny_data, tmp_path, monkeypatch):
+    """Without TORCHINDUCTOR_CACHE_DIR the kernels go to <run_dir>/torch_compile; the run
+    resumed from its checkpoint loads them there instead of building them again."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    first = train(tmp_path, tiny_data, name="run",
+                  overrides=["train.steps=2", "checkpoint.save_interval=2", "model.compile=true",
+                             "model.hidden_size=96"])  # a shape no other test has compiled
+    cache = tmp_path / "run" / "torch_compile"
+    assert f"inductor cache: {cache}" in first.stdout + first.stderr
+    assert "reused, 0 built" not in first.stdout + first.stderr  # built the first time
+    resumed = train(tmp_path, tiny_data, name="run",
+                    overrides=["train.steps=3", "checkpoint.save_interval=2", "model.compile=true",
+                               "model.hidden_size=96"])
+    out = resumed.stdout + resumed.stderr
+    assert "resum" in out.lower() and len(resumed.losses) == 3, out[-3000:]
+    line = next(line for line in out.splitlines() if "s of the first step" in line)
+    assert line.endswith(" reused, 0 built") and "cache: 0 reused" not in line, line

@@ -94,11 +94,17 @@ def compile_blocks(module: nn.Module, *, cache_dir: Path) -> int:
     and its parameter names (no `_orig_mod.` prefix), so checkpoints, hooks (ZeRO-3's gathers,
     activation checkpointing, the pipeline's stages) and every weight format are unchanged.
 
-    Inductor's caches go to `cache_dir` unless TORCHINDUCTOR_CACHE_DIR is set: a restart of the
+    Inductor's caches go to `cache_dir` unless the user set TORCHINDUCTOR_CACHE_DIR: a restart of the
     run reuses the compiled kernels instead of generating and building them again. Compiling
     happens at the first forward and backward; `compile_report` says what it cost. Returns the
     number of layers compiled."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # torch writes its default (a per-user /tmp folder) into the variable once anything asks
+    # for the cache: that value is not a user's choice
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
     layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
     # ZeRO-3: a partitioned weight is gathered when eager code reads it (DeepSpeed's hooks);
     # traced, the fused projections would see its empty partition. They run eagerly there (a
