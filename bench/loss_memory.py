@@ -37,13 +37,6 @@ FIXED_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 STEPS = 3
 
 
-def _status(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def _child(part: str, chunk: int) -> dict:
     """One (part, chunk) measurement in this process."""
     import torch
@@ -51,6 +44,7 @@ def _child(part: str, chunk: int) -> dict:
     from pretrain.config import load_config
     from pretrain.model import build_model
     from pretrain.model.loss import lm_head_loss
+    from pretrain.testing.memory import peak_added
 
     generator = torch.Generator().manual_seed(0)
     labels = torch.randint(0, VOCAB, (1, TOKENS), generator=generator)
@@ -80,12 +74,9 @@ def _child(part: str, chunk: int) -> dict:
     run()  # warm-up: kernels, thread pools
     for t in tensors:
         t.grad = None
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark restarts from the current resident size
-    times = [run() for _ in range(STEPS)]
-    return {"peak": _status("VmHWM") - before, "step": statistics.median(times),
-            "threads": torch.get_num_threads()}
+    times = []
+    peak = peak_added(lambda: times.extend(run() for _ in range(STEPS)))
+    return {"peak": peak, "step": statistics.median(times), "threads": torch.get_num_threads()}
 
 
 def _measure(part: str, chunk: int, env: dict[str, str]) -> dict:

@@ -23,19 +23,13 @@ from pathlib import Path
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # before the ranks start: fixed threshold
 
 from common import machine
+from pretrain.testing.memory import reset_peak, status_bytes
 from pretrain.testing.ranks import run_on_ranks
 
 MODEL = ["model.vocab_size=8192", "model.hidden_size=512", "model.num_layers=8",
          "model.num_heads=8", "model.num_kv_heads=8", "model.ffn_hidden_size=1376",
          "model.seq_length=128", "train.micro_batch_size=2", "train.global_batch_size=4"]
 WORLD = 2
-
-
-def _status_kb(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def model_state_bytes(engine) -> dict[str, int]:
@@ -91,7 +85,7 @@ def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str) -> di
     ds = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size,
                                                      cfg.model.seq_length + 1))
-    before = _status_kb("VmRSS")
+    before = status_bytes("VmRSS")
     model = build_model(cfg.model, seed=0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1),
                                       config=ds)
@@ -103,11 +97,10 @@ def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str) -> di
             engine.step()
 
     step()  # warm-up: optimizer states exist from here on
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident size
+    reset_peak()  # VmHWM := the current resident size
     step()
     step()
-    return {"measured": (_status_kb("VmHWM") - before) * 1024, **model_state_bytes(engine)}
+    return {"measured": status_bytes("VmHWM") - before, **model_state_bytes(engine)}
 
 
 def predict(deepspeed_json: str, precision: str):

@@ -109,7 +109,7 @@ class ModelConfig:
     init_from: str = ""  # initial weights instead of the seeded init: a Hugging Face Llama
     # directory, `pretrain import-hf` output, a run dir, step dir or final/ (same shapes)
     compile: bool = False  # torch.compile each decoder layer (regional; inductor, cached in
-    # <build>/torch_compile); parameters and checkpoints are unchanged
+    # <run_dir>/torch_compile); parameters and checkpoints are unchanged
     fused_projections: bool = True  # q/k/v and gate/up each as one matmul; the parameters stay
     # separate (Hugging Face names and values in every format)
     loss_chunk_tokens: int = 4096  # lm_head + cross entropy over chunks of this many tokens of a

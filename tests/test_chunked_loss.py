@@ -25,17 +25,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pretrain.config import load_config
-from pretrain.model import build_flat_pipeline, build_model, tensor_partition_dim
+from pretrain.model import build_flat_pipeline, build_model
 from pretrain.model.loss import fused_linear_cross_entropy, lm_head_loss, lm_loss
 from pretrain.model.pipeline import pipeline_to_canonical_name
-from pretrain.model.tensor_parallel import all_gather_along
+from pretrain.testing.memory import peak_added
+from pretrain.testing.numerics import VOCAB_MATRICES, full_grads
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.testing.runs import rel_diff, train
 
 SEED = 7
 CHUNK = 16  # tokens per chunk: does not divide the 3 x 37 = 111 tokens of a micro-batch
 B, T = 3, 37
-VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
 PAD_VALUE = 1e4  # what the padded vocabulary rows hold in these tests
 
 
@@ -169,21 +169,6 @@ def test_model_chunked_matches_unchunked(tie):
 
 # ---- tensor parallelism on 2 ranks ----------------------------------------------------------
 
-def _gathered_grads(model) -> dict[str, torch.Tensor]:
-    """Gradients of a tensor-parallel model as full tensors of `vocab_size` rows; padded rows
-    are checked to have none."""
-    grads = {}
-    for name, p in model.named_parameters():
-        grad, dim = p.grad, tensor_partition_dim(name)
-        if dim is not None:
-            grad = all_gather_along(grad, model.tp_group, dim)
-        if name in VOCAB_MATRICES:
-            assert bool((grad[model.cfg.vocab_size:] == 0).all()), name
-            grad = grad[:model.cfg.vocab_size]
-        grads[name] = grad
-    return grads
-
-
 def _tensor_parallel_against_single(rank, world_size, variants):
     results = []
     for fields, sequence_parallel in variants:
@@ -199,7 +184,7 @@ def _tensor_parallel_against_single(rank, world_size, variants):
         loss, ref_loss = model(inputs, labels), ref(inputs, labels)
         loss.backward()
         ref_loss.backward()
-        grads = _gathered_grads(model)
+        grads = full_grads(model)
         ref_grads = {n: (p.grad[:cfg.vocab_size] if n in VOCAB_MATRICES else p.grad)
                      for n, p in ref.named_parameters()}
         errors = {n: rel(g, ref_grads[n]) for n, g in grads.items()}
@@ -229,13 +214,6 @@ def test_tensor_parallel_chunked_matches_single_process(tmp_path):
 
 # ---- memory ------------------------------------------------------------------------------------
 
-def _resident_bytes(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def _peak_loss_memory(rank, world_size, chunk_tokens, tokens, vocab, width):
     """Peak resident memory (bytes) of one forward + backward of the loss above what this
     process held before it: the high-water mark is reset (/proc/self/clear_refs) first."""
@@ -247,12 +225,8 @@ def _peak_loss_memory(rank, world_size, chunk_tokens, tokens, vocab, width):
                                                                              requires_grad=True)
     lm_head_loss(warm_h, warm_w, labels[:8] % 128, vocab_size=128,
                  chunk_tokens=chunk_tokens).backward()  # kernels and their buffers, once
-    before = _resident_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident size
-    loss = lm_head_loss(hidden, weight, labels, vocab_size=vocab, chunk_tokens=chunk_tokens)
-    loss.backward()
-    return _resident_bytes("VmHWM") - before
+    return peak_added(lambda: lm_head_loss(hidden, weight, labels, vocab_size=vocab,
+                                           chunk_tokens=chunk_tokens).backward())
 
 
 def test_fused_loss_peak_memory_is_a_fraction_of_whole_logits(tmp_path, monkeypatch):

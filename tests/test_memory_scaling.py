@@ -22,6 +22,7 @@ import pytest
 
 from pretrain.config import RunConfig, load_config
 from pretrain.dist import init_deepspeed_comm
+from pretrain.testing.memory import peak_added
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.testing.runs import REPO
 
@@ -31,25 +32,6 @@ WIDE = ["model.preset=tiny", "model.hidden_size=1024", "model.num_heads=16",
         "model.num_kv_heads=4", "model.ffn_hidden_size=2816", "model.vocab_size=32000",
         "model.num_layers=2", "model.tie_embeddings=false"]
 MB = 2**20
-
-
-def _status_kb(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _peak_added(phase) -> int:
-    """Bytes the peak resident memory rose above the resident memory before `phase()`."""
-    import gc
-
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := the current resident size
-    before = _status_kb("VmRSS")
-    phase()
-    return (_status_kb("VmHWM") - before) * 1024
 
 
 def _largest_tensor_bytes(cfg) -> int:
@@ -68,8 +50,8 @@ def _build_and_load(rank: int, world_size: int, final_dir: str) -> dict:
     cfg = load_config(None, WIDE + [f"model.init_from={final_dir}"]).model
     group = dist.group.WORLD if world_size > 1 else None
     model = []
-    build = _peak_added(lambda: model.append(build_model(cfg, seed=1, tp_group=group)))
-    load = _peak_added(lambda: load_initial_weights(model[0], cfg=cfg, tp_group=group))
+    build = peak_added(lambda: model.append(build_model(cfg, seed=1, tp_group=group)))
+    load = peak_added(lambda: load_initial_weights(model[0], cfg=cfg, tp_group=group))
     shard = sum(p.numel() * p.element_size() for p in model[0].parameters())
     return {"build": build, "load": load, "shard": shard}
 
@@ -112,13 +94,13 @@ def test_construction_and_init_from_add_about_a_shard_per_rank(tp, wide_final, t
 def _export_peak(src, out, *, dtype: str, tokenizer: str | None = None) -> int:
     """Bytes `export-hf` of `src` adds to a fresh process's peak, the weights opened first."""
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-            "from test_memory_scaling import _peak_added\n"
+            "from pretrain.testing.memory import peak_added\n"
             "from pretrain.checkpoint.weights import load_weights\n"
             "import pathlib\n"
             "import pretrain.checkpoint.hf as hf\n"
             f"weights = load_weights({str(src)!r})\n"
             + (f"weights.tokenizer = pathlib.Path({tokenizer!r})\n" if tokenizer else "")
-            + f"added = _peak_added(lambda: hf.export_hf(weights, pathlib.Path({str(out)!r}), "
+            + f"added = peak_added(lambda: hf.export_hf(weights, pathlib.Path({str(out)!r}), "
             f"dtype={dtype!r}, max_shard_size='100MB'))\n"
             "print(added)")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True,
@@ -175,7 +157,7 @@ def _build_under_zero3(rank: int, world_size: int) -> dict:
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
                                            rank=rank).create_groups()
     model = []
-    build = _peak_added(lambda: model.append(build_for_layout(cfg, groups, ds_config=ds)))
+    build = peak_added(lambda: model.append(build_for_layout(cfg, groups, ds_config=ds)))
     partition = sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
                     for p in model[0].parameters())
     return {"build": build, "partition": partition}
@@ -212,7 +194,7 @@ def _save_final(rank: int, world_size: int, out_dir: str, tokenizer: str) -> dic
                                            rank=rank).create_groups()
     model = build_for_layout(cfg, groups)
     engine = types.SimpleNamespace(module=model)  # save_final reads only the module
-    saved = _peak_added(lambda: save_final(
+    saved = peak_added(lambda: save_final(
         engine, cfg=cfg, groups=groups, tokenizer=types.SimpleNamespace(path=tokenizer),
         run_dir=Path(out_dir), step=1, main=rank == 0))
     shard = sum(p.numel() * p.element_size() for p in model.parameters())
