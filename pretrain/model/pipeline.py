@@ -5,8 +5,8 @@
     index 0           EmbeddingPipe      model.embed_tokens         input_ids -> activations
     index 1 .. L      DecoderLayerPipe   model.layers.{index - 1}   activations -> activations
     index L + 1       FinalNormPipe      model.norm                 activations -> activations
-    index L + 2       LMHeadPipe         lm_head                    activations -> head output
-    loss              PipelineLoss       the flat model's loss      (head output, labels) -> loss
+    index L + 2       LMHeadPipe         lm_head                    activations -> (hidden, weight)
+    loss              PipelineLoss       the flat model's loss      (hidden, weight), labels -> loss
 
 - `pipeline_module(cfg, num_stages=)` cuts that list into stages
   (`deepspeed.pipe.PipelineModule`), for `deepspeed.initialize` and the 1F1B `PipelineEngine`;
@@ -23,14 +23,14 @@
   the key "embed"; the head runs `EmbeddingPipe.project_to_vocab` on the embedding module.
   DeepSpeed broadcasts the tied weight at start-up and all-reduces its gradient across the
   stages that hold it (`_exec_reduce_tied_grads`), counting it once in the gradient norm.
-- The head's output: DeepSpeed hands labels only to `loss_fn(outputs, labels)`, so with
-  `cfg.loss_chunk_tokens` > 0 the head does not multiply: it returns the pair (full hidden
-  states (B, T, C), its weight) and `PipelineLoss` computes the chunked loss
-  (`pretrain.model.loss`), whose fp32 logits never exist for the whole micro-batch; the
-  weight's gradient reaches the parameter through that pair (the tied one's too, before
-  DeepSpeed's all-reduce). The pipeline runs ZeRO <= 1, so the weight is the whole tensor.
-  With 0 the head returns this rank's logits (B, T, V_padded/tp) as before. `head_logits`
-  turns either into logits (a `SequentialPipeline` without labels).
+- The head's output: DeepSpeed hands labels only to `loss_fn(outputs, labels)`, so the head
+  does not multiply: it returns the pair (full hidden states (B, T, C), its weight) and
+  `PipelineLoss` computes the flat model's loss from it (`pretrain.model.loss.lm_head_loss`:
+  chunked by `cfg.loss_chunk_tokens`, so the fp32 logits of a micro-batch never exist, or whole
+  logits with 0); the weight's gradient reaches the parameter through that pair (the tied
+  one's too, before DeepSpeed's all-reduce). The pipeline runs ZeRO <= 1, so the weight is the
+  whole tensor. `head_logits` turns the pair into this rank's logits (a `SequentialPipeline`
+  without labels).
 - Initialisation is ours, not DeepSpeed's (`seed_layers` stays False: with `type:` partitioning
   it fails on a NumPy integer seed). Every parameter is mapped to its Hugging Face name
   (`pipeline_to_canonical_name`) and filled by `form.init_weights` exactly as in the flat
@@ -101,7 +101,7 @@ from pretrain.errors import ConfigError
 from pretrain.layout import check_pipeline_split, check_tensor_split
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
 from pretrain.model.llama import DecoderLayer, torch_checkpoint
-from pretrain.model.loss import LMHead, lm_head_loss, lm_loss
+from pretrain.model.loss import LMHead, lm_head_loss
 from pretrain.model.tensor_parallel import column_parallel_input, gather_from_tp, tp_world_size
 
 TIED_EMBEDDING_KEY = "embed"
@@ -147,7 +147,6 @@ class EmbeddingPipe(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.loss_chunk_tokens = cfg.loss_chunk_tokens
         self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
                                             sequence_parallel=sequence_parallel)
 
@@ -159,15 +158,13 @@ class EmbeddingPipe(nn.Module):
                              f"length divisible by {shards}")
         return StageActivations(hidden=self.embed_tokens(input_ids)).to_tuple()
 
-    def project_to_vocab(self, activations) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The tied lm_head: logits (B, T, V_padded/tp) = hidden @ embedding^T, or with a
-        chunked loss (hidden, embedding weight) for `PipelineLoss`."""
+    def project_to_vocab(self, activations) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tied lm_head: (hidden (B, T, C), embedding weight) for `PipelineLoss`, whose
+        product is this rank's logits (B, T, V_padded/tp)."""
         hidden = StageActivations.from_tuple(activations).hidden
         hidden = column_parallel_input(hidden, self.tp_group,
                                        sequence_parallel=self.sequence_parallel)  # (B, T, C)
-        if self.loss_chunk_tokens > 0:
-            return hidden, self.embed_tokens.weight
-        return F.linear(hidden, self.embed_tokens.weight)
+        return hidden, self.embed_tokens.weight
 
 
 class DecoderLayerPipe(DecoderLayer):
@@ -203,7 +200,7 @@ class FinalNormPipe(nn.Module):
 
 class LMHeadPipe(nn.Module):
     """The untied output projection (`lm_head`, the flat model's `LMHead`): StageActivations ->
-    logits (B, T, V_padded/tp), or with a chunked loss (hidden (B, T, C), lm_head weight)."""
+    (hidden (B, T, C), lm_head weight) for `PipelineLoss`."""
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
                  sequence_parallel: bool = False) -> None:
@@ -212,38 +209,31 @@ class LMHeadPipe(nn.Module):
         self.lm_head = LMHead(cfg.hidden_size, padded_vocab_size, vocab_size=cfg.vocab_size,
                               tp_group=tp_group, chunk_tokens=cfg.loss_chunk_tokens)
 
-    def forward(self, activations) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, activations) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = StageActivations.from_tuple(activations).hidden
         hidden = column_parallel_input(hidden, self.tp_group,
                                        sequence_parallel=self.sequence_parallel)  # (B, T, C)
-        if self.lm_head.chunk_tokens > 0:
-            return hidden, self.lm_head.weight
-        return self.lm_head(hidden)
+        return hidden, self.lm_head.weight
 
 
-def head_logits(outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """This rank's logits (B, T, V_padded/tp) from the head's output: logits already, or the
-    (hidden, weight) pair of a chunked loss."""
-    if isinstance(outputs, tuple):
-        hidden, weight = outputs
-        return F.linear(hidden, weight)
-    return outputs
+def head_logits(outputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """This rank's logits (B, T, V_padded/tp) from the head's (hidden, weight) pair."""
+    hidden, weight = outputs
+    return F.linear(hidden, weight)
 
 
 class PipelineLoss:
-    """`loss_fn(head output, labels)` of the last stage, as in `LlamaModel.forward`: the chunked
-    `loss.lm_head_loss` of a (hidden, weight) pair, or `loss.lm_loss` of whole logits."""
+    """`loss_fn((hidden, weight), labels)` of the last stage: `loss.lm_head_loss`, as the flat
+    model's `LMHead` computes it."""
 
     def __init__(self, *, vocab_size: int, tp_group=None, chunk_tokens: int = 0) -> None:
         self.vocab_size, self.tp_group, self.chunk_tokens = vocab_size, tp_group, chunk_tokens
 
-    def __call__(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    def __call__(self, outputs: tuple[torch.Tensor, torch.Tensor],
                  labels: torch.Tensor) -> torch.Tensor:
-        if isinstance(outputs, tuple):
-            hidden, weight = outputs
-            return lm_head_loss(hidden, weight, labels, vocab_size=self.vocab_size,
-                                tp_group=self.tp_group, chunk_tokens=self.chunk_tokens)
-        return lm_loss(outputs, labels, vocab_size=self.vocab_size, tp_group=self.tp_group)
+        hidden, weight = outputs
+        return lm_head_loss(hidden, weight, labels, vocab_size=self.vocab_size,
+                            tp_group=self.tp_group, chunk_tokens=self.chunk_tokens)
 
 
 # ---- the model definition ------------------------------------------------------------------------
