@@ -37,6 +37,7 @@ setup(
         "mlflow-skinny>=3.0",
         "sqlalchemy>=1.4",
         "alembic>=1.11",
+        "optuna>=4",  # `pretrain tune`: the study, its samplers, pruners, storage and plots
     ],
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
     entry_points={"console_scripts": ["pretrain=pretrain.cli:main"]},

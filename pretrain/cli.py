@@ -11,6 +11,7 @@
     pretrain launch      hostfile / .deepspeed_env / pre-flight for the launch scripts
     pretrain plan        dry-run a config for N ranks; memory / speed planner; --search
     pretrain sweep       short runs over ZeRO configs x micro-batches: CSV, table, plot
+    pretrain tune        hyper-parameter search (Optuna): trials pruned as they run, best --set line
     pretrain plot        loss, learning rate and tokens/s of one or more runs, as one PNG
     pretrain config      print the resolved run config, every field with its comment
 
@@ -28,7 +29,7 @@ import sys
 
 from pretrain.commands import config as config_command
 from pretrain.commands import (convert, data, export_hf, generate, import_hf, launch, plan, plot,
-                               sweep, train)
+                               sweep, train, tune)
 from pretrain.errors import EXIT_USER_ERROR, PretrainError
 
 # name: (one-line help, add_arguments, run). Each command module imports torch and the rest of
@@ -56,6 +57,8 @@ COMMANDS = {
              plan.add_arguments, plan.run),
     "sweep": ("short runs over DeepSpeed configs x micro-batches -> CSV, Markdown, PNG",
               sweep.add_arguments, sweep.run),
+    "tune": ("hyper-parameter search with Optuna over short runs: pruned, resumable, shared by "
+             "workers", tune.add_arguments, tune.run),
     "plot": ("loss, learning rate and tokens/s of one or more runs against the step, as a PNG",
              plot.add_arguments, plot.run),
     "config": ("print the resolved run config as commented YAML (or --json)",

@@ -51,6 +51,13 @@ class Recompute(str, enum.Enum):
     EVERY_K = "every_k"  # recompute every k-th layer (model.activation_checkpointing_interval)
 
 
+class Parametrization(str, enum.Enum):
+    """How init, learning rates and multipliers depend on width (`pretrain.model.mup`)."""
+
+    STANDARD = "standard"  # the same init std and lr for every width
+    MUP = "mup"  # maximal update parametrization: hyper-parameters tuned at mup_base_width transfer
+
+
 class Precision(str, enum.Enum):
     AUTO = "auto"  # bf16 where the device computes it natively, else fp32 (pretrain/hardware.py)
     FP32 = "fp32"
@@ -114,6 +121,11 @@ class ModelConfig:
     # separate (Hugging Face names and values in every format)
     loss_chunk_tokens: int = 4096  # lm_head + cross entropy over chunks of this many tokens of a
     # micro-batch, gradients computed chunk by chunk: the full fp32 logits never exist (0: whole)
+    parametrization: Parametrization = Parametrization.STANDARD  # standard | mup: muP scales
+    # hidden-matrix init and Adam lr, the logits and the attention scale with width (README)
+    mup_base_width: int = 256  # mup: the hidden_size init_std and train.lr were tuned at
+    mup_base_head_dim: int = 0  # mup: the head_dim of that proxy (attention scale
+    # sqrt(mup_base_head_dim) / head_dim); 0: mup_base_width // num_heads
 
     def __post_init__(self) -> None:
         if self.vocab_size != VOCAB_AUTO and (isinstance(self.vocab_size, str)
@@ -141,6 +153,17 @@ class ModelConfig:
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             _fail("model", "rope_theta/norm_eps/init_std",
                   (self.rope_theta, self.norm_eps, self.init_std), "must be positive")
+        if self.mup_base_width < 1:
+            _fail("model", "mup_base_width", self.mup_base_width,
+                  "must be a positive integer: the hidden_size the hyper-parameters were tuned at")
+        if self.mup_base_head_dim < 0:
+            _fail("model", "mup_base_head_dim", self.mup_base_head_dim,
+                  "must be a positive head dimension, or 0 (mup_base_width // num_heads)")
+        if (self.parametrization == Parametrization.MUP and not self.mup_base_head_dim
+                and self.mup_base_width < self.num_heads):
+            _fail("model", "mup_base_width", self.mup_base_width,
+                  f"is smaller than model.num_heads={self.num_heads}: set "
+                  "model.mup_base_head_dim to the proxy's head dimension")
 
     @property
     def head_dim(self) -> int:
@@ -186,15 +209,18 @@ PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
 
 @dataclass
 class ParallelConfig:
-    """Model-parallel sizes. Data parallel = world size / (tensor * pipeline), derived at launch."""
+    """Model-parallel sizes. Data parallel = world size / (tensor * context * pipeline)."""
 
     tensor: int = 1  # Megatron-style tensor parallel size (inside a node)
     pipeline: int = 1  # DeepSpeed 1F1B pipeline stages (across nodes)
+    context: int = 1  # context parallelism (DeepSpeed-Ulysses): each sequence split into
+    # this many contiguous chunks over as many ranks; attention swaps chunks for heads by an
+    # all-to-all per layer (inside a node, next to tensor)
     sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tensor > 1)
     pipeline_partition: str = "parameters"  # one of PARTITION_METHODS
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline"):
+        for name in ("tensor", "pipeline", "context"):
             if getattr(self, name) < 1:
                 _fail("parallel", name, getattr(self, name), "must be a positive integer")
         if self.pipeline_partition not in PARTITION_METHODS:

@@ -279,7 +279,9 @@ def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
     t = cfg.train
     _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, where="")
     _fill(ds, "gradient_accumulation_steps", layout.grad_accum, where="")
-    _fill(ds, "train_batch_size", layout.global_batch, where="")
+    # samples per step, each context rank's chunk counted (DeepSpeed's data parallelism is
+    # data x context): layout.global_batch x parallel.context
+    _fill(ds, "train_batch_size", layout.deepspeed_batch, where="")
     _fill(ds, "gradient_clipping", float(t.grad_clip), where="")
     stage = layout.zero_stage
     if layout.pipeline > 1 and layout.sequence_parallel:

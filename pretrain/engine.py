@@ -15,12 +15,13 @@ import deepspeed
 import torch
 
 from pretrain import telemetry
-from pretrain.config import RunConfig, TrainConfig
+from pretrain.config import ModelConfig, RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.ds_config import zero_stage
 from pretrain.metrics import global_grad_norm
 from pretrain.model import (ModelForm, build_for_layout, compile_blocks,
                             defer_sequence_parallel_grads, tensor_parallel_group)
+from pretrain.model.mup import describe, is_mup, optimizer_groups
 from pretrain.topology import ProcessGroups
 
 def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -36,8 +37,14 @@ def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: 
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices (linears, embeddings), none on vectors (RMSNorm gains)."""
+def param_groups(model: torch.nn.Module, weight_decay: float, *, cfg: ModelConfig | None = None,
+                 lr: float | None = None) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: `pretrain.model.mup.optimizer_groups` (by parameter
+    name: weight decay on matrices, none on RMSNorm gains; under muP per-group learning rates)
+    when `cfg` and `lr` are given. Without them the standard two groups by shape, without an
+    "lr" of their own (the optimizer's)."""
+    if cfg is not None and lr is not None:
+        return optimizer_groups(model, lr=lr, weight_decay=weight_decay, cfg=cfg)
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:  # a ZeRO-3 parameter's data is its partition: ds_shape is its shape
@@ -103,8 +110,12 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         telemetry.log(f"[init] weights from {source}", main=main)
     flat = ModelForm.of(model) is ModelForm.FLAT
+    if is_mup(cfg.model):
+        telemetry.log(f"[mup] parametrization {describe(cfg.model)}", main=main)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+        # per-group lr (muP: hidden matrices lr/m); the schedule multiplies each group's lr
+        model=model, model_parameters=param_groups(model, cfg.train.weight_decay, cfg=cfg.model,
+                                                   lr=cfg.train.lr),
         config=ds_config,
         # without it DeepSpeed treats every rank as data parallel; a PipelineModule brings its
         # own grid (DeepSpeed asserts mpu is None)
@@ -121,7 +132,7 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         layers = compile_blocks(engine.module, cache_dir=cache)
         telemetry.log(f"[compile] {layers} decoder layers compiled by torch.compile at the first "
                       f"step (inductor cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']})", main=main)
-    if groups.topology.data == 1 and zero_stage(ds_config) == 0 and flat:
+    if groups.topology.replicas == 1 and zero_stage(ds_config) == 0 and flat:
         # One replica: DeepSpeed's bucketed gradient all-reduce would only copy gradients
         # in and out of flat buffers (measured ~2% of a step of the quickstart model).
         engine.enable_backward_allreduce = False

@@ -1,6 +1,6 @@
 """The layout of a run and the one rulebook of which layouts the stack supports.
 
-A `Layout` is how one training run is spread over `tensor * pipeline * data` ranks: the
+A `Layout` is how one training run is spread over `tensor * context * pipeline * data` ranks: the
 parallel sizes, the batch arithmetic, the DeepSpeed engine's ZeRO stage, offload and buckets,
 recomputation and sequence parallelism. `resolve_layout(cfg, world_size=, ...)` derives it from a
 run config (the data-parallel size comes from `Topology`, the only place it is computed) and
@@ -23,7 +23,7 @@ DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # reduce / allgather bucket elements whe
 
 @dataclass(frozen=True)
 class Layout:
-    """How one training run is laid out over `tensor * pipeline * data` GPUs."""
+    """How one training run is laid out over `tensor * context * pipeline * data` GPUs."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -41,10 +41,17 @@ class Layout:
     reduce_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2 ipg, ZeRO 3 reduce)
     allgather_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2), prefetch (ZeRO 3)
     max_live_parameters: int = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters
+    context: int = 1  # context-parallel ranks per sequence (parallel.context, Ulysses)
 
     @property
     def world_size(self) -> int:
-        return self.tensor * self.pipeline * self.data
+        return self.tensor * self.pipeline * self.context * self.data
+
+    @property
+    def deepspeed_batch(self) -> int:
+        """DeepSpeed's `train_batch_size`: it counts every replica of a shard (data x context
+        ranks) as data parallel, so each context rank's chunk of a sample counts once."""
+        return self.global_batch * self.context
 
     @property
     def grad_accum(self) -> int:
@@ -53,7 +60,8 @@ class Layout:
     def describe(self) -> str:
         off = [f"opt={self.offload_optimizer}"] if self.offload_optimizer != "none" else []
         off += [f"param={self.offload_param}"] if self.offload_param != "none" else []
-        return (f"tp{self.tensor} pp{self.pipeline} dp{self.data} mbs{self.micro_batch} "
+        cp = f" cp{self.context}" if self.context > 1 else ""
+        return (f"tp{self.tensor} pp{self.pipeline}{cp} dp{self.data} mbs{self.micro_batch} "
                 f"ZeRO-{self.zero_stage}{' offload ' + ','.join(off) if off else ''} "
                 f"recompute={self.recompute.value}{' sp' if self.sequence_parallel else ''}")
 
@@ -77,7 +85,7 @@ def resolve_layout(cfg: RunConfig, *, world_size: int, **engine: Any) -> Layout:
                     recompute_interval=m.activation_checkpointing_interval,
                     sequence_parallel=p.sequence_parallel,
                     precision=planned_precision(t.precision),
-                    partition=p.pipeline_partition, **engine)
+                    partition=p.pipeline_partition, context=p.context, **engine)
     check_layout(m, layout)
     return layout
 
@@ -88,6 +96,7 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
     check_tensor_split(model, lay.tensor)
     check_pipeline_split(model, lay.pipeline, partition_method=lay.partition)
     check_batch(lay)
+    check_context(model, lay)
     if lay.sequence_parallel and lay.tensor == 1:
         raise ConfigError("parallel.sequence_parallel=True: needs parallel.tensor > 1 (set "
                           "parallel.sequence_parallel=false or raise parallel.tensor)")
@@ -110,6 +119,31 @@ def check_tensor_split(model: ModelConfig, tensor: int) -> None:
                 f"parallel.tensor={tensor}: must divide model.{name}={getattr(model, name)} "
                 f"(each rank holds a whole share: tensor={tensor} must divide num_heads, "
                 "num_kv_heads and ffn_hidden_size)")
+
+
+def check_context(model: ModelConfig, layout: Layout) -> None:
+    """Context parallelism (DeepSpeed-Ulysses): each of the tensor x context ranks of a
+    sequence attends with whole query and kv heads over the whole sequence, and holds an equal
+    contiguous chunk of it (of tensor x context tokens under sequence parallelism)."""
+    cp, tp = layout.context, layout.tensor
+    if cp == 1:
+        return
+    for name in ("num_heads", "num_kv_heads"):
+        if getattr(model, name) % (tp * cp):
+            raise ConfigError(
+                f"parallel.context={cp}: model.{name}={getattr(model, name)} is not divisible by "
+                f"parallel.tensor x parallel.context = {tp} x {cp} = {tp * cp} (the all-to-all "
+                "gives each rank whole query and kv heads of the whole sequence)")
+    shards = cp * (tp if layout.sequence_parallel else 1)
+    if model.seq_length % shards:
+        what = ("parallel.context x parallel.tensor (sequence parallelism splits each chunk "
+                f"again) = {shards}" if shards != cp else f"parallel.context={cp}")
+        raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by {what} "
+                          "(equal contiguous chunks per rank)")
+    if model.compile:
+        raise ConfigError(f"model.compile=true with parallel.context={cp}: not supported yet "
+                          "(the compiled decoder layers would hold the all-to-all of attention, "
+                          "untested); set model.compile=false or parallel.context=1")
 
 
 def check_pipeline_split(model: ModelConfig, pipeline: int, *, partition_method: str) -> None:

@@ -1,19 +1,29 @@
-"""The rank grid TP x DP x PP, its process groups, and the `mpu` adapter DeepSpeed queries.
+"""The rank grid TP x CP x DP x PP, its process groups, and the `mpu` adapter DeepSpeed queries.
 
-`Topology(tensor=, pipeline=, world_size=)` is built once at start-up and passed down; there is
-no module-level parallel state. Its methods are pure arithmetic (usable without
+`Topology(tensor=, pipeline=, world_size=, context=)` is built once at start-up and passed
+down; there is no module-level parallel state. Its methods are pure arithmetic (usable without
 torch.distributed, e.g. by the planner's dry run); `create_groups()` makes the process groups.
 
 Rank order puts tensor parallelism innermost (consecutive ranks = the GPUs of one node, where
-TP's per-layer all-reduces need NVLink), then data parallelism, then pipeline parallelism
-outermost (a pipeline stage's point-to-point traffic is the cheapest to send across nodes)::
+TP's per-layer all-reduces need NVLink), then context parallelism (its per-layer all-to-all
+also wants the node's links), then data parallelism, then pipeline parallelism outermost (a
+pipeline stage's point-to-point traffic is the cheapest to send across nodes)::
 
-    rank = pipeline * (data_size * tensor_size) + data * tensor_size + tensor
+    rank = ((pipeline * data_size + data) * context_size + context) * tensor_size + tensor
 
-which is DeepSpeed's `PipeModelDataParallelTopology(num_pp, num_mp, num_dp)` (axes pipe, data,
-model), so a `PipelineModule` given `Topology.deepspeed_topology()` places its stages on the same
-ranks as our groups. The "model-parallel" group of a rank is every rank holding a piece of the
-same model replica (its TP x PP ranks); DeepSpeed sums gradient norms over it.
+Context parallelism (DeepSpeed-Ulysses, `parallel.context`) splits each sequence into
+`context` chunks: its ranks hold the same parameters, like data-parallel replicas, and read
+chunks of the same samples. DeepSpeed is told of them as data parallelism: its data-parallel
+group (`data_groups`, ZeRO's partition and the gradient average) is every replica of a shard,
+data x context ranks, indexed ``data * context_size + context``; the sample stream is split
+over the `data` index only. With context 1 (the default) everything below is the TP x DP x PP
+grid, rank for rank.
+
+That is DeepSpeed's `PipeModelDataParallelTopology(num_pp, num_mp, num_dp=data x context)`
+(axes pipe, data, model), so a `PipelineModule` given `Topology.deepspeed_topology()` places
+its stages on the same ranks as our groups. The "model-parallel" group of a rank is every rank
+holding a piece of the same model replica (its TP x PP ranks); DeepSpeed sums gradient norms
+over it.
 
 A worked example: 16 ranks (two nodes of eight GPUs) with tp=2, pp=2, hence dp=4.
 
@@ -35,6 +45,24 @@ tensor=2 x data=4 x pipeline=2 = 16 ranks; each cell is the tensor group of (dat
 [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
 >>> topo.coords(13)
 RankCoords(tensor=1, data=2, pipeline=1)
+
+Context parallelism: 8 ranks with tp=2 and context=2, hence dp=2; the context group of a
+rank is the ranks that hold the chunks of its sequences:
+
+>>> topo = Topology(tensor=2, pipeline=1, world_size=8, context=2)
+>>> print(topo.describe())
+tensor=2 x context=2 x data=2 x pipeline=1 = 8 ranks; each cell is the tensor group of (data index, context index, stage)
+                stage 0
+    dp 0 cp 0   [0, 1]
+    dp 0 cp 1   [2, 3]
+    dp 1 cp 0   [4, 5]
+    dp 1 cp 1   [6, 7]
+>>> topo.context_groups()  # all-to-all of attention's q, k, v and output every layer
+[[0, 2], [1, 3], [4, 6], [5, 7]]
+>>> topo.data_groups()  # replicas of a shard: data x context (DeepSpeed's data parallelism)
+[[0, 2, 4, 6], [1, 3, 5, 7]]
+>>> topo.coords(6)
+RankCoords(tensor=0, data=1, pipeline=0, context=1)
 """
 from __future__ import annotations
 
@@ -51,28 +79,42 @@ class RankCoords:
     tensor: int
     data: int
     pipeline: int
+    context: int = 0  # index along parallel.context (shown only when not 0)
+
+    def __repr__(self) -> str:
+        context = f", context={self.context}" if self.context else ""
+        return (f"RankCoords(tensor={self.tensor}, data={self.data}, "
+                f"pipeline={self.pipeline}{context})")
 
 
 @dataclass(frozen=True)
 class Topology:
-    """The TP x DP x PP grid of `world_size` ranks; `rank` is this process (for `my_coords`)."""
+    """The TP x CP x DP x PP grid of `world_size` ranks; `rank` is this process (for
+    `my_coords`)."""
 
     tensor: int
     pipeline: int
     world_size: int
     rank: int = 0
+    context: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "world_size"):
+        for name in ("tensor", "pipeline", "world_size", "context"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"topology {name}={value!r}: must be a positive integer")
-        model_parallel = self.tensor * self.pipeline
-        if self.world_size % model_parallel:
+        model_parallel = self.tensor * self.pipeline * self.context
+        if self.world_size % model_parallel and self.context == 1:
             raise ConfigError(
                 f"world size {self.world_size} is not divisible by parallel.tensor x "
                 f"parallel.pipeline = {self.tensor} x {self.pipeline} = {model_parallel}: launch "
                 f"a multiple of {model_parallel} ranks or change parallel.tensor/pipeline")
+        if self.world_size % model_parallel:
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by parallel.tensor x "
+                f"parallel.context x parallel.pipeline = {self.tensor} x {self.context} x "
+                f"{self.pipeline} = {model_parallel}: launch a multiple of {model_parallel} "
+                "ranks or change parallel.tensor/context/pipeline")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
 
@@ -80,70 +122,114 @@ class Topology:
     def from_parallel_config(cls, parallel: Any, *, world_size: int, rank: int = 0) -> "Topology":
         """From `RunConfig.parallel` (a `ParallelConfig`)."""
         return cls(tensor=parallel.tensor, pipeline=parallel.pipeline, world_size=world_size,
-                   rank=rank)
+                   rank=rank, context=getattr(parallel, "context", 1))
 
     # ---- arithmetic ------------------------------------------------------------------------
     @property
     def data(self) -> int:
-        """Data-parallel size: world / (tensor x pipeline)."""
-        return self.world_size // (self.tensor * self.pipeline)
+        """Data-parallel size (sample streams): world / (tensor x context x pipeline)."""
+        return self.world_size // (self.tensor * self.context * self.pipeline)
 
-    def rank_of(self, *, tensor: int, data: int, pipeline: int) -> int:
-        return (pipeline * self.data + data) * self.tensor + tensor
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same shard of the same stage: data x context. DeepSpeed's
+        data-parallel size (ZeRO partitions and averages gradients over them)."""
+        return self.data * self.context
+
+    def rank_of(self, *, tensor: int, data: int, pipeline: int, context: int = 0) -> int:
+        return ((pipeline * self.data + data) * self.context + context) * self.tensor + tensor
 
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
-        return RankCoords(tensor=rank % self.tensor, data=(rank // self.tensor) % self.data,
-                          pipeline=rank // (self.tensor * self.data))
+        rest = rank // self.tensor
+        return RankCoords(tensor=rank % self.tensor, context=rest % self.context,
+                          data=(rest // self.context) % self.data,
+                          pipeline=rank // (self.tensor * self.context * self.data))
+
+    def replica_rank(self, rank: int) -> int:
+        """`rank`'s index in its data group (`data_groups`): data x context + context."""
+        c = self.coords(rank)
+        return c.data * self.context + c.context
 
     @property
     def my_coords(self) -> RankCoords:
         return self.coords(self.rank)
 
+    def _replica_coords(self) -> list[tuple[int, int]]:
+        """(data, context) of each replica index, in rank order."""
+        return [(d, c) for d in range(self.data) for c in range(self.context)]
+
     def tensor_groups(self) -> list[list[int]]:
-        """Ranks that share one layer's shards (same data and pipeline index)."""
-        return [[self.rank_of(tensor=t, data=d, pipeline=p) for t in range(self.tensor)]
-                for p in range(self.pipeline) for d in range(self.data)]
+        """Ranks that share one layer's shards (same data, context and pipeline index)."""
+        return [[self.rank_of(tensor=t, data=d, pipeline=p, context=c) for t in range(self.tensor)]
+                for p in range(self.pipeline) for d, c in self._replica_coords()]
+
+    def context_groups(self) -> list[list[int]]:
+        """Ranks holding the chunks of the same sequences (same tensor, data and pipeline
+        index): attention's all-to-all. One rank each at context 1."""
+        return [[self.rank_of(tensor=t, data=d, pipeline=p, context=c)
+                 for c in range(self.context)]
+                for p in range(self.pipeline) for d in range(self.data) for t in range(self.tensor)]
 
     def data_groups(self) -> list[list[int]]:
-        """Replicas of the same shard of the same stage (same tensor and pipeline index)."""
-        return [[self.rank_of(tensor=t, data=d, pipeline=p) for d in range(self.data)]
+        """Replicas of the same shard of the same stage (same tensor and pipeline index): the
+        data-parallel ranks and, with context > 1, their context ranks, which hold the same
+        parameters too. DeepSpeed's data-parallel group."""
+        return [[self.rank_of(tensor=t, data=d, pipeline=p, context=c)
+                 for d, c in self._replica_coords()]
                 for p in range(self.pipeline) for t in range(self.tensor)]
 
     def pipeline_groups(self) -> list[list[int]]:
-        """The stages of one pipeline (same tensor and data index)."""
-        return [[self.rank_of(tensor=t, data=d, pipeline=p) for p in range(self.pipeline)]
-                for d in range(self.data) for t in range(self.tensor)]
+        """The stages of one pipeline (same tensor, context and data index)."""
+        return [[self.rank_of(tensor=t, data=d, pipeline=p, context=c)
+                 for p in range(self.pipeline)]
+                for d, c in self._replica_coords() for t in range(self.tensor)]
 
     def model_groups(self) -> list[list[int]]:
-        """All ranks holding one model replica (TP x PP, same data index), in rank order."""
-        return [sorted(self.rank_of(tensor=t, data=d, pipeline=p)
+        """All ranks holding one model replica (TP x PP, same data and context index), in rank
+        order."""
+        return [sorted(self.rank_of(tensor=t, data=d, pipeline=p, context=c)
                        for p in range(self.pipeline) for t in range(self.tensor))
-                for d in range(self.data)]
+                for d, c in self._replica_coords()]
 
     def describe(self) -> str:
-        """The grid as a table: one row per data-parallel index, one column per stage."""
-        cells = [[str([self.rank_of(tensor=t, data=d, pipeline=p) for t in range(self.tensor)])
-                  for p in range(self.pipeline)] for d in range(self.data)]
+        """The grid as a table: one row per data-parallel (and context) index, one column per
+        stage."""
+        rows = self._replica_coords()
+        cells = [[str([self.rank_of(tensor=t, data=d, pipeline=p, context=c)
+                       for t in range(self.tensor)])
+                  for p in range(self.pipeline)] for d, c in rows]
         width = max(len(c) for row in cells for c in row + [f"stage {self.pipeline - 1}"]) + 3
-        lines = [f"tensor={self.tensor} x data={self.data} x pipeline={self.pipeline} = "
-                 f"{self.world_size} ranks; each cell is the tensor group of (data index, stage)",
-                 " " * 12 + "".join(f"stage {p}".ljust(width) for p in range(self.pipeline))]
-        for d, row in enumerate(cells):
-            lines.append(f"    dp {d}".ljust(12) + "".join(c.ljust(width) for c in row))
+        if self.context == 1:
+            head = (f"tensor={self.tensor} x data={self.data} x pipeline={self.pipeline} = "
+                    f"{self.world_size} ranks; each cell is the tensor group of "
+                    "(data index, stage)")
+            names = [f"    dp {d}" for d, _ in rows]
+        else:
+            head = (f"tensor={self.tensor} x context={self.context} x data={self.data} x "
+                    f"pipeline={self.pipeline} = {self.world_size} ranks; each cell is the tensor "
+                    "group of (data index, context index, stage)")
+            names = [f"    dp {d} cp {c}" for d, c in rows]
+        margin = max(12, max(len(n) for n in names) + 3)
+        lines = [head, " " * margin + "".join(f"stage {p}".ljust(width)
+                                              for p in range(self.pipeline))]
+        for name, row in zip(names, cells):
+            lines.append(name.ljust(margin) + "".join(c.ljust(width) for c in row))
         return "\n".join(line.rstrip() for line in lines)
 
     def deepspeed_topology(self):
-        """DeepSpeed's `PipeModelDataParallelTopology` of the same grid (for `PipelineModule`)."""
+        """DeepSpeed's `PipeModelDataParallelTopology` of the same grid (for `PipelineModule`):
+        its data axis is our data x context (index ``data * context_size + context``)."""
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         return PipeModelDataParallelTopology(num_pp=self.pipeline, num_mp=self.tensor,
-                                             num_dp=self.data)
+                                             num_dp=self.replicas)
 
     # ---- process groups --------------------------------------------------------------------
     def create_groups(self) -> "ProcessGroups":
-        """Create every TP, DP, PP and model-parallel group; return this rank's four.
+        """Create every TP, DP, PP, model-parallel and (context > 1) context group; return this
+        rank's.
 
         `torch.distributed.new_group` is collective over the whole world and NCCL needs every
         rank to create every group in the same order, including groups it is not part of:
@@ -161,8 +247,11 @@ class Topology:
                 f"rank {dist.get_rank()} of {dist.get_world_size()}: build the Topology from the "
                 "launcher's RANK and WORLD_SIZE")
         mine, by_ranks = {}, {}
-        for kind, lists in (("tensor", self.tensor_groups()), ("data", self.data_groups()),
-                            ("pipeline", self.pipeline_groups()), ("model", self.model_groups())):
+        kinds = [("tensor", self.tensor_groups()), ("data", self.data_groups()),
+                 ("pipeline", self.pipeline_groups()), ("model", self.model_groups())]
+        if self.context > 1:  # context 1 creates exactly the groups it created before
+            kinds.append(("context", self.context_groups()))
+        for kind, lists in kinds:
             for ranks in lists:
                 key = tuple(sorted(ranks))  # one group per rank list: at tp 1 the model
                 if key not in by_ranks:     # groups are the pipeline groups
@@ -172,7 +261,8 @@ class Topology:
                     mine[kind] = (group, ranks)
         return ProcessGroups(topology=self, tensor=mine["tensor"][0], data=mine["data"][0],
                              pipeline=mine["pipeline"][0], model=mine["model"][0],
-                             data_ranks=tuple(mine["data"][1]), by_ranks=by_ranks)
+                             data_ranks=tuple(mine["data"][1]), by_ranks=by_ranks,
+                             context=mine["context"][0] if "context" in mine else None)
 
 
 @dataclass(frozen=True)
@@ -181,13 +271,14 @@ class ProcessGroups:
 
     topology: Topology
     tensor: Any  # torch.distributed.ProcessGroup of the tp ranks
-    data: Any
+    data: Any  # every replica of this rank's shard: data x context ranks
     pipeline: Any
     model: Any  # tp x pp ranks of one replica
     data_ranks: tuple[int, ...]
     # every group create_groups made (this rank's or not), by its sorted ranks: DeepSpeed's
     # pipeline grid is handed these instead of creating the same communicators again
     by_ranks: dict[tuple[int, ...], Any] = field(default_factory=dict, compare=False, repr=False)
+    context: Any = None  # the context-parallel group (attention's all-to-all); None at context 1
 
     @property
     def mpu(self) -> "DeepSpeedMPU":
@@ -214,8 +305,12 @@ class DeepSpeedMPU:
     `get_sequence_data_parallel_*`. DeepSpeed's "sequence parallel" is Ulysses (the sequence
     split over extra data-parallel-like ranks, ZeRO sharding over both); its mere presence
     (`hasattr`) switches the engine to that mode and disables the model-parallel grad-norm
-    reduction. Megatron sequence parallelism lives inside the TP group and DeepSpeed never
-    needs to know about it.
+    reduction (wrong under tensor parallelism). Our context parallelism is that same Ulysses
+    split, told to DeepSpeed as data parallelism instead: the data-parallel group here is every
+    replica of a shard (data x context ranks), over which ZeRO partitions and DeepSpeed averages
+    gradients; each context rank's loss is its chunk's mean, so the average over data x context
+    is the gradient of the global mean (equal chunks). Megatron sequence parallelism lives
+    inside the TP group and DeepSpeed never needs to know about it.
     """
 
     def __init__(self, groups: ProcessGroups) -> None:
@@ -228,10 +323,10 @@ class DeepSpeedMPU:
 
     # data parallel
     def get_data_parallel_rank(self) -> int:
-        return self._coords.data
+        return self._topo.replica_rank(self._topo.rank)
 
     def get_data_parallel_world_size(self) -> int:
-        return self._topo.data
+        return self._topo.replicas
 
     def get_data_parallel_group(self):
         return self._groups.data
@@ -283,5 +378,8 @@ class DeepSpeedMPU:
 
     def __repr__(self) -> str:
         c = self._coords
+        context = (f", context={c.context}/{self._topo.context}" if self._topo.context > 1
+                   else "")
         return (f"DeepSpeedMPU(rank={self._topo.rank}, tensor={c.tensor}/{self._topo.tensor}, "
-                f"data={c.data}/{self._topo.data}, pipeline={c.pipeline}/{self._topo.pipeline})")
+                f"data={c.data}/{self._topo.data}{context}, "
+                f"pipeline={c.pipeline}/{self._topo.pipeline})")

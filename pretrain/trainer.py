@@ -83,8 +83,14 @@ class Trainer:
         self.layout = resolve_layout(cfg, world_size=world.world_size, **engine_fields(ds_config))
         self.dp_size, self.grad_accum = self.layout.data, self.layout.grad_accum
         self.global_batch = self.layout.global_batch
-        # Ranks of one tensor-parallel group read the same samples: the data follows the dp index.
+        # Ranks of one tensor-parallel group read the same samples: the data follows the dp index;
+        # the ranks of one context group read the same samples too, each its chunk of them.
         self.dp_rank = groups.topology.my_coords.data
+        self.context_rank, self.context_size = groups.topology.my_coords.context, \
+            groups.topology.context
+        # a loss is averaged over every replica (data x context: each context rank's loss is
+        # its chunk's share of the mean, times parallel.context)
+        self.replicas = groups.topology.replicas
         self.tokenizer, self.train_data, self.valid_data = self._load_data()
         if self.main:
             self._write_run_configs()
@@ -140,7 +146,8 @@ class Trainer:
         return micro_batches(dataset, micro_batch_size=self.cfg.train.micro_batch_size,
                              dp_rank=self.dp_rank, dp_size=self.dp_size,
                              consumed_samples=consumed, workers=workers,
-                             pin_memory=self.device.startswith("cuda"))
+                             pin_memory=self.device.startswith("cuda"),
+                             context_rank=self.context_rank, context_size=self.context_size)
 
     def _resume(self, point: checkpoint.ResumePoint) -> None:
         start = time.perf_counter()
@@ -167,9 +174,9 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         value = value.detach().float().to(self.device)
-        if self.dp_size > 1:
+        if self.replicas > 1:
             torch_dist.all_reduce(value, group=self.groups.data)
-            value /= self.dp_size
+            value /= self.replicas
         return value.item()
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, float]:

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pretrain.checkpoint", "pretrain.telemetry", "pretrain.curves", "pretrain.faults",
      "pretrain.plan"),
     ("pretrain.engine", "pretrain.metrics", "pretrain.trainer", "pretrain.sweep_results",
-     "pretrain.testing"),
+     "pretrain.child_runs", "pretrain.tune", "pretrain.testing"),
     ("pretrain.commands",),
     ("pretrain.cli", "pretrain.__main__"),
 ]

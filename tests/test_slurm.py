@@ -3,7 +3,8 @@
 Two slurmd "nodes" on this host, one CPU rank each: the 70B script with tiny overrides trains and
 checkpoints; USR1 leads to a checkpoint, a requeue and a resume at the next step (also on fewer
 nodes than the first attempt had: the checkpoint is resharded); the ZeRO sweep
-array leaves a result table; a bad config fails in the pre-flight with its message in the log.
+array leaves a result table; the tasks of the tune array share one study; a bad config fails in
+the pre-flight with its message in the log.
 Each test submits exactly what a user would, with `sbatch` options and environment overrides.
 """
 from __future__ import annotations
@@ -192,6 +193,37 @@ def test_zero_sweep_array_leaves_result_table(cluster, tiny_data, tmp_path):
     for s in range(4):
         ds = json.loads((sweep / f"zero{s}" / "job" / "ds_config.json").read_text())
         assert ds["zero_optimization"]["stage"] == s
+
+
+def test_tune_array_tasks_are_workers_of_one_study(cluster, tiny_data, tmp_path):
+    """slurm/tune.sh as a 2-task array: both tasks work on one study (its journal in STUDY_DIR),
+    each trial a 2-rank torchrun run; together they run exactly TRIALS trials."""
+    import csv
+
+    import yaml
+
+    study = tmp_path / "study"
+    env = {"CONFIG": "configs/tiny.yaml", "SPACE": "configs/tune/space.yaml", "TRIALS": "4",
+           "STUDY_DIR": str(study)}
+    job = _submit(cluster, "tune.sh", tmp_path,
+                  sbatch_args=["--array", "0-1", "--ntasks-per-node", "2", "--gpus-per-node", "0",
+                               "--cpus-per-task", "1", "--time", "60"], env=env,
+                  script_args=_sets("data.num_workers=0", "train.steps=3",
+                                    f"data.tokenizer={tiny_data['tokenizer']}",
+                                    f"data.dataset={tiny_data['dataset']}"))
+    tasks, log = _done(cluster, job, tmp_path, timeout=600)
+    assert len(tasks) == 2 and all(t.state == "COMPLETED" for t in tasks), log
+    rows = list(csv.DictReader(open(study / "trials.csv")))
+    assert sorted(int(r["number"]) for r in rows) == [0, 1, 2, 3], log
+    assert all(r["state"] in ("COMPLETE", "PRUNED") for r in rows), log
+    assert len({r["user_attrs_worker"] for r in rows}) == 2, log  # both tasks ran trials
+    for r in rows:
+        run = json.loads((Path(r["user_attrs_run_dir"]) / "metrics.jsonl").read_text()
+                         .splitlines()[0])
+        assert (run["world_size"], run["launcher"]) == (2, "torchrun"), r
+    best = yaml.safe_load((study / "best.yaml").read_text())
+    assert best["objective"] == "train loss" and best["command"] in log
+    assert "4 trials, 2 ranks per trial" in log and "[tune] best trial " in log
 
 
 def test_bad_config_fails_fast_with_message_in_log(cluster, tiny_data, tmp_path):

@@ -51,6 +51,7 @@ from pretrain.errors import CheckpointError
 from pretrain.faults import TrainingFault
 from pretrain.model import canonical_parameters, tensor_parallel_group
 from pretrain.model.hf import expected_hf_keys
+from pretrain.model.mup import comparable_model_fields
 from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
 from pretrain.topology import Topology
 
@@ -58,9 +59,13 @@ from pretrain.topology import Topology
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
 # Model fields that do not change the saved tensors or their meaning: a resumed run may change
 # its recompute mode, and the initial weights / init scale only mattered at step 0.
+# `seq_length` and `rope_theta` change no tensor either: long-context continued pretraining
+# resumes a run at a longer sequence (typically with parallel.context > 1) and a larger rotary
+# base; the data stream then continues with samples of the new length.
 RESUMABLE_MODEL_CHANGES = frozenset({"preset", "init_std", "init_from", "activation_checkpointing",
                                      "activation_checkpointing_interval", "compile",
-                                     "fused_projections", "loss_chunk_tokens"})
+                                     "fused_projections", "loss_chunk_tokens", "seq_length",
+                                     "rope_theta"})
 
 
 def run_layout(cfg: RunConfig, ds_config: dict[str, Any], *,
@@ -68,7 +73,8 @@ def run_layout(cfg: RunConfig, ds_config: dict[str, Any], *,
     """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`), of a run
     with the resolved DeepSpeed config `ds_config`."""
     return {"tensor": topology.tensor, "pipeline": topology.pipeline, "data": topology.data,
-            "world_size": topology.world_size, "zero_stage": zero_stage(ds_config),
+            "context": topology.context, "world_size": topology.world_size,
+            "zero_stage": zero_stage(ds_config),
             "offload": offload_devices(ds_config)[0], "precision": cfg.train.precision.value}
 
 
@@ -205,7 +211,10 @@ class ResumePoint:
 def resume_mismatch(meta: dict[str, Any], cfg: RunConfig) -> str | None:
     """Why a checkpoint cannot be loaded into this run (None: it can): another model or another
     tokenizer. Another layout can (`reshard`)."""
-    saved_model, model = meta["config"]["model"], cfg.to_dict()["model"]
+    # an older checkpoint without the parametrization fields is standard; muP's base fields
+    # count only under muP (`mup.comparable_model_fields`)
+    saved_model = comparable_model_fields(meta["config"]["model"])
+    model = comparable_model_fields(cfg.to_dict()["model"])
     diff = {k: (saved_model.get(k), v) for k, v in model.items()
             if k not in RESUMABLE_MODEL_CHANGES and saved_model.get(k) != v}
     if diff:
@@ -308,7 +317,8 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
         raise CheckpointError(f"DeepSpeed found no checkpoint in {str(point.path)!r}: its "
                               "model_states files are missing")
     saved = point.meta["layout"]
-    same_roles = all(saved[k] == layout[k] for k in ("tensor", "pipeline", "data"))
+    same_roles = all(saved.get(k, 1) == layout.get(k, 1)
+                     for k in ("tensor", "pipeline", "data", "context"))
     rng = point.path / f"rng_rank{rank:05d}.pt"
     if same_roles and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
@@ -389,7 +399,7 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
         for name in names:
             if coords.pipeline == holder[name]:
                 full = _whole_tensor(local[name], name, m, groups=groups, zero3=zero3,
-                                     first_replica=coords.data == 0)
+                                     first_replica=coords.data == 0 and coords.context == 0)
                 if main:
                     writer.write(name, full)
                 elif full is not None and coords.tensor == 0:

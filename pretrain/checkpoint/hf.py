@@ -6,7 +6,9 @@
   it offline. The tokenizer is converted here rather than by transformers' Llama converter
   because ours has no dummy prefix, no normalisation and split digits (the Llama converter
   assumes Llama's own settings and gives other ids); the export checks that both encode sample
-  texts identically.
+  texts identically. A muP model's multipliers are folded into its weights
+  (`mup.fold_for_export`: q_proj carries the attention scale, an untied lm_head the 1/m of the
+  logits), so `transformers` computes the same logits; a tied muP model is refused.
 - `import_hf`: a local Hugging Face Llama directory (GQA, tied or untied) -> a final/ directory
   (fp32 model.safetensors, config.yaml with the model section, tokenizer) that a run starts from
   with `model.init_from=DIR`; `generate` reads it too.
@@ -31,6 +33,7 @@ from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
 from pretrain.model import DTYPES
 from pretrain.model.hf import to_hf_config
+from pretrain.model.mup import check_exportable, fold_for_export
 
 # Encoded by both tokenizers after conversion: code, indentation, digits, a newline run, bytes.
 _TOKENIZER_PROBES = ("def f(x):\n    return x  # 12345\n\n\tü 😀 é", "hello world", " a  b   c\n")
@@ -95,6 +98,10 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
     if weights.tokenizer is None:
         raise CheckpointError(f"no tokenizer found for {weights.source}: pass --tokenizer "
                               "with the run's sentencepiece .model file")
+    try:  # muP's multipliers go into the weights; a tied muP head cannot take them
+        check_exportable(weights.model)
+    except ValueError as e:
+        raise CheckpointError(f"{weights.source}: {e}") from None
     ours = OurTokenizer.load(weights.tokenizer)
     torch_dtype = DTYPES[Precision(dtype)]
     shapes = {name: tensor_shape(weights.state, name) for name in sorted(weights.state)}
@@ -107,7 +114,7 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
             with SafetensorsWriter(tmp / filename, {n: shapes[n] for n in names},
                                    dtype=torch_dtype, metadata={"format": "pt"}) as writer:
                 for name in names:  # one tensor in memory at a time (lazy sources)
-                    writer.write(name, weights.state[name])
+                    writer.write(name, fold_for_export(name, weights.state[name], weights.model))
             weight_map.update(dict.fromkeys(names, filename))
         if len(shards) > 1:
             total = sum(math.prod(shape) for shape in shapes.values()) * torch_dtype.itemsize

@@ -41,14 +41,15 @@ from pretrain.model.tensor_parallel import tp_rank, tp_world_size
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # What makes two layouts the same for a checkpoint: every rank's files mean the same thing.
-LAYOUT_KEYS = ("tensor", "pipeline", "data", "zero_stage", "offload", "precision")
+LAYOUT_KEYS = ("tensor", "pipeline", "data", "context", "zero_stage", "offload", "precision")
 
 
 def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> str:
     """`tp2 pp2 dp1 ZeRO-1`, with offload and precision when set (and, given `other`, when
     they differ from it)."""
-    text = (f"tp{layout['tensor']} pp{layout['pipeline']} dp{layout['data']} "
-            f"ZeRO-{layout['zero_stage']}")
+    cp = layout.get("context", 1)
+    text = (f"tp{layout['tensor']} pp{layout['pipeline']}{f' cp{cp}' if cp > 1 else ''} "
+            f"dp{layout['data']} ZeRO-{layout['zero_stage']}")
     if layout.get("offload", "none") != "none":
         text += f" offload {layout['offload']}"
     if layout.get("precision") and (other is None or other.get("precision") != layout["precision"]):
@@ -59,6 +60,7 @@ def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> 
 def layout_change(saved: dict[str, Any], run: dict[str, Any]) -> str | None:
     """`tp2 pp2 dp1 ZeRO-1 -> tp1 pp1 dp2 ZeRO-3` when the layouts differ (keys saved by older
     versions, absent from `saved`, count as equal), else None."""
+    saved = {"context": 1, **saved}  # saved before context parallelism: context 1
     if all(saved[k] == run[k] for k in LAYOUT_KEYS if k in saved and k in run):
         return None
     return f"{describe(saved, other=run)} -> {describe(run, other=saved)}"
@@ -109,8 +111,10 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
     _create_adam_state(engine, step=step)
     sources = {"master": engine_tensors(step_dir),
                **{key: engine_tensors(step_dir, key) for key in ADAM_MOMENTS}}
-    targets = _Targets(engine, dp_rank=groups.topology.my_coords.data,
-                       dp_size=groups.topology.data)
+    # ZeRO partitions over every replica of a shard: data x context ranks
+    topology = groups.topology
+    targets = _Targets(engine, dp_rank=topology.replica_rank(topology.rank),
+                       dp_size=topology.replicas)
     for name, param in canonical_parameters(engine.module, m):
         for what, source in sources.items():
             try:

@@ -45,6 +45,7 @@ from pretrain.files import atomic_directory
 from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
                                expected_hf_keys, model_fields_from_hf_config)
 from pretrain.model.form import copy_full_weights, copy_shards
+from pretrain.model.mup import parametrization_mismatch
 from pretrain.model.llama import (ShardRange, full_parameter_shape, shard_range,
                                   tensor_partition_dim)
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
@@ -386,6 +387,10 @@ def load_initial_weights(model: torch.nn.Module, *, cfg: ModelConfig, tp_group=N
     checkpoint is consolidated first."""
     weights = load_weights(cfg.init_from)
     check_same_architecture(weights.model, cfg, source=weights.source)
+    problem = parametrization_mismatch(weights.model, cfg)
+    if problem:
+        raise CheckpointError(f"model.init_from={cfg.init_from}: {problem}; set "
+                              "model.parametrization (and model.mup_base_*) to the weights' values")
     check_shapes(weights.state, cfg, source=weights.source)
     if isinstance(weights.state, LazyTensors):  # read only this rank's rows or columns
         tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)

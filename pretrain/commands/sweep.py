@@ -21,31 +21,28 @@ runs, and `--list` prints the runs (name and `pretrain train` arguments, one per
 Every run's config is loaded and its DeepSpeed JSON resolved for `--nprocs` ranks before the
 first run starts (and before `--list` prints), as `pretrain train` would: a bad field or layout is
 one `error:` line and exit 2, not N failed runs. A run that exceeds `--timeout` is stopped (SIGTERM
-to its processes, SIGKILL after STOP_GRACE_S) and gets a `timeout after Ns` row; the sweep goes on.
+to its processes, SIGKILL after STOP_GRACE_S: `pretrain.child_runs`) and gets a `timeout after Ns`
+row; the sweep goes on.
 
 The result rows, table and plot are built by `pretrain.sweep_results`.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from pretrain.child_runs import (LAUNCHERS, STOP_GRACE_S, child_env, launcher_command,
+                                 sigterm_raises, start_run, stop_run)
 from pretrain.config import resolve_input_path
 from pretrain.errors import ConfigError
 from pretrain.sweep_results import summarize_run, write_results
 
 DEFAULT_DS_CONFIGS = ["ds_configs/zero0.json", "ds_configs/zero1.json", "ds_configs/zero2.json",
                       "ds_configs/zero3.json"]
-# Seconds a timed-out run has between SIGTERM and SIGKILL: its ranks finish the step in flight, save
-# a checkpoint and exit (torchrun waits up to 30 s for them); a rank stuck in a collective does not.
-STOP_GRACE_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batch sizes to sweep (default: the config's)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--nprocs", type=int, default=2, help="ranks per run (one node)")
-    parser.add_argument("--launcher", default="torchrun", choices=["torchrun", "deepspeed", "single"])
+    parser.add_argument("--launcher", default="torchrun", choices=LAUNCHERS)
     parser.add_argument("--out", default="runs/sweep", help="directory of the runs and results")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     parser.add_argument("--list", action="store_true",
@@ -106,77 +103,6 @@ def check_runs(runs: list[tuple[str, list[str]]], *, world_size: int) -> None:
             raise ConfigError(f"sweep run {name} ({world_size} ranks): {exc}") from None
 
 
-def launcher_command(launcher: str, nprocs: int) -> list[str]:
-    """The command that starts `pretrain` on `nprocs` ranks of this machine."""
-    from pretrain.dist import free_port
-
-    if launcher == "single":
-        if nprocs != 1:
-            raise ConfigError(f"--launcher single runs one process, got --nprocs {nprocs}: "
-                              "use torchrun or deepspeed")
-        return [sys.executable, "-m", "pretrain"]
-    port = str(free_port())  # concurrent sweeps must not share the default port 29500
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
-                "--master_port", port, "-m", "pretrain"]
-    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs),
-            "--master_port", port, "--no_local_rank", "--module", "pretrain"]
-
-
-def _process_groups(pid: int) -> set[int]:
-    """The process groups of `pid` and of every process below it: torchrun starts each rank in a
-    session of its own, out of reach of a signal to the launcher's group. Reads /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):  # no procfs: the launcher's group only
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-                    ppid = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue  # exited meanwhile
-                children.setdefault(ppid, []).append(int(entry.name))
-    groups, todo = set(), [pid]
-    while todo:
-        current = todo.pop()
-        todo += children.get(current, [])
-        with contextlib.suppress(ProcessLookupError):
-            groups.add(os.getpgid(current))
-    return groups
-
-
-def _signal_groups(groups: set[int], sig: signal.Signals) -> None:
-    for group in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already
-            os.killpg(group, sig)
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-    """SIGTERM to the sweep raises SystemExit (status 143), so the run it started is stopped on
-    the way out instead of being left running in its own session."""
-    def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def stop_run(proc: subprocess.Popen, *, grace_s: float) -> None:
-    """SIGTERM to the run's process groups (the launcher's and each rank's), SIGKILL to whatever
-    is left of them after `grace_s` or once the launcher has exited; returns once it is reaped."""
-    groups = _process_groups(proc.pid) | {proc.pid}
-    _signal_groups(groups, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        groups |= _process_groups(proc.pid)  # ranks started since the SIGTERM
-    _signal_groups(groups, signal.SIGKILL)
-    proc.wait()
-
-
 def _run_one(label: str, command: list[str], *, run_dir: Path, env: dict[str, str],
              timeout: float) -> dict[str, Any]:
     """One run in a session of its own, stopped after `timeout` seconds or when the sweep is
@@ -185,8 +111,7 @@ def _run_one(label: str, command: list[str], *, run_dir: Path, env: dict[str, st
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     timed_out = False
     with open(log, "w") as f:
-        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = start_run(command, log=f, env=env)
         try:
             print(f"[sweep] {label} (process group {proc.pid})", flush=True)
             proc.wait(timeout=timeout)
@@ -229,11 +154,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"{name}\t{shlex.join(train_args)}")
         return []
     prefix = launcher_command(args.launcher, args.nprocs)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # each run is its own job, not a rank of ours
+    env = child_env()
     rows = []
-    with _sigterm_raises():
+    with sigterm_raises():
         for i, (name, train_args) in enumerate(runs, 1):
             rows.append(_run_one(f"{i}/{len(runs)} {name}", prefix + ["train", *train_args],
                                  run_dir=Path(args.out) / name, env=env, timeout=args.timeout))

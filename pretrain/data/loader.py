@@ -34,13 +34,25 @@ _SAMPLES_PER_FETCH = 64  # per worker round trip: amortises its fixed cost (~0.3
 
 class _MicroBatches:
     """Maps a group of micro-batches of sample indices to an int64 array
-    [micro-batches, micro_batch_size, seq_length + 1]."""
+    [micro-batches, micro_batch_size, seq_length + 1]; with context parallelism
+    [..., seq_length / context + 1]: context rank c's chunk of each sample's inputs and the one
+    token after it (the label of its last input)."""
 
-    def __init__(self, samples: TokenSamples) -> None:
+    def __init__(self, samples: TokenSamples, *, context_rank: int = 0,
+                 context_size: int = 1) -> None:
         self.samples = samples
+        self.context_rank, self.context_size = context_rank, context_size
+
+    def _tokens(self, index: int) -> np.ndarray:
+        tokens = self.samples.tokens(index)
+        if self.context_size == 1:
+            return tokens
+        chunk = (len(tokens) - 1) // self.context_size
+        first = self.context_rank * chunk
+        return tokens[first:first + chunk + 1]
 
     def __getitem__(self, group: Sequence[Sequence[int]]) -> np.ndarray:
-        return np.stack([[self.samples.tokens(index) for index in indices]
+        return np.stack([[self._tokens(index) for index in indices]
                          for indices in group]).astype(np.int64)
 
 
@@ -57,9 +69,13 @@ def _keep(batch: np.ndarray) -> np.ndarray:
 
 def micro_batches(samples: TokenSamples, *, micro_batch_size: int, dp_rank: int, dp_size: int,
                   consumed_samples: int = 0, workers: int = 0, pin_memory: bool = False,
-                  prefetch_factor: int = 4) -> Iterator[dict[str, torch.Tensor]]:
+                  prefetch_factor: int = 4, context_rank: int = 0,
+                  context_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
     """Endless ``{"input_ids", "labels"}`` micro-batches of `dp_rank`, from `consumed_samples`
-    on, in the global order of `DistributedPackedSampler` (the same for every dp size)."""
+    on, in the global order of `DistributedPackedSampler` (the same for every dp size). With
+    `context_size` > 1 the context ranks of a data-parallel rank read the same samples and each
+    keeps its contiguous chunk of their tokens: inputs T/context, labels shifted before the
+    split (a chunk's last label is the next chunk's first input)."""
     sampler = DistributedPackedSampler(len(samples), micro_batch_size=micro_batch_size,
                                        dp_rank=dp_rank, dp_size=dp_size,
                                        consumed_samples=consumed_samples)
@@ -67,7 +83,8 @@ def micro_batches(samples: TokenSamples, *, micro_batch_size: int, dp_rank: int,
     group = math.ceil(_SAMPLES_PER_FETCH / micro_batch_size) if workers > 0 else 1
     # batch_size=None: each item of the sampler (a group of micro-batches) is one fetch.
     loader = torch.utils.data.DataLoader(
-        _MicroBatches(samples), sampler=_grouped(sampler, group), batch_size=None,
+        _MicroBatches(samples, context_rank=context_rank, context_size=context_size),
+        sampler=_grouped(sampler, group), batch_size=None,
         collate_fn=_keep, num_workers=workers, persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None)
     for chunk in loader:

@@ -9,6 +9,7 @@
   decoder layers compiled (`compile_blocks`),
 - `layers.py`: RMSNorm, rotary embeddings, and the tensor-parallel swap points,
 - `tensor_parallel.py`: Megatron-style collectives, sharded layers, vocab-parallel loss,
+- `context_parallel.py`: the sequence in chunks over context ranks (DeepSpeed-Ulysses all-to-all),
 - `hf.py`: conversion to and from Hugging Face's `LlamaForCausalLM`.
 """
 from __future__ import annotations

@@ -57,6 +57,9 @@ from deepspeed.accelerator import get_accelerator
 from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
 from pretrain.layout import check_tensor_split
+import pretrain.model.mup as mup
+from pretrain.model.context_parallel import (chunk_loss_scale, chunk_offset, cp_world_size,
+                                             heads_to_sequence, sequence_to_heads)
 from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
                                    row_linear, vocab_embedding)
@@ -132,10 +135,16 @@ class Attention(nn.Module):
     three. The parameters, their names and values are the same either way.
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 cp_group=None) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.head_dim = hd
+        # context parallelism: x is this rank's chunk of each sequence; q, k, v are exchanged for
+        # the whole sequence of 1/N of the heads around the attention (`context_parallel`)
+        self.cp_group = cp_group
+        # None: SDPA's 1/sqrt(head_dim); muP: sqrt(base head dim) / head_dim (`mup.softmax_scale`)
+        self.softmax_scale = mup.softmax_scale(cfg)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         # q heads h*hd..(h+1)*hd are weight rows, so a row shard is a set of whole heads; rank r's
         # query heads use kv heads r*nkv/tp.. (query head i reads kv head i // (nh/nkv))
@@ -164,8 +173,13 @@ class Attention(nn.Module):
         q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
         v = v.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
-        q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
-        k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # cos/sin: x's positions
+        if self.cp_group is not None:  # (B, T/N, heads, hd) -> (B, T, heads/N, hd)
+            if cache is not None:
+                raise ValueError("context parallelism is for training: generate with context 1")
+            q, k, v = (sequence_to_heads(t, self.cp_group) for t in (q, k, v))
+        q = q.transpose(1, 2)  # (B, nh, T, hd)
+        k = k.transpose(1, 2)  # (B, nkv, T, hd)
         v = v.transpose(1, 2)  # (B, nkv, T, hd)
         causal = True
         if cache is not None:
@@ -173,8 +187,12 @@ class Attention(nn.Module):
         backends = attention_backends(q.device.type, q.dtype)
         with sdpa_kernel(backends) if backends else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                               enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
+                                               enable_gqa=q.shape[1] != k.shape[1],
+                                               scale=self.softmax_scale)  # (B, nh, T, hd)
+        y = y.transpose(1, 2)  # (B, T, nh, hd)
+        if self.cp_group is not None:  # (B, T, heads/N, hd) -> this chunk's (B, T/N, heads, hd)
+            y = heads_to_sequence(y.contiguous(), self.cp_group)
+        y = y.reshape(B, T, -1)  # (B, T, nh*hd)
         return self.o_proj(y)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
 
 
@@ -236,12 +254,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block; attribute names follow Hugging Face's LlamaDecoderLayer."""
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 cp_group=None) -> None:
         super().__init__()
         norm_group = tp_group if sequence_parallel else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                        sequence_parallel_group=norm_group)
-        self.self_attn = Attention(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.self_attn = Attention(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                   cp_group=cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                                 sequence_parallel_group=norm_group)
         self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
@@ -259,12 +279,13 @@ class LlamaBackbone(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, cp_group=None) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
                                             sequence_parallel=sequence_parallel)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+            DecoderLayer(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         cp_group=cp_group)
             for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                             sequence_parallel_group=tp_group if sequence_parallel else None)
@@ -282,12 +303,19 @@ class LlamaModel(nn.Module):
     `tp_group`: the tensor-parallel process group (None or one rank: no tensor parallelism);
     every rank of it gets the same input_ids and labels. `sequence_parallel` needs tp > 1 and
     sequence lengths divisible by tp.
+
+    `cp_group`: the context-parallel group (`pretrain.model.context_parallel`; None: none).
+    Context rank c gets chunk c of every sequence (inputs and their labels, T/N tokens each);
+    attention exchanges heads for the whole sequence, and the loss is the chunk's share of the
+    whole sequence's mean, times N (DeepSpeed averages it over the context ranks).
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 cp_group=None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
+        self.cp_group = cp_group if cp_world_size(cp_group) > 1 else None
         self.tensor_parallel = tp_world_size(tp_group)
         check_tensor_split(cfg, self.tensor_parallel)
         self.tensor_parallel_rank = tp_rank(tp_group)
@@ -298,11 +326,13 @@ class LlamaModel(nn.Module):
                               "parallel.sequence_parallel=false")
         self.padded_vocab_size = cfg.padded_vocab_size(self.tensor_parallel)
         self.model = LlamaBackbone(cfg, padded_vocab_size=self.padded_vocab_size,
-                                   tp_group=tp_group, sequence_parallel=sequence_parallel)
+                                   tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                   cp_group=self.cp_group)
         # column-parallel rows of the vocabulary, like `column_linear`; its forward also gives the
         # loss, chunked by cfg.loss_chunk_tokens (ZeRO-3 gathers the weight for that forward)
         self.lm_head = LMHead(cfg.hidden_size, self.padded_vocab_size, vocab_size=cfg.vocab_size,
-                              tp_group=tp_group, chunk_tokens=cfg.loss_chunk_tokens)
+                              tp_group=tp_group, chunk_tokens=cfg.loss_chunk_tokens,
+                              output_multiplier=mup.output_multiplier(cfg))
         if cfg.tie_embeddings:
             # one Parameter under two names: named_parameters() yields it once, as the embedding;
             # under TP both are the same (V/tp, C) row shard of the vocabulary
@@ -330,6 +360,8 @@ class LlamaModel(nn.Module):
                              f"tokens: use a sequence length divisible by {self.tensor_parallel}")
         x = self.model.embed_tokens(input_ids)  # (B, T, C), or (B, T/tp, C) under SP
         past = 0 if cache is None or cache[0].keys is None else cache[0].keys.shape[2]
+        if self.cp_group is not None:  # T is this rank's chunk: global positions from its start
+            past = chunk_offset(T, self.cp_group)
         cos, sin = self.model.rotary_emb(past + T, x.dtype)  # (past + T, hd) each
         cos, sin = cos[past:], sin[past:]
         checkpointing = torch.is_grad_enabled()  # nothing to save for backward otherwise
@@ -367,7 +399,9 @@ class LlamaModel(nn.Module):
                                        sequence_parallel=self.sequence_parallel)  # (B, T, C)
         # the loss from the head's input: with cfg.loss_chunk_tokens > 0 the logits of the
         # whole micro-batch never exist (`pretrain.model.loss`)
-        return self.lm_head(hidden, labels)
+        if self.cp_group is None:
+            return self.lm_head(hidden, labels)
+        return self.lm_head(hidden, labels) * chunk_loss_scale(labels, self.cp_group)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
@@ -475,7 +509,9 @@ def full_parameter_init(name: str, cfg: ModelConfig, *, seed: int) -> torch.Tens
     Norm weights are 1. Every matrix is normal(0, init_std), except the output projections that
     write into the residual stream (o_proj, down_proj), whose std is init_std / sqrt(2 *
     num_layers): 2 * num_layers of them add up along the residual path, so this keeps its
-    variance independent of depth (GPT-2, Megatron-LM's scaled init).
+    variance independent of depth (GPT-2, Megatron-LM's scaled init). Under muP the hidden
+    matrices' std is also multiplied by `mup.init_std_multiplier` (1/sqrt(width multiplier)):
+    a factor on the std, so the blocks stay layout-independent.
     """
     dim = tensor_partition_dim(name) or 0
     out = torch.empty(full_parameter_shape(name, cfg))
@@ -543,6 +579,9 @@ def _draw_init(name: str, cfg: ModelConfig, *, seed: int, dim: int, start: int,
     std = cfg.init_std
     if _OUTPUT_PROJECTION.search(name):
         std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+    multiplier = mup.init_std_multiplier(name, cfg)  # muP: 1/sqrt(m) on hidden matrices
+    if multiplier != 1.0:
+        std = std * multiplier
     full = list(full_parameter_shape(name, cfg))
     stop = start + out.shape[dim]
     for block in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):

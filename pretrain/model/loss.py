@@ -204,6 +204,12 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return lm_loss(F.linear(hidden, weight), labels, vocab_size=vocab_size, tp_group=tp_group)
 
 
+def scaled_head_input(hidden: torch.Tensor, output_multiplier: float) -> torch.Tensor:
+    """`hidden` x `output_multiplier`: logits of the result are the logits x the multiplier
+    (muP's 1/m on the output layer); 1 returns `hidden` itself (the standard model, bitwise)."""
+    return hidden if output_multiplier == 1.0 else hidden * output_multiplier
+
+
 class LMHead(nn.Module):
     """The output projection: `weight` (V_padded/tp, C), this rank's rows of the padded
     vocabulary (`tensor_model_parallel`, partition dim 0, under tensor parallelism, like a
@@ -212,10 +218,13 @@ class LMHead(nn.Module):
     `forward(hidden)` gives this rank's logits (..., V_padded/tp); `forward(hidden, labels)` the
     loss (`lm_head_loss`, chunked by `chunk_tokens`). `hidden` is the full (B, T, C) of every
     tensor-parallel rank: the caller takes it through `column_parallel_input`.
+    `output_multiplier` (muP's 1/m, `pretrain.model.mup`; 1: none) multiplies the logits, as a
+    factor on `hidden` (`scaled_head_input`) before the product.
     """
 
     def __init__(self, in_features: int, padded_vocab_size: int, *, vocab_size: int,
-                 tp_group=None, chunk_tokens: int = 0, device=None, dtype=None) -> None:
+                 tp_group=None, chunk_tokens: int = 0, output_multiplier: float = 1.0,
+                 device=None, dtype=None) -> None:
         super().__init__()
         tensor_parallel = tp_world_size(tp_group)
         if padded_vocab_size % tensor_parallel:
@@ -223,6 +232,7 @@ class LMHead(nn.Module):
                              f"{tensor_parallel} tensor-parallel ranks")
         self.in_features, self.padded_vocab_size = in_features, padded_vocab_size
         self.vocab_size, self.tp_group, self.chunk_tokens = vocab_size, tp_group, chunk_tokens
+        self.output_multiplier = output_multiplier
         self.weight = nn.Parameter(torch.empty(padded_vocab_size // tensor_parallel, in_features,
                                                device=device, dtype=dtype))
         if tensor_parallel > 1:
@@ -232,6 +242,7 @@ class LMHead(nn.Module):
             self.weight.uniform_(-bound, bound)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = scaled_head_input(hidden, self.output_multiplier)
         if labels is None:
             return F.linear(hidden, self.weight)  # (..., V_padded/tp)
         return lm_head_loss(hidden, self.weight, labels, vocab_size=self.vocab_size,
@@ -239,4 +250,6 @@ class LMHead(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.padded_vocab_size}, "
-                f"local={tuple(self.weight.shape)}, chunk_tokens={self.chunk_tokens}")
+                f"local={tuple(self.weight.shape)}, chunk_tokens={self.chunk_tokens}"
+                + (f", output_multiplier={self.output_multiplier:g}"
+                   if self.output_multiplier != 1.0 else ""))

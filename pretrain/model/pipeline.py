@@ -99,9 +99,11 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.layout import check_pipeline_split, check_tensor_split
+from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
 from pretrain.model.llama import DecoderLayer, torch_checkpoint
-from pretrain.model.loss import LMHead, lm_head_loss
+from pretrain.model.loss import LMHead, lm_head_loss, scaled_head_input
+from pretrain.model.mup import output_multiplier
 from pretrain.model.tensor_parallel import column_parallel_input, gather_from_tp, tp_world_size
 
 TIED_EMBEDDING_KEY = "embed"
@@ -149,6 +151,7 @@ class EmbeddingPipe(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
                                             sequence_parallel=sequence_parallel)
+        self.output_multiplier = output_multiplier(cfg)  # muP's 1/m on the tied head's logits
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shards, T = _sequence_shards(self.tp_group, self.sequence_parallel), input_ids.shape[1]
@@ -164,23 +167,29 @@ class EmbeddingPipe(nn.Module):
         hidden = StageActivations.from_tuple(activations).hidden
         hidden = column_parallel_input(hidden, self.tp_group,
                                        sequence_parallel=self.sequence_parallel)  # (B, T, C)
-        return hidden, self.embed_tokens.weight
+        return scaled_head_input(hidden, self.output_multiplier), self.embed_tokens.weight
 
 
 class DecoderLayerPipe(DecoderLayer):
     """`DecoderLayer` (same parameter names) on StageActivations, with its stage's rotary table."""
 
     def __init__(self, cfg: ModelConfig, *, rotary: RotaryEmbedding, tp_group=None,
-                 sequence_parallel: bool = False) -> None:
-        super().__init__(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+                 sequence_parallel: bool = False, cp_group=None) -> None:
+        super().__init__(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         cp_group=cp_group)
         # one table object shared by the stage's layers: non-persistent buffers, no parameters
         self.rotary_emb = rotary
         self.sequence_shards = _sequence_shards(tp_group, sequence_parallel)
+        self.cp_group = cp_group  # context parallelism: stages pass this rank's chunk
 
     def forward(self, activations) -> tuple[torch.Tensor, ...]:
         state = StageActivations.from_tuple(activations)
-        T = state.hidden.shape[1] * self.sequence_shards  # full sequence length
-        cos, sin = self.rotary_emb(T, state.hidden.dtype)  # (T, hd) each
+        T = state.hidden.shape[1] * self.sequence_shards  # full sequence length (or chunk)
+        if self.cp_group is None:
+            cos, sin = self.rotary_emb(T, state.hidden.dtype)  # (T, hd) each
+        else:  # this context rank's chunk: its global positions
+            first = chunk_offset(T, self.cp_group)
+            cos, sin = (t[first:] for t in self.rotary_emb(first + T, state.hidden.dtype))
         hidden = super().forward(state.hidden, cos, sin)
         return dataclasses.replace(state, hidden=hidden).to_tuple()
 
@@ -207,13 +216,15 @@ class LMHeadPipe(nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.lm_head = LMHead(cfg.hidden_size, padded_vocab_size, vocab_size=cfg.vocab_size,
-                              tp_group=tp_group, chunk_tokens=cfg.loss_chunk_tokens)
+                              tp_group=tp_group, chunk_tokens=cfg.loss_chunk_tokens,
+                              output_multiplier=output_multiplier(cfg))
 
     def forward(self, activations) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = StageActivations.from_tuple(activations).hidden
         hidden = column_parallel_input(hidden, self.tp_group,
                                        sequence_parallel=self.sequence_parallel)  # (B, T, C)
-        return hidden, self.lm_head.weight
+        # muP's output multiplier on the head's input, as `LMHead.forward` applies it
+        return scaled_head_input(hidden, self.lm_head.output_multiplier), self.lm_head.weight
 
 
 def head_logits(outputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -226,20 +237,25 @@ class PipelineLoss:
     """`loss_fn((hidden, weight), labels)` of the last stage: `loss.lm_head_loss`, as the flat
     model's `LMHead` computes it."""
 
-    def __init__(self, *, vocab_size: int, tp_group=None, chunk_tokens: int = 0) -> None:
+    def __init__(self, *, vocab_size: int, tp_group=None, chunk_tokens: int = 0,
+                 cp_group=None) -> None:
         self.vocab_size, self.tp_group, self.chunk_tokens = vocab_size, tp_group, chunk_tokens
+        self.cp_group = cp_group  # context parallelism: the chunk's share of the mean, x N
 
     def __call__(self, outputs: tuple[torch.Tensor, torch.Tensor],
                  labels: torch.Tensor) -> torch.Tensor:
         hidden, weight = outputs
-        return lm_head_loss(hidden, weight, labels, vocab_size=self.vocab_size,
+        loss = lm_head_loss(hidden, weight, labels, vocab_size=self.vocab_size,
                             tp_group=self.tp_group, chunk_tokens=self.chunk_tokens)
+        if self.cp_group is None:
+            return loss
+        return loss * chunk_loss_scale(labels, self.cp_group)
 
 
 # ---- the model definition ------------------------------------------------------------------------
 
-def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None,
-                         sequence_parallel: bool = False) -> list[LayerSpec]:
+def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                         cp_group=None) -> list[LayerSpec]:
     """`LlamaModel` as DeepSpeed layer specs: embedding, cfg.num_layers decoder layers, final
     norm, lm_head (see the module docstring for the index of each)."""
     tensor_parallel = tp_world_size(tp_group)
@@ -260,7 +276,8 @@ def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None,
         embedding = LayerSpec(EmbeddingPipe, cfg, **vocab, **parallel)
         head = LayerSpec(LMHeadPipe, cfg, **vocab, **parallel)
     return [embedding,
-            *(LayerSpec(DecoderLayerPipe, cfg, rotary=rotary, **parallel)
+            *(LayerSpec(DecoderLayerPipe, cfg, rotary=rotary, **parallel,
+                        **({"cp_group": cp_group} if cp_group is not None else {}))
               for _ in range(cfg.num_layers)),
             LayerSpec(FinalNormPipe, cfg, **parallel),
             head]
@@ -345,8 +362,8 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
                     sequence_parallel: bool = False, partition_method: str = "parameters",
                     activation_checkpoint_interval: int = 0,
                     activation_checkpoint_func: Callable = torch_checkpoint,
-                    groups_by_ranks: Mapping[tuple[int, ...], Any] | None = None
-                    ) -> PipelineModule:
+                    groups_by_ranks: Mapping[tuple[int, ...], Any] | None = None,
+                    cp_group=None) -> PipelineModule:
     """This rank's stage of the pipelined `LlamaModel`, weights left at their defaults
     (`pretrain.model.build_pipeline_model` also initialises them).
 
@@ -356,6 +373,8 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
     out pipe x data. Pass the result to `deepspeed.initialize(model=..., config=...)` without
     `mpu` and train with `engine.train_batch(iter_of((input_ids, labels)))`.
     `groups_by_ranks` (`ProcessGroups.by_ranks`): groups DeepSpeed's grid reuses.
+    `cp_group`: the context-parallel group (`ProcessGroups.context`): each stage's context
+    ranks compute and send their chunk of the sequence.
     """
     _check_pipeline_args(cfg, num_stages=num_stages, partition_method=partition_method,
                          activation_checkpoint_interval=activation_checkpoint_interval)
@@ -364,14 +383,15 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
                            "rank (deepspeed.init_distributed); for one process without it use "
                            "build_flat_pipeline")
     ds_topology = _deepspeed_topology(topology, num_stages=num_stages, tp_group=tp_group)
-    specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                 cp_group=cp_group)
     # no_grad: the constructor broadcasts tied weights in place; with grad mode on, autograd
     # records that c10d::broadcast_ (which has no autograd kernel) and warns in every backward
     with torch.no_grad(), _reusing_process_groups(groups_by_ranks):
         module = _PipelineStages(
             layers=specs, num_stages=None if ds_topology else num_stages, topology=ds_topology,
             loss_fn=PipelineLoss(vocab_size=cfg.vocab_size, tp_group=tp_group,
-                                 chunk_tokens=cfg.loss_chunk_tokens),
+                                 chunk_tokens=cfg.loss_chunk_tokens, cp_group=cp_group),
             seed_layers=False, partition_method=partition_method,
             activation_checkpoint_interval=activation_checkpoint_interval,
             activation_checkpoint_func=activation_checkpoint_func,

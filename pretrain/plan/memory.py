@@ -1,7 +1,8 @@
 """The planner's model of memory: what one GPU of the heaviest pipeline stage holds.
 
-Parameters, gradients and optimizer states by precision, ZeRO stage and offload; activations by
-recompute mode and sequence parallelism (after Korthikanti et al. 2022, "Reducing Activation
+Parameters, gradients and optimizer states by precision, ZeRO stage (sharded over data x
+context ranks) and offload; activations by recompute mode, context parallelism (1/context of the
+tokens per rank) and sequence parallelism (after Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models") with the micro-batches 1F1B keeps in flight (stage i
 holds pp - i); and DeepSpeed's communication buffers.
 
@@ -95,7 +96,7 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -
     lay = layout
     n = stage_parameters(m, lay, items)
     p_b, g_b, o_b = bytes_per_param(lay)
-    dp = lay.data
+    dp = lay.data * lay.context  # ZeRO shards over every replica: data x context ranks
     params, grads, optimizer = n * p_b, n * g_b, n * o_b
     host = 0.0
     if lay.zero_stage >= 1:
@@ -113,7 +114,9 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -
 
     # Activations: 1F1B keeps pp - stage micro-batches in flight (all of them if fewer).
     act_bytes = 4 if lay.precision == Precision.FP32 else 2
-    tokens = lay.micro_batch * m.seq_length
+    # context parallelism: a rank holds T/context tokens of every activation (attention's
+    # q, k, v and output after the all-to-all: T tokens of heads/context, the same elements)
+    tokens = lay.micro_batch * m.seq_length / lay.context
     in_flight = min(lay.pipeline - stage, lay.grad_accum)
     layers = items.count("layer")
     rep, shard = layer_activation_elements(m, lay)

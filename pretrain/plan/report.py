@@ -16,7 +16,9 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
     lines = [
         f"[plan] {config_path or '(defaults)'} on {world} ranks ({accelerator}): the config "
         "resolves; nothing was launched",
-        f"layout  tp {layout.tensor} x pp {layout.pipeline} x dp {layout.data} = {world} ranks | "
+        f"layout  tp {layout.tensor} x pp {layout.pipeline}"
+        f"{f' x cp {layout.context}' if layout.context > 1 else ''} x dp {layout.data} = "
+        f"{world} ranks | "
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum "
         f"{layout.grad_accum} x dp {layout.data} ({layout.global_batch * m.seq_length:,} tokens)",
         f"engine  ZeRO-{layout.zero_stage} | offload optimizer={layout.offload_optimizer} "
@@ -49,6 +51,8 @@ def format_plan(plan: Plan) -> str:
         f"time per step {t.step:.3f} s on {c.name} ({format_flops(c.peak_tflops)} peak):",
         *(f"  {k:<14}{getattr(t, k):9.3f} s {pct(getattr(t, k))}" for k in
           ("compute", "tensor_comm", "bubble", "pipeline_comm", "data_comm", "offload")),
+        *([f"  {'context_comm':<14}{t.context_comm:9.3f} s {pct(t.context_comm)}"]
+          if lay.context > 1 else []),
         f"throughput {plan.tokens_per_s:,.0f} tokens/s | model "
         f"{format_flops(plan.model_tflops_per_gpu)}/GPU (MFU {100 * plan.mfu:.1f}%) | hardware "
         f"{format_flops(plan.hardware_tflops_per_gpu)}/GPU (HFU {100 * plan.hfu:.1f}%)",
@@ -60,6 +64,7 @@ def selecting_arguments(layout: Layout, ds_config: str) -> str:
     """The `pretrain train` / `plan` arguments that select `layout` (with `ds_config`, the
     JSON of its ZeRO stage and offload)."""
     sets = [f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
+            *([f"parallel.context={layout.context}"] if layout.context > 1 else []),
             f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
             f"train.micro_batch_size={layout.micro_batch}",
             f"model.activation_checkpointing={layout.recompute.value}",

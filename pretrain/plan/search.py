@@ -80,10 +80,13 @@ def _divisors(n: int) -> list[int]:
 def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
            precision: Precision = Precision.BF16, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
            allow_offload: bool = True,
-           engines: set[tuple[int, str, str]] | None = None) -> list[Plan]:
+           engines: set[tuple[int, str, str]] | None = None,
+           contexts: tuple[int, ...] | None = None) -> list[Plan]:
     """Every valid layout of `cluster.world_size` GPUs that fits, fastest first.
 
-    TP stays inside a node (powers of two dividing the GPUs per node); PP divides the world;
+    TP stays inside a node (powers of two dividing the GPUs per node), and so does TP x context
+    (context parallelism, powers of two; `contexts`: the sizes to consider, by default
+    `default_contexts`); PP divides the world;
     ZeRO 0-3 (0/1 with pipelines), optimizer offload to CPU from ZeRO 1, parameter offload with
     ZeRO 3, recompute none/full, sequence parallelism whenever tp > 1 (it only saves memory).
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
@@ -93,16 +96,19 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     base = Layout(precision=precision, global_batch=global_batch)
     plans = []
     tps = [t for t in _divisors(cluster.gpus_per_node) if t & (t - 1) == 0]
-    for tp, pp in itertools.product(tps, _divisors(world)):
-        if world % (tp * pp) or pp > model.num_layers:
+    if contexts is None:
+        contexts = default_contexts(model, cluster)
+    cps = [c for c in _divisors(cluster.gpus_per_node) if c & (c - 1) == 0 and c in contexts]
+    for tp, pp, cp in itertools.product(tps, _divisors(world), cps):
+        if world % (tp * pp * cp) or pp > model.num_layers or tp * cp > cluster.gpus_per_node:
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         for mbs, stage, offload, recompute in itertools.product(
                 micro_batches, (0, 1, 2, 3), ("none", "opt", "opt+param"),
                 (Recompute.NONE, Recompute.FULL)):
             if offload != "none" and not allow_offload:
                 continue
-            layout = replace(base, tensor=tp, pipeline=pp, data=dp, micro_batch=mbs,
+            layout = replace(base, tensor=tp, pipeline=pp, data=dp, context=cp, micro_batch=mbs,
                              zero_stage=stage, recompute=recompute, sequence_parallel=tp > 1,
                              offload_optimizer="none" if offload == "none" else "cpu",
                              offload_param="cpu" if offload == "opt+param" else "none")
@@ -116,6 +122,18 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
                 plans.append(plan)
     plans.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     return plans
+
+
+LONG_CONTEXT = 16384  # tokens from which a search also tries context parallelism
+
+
+def default_contexts(model: ModelConfig, cluster: Cluster) -> tuple[int, ...]:
+    """The context-parallel sizes a search tries: only 1 below `LONG_CONTEXT` tokens (context
+    parallelism only trades activation memory for all-to-alls), else every power of two up to
+    the GPUs of a node."""
+    if model.seq_length < LONG_CONTEXT:
+        return (1,)
+    return tuple(c for c in _divisors(cluster.gpus_per_node) if c & (c - 1) == 0)
 
 
 def engine_key(layout: Layout) -> tuple[int, str, str]:
