@@ -104,17 +104,15 @@ class Topology:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"topology {name}={value!r}: must be a positive integer")
         model_parallel = self.tensor * self.pipeline * self.context
-        if self.world_size % model_parallel and self.context == 1:
-            raise ConfigError(
-                f"world size {self.world_size} is not divisible by parallel.tensor x "
-                f"parallel.pipeline = {self.tensor} x {self.pipeline} = {model_parallel}: launch "
-                f"a multiple of {model_parallel} ranks or change parallel.tensor/pipeline")
         if self.world_size % model_parallel:
+            sizes = {"tensor": self.tensor, "context": self.context, "pipeline": self.pipeline}
+            if self.context == 1:  # named only where it is used
+                del sizes["context"]
             raise ConfigError(
-                f"world size {self.world_size} is not divisible by parallel.tensor x "
-                f"parallel.context x parallel.pipeline = {self.tensor} x {self.context} x "
-                f"{self.pipeline} = {model_parallel}: launch a multiple of {model_parallel} "
-                "ranks or change parallel.tensor/context/pipeline")
+                f"world size {self.world_size} is not divisible by "
+                f"{' x '.join(f'parallel.{name}' for name in sizes)} = "
+                f"{' x '.join(map(str, sizes.values()))} = {model_parallel}: launch a multiple "
+                f"of {model_parallel} ranks or change parallel.{'/'.join(sizes)}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
 
