@@ -14,10 +14,10 @@ from typing import Any
 import deepspeed
 import torch
 
-from pretrain import telemetry
 from pretrain.config import ModelConfig, RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.ds_config import zero_stage
+from pretrain.log import log
 from pretrain.metrics import global_grad_norm
 from pretrain.model import (ModelForm, build_for_layout, compile_blocks,
                             defer_sequence_parallel_grads, tensor_parallel_group)
@@ -108,10 +108,10 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     model = build_for_layout(cfg, groups, ds_config=ds_config)
     if cfg.model.init_from:  # one parameter at a time (gathered under ZeRO-3), before the engine
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
-        telemetry.log(f"[init] weights from {source}", main=main)
+        log(f"[init] weights from {source}", main=main)
     flat = ModelForm.of(model) is ModelForm.FLAT
     if is_mup(cfg.model):
-        telemetry.log(f"[mup] parametrization {describe(cfg.model)}", main=main)
+        log(f"[mup] parametrization {describe(cfg.model)}", main=main)
     engine, _, _, _ = deepspeed.initialize(
         # per-group lr (muP: hidden matrices lr/m); the schedule multiplies each group's lr
         model=model, model_parameters=param_groups(model, cfg.train.weight_decay, cfg=cfg.model,
@@ -130,7 +130,7 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     if cfg.model.compile:
         cache = Path(cfg.run_dir) / "torch_compile"
         layers = compile_blocks(engine.module, cache_dir=cache)
-        telemetry.log(f"[compile] {layers} decoder layers compiled by torch.compile at the first "
+        log(f"[compile] {layers} decoder layers compiled by torch.compile at the first "
                       f"step (inductor cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']})", main=main)
     if groups.topology.replicas == 1 and zero_stage(ds_config) == 0 and flat:
         # One replica: DeepSpeed's bucketed gradient all-reduce would only copy gradients

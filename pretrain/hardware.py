@@ -121,6 +121,28 @@ def cpu_mfu_peak(dtype: torch.dtype, *, seconds: float = 1.2) -> tuple[float, st
     return own, f"measured {name} matmul, {threads}"
 
 
+def device_peak_tflops(dtype: torch.dtype, configured: float = 0.0) -> tuple[float, str]:
+    """(peak TFLOP/s per device for `dtype`, where the number came from).
+
+    `logging.peak_tflops` when set; a GPU's data sheet; else measured here: on CPUs with this
+    rank's threads, the best 512^2 or 1024^2 matmul loop in `dtype` or fp32. Ranks measure at the
+    same time (`metrics.StepRecords` waits for them all first), so a rank's share of the cores
+    is what it measures.
+    """
+    if configured > 0:
+        return configured, "logging.peak_tflops"
+    from deepspeed.accelerator import get_accelerator
+
+    name = str(dtype).split(".")[-1]
+    if get_accelerator().device_name() == "cuda":
+        gpu = torch.cuda.get_device_name()
+        for key, peak in KNOWN_GPU_PEAK_TFLOPS.items():
+            if key in gpu:
+                return (peak if dtype != torch.float32 else peak / 2), f"data sheet ({gpu})"
+        return measure_matmul_tflops(dtype, device="cuda"), f"measured {name} matmul ({gpu})"
+    return cpu_mfu_peak(dtype)
+
+
 def host_memory_gb() -> float:
     """This machine's physical memory in GiB."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

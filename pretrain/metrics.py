@@ -1,9 +1,12 @@
-"""What a run writes to its metrics sink: one "run" record when it starts (with what the engine
-really built: `engine_facts`), one "train" record per optimizer step (loss, lr, gradient norm,
-throughput, MFU / HFU, memory), and the whole-model gradient norm DeepSpeed does not keep at
-ZeRO-0."""
+"""What a run's records hold (where they go is `sinks.py`): one "run" record when it starts (with
+what the engine really built: `engine_facts`), one "train" record per optimizer step (loss, lr,
+gradient norm, throughput, MFU / HFU, memory, GPU stats) and its step line, and the numbers
+measured for them: the whole-model gradient norm DeepSpeed does not keep at ZeRO-0, each rank's
+peak memory, NVML's GPU readings."""
 from __future__ import annotations
 
+import os
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +14,17 @@ import deepspeed
 import torch
 import torch.distributed as torch_dist
 
-from pretrain import telemetry
 from pretrain.arithmetic import hardware_flops_per_token, model_flops_per_token, num_parameters
 from pretrain.config import Precision, RunConfig
 from pretrain.data import BlendedSamples
 from pretrain.data.build import Samples
 from pretrain.dist import World, wait_for_io
-from pretrain.hardware import cpu_mfu_peak, format_flops
+from pretrain.hardware import (cpu_mfu_peak, device_peak_tflops, format_flops,
+                               measure_matmul_tflops)
 from pretrain.layout import Layout
+from pretrain.log import log
 from pretrain.model import DTYPES
+from pretrain.sinks import MetricsSink
 from pretrain.topology import ProcessGroups
 
 
@@ -44,12 +49,81 @@ def global_grad_norm(parameters, groups: ProcessGroups, *, device: str) -> float
     return total.sqrt().item()
 
 
+def peak_memory_gb() -> float:
+    """Peak memory of this rank: the accelerator allocator's peak, or the process's peak RSS."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        return accel.max_memory_allocated() / 2**30
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    return kb / 2**20
+
+
+def peak_memory_all_ranks(device: str) -> list[float]:
+    """Every rank's `peak_memory_gb`, in rank order (a collective: all ranks call it)."""
+    mine = torch.tensor([peak_memory_gb()], dtype=torch.float64, device=device)
+    if not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
+        return [mine.item()]
+    values = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
+    torch_dist.all_gather(values, mine)
+    return [v.item() for v in values]
+
+
+def mfu(*, flops_per_token: float, tokens_per_s_per_device: float, peak_tflops: float) -> float:
+    return flops_per_token * tokens_per_s_per_device / (peak_tflops * 1e12) if peak_tflops else 0.0
+
+
+class GpuStats:
+    """This rank's GPU utilisation (%), temperature (C) and used memory (GB), read through NVML.
+
+    NVML is opened once, at the first reading, not every step. When it cannot be (no pynvml, no
+    driver) or a reading fails (NotSupported on MIG and vGPU, NoPermission), the stats are off
+    for the rest of the run after one log line: telemetry never stops a run. {} without a GPU.
+    """
+
+    def __init__(self, *, enabled: bool | None = None) -> None:
+        self._on = torch.cuda.is_available() if enabled is None else enabled
+        self._nvml: Any = None
+        self._handle: Any = None
+
+    def read(self) -> dict[str, float]:
+        if not self._on:
+            return {}
+        try:
+            if self._handle is None:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index())
+            nvml, handle = self._nvml, self._handle
+            return {"gpu_util_pct": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                    "gpu_temp_c": float(nvml.nvmlDeviceGetTemperature(
+                        handle, nvml.NVML_TEMPERATURE_GPU)),
+                    "gpu_mem_used_gb": nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30}
+        except Exception as exc:  # noqa: BLE001 - pynvml raises its own NVMLError classes
+            self._on = False
+            log(f"[telemetry] GPU utilisation/temperature off for this run: NVML failed "
+                f"({type(exc).__name__}: {exc})")
+            return {}
+
+
+def _nvml_index() -> int:
+    """NVML's index of this process's CUDA device (NVML ignores CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    device = torch.cuda.current_device()
+    if visible != [""] and visible[device].strip().isdigit():
+        return int(visible[device])
+    return device
+
+
 class StepRecords:
     """Builds the "train" record of each step; knows the model's FLOPs per token and the
     device's peak, so MFU and HFU are computed the same way every step."""
 
     def __init__(self, cfg: RunConfig, *, world_size: int, device: str, main: bool,
-                 peak: tuple[float, str] | None = None, log=telemetry.log) -> None:
+                 peak: tuple[float, str] | None = None, log=log) -> None:
         """`peak`: (TFLOP/s per device, its source); measured on every rank at once when None
         (a collective then)."""
         self.cfg, self.world_size, self.device, self.main = cfg, world_size, device, main
@@ -57,11 +131,11 @@ class StepRecords:
         self._dtype = DTYPES[cfg.train.precision]
         if peak is None:
             wait_for_io()  # every rank measures at once: its share of the cores, not all of them
-            peak = telemetry.device_peak_tflops(self._dtype, cfg.logging.peak_tflops)
+            peak = device_peak_tflops(self._dtype, cfg.logging.peak_tflops)
         self.peak_tflops, self.peak_source = peak
         self.peak_reliable, self._remeasured = True, cfg.logging.peak_tflops > 0
         self._log = log
-        self.gpu = telemetry.GpuStats(enabled=None if main else False)
+        self.gpu = GpuStats(enabled=None if main else False)
 
     def _check_peak(self, achieved_tflops: float) -> None:
         """A step faster than the peak means the peak was measured low (a busy moment, a kernel
@@ -72,7 +146,7 @@ class StepRecords:
         if not self._remeasured:
             self._remeasured = True
             if self.device.startswith("cuda"):
-                again = telemetry.measure_matmul_tflops(self._dtype, device="cuda", seconds=2.0)
+                again = measure_matmul_tflops(self._dtype, device="cuda", seconds=2.0)
             else:
                 again = cpu_mfu_peak(self._dtype, seconds=2.0)[0]
             self._log(f"[telemetry] a step reached {format_flops(achieved_tflops)}/device, above "
@@ -101,7 +175,7 @@ class StepRecords:
         hardware_flops = hardware_flops_per_token(self.cfg.model)  # + recomputed forwards
         self._check_peak(hardware_flops * per_device / 1e12)
         utilisation = {  # None once the peak proved unreliable: never a silent MFU over 100%
-            name: telemetry.mfu(flops_per_token=flops, tokens_per_s_per_device=per_device,
+            name: mfu(flops_per_token=flops, tokens_per_s_per_device=per_device,
                                 peak_tflops=self.peak_tflops) if self.peak_reliable else None
             for name, flops in (("mfu", self.flops_per_token), ("hfu", hardware_flops))}
         rec: dict[str, Any] = {
@@ -111,8 +185,8 @@ class StepRecords:
             "mfu": utilisation["mfu"],
             "hw_tflops_per_device": hardware_flops * per_device / 1e12,
             "hfu": utilisation["hfu"],
-            "peak_mem_gb": telemetry.peak_memory_gb(),
-            "peak_mem_gb_ranks": telemetry.peak_memory_all_ranks(self.device),
+            "peak_mem_gb": peak_memory_gb(),
+            "peak_mem_gb_ranks": peak_memory_all_ranks(self.device),
             "data_wait_s": wait, "step_time_s": elapsed,
             "consumed_samples": consumed_samples, "skipped_steps": engine.skipped_steps,
         }
@@ -120,6 +194,24 @@ class StepRecords:
             rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", float("nan")))
         rec.update(self.gpu.read())  # rank 0: NVML utilisation / temperature / memory on GPUs
         return rec
+
+
+def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
+    gn = rec.get("grad_norm")
+    if rec.get("mfu") is None:  # the step beat the measured peak: no percentage is honest
+        utilisation = f"MFU ? ({format_flops(rec['tflops_per_device'])}/device, peak unreliable)"
+    else:
+        utilisation = f"MFU {100 * rec['mfu']:.1f}%"
+        if rec.get("hfu", rec["mfu"]) != rec["mfu"]:  # recomputation: the hardware did more
+            utilisation += f" (HFU {100 * rec['hfu']:.1f}%)"
+    parts = [f"step {rec['step']:>{len(str(total_steps))}}/{total_steps}",
+             f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
+             f"gnorm {gn:.3f}" if gn is not None else "gnorm -",
+             f"{rec['tokens_per_s']:,.0f} tok/s", utilisation,
+             f"mem {rec['peak_mem_gb']:.2f}GB", f"data {1000 * rec['data_wait_s']:.0f}ms"]
+    if rec.get("skipped_steps"):
+        parts.append(f"skipped {rec['skipped_steps']}")
+    return " | ".join(parts)
 
 
 def _dtype_names(tensors) -> list[str]:
@@ -173,7 +265,7 @@ def engine_facts(engine: deepspeed.DeepSpeedEngine) -> dict[str, Any]:
             "sequence_parallel": flags == {True}}
 
 
-def announce_run(sink: telemetry.MetricsSink, cfg: RunConfig, world: World,
+def announce_run(sink: MetricsSink, cfg: RunConfig, world: World,
                  engine: deepspeed.DeepSpeedEngine, steps: StepRecords, *, layout: Layout,
                  train_data: Samples, run_dir: Path) -> None:
     """The "run" record (layout, what the engine built, sizes, the training samples and, for a
@@ -193,7 +285,7 @@ def announce_run(sink: telemetry.MetricsSink, cfg: RunConfig, world: World,
                 "deepspeed_config": cfg.deepspeed,
                 "torch": torch.__version__,
                 "deepspeed": deepspeed.__version__})
-    telemetry.log(
+    log(
         f"[run] {n_params / 1e6:.1f}M parameters | world {world.world_size} ({world.launcher}) = "
         f"tp {cfg.parallel.tensor} x pp {cfg.parallel.pipeline}"
         f"{f' x cp {cfg.parallel.context}' if cfg.parallel.context > 1 else ''} x dp {dp_size} | "

@@ -14,15 +14,15 @@ PACKAGE = REPO / "pretrain"
 # Lower layers never import higher ones; modules of one layer may import each other (no cycle).
 # The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("pretrain.errors", "pretrain.files", "pretrain.terminal"),
+    ("pretrain.errors", "pretrain.files", "pretrain.terminal", "pretrain.log"),
     ("pretrain.config",),
     ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
      "pretrain.dist", "pretrain.hardware", "pretrain.data"),
     ("pretrain.model",),
-    ("pretrain.checkpoint", "pretrain.telemetry", "pretrain.curves", "pretrain.faults",
-     "pretrain.plan"),
-    ("pretrain.engine", "pretrain.metrics", "pretrain.trainer", "pretrain.sweep_results",
-     "pretrain.child_runs", "pretrain.tune", "pretrain.testing"),
+    ("pretrain.checkpoint", "pretrain.sinks", "pretrain.profiler", "pretrain.curves",
+     "pretrain.faults", "pretrain.plan"),
+    ("pretrain.engine", "pretrain.metrics", "pretrain.telemetry", "pretrain.trainer",
+     "pretrain.sweep_results", "pretrain.child_runs", "pretrain.tune", "pretrain.testing"),
     ("pretrain.commands",),
     ("pretrain.cli", "pretrain.__main__"),
 ]

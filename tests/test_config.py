@@ -244,7 +244,7 @@ def test_pipeline_with_sequence_parallel_gets_unpartitioned_p2p(tmp_path):
 
 
 def test_wandb_goes_online_only_with_a_project_and_a_key():
-    from pretrain.telemetry import resolve_wandb_mode
+    from pretrain.sinks import resolve_wandb_mode
 
     assert load_config(None).logging.wandb_mode == "auto"
     assert resolve_wandb_mode("auto", project="", env={"WANDB_API_KEY": "k"}) == "offline"
@@ -255,7 +255,7 @@ def test_wandb_goes_online_only_with_a_project_and_a_key():
 
 def test_wandb_goes_online_for_a_user_who_ran_wandb_login(tmp_path):
     """`wandb login` writes the key to ~/.netrc, not to the environment."""
-    from pretrain.telemetry import resolve_wandb_mode
+    from pretrain.sinks import resolve_wandb_mode
 
     home = tmp_path / "home"
     home.mkdir()

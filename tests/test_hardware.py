@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from pretrain import hardware, metrics, telemetry
+from pretrain import hardware, metrics
 from pretrain.config import Precision, load_config
 from pretrain.hardware import CpuInfo, bf16_slowdown, choose_precision, cpu_info, format_flops
 from pretrain.metrics import StepRecords
@@ -144,7 +144,7 @@ def test_a_step_faster_than_the_peak_never_prints_mfu_over_100_percent(monkeypat
     assert 0 < honest["mfu"] <= 1 and not calls
     for _ in range(3):
         rec = _record(records, elapsed=1e-3)
-        line = telemetry.format_step_line(rec, 10)
+        line = metrics.format_step_line(rec, 10)
         assert rec["mfu"] is None or rec["mfu"] <= 1.0, rec
         assert (_mfu_percent(line) or 0.0) <= 100.0, line
     assert len(calls) == 1  # re-measured once, not every step

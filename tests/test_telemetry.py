@@ -11,7 +11,7 @@ from pretrain.arithmetic import (hardware_flops_per_token, layer_forward_flops_p
                                  model_flops_per_token)
 from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
 from pretrain.errors import ConfigError
-from pretrain.telemetry import format_step_line
+from pretrain.metrics import format_step_line
 
 
 def test_hardware_flops_count_recomputed_forwards():
@@ -117,7 +117,7 @@ def test_nvml_is_opened_once_and_its_errors_turn_the_stats_off(fail, monkeypatch
 
     import torch
 
-    from pretrain.telemetry import GpuStats
+    from pretrain.metrics import GpuStats
 
     module, calls = _fake_pynvml(fail=fail)
     monkeypatch.setitem(sys.modules, "pynvml", module)
@@ -189,9 +189,9 @@ def test_a_closed_or_plain_stream_is_not_a_terminal(tmp_path):
 @pytest.fixture
 def restore_log_level():
     yield
-    from pretrain import telemetry
+    from pretrain.log import set_log_level
 
-    telemetry.set_log_level("info")
+    set_log_level("info")
 
 
 @pytest.mark.parametrize("level, deepspeed_level, notes", [
@@ -201,18 +201,32 @@ def test_the_log_level_sets_deepspeeds_logger_and_our_notes(level, deepspeed_lev
                                                             capsys, restore_log_level):
     from deepspeed.utils import logger as deepspeed_logger
 
-    from pretrain import telemetry
+    from pretrain.log import log, set_log_level
 
-    telemetry.set_log_level(level)
+    set_log_level(level)
     assert deepspeed_logger.level == deepspeed_level
     assert {handler.level for handler in deepspeed_logger.handlers} == {deepspeed_level}
     assert deepspeed_logger.isEnabledFor(logging.INFO) is (level == "debug")
-    telemetry.log("[checkpoint] a note")
-    telemetry.log("warning: a warning", level="warning")
-    telemetry.log("[eval] a result", level="result")
+    log("[checkpoint] a note")
+    log("warning: a warning", level="warning")
+    log("[eval] a result", level="result")
     shown = capsys.readouterr().out.splitlines()
     assert shown == (["[checkpoint] a note"] if notes else []) + ["warning: a warning",
                                                                   "[eval] a result"]
+
+
+def test_a_log_object_holds_its_own_threshold(capsys):
+    """The level lives in a `Log` object: one at warning drops notes while the process's `LOG`,
+    at its default, still prints them."""
+    from pretrain.log import LOG, Log
+
+    quiet = Log("warning")
+    quiet.write("[checkpoint] dropped")
+    quiet.write("warning: kept", level="warning")
+    quiet.write("[run] not on this rank", main=False, level="result")
+    LOG.write("[checkpoint] shown")
+    assert LOG.level == "info"
+    assert capsys.readouterr().out.splitlines() == ["warning: kept", "[checkpoint] shown"]
 
 
 def test_train_takes_a_log_level_option():
@@ -233,7 +247,7 @@ def _mlflow_runs(uri: str):
 
 def test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run(tmp_path):
     from pretrain.config import RunConfig
-    from pretrain.telemetry import MetricsSink, mlflow_local_uri
+    from pretrain.sinks import MetricsSink, mlflow_local_uri
 
     run_dir = tmp_path / "mlrun"
     run_dir.mkdir()
@@ -271,7 +285,7 @@ def test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run(tmp_path):
 
 
 def test_a_failing_sink_is_turned_off_after_one_warning(tmp_path, monkeypatch, capsys):
-    from pretrain import telemetry
+    from pretrain import sinks
 
     class Broken:
         calls = 0
@@ -286,9 +300,9 @@ def test_a_failing_sink_is_turned_off_after_one_warning(tmp_path, monkeypatch, c
         def close(self, status):
             raise AssertionError("a sink turned off is not closed")
 
-    monkeypatch.setitem(telemetry.SINKS, "mlflow", (Broken, ()))
+    monkeypatch.setitem(sinks.SINKS, "mlflow", (Broken, ()))
     settings = LoggingConfig(report_to=["mlflow"])
-    sink = telemetry.MetricsSink(tmp_path, enabled=True, settings=settings, run_config={})
+    sink = sinks.MetricsSink(tmp_path, enabled=True, settings=settings, run_config={})
     for step in (1, 2, 3):
         sink.write({"kind": "train", "step": step, "loss": 1.0})
     sink.close()
@@ -301,7 +315,7 @@ def test_a_failing_sink_is_turned_off_after_one_warning(tmp_path, monkeypatch, c
 def test_a_sink_whose_package_is_missing_is_an_error_before_the_run(monkeypatch):
     import importlib.util
 
-    from pretrain.telemetry import check_sinks
+    from pretrain.sinks import check_sinks
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -313,7 +327,7 @@ def test_a_sink_whose_package_is_missing_is_an_error_before_the_run(monkeypatch)
 
 @pytest.mark.slow
 def test_training_reports_to_mlflow_and_draws_curves(tmp_path, tiny_data):
-    from pretrain.telemetry import mlflow_local_uri
+    from pretrain.sinks import mlflow_local_uri
 
     run = train(tmp_path, tiny_data, name="tracked",
                 overrides=["train.steps=4", "train.eval_interval=2", "logging.report_to=[mlflow]"])
@@ -348,7 +362,7 @@ def test_log_level_warning_keeps_step_and_eval_lines_only(tmp_path, tiny_data):
 @pytest.mark.slow
 def test_a_diverged_run_ends_its_mlflow_run_failed(tmp_path, tiny_data):
     from pretrain.errors import EXIT_FAULT
-    from pretrain.telemetry import mlflow_local_uri
+    from pretrain.sinks import mlflow_local_uri
 
     run_dir = tmp_path / "diverged"
     args = train_args(run_dir, tiny_data, overrides=[
