@@ -157,6 +157,34 @@ def test_published_runs_predict_what_the_readme_and_benchmarks_print():
             "DP 0.25 |") in benchmarks
 
 
+def test_the_step_time_is_the_sum_of_its_parts_and_each_part_follows_its_dimension():
+    """Every part of the breakdown is in the step, and a parallel dimension of 1 (or no
+    offloading) costs no time of its own: each dimension turned on alone adds its parts only."""
+    from dataclasses import fields
+
+    from pretrain.plan.step_time import TimeBreakdown
+
+    parts = [field.name for field in fields(TimeBreakdown)]
+    cluster = make_cluster("h100-80gb", nodes=4)
+
+    def spent(layout: Layout) -> set[str]:
+        t = estimate(LLAMA_7B, layout, cluster).time
+        assert sum(getattr(t, name) for name in parts) == pytest.approx(t.step, rel=1e-12)
+        return {name for name in parts if getattr(t, name) > 0}
+
+    alone = Layout(global_batch=64, micro_batch=1)
+    assert spent(alone) == {"compute"}
+    assert spent(replace(alone, tensor=2, sequence_parallel=True)) == {"compute", "tensor_comm"}
+    assert spent(replace(alone, pipeline=2)) == {"compute", "bubble", "pipeline_comm"}
+    # context ranks also reduce gradients, as DeepSpeed's data parallelism
+    assert spent(replace(alone, context=2)) == {"compute", "context_comm", "data_comm"}
+    assert spent(replace(alone, data=16)) == {"compute", "data_comm"}
+    assert spent(replace(alone, zero_stage=1, offload_optimizer="cpu")) == {"compute", "offload"}
+    every = replace(alone, tensor=2, pipeline=2, context=2, data=4, zero_stage=1,
+                    offload_optimizer="cpu", sequence_parallel=True, recompute=Recompute.FULL)
+    assert spent(every) == set(parts)
+
+
 def test_the_70b_recipes_plan_is_the_one_the_readme_prints():
     """README.md's `pretrain plan --config configs/llama_70b.yaml --world-size 128` output: each
     of its lines (one "..." stands for the lines left out) is a line the command prints."""

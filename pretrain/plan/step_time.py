@@ -45,74 +45,121 @@ def _ring_seconds(nbytes: float, ranks: int, gbps: float, *, passes: float) -> f
     return passes * (ranks - 1) / ranks * nbytes / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
 
 
-def estimate_time(m: ModelConfig, layout: Layout, cluster: Cluster,
+@dataclass(frozen=True)
+class _MicroBatch:
+    """One micro-batch on the slowest stage: what every part of the step is counted from."""
+
+    tokens: float  # this rank's tokens: its context chunk of micro_batch sequences
+    act_bytes: int  # bytes of one activation element
+    layers: int  # decoder layers of the largest stage
+    compute: float  # seconds of its forward and backward at the sustained matmul rate
+
+
+def _link_gbps(cluster: Cluster, ranks: int) -> float:
+    """The bandwidth of a group of `ranks` consecutive GPUs: NVLink-class while it fits a node."""
+    return cluster.intra_node_gbps if ranks <= cluster.gpus_per_node else cluster.inter_node_gbps
+
+
+def _tensor_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> float:
+    """Seconds of one micro-batch's tensor-parallel collectives: 2 of the layer's activations
+    forward, 2 backward, 2 more per recomputed layer."""
+    collectives = 4 * mb.layers + 2 * layout_recomputed_layers(layout, mb.layers)
+    activations = mb.tokens * model.hidden_size * mb.act_bytes
+    return collectives * _ring_seconds(activations, layout.tensor,
+                                       _link_gbps(cluster, layout.tensor), passes=2)
+
+
+def _context_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> float:
+    """Seconds of one micro-batch's context-parallel all-to-alls: per attention layer q, k, v
+    (this rank's chunk of its TP heads) and the output, each rank keeping 1/context of them,
+    forward, their gradients backward, once more per recomputed layer."""
+    if layout.context == 1:
+        return 0.0
+    gbps = _link_gbps(cluster, layout.tensor * layout.context)
+    kv = model.num_kv_heads * model.head_dim
+    exchanged = mb.tokens * (2 * model.hidden_size + 2 * kv) / layout.tensor * mb.act_bytes
+    all_to_alls = 2 * mb.layers + layout_recomputed_layers(layout, mb.layers)
+    return all_to_alls * (layout.context - 1) / layout.context \
+        * exchanged / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+
+
+def _pipeline_p2p(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> float:
+    """Seconds of a step's stage-to-stage activations and gradients (1F1B). DeepSpeed
+    (pipe_partitioned) and Megatron split the boundary activations over TP ranks; under
+    sequence parallelism each TP rank holds its slice anyway."""
+    if layout.pipeline == 1:
+        return 0.0
+    cross_node = layout.tensor * layout.context * layout.data >= cluster.gpus_per_node  # a stage
+    gbps = cluster.inter_node_gbps if cross_node else cluster.intra_node_gbps  # fills a node
+    boundary = mb.tokens * model.hidden_size * mb.act_bytes / layout.tensor
+    return 2 * (layout.grad_accum + layout.pipeline - 2) * boundary \
+        / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+
+
+def _data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *, stage_params: int) -> float:
+    """Seconds of exposed data-parallel communication: gradients (and ZeRO-3 parameters) over
+    the data x context replicas, less what the backward (ZeRO-3: the whole micro-batch) hides."""
+    replicas = layout.data * layout.context  # DeepSpeed's data parallelism: data x context ranks
+    param_bytes, grad_bytes, _ = bytes_per_param(layout)
+    gbps = _link_gbps(cluster, layout.tensor * replicas)
+    backward = mb.compute * 2.0 / 3.0
+    if layout.zero_stage <= 1:  # one all-reduce (ZeRO 1: reduce-scatter + all-gather) per step
+        comm = _ring_seconds(stage_params * grad_bytes, replicas, gbps, passes=2)
+        return max(0.0, comm - backward)
+    # reduce-scatter every micro-batch; ZeRO 3 also gathers parameters forward and backward
+    per_micro_batch = _ring_seconds(stage_params * grad_bytes, replicas, gbps, passes=1)
+    if layout.zero_stage == 3:
+        per_micro_batch += _ring_seconds(stage_params * param_bytes, replicas, gbps, passes=2)
+        hidden = mb.compute
+    else:
+        hidden = backward
+    exposed = layout.grad_accum * max(0.0, per_micro_batch - hidden)
+    if layout.zero_stage == 2:  # updated parameters gathered once after the step
+        exposed += _ring_seconds(stage_params * param_bytes, replicas, gbps, passes=1)
+    return exposed
+
+
+def _offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> float:
+    """Seconds of host <-> device traffic and the CPU optimizer step: an offloaded optimizer
+    sends gradients down and parameters up and runs CPU Adam on this GPU's share; offloaded
+    parameters are fetched twice by every micro-batch."""
+    shard = stage_params / (layout.data * layout.context)
+    param_bytes = bytes_per_param(layout)[0]
+    pcie = cluster.pcie_gbps * 1e9
+    seconds = 0.0
+    if layout.offload_optimizer != "none":
+        seconds = shard * (4 + param_bytes) / pcie + shard / CPU_ADAM_PARAMS_PER_S
+    if layout.offload_param != "none":
+        seconds += layout.grad_accum * 2 * stage_params / (layout.data * layout.context) \
+            * param_bytes / pcie
+    return seconds
+
+
+def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
                   stages: list[list[str]]) -> tuple[TimeBreakdown, float, float]:
-    """(time breakdown, model FLOPs per GPU per step, hardware FLOPs per GPU per step)."""
-    lay = layout
-    tokens_mb = lay.micro_batch * m.seq_length / lay.context  # this rank's chunk
-    replicas = lay.data * lay.context  # DeepSpeed's data parallelism: data x context ranks
-    flops = [stage_flops_per_token(m, lay, items) for items in stages]
+    """(time breakdown, model FLOPs per GPU per step, hardware FLOPs per GPU per step).
+
+    Per micro-batch the slowest stage computes, then waits for its TP and CP collectives; a
+    step is `grad_accum` of them, the pipeline's fill and drain, and what data parallelism and
+    offloading do not hide."""
+    flops = [stage_flops_per_token(model, layout, items) for items in stages]
     slow_model, slow_hw = max(flops, key=lambda f: f[1])
-    sustained = cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY
-    compute_mb = slow_hw * tokens_mb / sustained
-
-    # TP: 2 collectives of the layer's activations forward, 2 backward, 2 more per recomputed layer.
-    gpn = cluster.gpus_per_node
-    act_bytes = 4 if lay.precision == Precision.FP32 else 2
-    tp_bw = cluster.intra_node_gbps if lay.tensor <= gpn else cluster.inter_node_gbps
-    layers = max(items.count("layer") for items in stages)
-    collectives = 4 * layers + 2 * layout_recomputed_layers(lay, layers)
-    tp_mb = collectives * _ring_seconds(tokens_mb * m.hidden_size * act_bytes, lay.tensor, tp_bw,
-                                        passes=2)
-    # CP: per attention layer, q, k, v (this rank's chunk of its TP heads) and the output are
-    # exchanged by all-to-all (each rank keeps 1/context of them) forward, their gradients
-    # backward, once more per recomputed layer.
-    cp_bw = cluster.intra_node_gbps if lay.tensor * lay.context <= gpn else \
-        cluster.inter_node_gbps
-    kv = m.num_kv_heads * m.head_dim
-    a2a_bytes = tokens_mb * (2 * m.hidden_size + 2 * kv) / lay.tensor * act_bytes
-    cp_mb = 0.0 if lay.context == 1 else \
-        (2 * layers + layout_recomputed_layers(lay, layers)) * (lay.context - 1) / lay.context \
-        * a2a_bytes / (cp_bw * 1e9 * COLLECTIVE_EFFICIENCY)
-    m_count = lay.grad_accum
-    compute, tensor_comm = m_count * compute_mb, m_count * tp_mb
-    context_comm = m_count * cp_mb
-    bubble = (lay.pipeline - 1) * (compute_mb + tp_mb + cp_mb)
-    cross_node = lay.tensor * lay.context * lay.data >= gpn  # a stage fills at least one node
-    p2p_bw = cluster.inter_node_gbps if cross_node else cluster.intra_node_gbps
-    # DeepSpeed (pipe_partitioned) and Megatron split the boundary activations over TP ranks;
-    # under sequence parallelism each TP rank holds its slice anyway.
-    boundary = tokens_mb * m.hidden_size * act_bytes / lay.tensor
-    pipeline_comm = 0.0 if lay.pipeline == 1 else \
-        2 * (m_count + lay.pipeline - 2) * boundary / (p2p_bw * 1e9 * COLLECTIVE_EFFICIENCY)
-
-    # DP: gradients (and ZeRO-3 parameters) over the data-parallel group.
-    n = max(stage_parameters(m, lay, items) for items in stages)
-    p_b, g_b, _ = bytes_per_param(lay)
-    dp_bw = cluster.intra_node_gbps if lay.tensor * replicas <= gpn else cluster.inter_node_gbps
-    backward_mb = compute_mb * 2.0 / 3.0
-    if lay.zero_stage <= 1:  # one all-reduce (ZeRO 1: reduce-scatter + all-gather) per step
-        comm = _ring_seconds(n * g_b, replicas, dp_bw, passes=2)
-        data_comm = max(0.0, comm - backward_mb)
-    else:  # reduce-scatter every micro-batch; ZeRO 3 also gathers parameters forward and backward
-        per_mb = _ring_seconds(n * g_b, replicas, dp_bw, passes=1)
-        if lay.zero_stage == 3:
-            per_mb += _ring_seconds(n * p_b, replicas, dp_bw, passes=2)
-            hide = compute_mb
-        else:
-            hide = backward_mb
-        data_comm = m_count * max(0.0, per_mb - hide)
-        if lay.zero_stage == 2:  # updated parameters gathered once after the step
-            data_comm += _ring_seconds(n * p_b, replicas, dp_bw, passes=1)
-    offload = 0.0
-    if lay.offload_optimizer != "none":  # grads down, params up, CPU Adam on this GPU's share
-        shard = n / replicas
-        offload = shard * (4 + p_b) / (cluster.pcie_gbps * 1e9) + shard / CPU_ADAM_PARAMS_PER_S
-    if lay.offload_param != "none":  # every micro-batch fetches its parameters twice
-        offload += m_count * 2 * n / replicas * p_b / (cluster.pcie_gbps * 1e9)
-    times = TimeBreakdown(compute=compute, tensor_comm=tensor_comm, bubble=bubble,
-                          pipeline_comm=pipeline_comm, data_comm=data_comm, offload=offload,
-                          context_comm=context_comm)
-    model_flops = model_flops_per_token(m) * lay.global_batch * m.seq_length / lay.world_size
+    tokens = layout.micro_batch * model.seq_length / layout.context
+    mb = _MicroBatch(tokens=tokens, act_bytes=4 if layout.precision == Precision.FP32 else 2,
+                     layers=max(items.count("layer") for items in stages),
+                     compute=slow_hw * tokens / (cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY))
+    tensor_mb = _tensor_comm(model, layout, cluster, mb)
+    context_mb = _context_comm(model, layout, cluster, mb)
+    stage_params = max(stage_parameters(model, layout, items) for items in stages)
+    micro_batches = layout.grad_accum
+    times = TimeBreakdown(
+        compute=micro_batches * mb.compute, tensor_comm=micro_batches * tensor_mb,
+        bubble=(layout.pipeline - 1) * (mb.compute + tensor_mb + context_mb),
+        pipeline_comm=_pipeline_p2p(model, layout, cluster, mb),
+        data_comm=_data_comm(layout, cluster, mb, stage_params=stage_params),
+        offload=_offload(layout, cluster, stage_params=stage_params),
+        context_comm=micro_batches * context_mb)
+    model_flops = model_flops_per_token(model) * layout.global_batch * model.seq_length \
+        / layout.world_size
     hardware_flops = model_flops * slow_hw / slow_model if slow_model else model_flops
     return times, model_flops, hardware_flops
