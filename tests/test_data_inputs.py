@@ -25,6 +25,7 @@ from pretrain.data import (
     resolve_corpus,
     train_tokenizer,
 )
+from pretrain.data.tokenizer import copy_tokenizer, directory_sha256
 from pretrain.errors import EXIT_USER_ERROR, DataError
 
 DOCUMENTS = ["def f(x):\n\treturn 'é → 😀'\r\n", "  leading spaces", "second line\n\nthird",
@@ -207,6 +208,25 @@ def test_hugging_face_tokenizer_has_the_same_interface(tmp_path, hf_tokenizer_di
             pickle.loads(pickle.dumps(tokenizer))
     finally:
         (hf_tokenizer_dir / "extra.txt").unlink()
+
+
+def test_a_tokenizer_copied_into_a_checkpoint_leaves_a_models_weights_behind(hf_tokenizer_dir,
+                                                                            tmp_path):
+    """A Hugging Face model directory is also a tokenizer directory: its copy in a checkpoint
+    holds the tokenizer's files only, whoever copies it."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(hf_tokenizer_dir, model_dir)
+    (model_dir / "model.safetensors").write_bytes(b"weights")
+    (model_dir / "config.json").write_text("{}")
+    copy = Tokenizer.load(model_dir).copy_to(tmp_path / "checkpoint")
+    assert copy == tmp_path / "checkpoint" / "tokenizer"
+    names = sorted(p.name for p in hf_tokenizer_dir.iterdir())
+    assert sorted(p.name for p in copy.iterdir()) == names
+    assert Tokenizer.load(copy).sha256 == Tokenizer.load(hf_tokenizer_dir).sha256
+    assert copy_tokenizer(model_dir, tmp_path / "final") == tmp_path / "final" / "tokenizer"
+    assert directory_sha256(tmp_path / "final" / "tokenizer") == directory_sha256(copy)
 
 
 def test_sentencepiece_unigram_load_and_copy(tmp_path):

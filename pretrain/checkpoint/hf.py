@@ -25,10 +25,10 @@ from transformers import PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import generate_merges
 
 from pretrain.checkpoint.safetensors_stream import SafetensorsWriter
-from pretrain.checkpoint.weights import (Weights, copy_tokenizer, read_hf_dir, tensor_shape,
-                                         write_final)
+from pretrain.checkpoint.weights import Weights, read_hf_dir, tensor_shape, write_final
 from pretrain.config import Precision, RunConfig
 from pretrain.data import Tokenizer as OurTokenizer
+from pretrain.data.tokenizer import copy_tokenizer_files
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
 from pretrain.model import DTYPES
@@ -157,7 +157,7 @@ def _shards(shapes: dict[str, tuple[int, ...]], *, itemsize: int,
 def _export_tokenizer(path: Path, ours: OurTokenizer, out: Path) -> None:
     """Copy a Hugging Face tokenizer as it is; convert a sentencepiece one, checked."""
     if path.is_dir():
-        copy_tokenizer(path, out)
+        copy_tokenizer_files(path, out)
         return
     theirs = sentencepiece_to_hf(path)
     check_tokenizer_round_trip(ours, theirs)

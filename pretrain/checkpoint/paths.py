@@ -11,6 +11,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from pretrain.data.tokenizer import COPIED_DIR, COPIED_MODEL
 from pretrain.errors import CheckpointError
 from pretrain.files import write_text_atomic
 
@@ -18,8 +19,9 @@ CHECKPOINTS = "checkpoints"  # <run_dir>/checkpoints/step<N>/
 FINAL = "final"  # <run_dir>/final/
 FINAL_WEIGHTS = "model.safetensors"
 FINAL_CONFIG = "config.yaml"
-FINAL_TOKENIZER = "tokenizer.model"  # a sentencepiece tokenizer
-FINAL_TOKENIZER_DIR = "tokenizer"  # a Hugging Face tokenizer (import-hf of a non-sentencepiece one)
+# the tokenizer's copy (`copy_tokenizer`): a sentencepiece model, or a Hugging Face tokenizer's
+# files (import-hf of a non-sentencepiece one)
+FINAL_TOKENIZER, FINAL_TOKENIZER_DIR = COPIED_MODEL, COPIED_DIR
 LATEST = "latest"
 META = "meta.json"
 MANIFEST = "manifest.json"

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FIN
 from pretrain.checkpoint.safetensors_stream import LazyTensors, SafetensorsWriter
 from pretrain.checkpoint.zero_shards import ZeroMasters, load_checkpoint_file
 from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_config
+from pretrain.data.tokenizer import copy_tokenizer
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
 from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
@@ -54,9 +54,6 @@ from pretrain.model.pipeline import pipeline_to_canonical_name
 # The client-state entry naming a ZeRO-0 optimizer's parameters, group by group, in its order.
 OPTIMIZER_NAMES = "optimizer_parameter_names"
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
-# The files of a Hugging Face tokenizer (a model directory also holds weights: not these).
-_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                    "merges.txt", "chat_template*")
 
 
 @dataclass
@@ -119,10 +116,8 @@ def writing_final(out: Path, *, shapes: dict[str, tuple[int, ...]], run_config: 
                                metadata={"step": str(step), "source": source}) as writer:
             yield writer
         run_config.save(tmp / FINAL_CONFIG)
-        if tokenizer is not None and tokenizer.is_dir():
-            copy_tokenizer(tokenizer, tmp / FINAL_TOKENIZER_DIR)
-        elif tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / FINAL_TOKENIZER)
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, tmp)
 
 
 def load_final(path: str | Path) -> Weights:
@@ -141,15 +136,6 @@ def load_final(path: str | Path) -> Weights:
                       if p.exists()), None)
     return Weights(model=cfg.model, state=state, run_config=cfg, source=str(path),
                    tokenizer=tokenizer)
-
-
-def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
-    """Copy the tokenizer files of a Hugging Face directory into `dst_dir`."""
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in _TOKENIZER_FILES:
-        for file in src_dir.glob(pattern):
-            if file.is_file():
-                shutil.copyfile(file, dst_dir / file.name)
 
 
 # ---- Hugging Face directories ------------------------------------------------------------------

@@ -46,6 +46,13 @@ DEFAULT_SAMPLE_BYTES = 8_000_000  # ~8 MB of text: ~2 s of BPE training for 8k t
 _SAMPLE_SEED = 0  # fixed: the sample, hence the model file, must not vary between runs
 _MAX_SENTENCE_BYTES = 1 << 16  # longer lines (minified data, base64 blobs) are left out of training
 _MODEL_TYPES = ("bpe", "unigram")
+# A tokenizer copied into a directory (a checkpoint's final/): the sentencepiece model, or the
+# files of a Hugging Face tokenizer, matched by `HF_TOKENIZER_FILES` (a model directory also holds
+# weights: not these).
+COPIED_MODEL = "tokenizer.model"
+COPIED_DIR = "tokenizer"
+HF_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                      "merges.txt", "chat_template*")
 
 
 def train_tokenizer(paths: Sequence[Path], *, model_prefix: str | Path, vocab_size: int,
@@ -127,10 +134,9 @@ class Tokenizer(ABC):
             return HuggingFaceTokenizer.load(path)
         return SentencePieceTokenizer.load(path)
 
-    @abstractmethod
     def copy_to(self, directory: str | Path) -> Path:
-        """Copy the tokenizer's files into `directory` (e.g. a checkpoint, so that it is
-        self-contained); returns the path that `Tokenizer.load` takes."""
+        """`copy_tokenizer` of this tokenizer's files into `directory`."""
+        return copy_tokenizer(self.path, directory)
 
     @property
     @abstractmethod
@@ -192,13 +198,6 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __getstate__(self) -> dict:
         return {"model_bytes": self._model_bytes, "path": self.path}
-
-    def copy_to(self, directory: str | Path) -> Path:
-        """Writes ``directory/tokenizer.model``."""
-        path = Path(directory) / "tokenizer.model"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(self._model_bytes)
-        return path
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["model_bytes"], path=state["path"])
@@ -262,12 +261,6 @@ class HuggingFaceTokenizer(Tokenizer):
     def __getstate__(self) -> dict:
         return {"path": self.path, "sha256": self.sha256}
 
-    def copy_to(self, directory: str | Path) -> Path:
-        """Writes the directory's files under ``directory/tokenizer/``."""
-        path = Path(directory) / "tokenizer"
-        shutil.copytree(self.path, path)
-        return path
-
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["path"], expected_sha256=state["sha256"])
 
@@ -292,6 +285,30 @@ class HuggingFaceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist(),
                                       skip_special_tokens=True)
+
+
+def copy_tokenizer(source: str | Path, directory: str | Path) -> Path:
+    """Copy the tokenizer at `source` into `directory` (a checkpoint, so that it is
+    self-contained): a sentencepiece model as ``directory/tokenizer.model``, a Hugging Face
+    directory's tokenizer files under ``directory/tokenizer/``. Returns the path
+    `Tokenizer.load` takes. Reads no tokenizer: nothing is loaded to copy it."""
+    source, directory = Path(source), Path(directory)
+    if source.is_dir():
+        copy_tokenizer_files(source, directory / COPIED_DIR)
+        return directory / COPIED_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, directory / COPIED_MODEL)
+    return directory / COPIED_MODEL
+
+
+def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> None:
+    """Copy the files of the Hugging Face tokenizer in `src_dir` (`HF_TOKENIZER_FILES`, not the
+    model's weights beside them) into `dst_dir`."""
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in HF_TOKENIZER_FILES:
+        for file in src_dir.glob(pattern):
+            if file.is_file():
+                shutil.copyfile(file, dst_dir / file.name)
 
 
 def directory_sha256(directory: Path) -> str:
