@@ -147,7 +147,8 @@ def test_loader_chunks_share_samples_and_shift_labels_before_splitting():
 # ---- the all-to-all and the model on gloo ranks -------------------------------------------------
 
 def _all_to_all_backward(rank, world_size):
-    from pretrain.model.context_parallel import chunk_of, heads_to_sequence, sequence_to_heads
+    from pretrain.data.loader import context_chunk
+    from pretrain.model.context_parallel import heads_to_sequence, sequence_to_heads
 
     group = dist.new_group(list(range(world_size)))
     g = torch.Generator().manual_seed(3)
@@ -155,18 +156,19 @@ def _all_to_all_backward(rank, world_size):
     full = torch.randn(B, T, H, hd, generator=g, dtype=torch.float64)
     weight = torch.randn(B, T, H, hd, generator=g, dtype=torch.float64)
     heads = H // world_size
+    chunk = context_chunk(T, rank=rank, size=world_size)
     # reference: the unsplit computation y = (x * w) ** 2 with its autograd gradient
     ref_x = full.clone().requires_grad_(True)
     ((ref_x * weight) ** 2).sum().backward()
 
-    x = chunk_of(full, rank, world_size).clone().requires_grad_(True)  # (B, T/N, H, hd)
+    x = full[:, chunk].clone().requires_grad_(True)  # (B, T/N, H, hd)
     swapped = sequence_to_heads(x, group)  # (B, T, H/N, hd): every position of my heads
     mine = slice(rank * heads, (rank + 1) * heads)
     assert torch.equal(swapped, full[:, :, mine])
     back = heads_to_sequence(swapped * weight[:, :, mine], group)  # (B, T/N, H, hd)
-    assert torch.equal(back, chunk_of(full * weight, rank, world_size))
+    assert torch.equal(back, (full * weight)[:, chunk])
     (back ** 2).sum().backward()
-    torch.testing.assert_close(x.grad, chunk_of(ref_x.grad, rank, world_size), rtol=1e-12, atol=0)
+    torch.testing.assert_close(x.grad, ref_x.grad[:, chunk], rtol=1e-12, atol=0)
     return True
 
 

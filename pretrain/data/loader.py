@@ -32,6 +32,15 @@ class TokenSamples(Protocol):
 _SAMPLES_PER_FETCH = 64  # per worker round trip: amortises its fixed cost (~0.3 ms)
 
 
+def context_chunk(length: int, *, rank: int, size: int) -> slice:
+    """The positions of context rank `rank`'s contiguous chunk of a sequence of `length`
+    positions (`length` divisible by `size`, as the layout checks): chunk c is
+    c * length / size up to (c + 1) * length / size, where the model's rotary positions start it
+    (`model.context_parallel.chunk_offset`)."""
+    chunk = length // size
+    return slice(rank * chunk, (rank + 1) * chunk)
+
+
 class _MicroBatches:
     """Maps a group of micro-batches of sample indices to an int64 array
     [micro-batches, micro_batch_size, seq_length + 1]; with context parallelism
@@ -45,11 +54,8 @@ class _MicroBatches:
 
     def _tokens(self, index: int) -> np.ndarray:
         tokens = self.samples.tokens(index)
-        if self.context_size == 1:
-            return tokens
-        chunk = (len(tokens) - 1) // self.context_size
-        first = self.context_rank * chunk
-        return tokens[first:first + chunk + 1]
+        inputs = context_chunk(len(tokens) - 1, rank=self.context_rank, size=self.context_size)
+        return tokens[inputs.start:inputs.stop + 1]  # and the label of its last input
 
     def __getitem__(self, group: Sequence[Sequence[int]]) -> np.ndarray:
         return np.stack([[self._tokens(index) for index in indices]

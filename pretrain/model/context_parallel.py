@@ -84,11 +84,6 @@ def chunk_offset(tokens: int, group) -> int:
     return cp_rank(group) * tokens
 
 
-def chunk_of(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
-    """Context rank `rank`'s contiguous chunk of `x` along `dim` (tests and tools)."""
-    return torch.tensor_split(x, size, dim=dim)[rank]
-
-
 def chunk_loss_scale(labels: torch.Tensor, group, ignore_index: int = -100) -> torch.Tensor | float:
     """The factor that turns this rank's mean loss (over its chunk's labels) into N x its share
     of the whole sequence's mean: N x (labels here) / (labels in the group). 1.0 (no
