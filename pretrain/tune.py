@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import fcntl
+import io
 import math
 import os
 import shlex
@@ -531,7 +532,8 @@ def best_command(settings: Settings, trial: Any) -> str:
     return shlex.join(args)
 
 
-def _write_csv(study: Any, path: Path) -> None:
+def _trials_csv(study: Any) -> str:
+    """The text of trials.csv: Optuna's trials dataframe, or without pandas its few columns."""
     try:
         frame = study.trials_dataframe()
     except ImportError:  # pandas: the few columns that matter, by hand
@@ -539,12 +541,12 @@ def _write_csv(study: Any, path: Path) -> None:
                  **{f"params_{k}": v for k, v in t.params.items()}}
                 for t in study.get_trials(deepcopy=False)]
         names = sorted({k for r in rows for k in r}, key=lambda k: (k != "number", k))
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=names)
-            writer.writeheader()
-            writer.writerows(rows)
-        return
-    frame.to_csv(path, index=False)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=names)
+        writer.writeheader()
+        writer.writerows(rows)
+        return text.getvalue()
+    return frame.to_csv(index=False)
 
 
 def write_results(study: Any, settings: Settings, *, plots: bool) -> dict[str, Path]:
@@ -553,9 +555,7 @@ def write_results(study: Any, settings: Settings, *, plots: bool) -> dict[str, P
 
     out = settings.study_dir
     paths = {"csv": out / "trials.csv"}
-    tmp = out / ".trials.csv.tmp"
-    _write_csv(study, tmp)
-    os.replace(tmp, paths["csv"])
+    write_text_atomic(paths["csv"], _trials_csv(study))
     best = best_trial(study)
     if best is not None:
         paths["best"] = out / "best.yaml"
