@@ -12,6 +12,7 @@ is asked for, so copying a checkpoint into a model, or into another file, holds 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -34,7 +35,7 @@ class SafetensorsWriter:
         header: dict[str, object] = {"__metadata__": dict(metadata or {})}
         offset = 0
         for name in self._order:
-            size = itemsize * _numel(self._shapes[name])
+            size = itemsize * math.prod(self._shapes[name])
             header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(self._shapes[name]),
                             "data_offsets": [offset, offset + size]}
             offset += size
@@ -71,13 +72,6 @@ class SafetensorsWriter:
             self.close()
         else:
             self._file.close()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 class LazyTensors(Mapping):

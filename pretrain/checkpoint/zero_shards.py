@@ -131,10 +131,6 @@ def _rank_order(path: Path) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in path.name.split("_"))
 
 
-def _numel(shape) -> int:
-    return math.prod(tuple(shape))
-
-
 def _zero12_spans(param_shapes: list[dict], paddings: list | None) -> dict[str, _Span]:
     spans = {}
     for group, shapes in enumerate(param_shapes):
@@ -144,9 +140,9 @@ def _zero12_spans(param_shapes: list[dict], paddings: list | None) -> dict[str, 
             raise CheckpointError(f"group {group}: {len(pads)} alignment paddings for "
                                   f"{len(shapes)} parameters: the checkpoint is inconsistent")
         for (name, shape), pad in zip(shapes.items(), pads):
-            spans[name] = _Span(group=group, offset=offset, numel=_numel(shape),
+            spans[name] = _Span(group=group, offset=offset, numel=math.prod(shape),
                                 shape=tuple(shape))
-            offset += _numel(shape) + pad
+            offset += math.prod(shape) + pad
     return spans
 
 
@@ -154,8 +150,8 @@ def _zero3_spans(param_shapes: list[dict], *, world: int) -> dict[str, _Span]:
     spans, offset = {}, 0
     for shapes in param_shapes:
         for name, shape in shapes.items():
-            spans[name] = _Span(group=0, offset=offset, numel=_numel(shape), shape=tuple(shape))
-            offset += math.ceil(_numel(shape) / world)
+            spans[name] = _Span(group=0, offset=offset, numel=math.prod(shape), shape=tuple(shape))
+            offset += math.ceil(math.prod(shape) / world)
     return spans
 
 
