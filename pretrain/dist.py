@@ -9,6 +9,7 @@ local port.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 from unittest import mock
 
 import torch
@@ -159,6 +160,24 @@ def wait_for_io() -> None:
     train.io_timeout_minutes, not the collectives' (NCCL's watchdog would abort a long wait)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier(group=_IO_GROUP)
+
+
+@contextlib.contextmanager
+def barriers_for_io() -> Iterator[None]:
+    """Within the block, DeepSpeed's barriers over every rank are `wait_for_io`'s: a save's
+    barriers (`engine.save_checkpoint` meets at one once each rank has written its files) wait
+    for the slowest rank's file work, which may outlast the collectives' timeout."""
+    import deepspeed.comm
+
+    collective_barrier = deepspeed.comm.barrier
+
+    def barrier(group=None, *args, **kwargs):
+        if group is None and _IO_GROUP is not None:
+            return torch.distributed.barrier(group=_IO_GROUP)
+        return collective_barrier(group, *args, **kwargs)
+
+    with mock.patch.object(deepspeed.comm, "barrier", barrier):
+        yield
 
 
 def gather_for_io(value: Any) -> list[Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import shutil
 import time
 from argparse import Namespace
@@ -45,12 +46,12 @@ from pretrain.checkpoint.weights import writing_final
 from pretrain.checkpoint.writer import ShardWriter
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
-from pretrain.dist import gather_for_io, wait_for_io
+from pretrain.dist import barriers_for_io, gather_for_io, wait_for_io
 from pretrain.ds_config import offload_devices, zero_stage
 from pretrain.errors import CheckpointError
 from pretrain.faults import TrainingFault
 from pretrain.model import canonical_parameters, tensor_parallel_group
-from pretrain.model.hf import expected_hf_keys
+from pretrain.model.hf import EMBED, LM_HEAD, expected_hf_keys
 from pretrain.model.mup import comparable_model_fields
 from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
 from pretrain.topology import Topology
@@ -142,10 +143,11 @@ class Saver:
                 shutil.rmtree(tag_dir)
         wait_for_io()
         self.engine.checkpoint_engine = self.writer  # every file DeepSpeed saves goes through it
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag_dir.name, save_latest=False,
-                                    client_state={**client_state, **UNIVERSAL_INFO,
-                                                  OPTIMIZER_NAMES:
-                                                  optimizer_parameter_names(self.engine)})
+        with barriers_for_io():  # its last barrier waits for every rank's synchronous writes
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag_dir.name, save_latest=False,
+                                        client_state={**client_state, **UNIVERSAL_INFO,
+                                                      OPTIMIZER_NAMES:
+                                                      optimizer_parameter_names(self.engine)})
         self.writer.save(_rng_state(), str(tag_dir / f"rng_rank{self.rank:05d}.pt"))
         self.in_flight = tag_dir, meta
         if not self.writer.background:
@@ -383,10 +385,17 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
     it. No rank holds more than one whole tensor beyond its shard, and only tensors travel
     (point-to-point, on the accelerator under NCCL); the stages' lists of names are the only
     objects exchanged.
+
+    The tensors go in stage and layer order (`export_order`), and before each one every rank
+    meets rank 0 at `wait_for_io` once it has written the previous one: the long waits (the
+    later stages' while rank 0 writes the earlier ones, hundreds of GB at 70B) are on the
+    file-work group, whose timeout is train.io_timeout_minutes; a gather, send or receive then
+    waits only for peers that are already on their way, never for a write (NCCL's watchdog
+    aborts a collective that waits longer than its timeout).
     """
     m = cfg.model
     local = dict(canonical_parameters(engine.module, m))
-    names = sorted(expected_hf_keys(m))
+    names = export_order(expected_hf_keys(m))
     holder = _holding_stages(local, names, groups)
     coords, topology = groups.topology.my_coords, groups.topology
     zero3 = hasattr(next(iter(local.values())), "ds_id")
@@ -397,6 +406,7 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
                             source=str(run_dir)) if main else contextlib.nullcontext()
     with writing as writer:
         for name in names:
+            wait_for_io()  # rank 0 is done with the previous tensor
             if coords.pipeline == holder[name]:
                 full = _whole_tensor(local[name], name, m, groups=groups, zero3=zero3,
                                      first_replica=coords.data == 0 and coords.context == 0)
@@ -413,6 +423,19 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
                 del received
     wait_for_io()
     return run_dir / FINAL
+
+
+def export_order(names) -> list[str]:
+    """`names` in the order the pipeline stages hold them: the embedding, the decoder layers
+    by number (0, 1, 2, ..., 10, not 0, 1, 10, 2: within a layer by name), the final norm, the
+    output head. Rank 0 (stage 0) writes its own tensors first, and each later stage's come
+    after the earlier stages', so no stage waits for a tensor of a stage after it."""
+    def position(name: str) -> tuple[int, int, str]:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer:
+            return 1, int(layer[1]), name
+        return {EMBED: 0, LM_HEAD: 3}.get(name, 2), 0, name
+    return sorted(names, key=position)
 
 
 def _holding_stages(local: dict[str, torch.Tensor], names: list[str], groups) -> dict[str, int]:
