@@ -37,6 +37,7 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint import ds_to_universal
 
+from pretrain.checkpoint import safe_load
 from pretrain.checkpoint.paths import (FINAL, MANIFEST, read_meta, step_dirs, tag_step, verify,
                                        write_latest, write_manifest)
 from pretrain.checkpoint.reshard import (OPTIMIZER_NAMES, derived_rng_seed, layout_change,
@@ -310,8 +311,9 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
             load_resharded(engine, point.path, point.meta, cfg=cfg, groups=groups, rank=rank)
             path = point.path
         else:
-            path, _ = engine.load_checkpoint(str(point.path.parent), tag=point.path.name,
-                                             load_module_strict=True)
+            with safe_load.loading_safely():  # DeepSpeed's reads, universal files included
+                path, _ = engine.load_checkpoint(str(point.path.parent), tag=point.path.name,
+                                                 load_module_strict=True)
     except (RuntimeError, OSError, KeyError, ValueError, EOFError) as exc:
         raise CheckpointError(f"checkpoint {str(point.path)!r} cannot be loaded ({exc}); "
                               "move it away to resume from an older one") from None
@@ -323,7 +325,7 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
                      for k in ("tensor", "pipeline", "data", "context"))
     rng = point.path / f"rng_rank{rank:05d}.pt"
     if same_roles and rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(safe_load.load(rng))
     elif not same_roles:
         seed_generators(derived_rng_seed(cfg, step=point.step, rank=rank))
     return change
@@ -348,10 +350,11 @@ def to_universal(src: Path, dst: Path) -> Path:
     if out.exists():
         raise CheckpointError(f"{str(out)!r} exists: remove it or choose another destination")
     out.parent.mkdir(parents=True, exist_ok=True)
-    ds_to_universal.main(Namespace(input_folder=str(tag_dir), output_folder=str(out),
-                                   num_extract_workers=1, num_merge_workers=1,
-                                   keep_temp_folder=False, strict=True,
-                                   inject_missing_state=False))
+    with safe_load.loading_safely():  # DeepSpeed's reads of the source files
+        ds_to_universal.main(Namespace(input_folder=str(tag_dir), output_folder=str(out),
+                                       num_extract_workers=1, num_merge_workers=1,
+                                       keep_temp_folder=False, strict=True,
+                                       inject_missing_state=False))
     write_manifest(out, {**meta, "universal": True, "converted_from": str(tag_dir.resolve())})
     write_latest(out.parent, out.name)
     return out

@@ -28,6 +28,8 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (CheckpointCommitInfo,
                                                                    CheckpointEngine)
 
+from pretrain.checkpoint import safe_load
+
 
 class _Checksummed:
     """A binary file that adds up the CRC32 and the size of what is written through it."""
@@ -156,7 +158,7 @@ class ShardWriter(CheckpointEngine):
         return written
 
     def load(self, path: str, map_location=None) -> Any:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return safe_load.load(path, map_location=map_location)
 
     def create(self, info: CheckpointCommitInfo) -> None:
         pass

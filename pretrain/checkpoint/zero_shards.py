@@ -30,13 +30,16 @@ from typing import Iterator
 
 import torch
 
+from pretrain.checkpoint import safe_load
 from pretrain.errors import CheckpointError
 
 
 def load_checkpoint_file(path: Path) -> dict:
     """A DeepSpeed checkpoint file, memory-mapped: tensors are read when touched."""
-    try:  # DeepSpeed's files hold config dicts and numpy values: not weights_only-loadable
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    try:
+        return safe_load.load(path, mmap=True)
+    except CheckpointError:  # a pickle naming a type no checkpoint holds: refused as such
+        raise
     except Exception as exc:  # truncated or foreign files raise many different types
         raise CheckpointError(f"{str(path)!r} cannot be read ({type(exc).__name__}: "
                               f"{str(exc)[:200]}): the checkpoint is damaged or incomplete") from None
