@@ -367,8 +367,9 @@ class CheckpointConfig:
     keep_last: int = 2  # DeepSpeed checkpoints kept (older ones deleted)
     keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple; 0: none
     save_final: bool = True  # write a plain `final/` checkpoint that `pretrain generate` loads
-    async_save: bool = True  # a thread writes each save from a host copy of the state (host
-    # memory: one copy of the rank's files) while training goes on; the save completes (manifest,
+    async_save: bool = True  # a thread writes each save while training goes on: GPU state from
+    # one reused host buffer per rank, state already in host memory (CPU ranks, CPU offload) in
+    # place, the next optimizer step waiting for the write; the save completes (manifest,
     # `latest`) at the first step all ranks' files are on disk, else at the next save, a stop or
     # the end of the run; false: training waits for every save's files
 

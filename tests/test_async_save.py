@@ -64,8 +64,10 @@ def _meta(cfg, step: int, world_size: int) -> dict:
 
 def _save_while_training(rank: int, world_size: int, out: str) -> bool:
     """Step 1 saved twice from the same state: at once into sync/, in the background into
-    background/ with the writer held until a training step has changed the live weights and
-    optimizer states; then a background save of step 2, which first finishes step 1."""
+    background/ with the writer held until the next training step reaches its optimizer step
+    (which waits for the write on CPU ranks, whose state the writer reads in place), and that
+    step has changed the live weights and optimizer states; then a background save of step 2,
+    which first finishes step 1."""
     import torch
 
     from pretrain.checkpoint import Saver, writer
@@ -90,6 +92,10 @@ def _save_while_training(rank: int, world_size: int, out: str) -> bool:
         background.save(meta=_meta(cfg, 1, world_size), client_state={"step": 1})
         assert background.writing() and background.in_flight is not None
         before = [p.detach().clone() for p in engine.module.parameters()]
+        # on CPU ranks the writer reads the live state: the optimizer step waits for the write,
+        # and the writer goes on only once the step is waiting
+        written = background.writer.written
+        background.writer.written = lambda: (release.set(), written())
         _train_step(cfg, engine, seed=1)  # training goes on while the writer is held
         changed = any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
         assert not (Path(out) / "background" / "latest").exists()

@@ -124,14 +124,40 @@ class Saver:
     every rank agrees on (the trainer: the first step at which no rank is still writing, or the
     next save, a stop, the end of the run); until then the previous complete checkpoint stays
     `latest`, and a crash leaves the new directory without a manifest, which resuming skips.
+
+    Where the state lives in host memory (CPU ranks, CPU offload) the background writer reads
+    it as it is, without a copy (`writer.ShardWriter`): the engine's next optimizer step then
+    waits until every rank has written its files, meeting on the file-work group
+    (`_hold_steps_while_writing`).
     """
 
     def __init__(self, engine, *, ckpt_dir: Path, keep_last: int, keep_every: int, rank: int,
                  background: bool):
         self.engine, self.ckpt_dir, self.rank = engine, Path(ckpt_dir), rank
         self.keep_last, self.keep_every = keep_last, keep_every
-        self.writer = ShardWriter(background=background)
+        live = background and host_resident_state(engine)
+        self.writer = ShardWriter(background=background, live_host_state=live)
         self.in_flight: tuple[Path, dict[str, Any]] | None = None  # (step dir, its meta)
+        self._live_files = False  # the writer reads the live host state: steps must wait
+        if live:
+            self._hold_steps_while_writing()
+
+    def _hold_steps_while_writing(self) -> None:
+        """Make the engine's optimizer step wait, while the writer reads the live host state,
+        until every rank has written its files: the step is the first thing that changes them
+        (forward and backward change only gradients and activations). Every rank saves and
+        steps alike, so all of them meet here at the same step."""
+        optimizer = self.engine.optimizer
+        step = optimizer.step
+
+        def step_after_write(*args, **kwargs):
+            if self._live_files:
+                self.writer.written()
+                wait_for_io()  # the other ranks' files too: no collective of the step waits
+                self._live_files = False
+            return step(*args, **kwargs)
+
+        optimizer.step = step_after_write
 
     def save(self, *, meta: dict[str, Any], client_state: dict[str, Any]) -> Path:
         """Save a checkpoint tagged step<meta['step']> (collective): its directory. A save
@@ -151,6 +177,7 @@ class Saver:
                                                       optimizer_parameter_names(self.engine)})
         self.writer.save(_rng_state(), str(tag_dir / f"rng_rank{self.rank:05d}.pt"))
         self.in_flight = tag_dir, meta
+        self._live_files = self.writer.live_host_state
         if not self.writer.background:
             self.finish()
         return tag_dir
@@ -165,7 +192,7 @@ class Saver:
         if self.in_flight is None:
             return None
         tag_dir, meta = self.in_flight
-        self.in_flight = None
+        self.in_flight, self._live_files = None, False  # every rank waits for the files here
         try:
             written: dict[str, tuple[int, int]] | str = {
                 str(Path(path).relative_to(tag_dir)): size_crc
@@ -186,6 +213,16 @@ class Saver:
             _prune(self.ckpt_dir, keep_last=self.keep_last, keep_every=self.keep_every)
         wait_for_io()
         return tag_dir
+
+
+def host_resident_state(engine) -> bool:
+    """Whether the engine's optimizer state (the bulk of a checkpoint) lives in host memory:
+    on CPU ranks, and under ZeRO's CPU (or NVMe) offload."""
+    if get_accelerator().device_name() == "cpu":
+        return True
+    params = engine.zero_offload_param()
+    return engine.zero_use_cpu_optimizer() or (
+        params is not None and getattr(params.device, "value", params.device) != "none")
 
 
 def _prune(ckpt_dir: Path, *, keep_last: int, keep_every: int) -> None:
