@@ -8,6 +8,8 @@ load hits every mode alike:
 
 - synchronous: the time `save` takes; the baseline, in the same directory, is rank 0 writing
   the same number of bytes to one file in 16 MiB chunks, fsync'd;
+- background write: a background save finished at once (`save` + `finish`, no training in
+  between), against the same plain write: the writer thread's own rate;
 - background (`checkpoint.async_save`): the time training is blocked (the call to `save`,
   until it returns), against the synchronous save of the same state; then training steps go on
   while the files are written, until no rank is writing (agreed by an all-reduce after each
@@ -94,8 +96,8 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict:
             "step": step, "consumed_samples": 0, "config": cfg.to_dict(), "global_batch": 2,
             "layout": layout})
 
-    times: dict[str, list[float]] = {k: [] for k in ("sync", "write", "blocked", "during",
-                                                     "without")}
+    times: dict[str, list[float]] = {k: [] for k in ("sync", "write", "background_write",
+                                                     "blocked", "during", "without")}
     steps_during: list[int] = []
     nbytes = 0
     save("sync")  # warm-up: first-save costs (directories, imports)
@@ -110,6 +112,13 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict:
         if rank == 0:
             nbytes = _dir_bytes(tag)
             times["write"].append(_sequential_write(Path(out_dir) / "plain.bin", nbytes))
+
+        dist.barrier()
+        start = time.perf_counter()
+        save("background")
+        savers["background"].finish()
+        dist.barrier()
+        times["background_write"].append(time.perf_counter() - start)
 
         dist.barrier()
         start = time.perf_counter()
@@ -153,7 +162,10 @@ def main() -> None:
           f"checkpoint {nbytes / 2**20:.1f} MiB; medians of {ROUNDS} rounds")
     s, w = median(t["sync"]), median(t["write"])
     print(f"synchronous save {nbytes / s / 2**20:8.1f} MiB/s ({s:.2f}s) | plain write + fsync "
-          f"{nbytes / w / 2**20:8.1f} MiB/s ({w:.2f}s) | ratio {w / s:.2f} (target >= 0.5)")
+          f"{nbytes / w / 2**20:8.1f} MiB/s ({w:.2f}s) | ratio {w / s:.2f} (target >= 0.8)")
+    bw = median(t["background_write"])
+    print(f"background write  {nbytes / bw / 2**20:8.1f} MiB/s ({bw:.2f}s) | plain write + fsync "
+          f"{nbytes / w / 2**20:8.1f} MiB/s | ratio {w / bw:.2f} (target >= 0.8)")
     b = median(t["blocked"])
     print(f"background save: training blocked {b:.3f}s vs {s:.2f}s synchronous | ratio "
           f"{b / s:.3f} (target <= 0.2)")
