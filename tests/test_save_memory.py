@@ -75,6 +75,5 @@ def test_three_background_saves_keep_no_copy_of_the_state(tmp_path):
     mb = {k: ([x / 2**20 for x in v] if isinstance(v, list) else v / 2**20)
           for k, v in used.items()}
     assert used["checkpoint"] > 30 * 2**20, mb
-    print(mb)
     for resident in used["after"]:
         assert resident - used["before"] < 0.25 * used["checkpoint"], mb
