@@ -129,23 +129,33 @@ def test_no_visible_device_is_an_error():
 
 
 def _wait_for_slow_rank0(rank: int, world_size: int) -> float:
+    import datetime
     import time
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
 
     from pretrain.dist import create_io_group, wait_for_io
 
     create_io_group(timeout_minutes=1)
+    dist.barrier()  # the ranks start together; from here the default group's timeout is 3 s
+    _set_pg_timeout(datetime.timedelta(seconds=3), dist.group.WORLD)
     start = time.monotonic()
     if rank == 0:
         time.sleep(6)  # rank 0's file work (a sample index, a checkpoint's pruning), 2x the timeout
     wait_for_io()
-    return time.monotonic() - start
+    waited = time.monotonic() - start
+    _set_pg_timeout(datetime.timedelta(seconds=120), dist.group.WORLD)  # the closing barrier's
+    return waited
 
 
 def test_ranks_wait_for_rank0_file_work_beyond_the_collective_timeout(tmp_path):
-    """The default group's timeout here is 3 s: rank 1 waits about 6 s for rank 0 on the io group.
+    """The default group's timeout is 3 s while rank 0 works: rank 1 waits about 6 s for rank 0
+    on the io group. The ranks start and end under a generous timeout (a rank can start seconds
+    after its peer on a loaded machine); only the wait itself runs under the short one.
 
-    Rank 1 starts its clock when it leaves the io group's creation, which can be a little after
-    rank 0 does; what matters is that it waited well past the 3 s timeout without failing.
+    Rank 1 starts its clock when it leaves the barrier, which can be a little after rank 0 does;
+    what matters is that it waited well past the 3 s timeout without failing.
     """
-    waited = run_on_ranks(_wait_for_slow_rank0, world_size=2, tmp_path=tmp_path, timeout_s=3)
+    waited = run_on_ranks(_wait_for_slow_rank0, world_size=2, tmp_path=tmp_path, timeout_s=120)
     assert waited[1] >= 4.5, waited
