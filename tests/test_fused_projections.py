@@ -11,6 +11,8 @@ DeepSpeed although the projection modules are never called).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,6 +51,40 @@ def loss_and_grads(model, inputs, labels):
     loss = model(inputs, labels)
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def matmul_widths(model, inputs) -> Counter:
+    """Output features of every matmul one no-grad forward runs, counted (dispatched aten ops:
+    what ran, whichever Python path called it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    widths: Counter = Counter()
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                       torch.ops.aten.bmm):
+                widths[out.shape[-1]] += 1
+            return out
+
+    with torch.no_grad(), Matmuls():
+        model(inputs)
+    return widths
+
+
+def projection_calls(model, inputs) -> int:
+    """Forward calls of the q/k/v and gate/up modules in one forward (the fused path reads
+    their weights without calling them)."""
+    calls = []
+    names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1))
+             for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names]
+    with torch.no_grad():
+        model(inputs)
+    for hook in hooks:
+        hook.remove()
+    return len(calls)
 
 
 # ---- one process ---------------------------------------------------------------------------------
@@ -102,6 +138,26 @@ def test_fused_gradients_under_bf16_autocast():
         assert rel(grads[name], ref) < 5e-2, (name, rel(grads[name], ref))
 
 
+def test_fused_model_runs_one_matmul_per_group_and_never_calls_the_projections():
+    """What the fused path is, observed: per layer one matmul as wide as q + k + v (64 + 32 +
+    32) and one as wide as gate + up (2 x 176), none as wide as a single k/v or gate/up, and
+    the projection modules never called; the unfused model runs the five thin ones."""
+    cfg = tiny_cfg(**GQA, fused_projections="true")
+    fused = build_model(cfg, seed=0)
+    unfused = build_model(tiny_cfg(**GQA, fused_projections="false"), seed=0)
+    inputs, _ = batch(cfg)
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    kv, ffn, layers = cfg.num_kv_heads * cfg.head_dim, cfg.ffn_hidden_size, cfg.num_layers
+    widths = matmul_widths(fused, inputs)
+    assert (widths[qkv], widths[2 * ffn], widths[kv], widths[ffn]) == (layers, layers, 0, 0), \
+        widths
+    assert projection_calls(fused, inputs) == 0
+    ref_widths = matmul_widths(unfused, inputs)
+    assert (ref_widths[qkv], ref_widths[kv], ref_widths[ffn]) == (0, 2 * layers, 2 * layers), \
+        ref_widths
+    assert projection_calls(unfused, inputs) == 5 * layers
+
+
 # ---- tensor parallelism --------------------------------------------------------------------------
 
 def _fused_tp_against_unfused(rank, world_size, variants):
@@ -118,6 +174,7 @@ def _fused_tp_against_unfused(rank, world_size, variants):
         assert attn.qkv_sizes[0] == cfg.num_heads * cfg.head_dim // world_size, what
 
         inputs, labels = batch(cfg)
+        assert projection_calls(model, inputs) == 0, what  # the fused path, not the modules
         loss, _ = loss_and_grads(model, inputs, labels)
         ref_loss, ref_grads = loss_and_grads(ref, inputs, labels)
         assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), what

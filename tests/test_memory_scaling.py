@@ -204,8 +204,8 @@ def _save_final(rank: int, world_size: int, out_dir: str, tokenizer: str) -> dic
 @pytest.mark.parametrize("tp", [1, 2])
 def test_final_save_adds_about_one_tensor_per_rank(tp, tiny_data, tmp_path):
     """final/ of the wide model, written from tensor-parallel ranks: each parameter is gathered,
-    sent and written alone. Gathering the whole model on a rank would add 352 MB (and
-    gather_object's pickles twice that)."""
+    sent and written alone. Gathering (or copying) the whole model on a rank would add 352 MB
+    (and gather_object's pickles twice that); at tp 1 the bound is below the model's size."""
     from safetensors import safe_open
 
     cfg = load_config(None, WIDE).model
@@ -213,8 +213,10 @@ def test_final_save_adds_about_one_tensor_per_rank(tp, tiny_data, tmp_path):
     used = run_on_ranks(_save_final, world_size=tp, tmp_path=tmp_path,
                         args=(str(tmp_path / "run"), tiny_data["tokenizer"]))
     for rank, u in enumerate(used):
-        # gathering one tensor over tp ranks holds its pieces and their concatenation
-        assert u["save"] <= 0.5 * u["shard"] + 2 * largest, (rank, u, largest)
+        if tp == 1:  # nothing gathered: the tensor being written (measured 125 of 336 MB)
+            assert u["save"] <= 1.5 * largest < 0.6 * u["shard"], (rank, u, largest)
+        else:  # gathering one tensor over tp ranks holds its pieces and their concatenation
+            assert u["save"] <= 0.5 * u["shard"] + 2 * largest, (rank, u, largest)
     with safe_open(str(tmp_path / "run" / "final" / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_shape() == [32000, 1024]
         assert f.metadata() == {"step": "1", "source": str(tmp_path / "run")}
