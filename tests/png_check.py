@@ -1,17 +1,37 @@
 """What a PNG the code drew shows: its coloured pixels (the data a plot draws: lines, bars,
 points, filled contours in colour) as opposed to an empty plot's white background and its grey
-and black axes, ticks and labels."""
+and black axes, ticks, grid and labels."""
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def coloured_pixels(path: Path, *, min_chroma: float = 0.25) -> int:
-    """Opaque pixels whose colour is far from grey (max - min of R, G, B above `min_chroma`)."""
+def _coloured_mask(path: Path, min_chroma: float):
     import matplotlib.image
 
     image = matplotlib.image.imread(str(path))  # floats in [0, 1], RGB or RGBA
     rgb = image[..., :3]
     opaque = image[..., 3] > 0.5 if image.shape[-1] == 4 else True
-    chroma = rgb.max(axis=-1) - rgb.min(axis=-1)
-    return int(((chroma > min_chroma) & opaque).sum())
+    return ((rgb.max(axis=-1) - rgb.min(axis=-1)) > min_chroma) & opaque, rgb
+
+
+def coloured_pixels(path: Path, *, min_chroma: float = 0.25) -> int:
+    """Opaque pixels whose colour is far from grey (max - min of R, G, B above `min_chroma`)."""
+    return int(_coloured_mask(path, min_chroma)[0].sum())
+
+
+def coloured_pixels_per_band(path: Path, bands: int, *, min_chroma: float = 0.25) -> list[int]:
+    """`coloured_pixels` of each of `bands` equal horizontal bands, top first (one per panel of
+    a figure of panels stacked vertically)."""
+    mask = _coloured_mask(path, min_chroma)[0]
+    height = mask.shape[0]
+    return [int(mask[i * height // bands:(i + 1) * height // bands].sum()) for i in range(bands)]
+
+
+def pixels_near(path: Path, colour: str, *, tolerance: float = 0.08) -> int:
+    """Pixels within `tolerance` (each of R, G, B) of a matplotlib colour ("C0", "#ff7f0e")."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    rgb = _coloured_mask(path, 0.0)[1]
+    return int((np.abs(rgb - np.array(to_rgb(colour))) < tolerance).all(axis=-1).sum())

@@ -6,8 +6,9 @@ import struct
 
 import pytest
 
+from png_check import coloured_pixels_per_band, pixels_near
 from pretrain.cli import main
-from pretrain.curves import read_curves, read_runs, write_png
+from pretrain.curves import PANELS, read_curves, read_runs, write_png
 from pretrain.errors import PretrainError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -84,6 +85,10 @@ def test_the_png_is_written_whole_at_its_size(tmp_path):
     from matplotlib.image import imread
 
     assert imread(out).shape == (900, 1000, 4)  # it decodes: RGBA rows x columns
+    # each of the three stacked panels draws data, and both runs are drawn in their colours
+    assert all(n > 300 for n in coloured_pixels_per_band(out, len(PANELS))), \
+        coloured_pixels_per_band(out, len(PANELS))
+    assert pixels_near(out, "C0") > 300 and pixels_near(out, "C1") > 300
 
 
 def test_plot_command_compares_runs(tmp_path, capsys, monkeypatch):
