@@ -73,7 +73,7 @@ def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str) -> di
     import torch
 
     from pretrain.config import load_config
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.model import build_model
     from pretrain.engine import param_groups
 

@@ -27,7 +27,7 @@ def _rank(rank: int, world_size: int) -> dict:
 
     from pretrain.arithmetic import num_parameters
     from pretrain.config import load_config
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.model import build_model
     from pretrain.engine import param_groups
 

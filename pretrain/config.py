@@ -13,8 +13,9 @@ A run config is a YAML file whose top-level sections map onto the dataclasses be
 Loading is strict: unknown keys, duplicate keys and wrong types are errors that name the field.
 Each section validates itself in ``__post_init__``. What needs the world size (data-parallel
 size, gradient accumulation, which tensor / pipeline / ZeRO combinations are supported) is
-derived and checked in `pretrain.layout` (`resolve_layout`), the DeepSpeed JSON is resolved in
-`pretrain.ds_config`, and parameter and FLOP counts are in `pretrain.arithmetic`.
+derived and checked by the run's resolver (`pretrain.run`, with the rules of `pretrain.layout`),
+which settles every `auto` once and then freezes the config (`freeze`); the DeepSpeed JSON is
+filled in `pretrain.ds_config`, and parameter and FLOP counts are in `pretrain.arithmetic`.
 
 Paths. The fields a run reads (`INPUT_PATHS`: deepspeed, model.init_from, data.dataset, each
 data.blend prefix, data.tokenizer) are made absolute when the config is loaded: written in a
@@ -70,6 +71,30 @@ class Precision(str, enum.Enum):
 VOCAB_AUTO = "auto"
 
 
+class _Freezable:
+    """A config section that refuses assignment once `freeze` has run: the resolved run's config
+    (`pretrain.run`) is settled once and then only read."""
+
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign {type(self).__name__}.{name}: the run config is resolved and "
+                "frozen (pretrain.run.resolve_run settles every field once; change the config "
+                "file or --set, or the rule in pretrain/run.py)")
+        object.__setattr__(self, name, value)
+
+
+def freeze(cfg: "RunConfig") -> "RunConfig":
+    """Make `cfg` and its sections refuse assignment from now on (`pretrain.run` calls it once
+    every `auto` is settled); returns `cfg`."""
+    for section in [cfg] + [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]:
+        if isinstance(section, _Freezable):
+            object.__setattr__(section, "_frozen", True)
+    return cfg
+
+
 def _fail(section: str, name: str, value: Any, fix: str) -> None:
     raise ConfigError(f"{section}.{name}={value!r}: {fix}")
 
@@ -94,7 +119,7 @@ LOG_LEVELS = ("debug", "info", "warning")  # logging.level, most verbose first
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Freezable):
     """Llama decoder architecture. `preset` fills every field the YAML does not set."""
 
     preset: str | None = None  # one of MODEL_PRESETS; explicit fields override it
@@ -208,7 +233,7 @@ PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Freezable):
     """Model-parallel sizes. Data parallel = world size / (tensor * context * pipeline)."""
 
     tensor: int = 1  # Megatron-style tensor parallel size (inside a node)
@@ -274,7 +299,7 @@ def _parse_entry(entry: str | dict) -> tuple[float, str]:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Freezable):
     """Where the training tokens come from.
 
     `dataset` is the prefix of a preprocessed .bin/.idx pair (`pretrain preprocess`); or
@@ -309,7 +334,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Freezable):
     """Optimisation. The global batch is micro_batch_size * grad_accum * data_parallel."""
 
     steps: int = 1000  # optimizer steps
@@ -361,7 +386,7 @@ class TrainConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Freezable):
     save_interval: int = 0  # steps between DeepSpeed checkpoints; 0: only the final one
     save_interval_minutes: float = 0.0  # also save every this many minutes of wall time; 0: off
     keep_last: int = 2  # DeepSpeed checkpoints kept (older ones deleted)
@@ -383,7 +408,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(_Freezable):
     log_interval: int = 1  # steps between step lines (metrics.jsonl gets every step)
     report_to: list[str] = field(default_factory=lambda: ["tensorboard", "wandb"])  # sinks
     # besides metrics.jsonl (always written): tensorboard (<run_dir>/tensorboard), wandb, mlflow
@@ -429,7 +454,7 @@ class LoggingConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_Freezable):
     run_dir: str = "runs/default"  # resolved config, checkpoints, logs, metrics.jsonl
     deepspeed: str = "ds_configs/zero2.json"  # DeepSpeed JSON with "auto" fields
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -20,7 +20,6 @@ refused here:
 """
 from __future__ import annotations
 
-import copy
 import importlib
 import json
 import os
@@ -30,7 +29,7 @@ from typing import Any
 
 from pretrain.config import Precision, RunConfig, did_you_mean
 from pretrain.errors import ConfigError
-from pretrain.layout import DEEPSPEED_DEFAULT_BUCKET, Layout, resolve_layout
+from pretrain.layout import DEEPSPEED_DEFAULT_BUCKET, Layout
 
 AUTO = "auto"
 
@@ -261,21 +260,15 @@ def _resolve_gradient_dtypes(ds: dict[str, Any], precision: Precision, *, zero_s
                           f"ZeRO-0 gradients in the model's dtype, {model!r}): set it to \"auto\"")
 
 
-def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cpu",
-                      source: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Return the DeepSpeed config dict with every "auto" filled; raise ConfigError on conflicts.
-
-    `accelerator` is DeepSpeed's accelerator name ("cpu", "cuda", ...): it decides whether the
-    optimizer is torch's AdamW (CPU, no offload) or DeepSpeed's fused / CPU Adam.
+def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
+                   accelerator: str = "cpu") -> dict[str, Any]:
+    """Fill every "auto" of the DeepSpeed JSON `ds` (a copy of it: changed in place and
+    returned) from `cfg` and its checked `layout` (`pretrain.run.resolve_layout`); raise
+    ConfigError on conflicts. `accelerator` is DeepSpeed's accelerator name ("cpu", "cuda",
+    ...): it decides whether the optimizer is torch's AdamW (CPU, no offload) or DeepSpeed's
+    fused / CPU Adam.
     """
     where_file = cfg.deepspeed
-    ds = copy.deepcopy(source if source is not None else load_ds_json(cfg.deepspeed))
-    check_top_level_keys(ds, where=where_file)  # a misspelled section changes what is read
-    resolve_layout(cfg, world_size=world_size)  # the run config's own rules, before the JSON's
-    try:
-        layout = resolve_layout(cfg, world_size=world_size, **engine_fields(ds))
-    except ConfigError as error:
-        raise ConfigError(f"{where_file}: {error}") from None
     t = cfg.train
     _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, where="")
     _fill(ds, "gradient_accumulation_steps", layout.grad_accum, where="")

@@ -57,10 +57,13 @@ class Poll(NamedTuple):
 class RunControl:
     """When to stop or save, agreed by all ranks once per step (one 4-element all-reduce)."""
 
-    def __init__(self, *, save_interval_minutes: float, exit_after_minutes: float):
+    def __init__(self, *, save_interval_minutes: float, exit_after_minutes: float,
+                 save_interval_steps: int = 0):
         """Installs the SIGTERM / SIGUSR1 handlers and starts the wall-time clock: create it
-        first thing in a process, so a signal during start-up is not lost either."""
+        first thing in a process, so a signal during start-up is not lost either. A save is due
+        every `save_interval_steps` steps and every `save_interval_minutes` minutes (0: never)."""
         self.save_every_s = save_interval_minutes * 60.0
+        self.save_every_steps = save_interval_steps
         self.deadline = time.monotonic() + exit_after_minutes * 60.0 if exit_after_minutes else None
         self.last_save = time.monotonic()
         self.received: str | None = None
@@ -77,9 +80,10 @@ class RunControl:
     def mark_saved(self) -> None:
         self.last_save = time.monotonic()
 
-    def poll(self, *, device: str, writing: bool = False) -> Poll:
-        """The same `Poll` on all ranks: signal, time limit, save cadence and `writing` (this
-        rank still writes a checkpoint in the background) are each the MAX over the world."""
+    def poll(self, *, device: str, step: int = 0, writing: bool = False) -> Poll:
+        """The same `Poll` on all ranks after optimizer step `step`: signal, time limit, save
+        cadence (steps or minutes) and `writing` (this rank still writes a checkpoint in the
+        background) are each the MAX over the world."""
         now = time.monotonic()
         flags = torch.tensor([float(self.received is not None),
                               float(self.deadline is not None and now >= self.deadline),
@@ -88,6 +92,7 @@ class RunControl:
         if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
             torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
         signalled, out_of_time, save_due, writing = (bool(v) for v in flags.tolist())
+        save_due = save_due or bool(self.save_every_steps and step % self.save_every_steps == 0)
         if signalled:
             return Poll(f"signal {self.received or 'received by another rank'}", True, writing)
         if out_of_time:

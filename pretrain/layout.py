@@ -2,21 +2,17 @@
 
 A `Layout` is how one training run is spread over `tensor * context * pipeline * data` ranks: the
 parallel sizes, the batch arithmetic, the DeepSpeed engine's ZeRO stage, offload and buckets,
-recomputation and sequence parallelism. `resolve_layout(cfg, world_size=, ...)` derives it from a
-run config (the data-parallel size comes from `Topology`, the only place it is computed) and
-checks it; `check_layout(model, layout)` is the rulebook itself. Every caller asks the same
-rules: the config validation before launch, the DeepSpeed resolver (`pretrain.ds_config`), the
-planner's search and dry run, and the model builders (`check_tensor_split`,
-`check_pipeline_split`). Every refusal is a ConfigError naming the field, its value and the fix.
+recomputation and sequence parallelism. `pretrain.run.resolve_layout` derives it, once per
+process, from the run config and its `Topology` (the data-parallel size is computed there and
+nowhere else); `check_layout(model, layout)` is the rulebook itself. Every caller asks the same
+rules: the run's resolver (`pretrain.run`), the planner's search, and the model builders
+(`check_tensor_split`, `check_pipeline_split`). Every refusal is a ConfigError naming the field, its value and the fix.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from pretrain.config import PARTITION_METHODS, ModelConfig, Precision, Recompute, RunConfig
+from pretrain.config import PARTITION_METHODS, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
-from pretrain.topology import Topology
 
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # reduce / allgather bucket elements when not configured
 
@@ -70,24 +66,6 @@ def planned_precision(precision: Precision) -> Precision:
     """The precision a layout is planned with: `auto` is bf16 on every GPU the planner knows
     (a run resolves `auto` on its own device before its layout is resolved)."""
     return Precision.BF16 if precision == Precision.AUTO else precision
-
-
-def resolve_layout(cfg: RunConfig, *, world_size: int, **engine: Any) -> Layout:
-    """The checked layout of `cfg` on `world_size` ranks. `engine` holds the DeepSpeed JSON's
-    part of a Layout (`pretrain.ds_config.engine_fields`); without it ZeRO 0 and no offload,
-    which leaves only the run config's own rules to check."""
-    topology = Topology.from_parallel_config(cfg.parallel, world_size=world_size)
-    p, t, m = cfg.parallel, cfg.train, cfg.model
-    layout = Layout(tensor=p.tensor, pipeline=p.pipeline, data=topology.data,
-                    micro_batch=t.micro_batch_size,
-                    global_batch=t.global_batch_size or t.micro_batch_size * topology.data,
-                    recompute=m.activation_checkpointing,
-                    recompute_interval=m.activation_checkpointing_interval,
-                    sequence_parallel=p.sequence_parallel,
-                    precision=planned_precision(t.precision),
-                    partition=p.pipeline_partition, context=p.context, **engine)
-    check_layout(m, layout)
-    return layout
 
 
 def check_layout(model: ModelConfig, layout: Layout) -> None:

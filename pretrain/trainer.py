@@ -21,19 +21,18 @@ from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
 from pretrain import checkpoint, curves, faults, telemetry
-from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
-from pretrain.data.build import Samples, build_datasets, check_run_data
+from pretrain.data.build import Samples, build_datasets
 from pretrain.data.loader import micro_batches
 from pretrain.dist import World, wait_for_io
-from pretrain.ds_config import engine_fields, zero_stage
+from pretrain.ds_config import zero_stage
 from pretrain.engine import build_engine
 from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
-from pretrain.layout import resolve_layout
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
 from pretrain.model import ModelForm, compile_report
 from pretrain.terminal import show_progress_bar
+from pretrain.run import ResolvedRun
 from pretrain.topology import ProcessGroups
 
 # DeepSpeed 0.19.8's ZeRO-2 calls a torch.distributed function that torch 2.13 deprecates, once
@@ -68,19 +67,20 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, world: World, ds_config: dict[str, Any],
-                 groups: ProcessGroups, *, resume: checkpoint.ResumePoint | None = None,
-                 control: faults.RunControl | None = None):
-        """`ds_config` is the resolved DeepSpeed config (`pretrain.ds_config.resolve_ds_config`);
-        `groups` this rank's process groups (`pretrain.topology.Topology.create_groups`);
-        `resume` the checkpoint to start from (`pretrain.checkpoint.find_resume`), whose
-        `checkpoint.load_universal` the DeepSpeed config already carries when it is universal;
-        `control` the signal / time-limit watcher (made here when None)."""
+    def __init__(self, run: ResolvedRun, world: World, groups: ProcessGroups, *,
+                 resume: checkpoint.ResumePoint | None, control: faults.RunControl):
+        """`run` is the resolved run (`pretrain.run.resolve_run`: its frozen config, layout and
+        DeepSpeed config); `groups` this rank's process groups (`run.topology.create_groups()`);
+        `resume` the checkpoint to start from, its content confirmed
+        (`pretrain.checkpoint.confirm_content`), whose `checkpoint.load_universal` the DeepSpeed
+        config already carries when it is universal; `control` the signal / time-limit / save
+        cadence watcher the process made first thing."""
+        cfg, ds_config = run.cfg, run.ds_config
         self.cfg, self.world, self.ds_config, self.groups = cfg, world, ds_config, groups
         self.main = world.is_main
         self.run_dir = Path(cfg.run_dir)
         self.device = get_accelerator().current_device_name()
-        self.layout = resolve_layout(cfg, world_size=world.world_size, **engine_fields(ds_config))
+        self.layout = run.layout
         self.dp_size, self.grad_accum = self.layout.data, self.layout.grad_accum
         self.global_batch = self.layout.global_batch
         # Ranks of one tensor-parallel group read the same samples: the data follows the dp index;
@@ -106,12 +106,10 @@ class Trainer:
         # The pipeline engine steps inside train_batch: at ZeRO-0 it reports no norm (null).
         self._norm_before_step = zero_stage(ds_config) == 0 and not self.pipelined
         self._grad_norm: float | None = None
-        self.checkpoint_layout = checkpoint.run_layout(cfg, ds_config, topology=groups.topology)
+        self.checkpoint_layout = run.checkpoint_layout
         if resume is not None:
             self._resume(resume)
-        self.control = control or faults.RunControl(
-            save_interval_minutes=cfg.checkpoint.save_interval_minutes,
-            exit_after_minutes=cfg.train.exit_after_minutes)
+        self.control = control
         self.guard = faults.NonFiniteGuard(
             self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
             spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
@@ -128,7 +126,6 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------------
     def _load_data(self) -> tuple[Tokenizer, Samples, Samples | None]:
         d, m = self.cfg.data, self.cfg.model
-        check_run_data(self.cfg, required=True)  # `pretrain train` checked it before the group
         tokenizer = Tokenizer.load(d.tokenizer)
         # Rank 0 builds (and caches) the sample indices; the others then load the cached files.
         if not self.main:
@@ -232,71 +229,102 @@ class Trainer:
             raise
 
     def _train(self) -> TrainResult:
-        cfg, t = self.cfg, self.cfg.train
         result = TrainResult()
         if self.main:
             checkpoint.clear_stopped(self.run_dir)
         batches = self._loader(self.train_data, consumed=self.consumed_samples,
-                               workers=cfg.data.num_workers)
-        tokens_per_step = self.global_batch * cfg.model.seq_length
-        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (self.main and show_progress_bar(cfg.logging.progress_bar)))
-        profiler = telemetry.StepProfiler(cfg.logging.profile_range(), run_dir=self.run_dir,
+                               workers=self.cfg.data.num_workers)
+        bar = self._progress_bar()
+        profiler = telemetry.StepProfiler(self.cfg.logging.profile_range(), run_dir=self.run_dir,
                                           rank=self.world.rank)
-        while self.step < t.steps:
-            profiler.begin(self.step + 1)
-            start = time.perf_counter()
-            lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
-            skipped_before = self.engine.skipped_steps
-            loss, wait = self.train_step(batches)
-            self.step += 1
-            self.consumed_samples += self.global_batch
-            elapsed = time.perf_counter() - start
-            if profiler.end(self.step):
-                telemetry.log(f"[profile] Chrome trace of steps {cfg.logging.profile_steps} in "
-                              f"{profiler.path}", main=self.main)
-            result.losses.append(loss)
-            if cfg.model.compile and len(result.losses) == 1:
-                report = compile_report()
-                telemetry.log(f"[compile] {report.seconds:.1f} s of the first step "
-                              f"({elapsed:.1f} s) compiling {report.graphs} graphs "
-                              f"({report.graph_breaks} graph breaks); inductor cache: "
-                              f"{report.cache_hits} reused, {report.cache_misses} built",
-                              main=self.main)
-            rec = self.records.record(self.engine, step=self.step, loss=loss, lr=lr, wait=wait,
-                                      elapsed=elapsed, tokens=tokens_per_step,
-                                      consumed_samples=self.consumed_samples,
-                                      grad_norm=self._grad_norm)
-            rec.update(self.guard.after_step(step=self.step, loss=loss,
-                                              skipped_before=skipped_before))
-            self.metrics.write(rec)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            if self.main and (self.step % cfg.logging.log_interval == 0 or self.step == t.steps):
-                bar.write(telemetry.format_step_line(rec, t.steps))
-            if self.valid_data is not None and t.eval_interval and (
-                    self.step % t.eval_interval == 0 or self.step == t.steps):
-                self._log_eval(result)
-            stop, save_due, writing = self.control.poll(  # the same on every rank
-                device=self.device, writing=self.saver.writing())
-            if self.saver.in_flight and not writing:  # every rank's files are on disk
-                self._finish_save()
-            if stop and self.step < t.steps:
-                result.stop_reason = stop
-                telemetry.log(f"[stop] {stop}: saving step {self.step}, then exiting to be "
-                              "requeued", main=self.main, level="warning")
-                self.save()
-                self._finish_save()
-                if self.main:
-                    checkpoint.mark_stopped(self.run_dir, step=self.step, reason=stop,
-                                            exit_code=EXIT_REQUEUE)
+        while self.step < self.cfg.train.steps:
+            record = self._run_step(batches, profiler, result)
+            self._show_step(record, bar)
+            self._evaluate_if_due(result)
+            if self._stop_or_save(result):
                 break
-            if (save_due or cfg.checkpoint.save_interval
-                    and self.step % cfg.checkpoint.save_interval == 0) and self.step < t.steps:
-                self.save()
         bar.close()
         batches.close()  # the loader's worker processes end here, not at interpreter exit
         self.control.restore_handlers()
+        return self._finish(result)
+
+    def _progress_bar(self) -> tqdm:
+        show = self.main and show_progress_bar(self.cfg.logging.progress_bar)
+        return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step",
+                    dynamic_ncols=True, disable=not show)
+
+    def _run_step(self, batches: Iterator[dict[str, torch.Tensor]],
+                  profiler: telemetry.StepProfiler, result: TrainResult) -> dict[str, Any]:
+        """One optimizer step, profiled and timed; its loss into `result`; its step record,
+        written to the metric sinks (the non-finite guard's fields in it)."""
+        profiler.begin(self.step + 1)
+        start = time.perf_counter()
+        lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
+        skipped_before = self.engine.skipped_steps
+        loss, wait = self.train_step(batches)
+        self.step += 1
+        self.consumed_samples += self.global_batch
+        elapsed = time.perf_counter() - start
+        if profiler.end(self.step):
+            telemetry.log(f"[profile] Chrome trace of steps {self.cfg.logging.profile_steps} in "
+                          f"{profiler.path}", main=self.main)
+        result.losses.append(loss)
+        if self.cfg.model.compile and len(result.losses) == 1:
+            self._log_compile(elapsed)
+        record = self.records.record(
+            self.engine, step=self.step, loss=loss, lr=lr, wait=wait, elapsed=elapsed,
+            tokens=self.global_batch * self.cfg.model.seq_length,
+            consumed_samples=self.consumed_samples, grad_norm=self._grad_norm)
+        record.update(self.guard.after_step(step=self.step, loss=loss,
+                                            skipped_before=skipped_before))
+        self.metrics.write(record)
+        return record
+
+    def _log_compile(self, elapsed: float) -> None:
+        report = compile_report()
+        telemetry.log(f"[compile] {report.seconds:.1f} s of the first step ({elapsed:.1f} s) "
+                      f"compiling {report.graphs} graphs ({report.graph_breaks} graph breaks); "
+                      f"inductor cache: {report.cache_hits} reused, {report.cache_misses} built",
+                      main=self.main)
+
+    def _show_step(self, record: dict[str, Any], bar: tqdm) -> None:
+        """The progress bar, and the step line every logging.log_interval steps and at the end."""
+        steps = self.cfg.train.steps
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+        if self.main and (self.step % self.cfg.logging.log_interval == 0 or self.step == steps):
+            bar.write(telemetry.format_step_line(record, steps))
+
+    def _evaluate_if_due(self, result: TrainResult) -> None:
+        t = self.cfg.train
+        if self.valid_data is not None and t.eval_interval and (
+                self.step % t.eval_interval == 0 or self.step == t.steps):
+            self._log_eval(result)
+
+    def _stop_or_save(self, result: TrainResult) -> bool:
+        """What the ranks agreed on after this step (`faults.RunControl`, the one owner of when
+        to save and stop): complete a background save, save, or save and stop (True)."""
+        stop, save_due, writing = self.control.poll(  # the same on every rank
+            device=self.device, step=self.step, writing=self.saver.writing())
+        if self.saver.in_flight and not writing:  # every rank's files are on disk
+            self._finish_save()
+        last = self.step >= self.cfg.train.steps  # saved by `_finish`, stop or not
+        if stop and not last:
+            result.stop_reason = stop
+            telemetry.log(f"[stop] {stop}: saving step {self.step}, then exiting to be "
+                          "requeued", main=self.main, level="warning")
+            self.save()
+            self._finish_save()
+            if self.main:
+                checkpoint.mark_stopped(self.run_dir, step=self.step, reason=stop,
+                                        exit_code=EXIT_REQUEUE)
+            return True
+        if save_due and not last:
+            self.save()
+        return False
+
+    def _finish(self, result: TrainResult) -> TrainResult:
+        """After the loop: the last step saved (and the final weights), curves, sinks closed."""
         result.final_step = self.step
         if result.stop_reason:
             self._draw_curves()
@@ -305,11 +333,10 @@ class Trainer:
         if self._saved_step != self.step:  # the last step is always resumable, save_final or not
             self.save()
         self._finish_save()
-        if cfg.checkpoint.save_final:
+        if self.cfg.checkpoint.save_final:
             result.final_dir = checkpoint.save_final(
-                self.engine, cfg=cfg, groups=self.groups, tokenizer=self.tokenizer,
-                run_dir=self.run_dir,
-                step=self.step, main=self.main)
+                self.engine, cfg=self.cfg, groups=self.groups, tokenizer=self.tokenizer,
+                run_dir=self.run_dir, step=self.step, main=self.main)
             telemetry.log(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
         self._draw_curves()
         self.metrics.close()

@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pretrain.config",),
     ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
      "pretrain.dist", "pretrain.hardware", "pretrain.data"),
+    ("pretrain.run",),
     ("pretrain.model",),
     ("pretrain.checkpoint", "pretrain.sinks", "pretrain.profiler", "pretrain.curves",
      "pretrain.faults", "pretrain.plan"),

@@ -12,10 +12,9 @@ import pytest
 
 from pretrain.arithmetic import num_parameters
 from pretrain.config import MODEL_PRESETS, Precision, Recompute, load_config
-from pretrain.ds_config import resolve_ds_config
 from pretrain.errors import ConfigError
 from pretrain.engine import warmup_cosine
-from pretrain.layout import resolve_layout
+from pretrain.run import layout_on, resolve_ds_config
 from pretrain.testing.runs import REPO
 
 
@@ -88,13 +87,13 @@ def test_duplicate_yaml_key_rejected(tmp_path):
 def test_derived_batch_values():
     cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=64",
                              "parallel.tensor=2", "model.preset=tiny"])
-    layout = resolve_layout(cfg, world_size=8)
+    layout = layout_on(cfg, world_size=8)
     assert layout.data == 4
     assert layout.grad_accum == 4 and layout.global_batch == 64
     with pytest.raises(ConfigError, match="not a multiple of train.micro_batch_size x data-parallel"):
-        resolve_layout(cfg, world_size=12)  # dp 6: 64 % 24 != 0
+        layout_on(cfg, world_size=12)  # dp 6: 64 % 24 != 0
     with pytest.raises(ConfigError, match="world size 7 is not divisible"):
-        resolve_layout(cfg, world_size=7)
+        layout_on(cfg, world_size=7)
 
 
 def _resolve(tmp_path, ds: dict, overrides=(), world=2, accelerator="cpu"):
@@ -222,10 +221,10 @@ def test_warmup_cosine_schedule():
      "model.seq_length=63: must be divisible by parallel.tensor=2"),
 ])
 def test_forbidden_layouts_are_refused_before_launch(overrides, world, message):
-    """What `pretrain train` checks before any process group exists (pretrain.layout.resolve_layout)."""
+    """What `pretrain train` checks before any process group exists (pretrain.run.resolve_layout)."""
     cfg = load_config(None, ["model.preset=tiny", *overrides])
     with pytest.raises(ConfigError) as info:
-        resolve_layout(cfg, world_size=world)
+        layout_on(cfg, world_size=world)
     assert message in str(info.value)
 
 

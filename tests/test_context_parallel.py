@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
-from pretrain.layout import Layout, check_layout, resolve_layout
+from pretrain.layout import Layout, check_layout
+from pretrain.run import layout_on
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.topology import Topology
 
@@ -102,19 +103,19 @@ def test_refuses_what_is_not_implemented():
 
 
 def test_batch_arithmetic_counts_data_replicas_not_context_ranks():
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
 
     cfg = load_config(None, ["model.preset=tiny", "parallel.context=2",
                              "train.micro_batch_size=2", "train.global_batch_size=8",
                              "train.precision=fp32"])
-    layout = resolve_layout(cfg, world_size=4)
+    layout = layout_on(cfg, world_size=4)
     assert (layout.data, layout.context, layout.grad_accum) == (2, 2, 2)
     assert "cp2" in layout.describe()
     ds = resolve_ds_config(cfg, world_size=4, source={"zero_optimization": {"stage": 1}})
     # DeepSpeed's data parallelism is data x context: each context rank's chunk counts once
     assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 2
     with pytest.raises(ConfigError, match="parallel.context"):
-        resolve_layout(cfg, world_size=5)
+        layout_on(cfg, world_size=5)
 
 
 def test_loader_chunks_share_samples_and_shift_labels_before_splitting():

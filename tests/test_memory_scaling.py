@@ -145,7 +145,7 @@ DEEP = ["model.preset=tiny", "model.hidden_size=1024", "model.num_heads=16", "mo
 
 
 def _build_under_zero3(rank: int, world_size: int) -> dict:
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.model.build import build_for_layout
     from pretrain.topology import Topology
 

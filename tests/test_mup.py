@@ -260,7 +260,7 @@ def _first_update_by_kind(rank: int, world_size: int, ds_json: str, precision: s
     lr x sign(grad) elementwise, so it measures each group's lr), and the groups' lrs."""
     import deepspeed
 
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.engine import _lr_schedule, param_groups
 
     cfg = load_config(REPO / "configs/tiny.yaml", [

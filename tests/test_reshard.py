@@ -94,8 +94,8 @@ def _reshard_and_save(rank: int, world_size: int, args: list[str], source: str) 
     from pretrain.config import load_config, config_overrides
     from pretrain.checkpoint import find_resume
     from pretrain.dist import discover_world, init_deepspeed_comm
-    from pretrain.ds_config import resolve_ds_config
-    from pretrain.topology import Topology
+    from pretrain.faults import RunControl
+    from pretrain.run import resolve_run
     from pretrain.trainer import Trainer
     import argparse
 
@@ -104,11 +104,11 @@ def _reshard_and_save(rank: int, world_size: int, args: list[str], source: str) 
     ns = parser.parse_args(args[1:])
     cfg = load_config(ns.config, config_overrides(ns))
     init_deepspeed_comm(dist_backend="gloo")  # on the process group the ranks share
-    ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
-    groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
-                                           rank=rank).create_groups()
-    point = find_resume(cfg, resume_from=source, log=lambda text: None)
-    trainer = Trainer(cfg, discover_world(), ds_config, groups, resume=point)
+    run = resolve_run(cfg, world_size=world_size, rank=rank, device_type="cpu",
+                      find_resume=lambda c: find_resume(c, resume_from=source, log=lambda t: None))
+    control = RunControl(save_interval_minutes=0, exit_after_minutes=0)
+    trainer = Trainer(run, discover_world(), run.topology.create_groups(), resume=run.resume,
+                      control=control)
     trainer.save()
     trainer.saver.finish()
 

@@ -255,7 +255,7 @@ def test_bf16_sums_128_micro_batch_gradients_in_fp32(tiny_data, tmp_path):
 def _first_bf16_zero0_update(rank: int, world_size: int, ds_json: str) -> dict:
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.engine import build_engine
     from pretrain.topology import Topology
 

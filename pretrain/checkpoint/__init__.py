@@ -33,10 +33,9 @@ Modules, each on top of the previous ones:
 The names the trainer and `pretrain train` use are importable from the package itself.
 """
 from pretrain.checkpoint.engine import (ResumePoint, Saver, checkpoint_meta, confirm_content,
-                                        find_resume, load,
-                                        run_layout, save_final)
+                                        find_resume, load, save_final)
 from pretrain.checkpoint.paths import clear_stopped, mark_stopped
 from pretrain.checkpoint.weights import load_initial_weights
 
 __all__ = ["ResumePoint", "Saver", "checkpoint_meta", "clear_stopped", "confirm_content", "find_resume", "load",
-           "load_initial_weights", "mark_stopped", "run_layout", "save_final"]
+           "load_initial_weights", "mark_stopped", "save_final"]

@@ -48,14 +48,12 @@ from pretrain.checkpoint.writer import ShardWriter
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
 from pretrain.dist import barriers_for_io, gather_for_io, wait_for_io
-from pretrain.ds_config import offload_devices, zero_stage
 from pretrain.errors import CheckpointError
 from pretrain.faults import TrainingFault
 from pretrain.model import canonical_parameters, tensor_parallel_group
 from pretrain.model.hf import EMBED, LM_HEAD, expected_hf_keys
 from pretrain.model.mup import comparable_model_fields
 from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
-from pretrain.topology import Topology
 
 # DeepSpeed's ds_to_universal refuses a checkpoint whose client state lacks this entry.
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
@@ -70,22 +68,12 @@ RESUMABLE_MODEL_CHANGES = frozenset({"preset", "init_std", "init_from", "activat
                                      "rope_theta"})
 
 
-def run_layout(cfg: RunConfig, ds_config: dict[str, Any], *,
-               topology: Topology) -> dict[str, Any]:
-    """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`), of a run
-    with the resolved DeepSpeed config `ds_config`."""
-    return {"tensor": topology.tensor, "pipeline": topology.pipeline, "data": topology.data,
-            "context": topology.context, "world_size": topology.world_size,
-            "zero_stage": zero_stage(ds_config),
-            "offload": offload_devices(ds_config)[0], "precision": cfg.train.precision.value}
-
-
 def checkpoint_meta(cfg: RunConfig, *, step: int, consumed_samples: int, global_batch: int,
                     tokenizer: Tokenizer, git_commit: str,
                     layout: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(client_state, meta) of a save: what DeepSpeed stores with the engine state, and the
     `meta.json` that resuming and the readers check without loading tensors; `layout` is
-    `run_layout`'s."""
+    `pretrain.run.ResolvedRun.checkpoint_layout`."""
     state = {"step": step, "consumed_samples": consumed_samples, "config": cfg.to_dict(),
              "tokenizer": {"path": str(tokenizer.path), "sha256": tokenizer.sha256}}
     meta = {**state, "global_batch": global_batch, "git_commit": git_commit,

@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 from pretrain.commands import plan as plan_command
-from pretrain.config import config_overrides, load_config
 from pretrain.errors import ConfigError
 from pretrain.files import git_commit
 
@@ -144,8 +143,6 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     job with a bad config fails in seconds with the reason in its log instead of after start-up.
     One process for both: each Python start with torch costs seconds per job.
     """
-    from pretrain.plan.dry_run import data_warnings, dry_run
-
     if not args.world_size or args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: need the job's number of ranks (>= 1)")
     args.build = not args.no_build
@@ -153,17 +150,14 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            plan_command.run(args)
+            _, run = plan_command.plan_run(args)
     except ConfigError:
         sys.stdout.write(gpus_seen + out.getvalue())  # the plan that does not fit, then why
         raise
     if log_dir is not None:
-        cfg = load_config(args.config, config_overrides(args))
-        data_warnings(cfg)  # the record holds model.vocab_size: auto settled, as the run will
-        ds, _ = dry_run(cfg, world_size=args.world_size, accelerator=args.accelerator)
         log_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save(log_dir / "config.yaml")
-        (log_dir / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
+        run.cfg.save(log_dir / "config.yaml")  # model.vocab_size: auto settled, as the run will
+        (log_dir / "ds_config.json").write_text(json.dumps(run.ds_config, indent=2) + "\n")
         (log_dir / "git_commit.txt").write_text(git_commit() + "\n")
         (log_dir / "plan.txt").write_text(gpus_seen + out.getvalue())
     return gpus_seen + out.getvalue()

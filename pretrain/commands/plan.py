@@ -67,14 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser, *, search: bool = True) -> No
 
 
 def _cpu_cluster(args: argparse.Namespace, cfg: RunConfig) -> Cluster:
-    """This machine, measured: `train.precision` is resolved here as `pretrain train` would."""
-    from pretrain.hardware import choose_precision, cpu_peak_tflops, host_memory_gb
+    """This machine, measured in the precision `train.precision` settled to (as `pretrain
+    train` settles it: `pretrain.run.settle_precision`)."""
+    from pretrain.hardware import cpu_peak_tflops, host_memory_gb
     from pretrain.model import DTYPES
     from pretrain.plan.clusters import cpu_cluster
 
     ranks = args.gpus_per_node or args.world_size or 1
     nodes = args.nodes or math.ceil((args.world_size or ranks) / ranks)
-    cfg.train.precision = choose_precision(cfg.train.precision, "cpu").precision
     threads = max(1, (os.cpu_count() or 1) // ranks)
     peak = args.peak_tflops or cpu_peak_tflops(DTYPES[cfg.train.precision], threads=threads)
     return cpu_cluster(nodes=nodes, ranks_per_node=ranks, peak_tflops=peak,
@@ -101,12 +101,13 @@ def _cluster(args: argparse.Namespace, cfg: RunConfig) -> Cluster:
     return cluster
 
 
-def _search(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster) -> None:
+def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
     from pretrain.arithmetic import num_parameters
     from pretrain.ds_config import shipped_ds_configs
     from pretrain.plan.report import current_rank, format_search, selecting_arguments
     from pretrain.plan.search import engine_key, minimum_memory_gb, search
 
+    cfg = settled.cfg
     if args.world_size is not None and args.nodes is not None and \
             args.world_size != cluster.world_size:
         raise ConfigError(f"--search plans the whole cluster ({cluster.world_size} GPUs); "
@@ -125,7 +126,7 @@ def _search(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster) -> None:
                           f"({num_parameters(cfg.model) / 1e9:.1f}B parameters, global batch "
                           f"{gbs}) in {cluster.gpu_memory_gb:g} GB per GPU; even ZeRO-3 with "
                           f"offload needs {need:.1f} GB: add nodes or use a smaller model")
-    current = _current_plan(args, cfg, cluster)
+    current = _current_plan(args, settled, cluster)
     if args.json:
         print(json.dumps({"count": len(plans), "plans": [
             {**p.to_dict(), "arguments": selecting_arguments(p.layout, engines[engine_key(p.layout)])}
@@ -134,14 +135,14 @@ def _search(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster) -> None:
         print(format_search(plans, cluster, top=args.top, ds_configs=engines, current=current))
 
 
-def _current_plan(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster):
+def _current_plan(args: argparse.Namespace, settled, cluster: Cluster):
     """(the config's own plan on the whole cluster, or None, and why not)."""
     from pretrain.plan.dry_run import dry_run
     from pretrain.plan.search import estimate
 
     try:
-        _, layout = dry_run(cfg, world_size=cluster.world_size, accelerator=args.accelerator)
-        return estimate(cfg.model, layout, cluster), ""
+        run = dry_run(settled, world_size=cluster.world_size, accelerator=args.accelerator)
+        return estimate(run.cfg.model, run.layout, cluster), ""
     except ConfigError as error:
         return None, f"does not resolve on {cluster.world_size} GPUs: {error}"
 
@@ -149,32 +150,38 @@ def _current_plan(args: argparse.Namespace, cfg: RunConfig, cluster: Cluster):
 def run(args: argparse.Namespace):
     """The dry run and plan of the config (a `pretrain.plan.search.Plan`), or with --search the
     ranking of every layout (None)."""
+    return plan_run(args)[0]
+
+
+def plan_run(args: argparse.Namespace):
+    """(the plan, the resolved run it plans) of `run`, printed; (None, None) with --search."""
     from pretrain.arithmetic import model_flops_per_token, num_parameters
-    from pretrain.plan.dry_run import data_warnings, dry_run
+    from pretrain.plan.dry_run import data_warnings, dry_run, settle_for_plan
     from pretrain.plan.report import format_run
     from pretrain.plan.search import estimate
 
-    cfg = load_config(args.config, config_overrides(args))
-    warnings = data_warnings(cfg)  # first: it settles model.vocab_size: auto
+    settled = settle_for_plan(load_config(args.config, config_overrides(args)),
+                              on_this_machine=args.cluster == "cpu")
+    cfg, warnings = settled.cfg, data_warnings(settled)
     cluster = _cluster(args, cfg)
     args.accelerator = args.accelerator or ("cpu" if args.cluster == "cpu" else "cuda")
     if args.search:
-        _search(args, cfg, cluster)
-        return None
+        _search(args, settled, cluster)
+        return None, None
     world = args.world_size or cluster.world_size
-    ds, layout = dry_run(cfg, world_size=world, accelerator=args.accelerator)
-    plan = estimate(cfg.model, layout, cluster)
+    resolved = dry_run(settled, world_size=world, accelerator=args.accelerator)
+    plan = estimate(cfg.model, resolved.layout, cluster)
     builds = None
     if args.build:
         from pretrain.plan.build_check import build_distinct_ranks
 
-        builds = build_distinct_ranks(cfg, layout, world_size=world)
+        builds = build_distinct_ranks(resolved)
     if args.json:
         print(json.dumps({"ok": plan.fits, "config": args.config, "world_size": world,
                           "accelerator": args.accelerator, "warnings": warnings,
                           "parameters": num_parameters(cfg.model),
                           "flops_per_token": model_flops_per_token(cfg.model),
-                          "deepspeed": ds, **plan.to_dict(),
+                          "deepspeed": resolved.ds_config, **plan.to_dict(),
                           **({"builds": [b.to_dict() for b in builds]} if builds else {})}))
     else:
         for w in warnings:
@@ -187,7 +194,7 @@ def run(args: argparse.Namespace):
     if not plan.fits:
         sys.stdout.flush()  # the plan first, then the error line
         raise ConfigError(_does_not_fit(plan, args))
-    return plan
+    return plan, resolved
 
 
 def _does_not_fit(plan, args: argparse.Namespace) -> str:

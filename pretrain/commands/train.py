@@ -50,11 +50,47 @@ def run(args: argparse.Namespace) -> NoReturn:
     from pretrain import telemetry
     from pretrain.checkpoint import confirm_content, find_resume
     from pretrain.config import load_config
-    from pretrain.data.build import check_run_data
     from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
-    from pretrain.ds_config import resolve_ds_config
     from pretrain.faults import RunControl
 
+    cfg = load_config(args.config, _overrides(args))
+    # Signals are caught from here on (a SIGTERM while loading still stops after the first step).
+    control = RunControl(save_interval_minutes=cfg.checkpoint.save_interval_minutes,
+                         save_interval_steps=cfg.checkpoint.save_interval,
+                         exit_after_minutes=cfg.train.exit_after_minutes)
+    world = discover_world()
+    from deepspeed.accelerator import get_accelerator  # after the world: picks the device type
+
+    from pretrain.run import resolve_run
+
+    telemetry.set_log_level(cfg.logging.level)  # DeepSpeed, now imported, logs from here on
+    log = lambda text: telemetry.log(text, main=world.is_main)  # noqa: E731
+    # Every check that can fail does so here, before a process group or an engine exists.
+    telemetry.check_sinks(cfg.logging.report_to)
+    set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
+    run = resolve_run(cfg, world_size=world.world_size, rank=world.rank,
+                      device_type=get_accelerator().device_name(),
+                      find_resume=lambda c: find_resume(c, resume_from=args.resume_from, log=log))
+    if run.resume is not None and args.require_same_layout:
+        refuse_another_layout(run)
+    init_distributed(world, timeout_minutes=run.cfg.train.collective_timeout_minutes,
+                     io_timeout_minutes=run.cfg.train.io_timeout_minutes)
+    from pretrain.trainer import Trainer  # DeepSpeed's modules, once the process group exists
+
+    groups = run.topology.create_groups()
+    try:
+        # every rank reads its share of the checkpoint's files: damage found anywhere is skipped
+        resume = confirm_content(run.resume, run.cfg, resume_from=args.resume_from, log=log)
+        announce_precision(run.precision, rank=world.rank)
+        result = Trainer(run, world, groups, resume=resume, control=control).train()
+    except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
+        _exit_on_fault(exc, rank=world.rank)
+        raise
+    exit_distributed(EXIT_REQUEUE if result.stop_reason else 0)
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """`--set` and the flags that are shorthands for config fields."""
     overrides = config_overrides(args)
     if args.exit_after_minutes is not None:
         overrides.append(f"train.exit_after_minutes={args.exit_after_minutes}")
@@ -62,84 +98,31 @@ def run(args: argparse.Namespace) -> NoReturn:
         overrides.append(f"logging.profile_steps='{args.profile_steps}'")
     if args.log_level:
         overrides.append(f"logging.level={args.log_level}")
-    cfg = load_config(args.config, overrides)
-    # Signals are caught from here on (a SIGTERM while loading still stops after the first step).
-    control = RunControl(save_interval_minutes=cfg.checkpoint.save_interval_minutes,
-                         exit_after_minutes=cfg.train.exit_after_minutes)
-    world = discover_world()
-    from deepspeed.accelerator import get_accelerator  # after the world: picks the device type
-
-    telemetry.set_log_level(cfg.logging.level)  # DeepSpeed, now imported, logs from here on
-    # Every check that can fail does so here, before a process group or an engine exists.
-    telemetry.check_sinks(cfg.logging.report_to)
-    check_run_data(cfg, required=True)  # first: it settles model.vocab_size: auto
-    resume = find_resume(cfg, resume_from=args.resume_from,
-                         log=lambda text: telemetry.log(text, main=world.is_main))
-    if resume is not None and cfg.train.global_batch_size is None:
-        # Resharding keeps the global batch: gradient accumulation follows the new dp size.
-        cfg.train.global_batch_size = resume.meta["global_batch"]
-    set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
-    choice = choose_run_precision(cfg.train.precision, get_accelerator().device_name(),
-                                  resume=resume)
-    cfg.train.precision = choice.precision
-    ds_config = resolve_ds_config(cfg, world_size=world.world_size,
-                                  accelerator=get_accelerator().device_name())
-    if resume is not None and args.require_same_layout:
-        refuse_another_layout(resume, cfg, ds_config, world_size=world.world_size)
-    if resume is not None and resume.universal:
-        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-    init_distributed(world, timeout_minutes=cfg.train.collective_timeout_minutes,
-                     io_timeout_minutes=cfg.train.io_timeout_minutes)
-    from pretrain.topology import Topology
-    from pretrain.trainer import Trainer  # DeepSpeed's modules, once the process group exists
-
-    groups = Topology.from_parallel_config(cfg.parallel, world_size=world.world_size,
-                                           rank=world.rank).create_groups()
-    try:
-        # every rank reads its share of the checkpoint's files: damage found anywhere is skipped
-        resume = confirm_content(resume, cfg, resume_from=args.resume_from,
-                                 log=lambda text: telemetry.log(text, main=world.is_main))
-        agree_on_precision(choice, rank=world.rank)
-        telemetry.log(f"[precision] {choice.precision.value}: {choice.reason}",
-                      main=world.is_main)
-        if choice.warning:
-            telemetry.log(f"warning: {choice.warning}", main=world.is_main, level="warning")
-        result = Trainer(cfg, world, ds_config, groups, resume=resume, control=control).train()
-    except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
-        _exit_on_fault(exc, rank=world.rank)
-        raise
-    exit_distributed(EXIT_REQUEUE if result.stop_reason else 0)
+    return overrides
 
 
-def refuse_another_layout(resume, cfg, ds_config, *, world_size: int) -> None:
+def refuse_another_layout(run) -> None:
     """`--require-same-layout`: a `CheckpointError` when the checkpoint's layout is not the
     run's (before any process group)."""
-    from pretrain.checkpoint.engine import run_layout
     from pretrain.checkpoint.reshard import layout_change
     from pretrain.errors import CheckpointError
-    from pretrain.topology import Topology
 
-    layout = run_layout(cfg, ds_config, topology=Topology.from_parallel_config(
-        cfg.parallel, world_size=world_size))
-    change = layout_change(resume.meta["layout"], layout)
+    resume = run.resume
+    change = layout_change(resume.meta["layout"], run.checkpoint_layout)
     if change and not resume.universal:
         raise CheckpointError(f"checkpoint {str(resume.path)!r} was saved on another layout "
                               f"({change}) and --require-same-layout is set: run it on its own "
                               "layout, or drop the flag to reshard it")
 
 
-def choose_run_precision(requested, device_type: str, *, resume):
-    """`hardware.choose_precision`, except that `auto` resuming a checkpoint keeps the
-    checkpoint's precision (its optimizer states are in that precision's layout)."""
-    from pretrain.config import Precision
-    from pretrain.hardware import PrecisionChoice, choose_precision
+def announce_precision(choice, *, rank: int) -> None:
+    """Check that every rank chose the same precision, then say which and why."""
+    from pretrain import telemetry
 
-    if requested == Precision.AUTO and resume is not None:
-        saved = resume.meta.get("config", {}).get("train", {}).get("precision")
-        if saved and saved != Precision.AUTO.value:
-            return PrecisionChoice(Precision(saved), "auto: the precision of the checkpoint "
-                                                     "being resumed")
-    return choose_precision(requested, device_type)
+    agree_on_precision(choice, rank=rank)
+    telemetry.log(f"[precision] {choice.precision.value}: {choice.reason}", main=rank == 0)
+    if choice.warning:
+        telemetry.log(f"warning: {choice.warning}", main=rank == 0, level="warning")
 
 
 def agree_on_precision(choice, *, rank: int) -> None:

@@ -12,6 +12,7 @@ seconds, so a cluster job checks them before it queues.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import time
@@ -26,9 +27,8 @@ from pretrain.arithmetic import stage_items, stage_parameters
 from pretrain.config import RunConfig
 from pretrain.dist import init_deepspeed_comm
 from pretrain.errors import ConfigError
-from pretrain.layout import Layout
 from pretrain.model.build import construct_for_layout
-from pretrain.topology import Topology
+from pretrain.run import ResolvedRun
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,11 @@ class RankBuild:
                 "built": self.built, "planned": self.planned, "seconds": round(self.seconds, 3)}
 
 
-def build_distinct_ranks(cfg: RunConfig, layout: Layout, *, world_size: int) -> list[RankBuild]:
-    """Build every (stage, tensor rank) of `cfg` on `world_size` ranks (data replica 0) on the
-    meta device; raises ConfigError naming the first rank whose module differs from the plan."""
-    topology = Topology.from_parallel_config(cfg.parallel, world_size=world_size)
+def build_distinct_ranks(run: ResolvedRun) -> list[RankBuild]:
+    """Build every (stage, tensor rank) of the resolved `run` (data replica 0) on the meta
+    device; raises ConfigError naming the first rank whose module differs from the plan."""
+    cfg, layout, topology = run.cfg, run.layout, run.topology
+    world_size = topology.world_size
     items = stage_items(cfg.model, layout)
     builds = []  # DeepSpeed's messages (op builds, its partition table) would spoil --json
     for stage in range(layout.pipeline):
@@ -62,8 +63,7 @@ def build_distinct_ranks(cfg: RunConfig, layout: Layout, *, world_size: int) -> 
             rank = topology.rank_of(tensor=tensor_rank, data=0, pipeline=stage)
             start = time.perf_counter()
             with contextlib.redirect_stdout(io.StringIO()), _fake_world(rank, world_size):
-                groups = Topology.from_parallel_config(
-                    cfg.parallel, world_size=world_size, rank=rank).create_groups()
+                groups = dataclasses.replace(topology, rank=rank).create_groups()
                 built = _meta_parameters(cfg, groups)
             builds.append(RankBuild(rank=rank, stage=stage, tensor_rank=tensor_rank, built=built,
                                     planned=stage_parameters(cfg.model, layout, items[stage]),

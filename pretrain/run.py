@@ -1,0 +1,159 @@
+"""The resolved run: a run config with every `auto` settled, laid out on a world, built once.
+
+`resolve_run` is the one place the rules that turn a config file into a run are applied, each
+once per process, in this order:
+
+1. `settle_config`: the data check (`check_run_data`, which settles `model.vocab_size: auto`
+   from the tokenizer), the resume point (its global batch when the config has none), the
+   precision (`auto` keeps the resumed checkpoint's, else `hardware.choose_precision` on the
+   device the run uses); then the config is frozen: assigning a field raises.
+2. `lay_out`: the `Topology` of the world (built here and nowhere else from a config), the
+   `Layout` (`resolve_layout`: the config's rules, then the DeepSpeed JSON's engine), the
+   resolved DeepSpeed dict and the layout a checkpoint records.
+
+`pretrain train`, `pretrain plan` (dry run, search, `--build`), the Slurm pre-flight, the
+trainer, checkpoints and metrics take the `ResolvedRun`; nothing downstream re-derives a
+setting or assigns to the config (tests/test_resolved_run.py holds that).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from pretrain.config import Precision, RunConfig, freeze
+from pretrain.data.build import check_run_data
+from pretrain.ds_config import check_top_level_keys, engine_fields, fill_ds_config, load_ds_json
+from pretrain.errors import ConfigError
+from pretrain.hardware import PrecisionChoice, choose_precision
+from pretrain.layout import Layout, check_engine, check_layout, planned_precision
+from pretrain.topology import Topology
+
+
+@dataclass(frozen=True)
+class SettledConfig:
+    """A run config whose `auto` fields are settled, frozen; what settling it found."""
+
+    cfg: RunConfig
+    precision: PrecisionChoice | None  # None: planned for GPUs, `auto` left to the run
+    resume: Any = None  # the `checkpoint.ResumePoint` the run starts from, or None
+    data_warnings: list[str] = field(default_factory=list)  # plan only: data not seen here
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """Everything a run's settings resolve to, built once by `resolve_run` and handed down."""
+
+    cfg: RunConfig  # frozen: assigning a field raises
+    topology: Topology  # this rank's position in the world
+    layout: Layout
+    ds_config: dict[str, Any]  # the DeepSpeed JSON, every "auto" filled
+    precision: PrecisionChoice | None
+    resume: Any = None  # checkpoint.ResumePoint or None
+    data_warnings: list[str] = field(default_factory=list)
+
+    @property
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`)."""
+        lay = self.layout
+        return {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
+                "context": lay.context, "world_size": lay.world_size,
+                "zero_stage": lay.zero_stage, "offload": lay.offload_optimizer,
+                "precision": self.cfg.train.precision.value}
+
+
+def resolve_run(cfg: RunConfig, *, world_size: int, rank: int = 0, device_type: str = "cpu",
+                on_this_machine: bool = True, data_required: bool = True,
+                find_resume: Callable[[RunConfig], Any] | None = None,
+                ds_json: dict[str, Any] | None = None) -> ResolvedRun:
+    """`cfg` (as loaded, with `--set`) settled and laid out on `world_size` ranks; `rank` is
+    this process. `device_type` is DeepSpeed's accelerator name; `on_this_machine` False plans
+    for other hardware (precision `auto` is then planned as bf16 and left to the run);
+    `data_required` False turns missing data into `data_warnings`; `find_resume(cfg)` returns
+    the checkpoint to start from; `ds_json` replaces the file `cfg.deepspeed` names."""
+    settled = settle_config(cfg, device_type=device_type, on_this_machine=on_this_machine,
+                            data_required=data_required, find_resume=find_resume)
+    return lay_out(settled, world_size=world_size, rank=rank, device_type=device_type,
+                   ds_json=ds_json)
+
+
+def settle_config(cfg: RunConfig, *, device_type: str, on_this_machine: bool = True,
+                  data_required: bool = True,
+                  find_resume: Callable[[RunConfig], Any] | None = None) -> SettledConfig:
+    """Step 1 of `resolve_run`: settle `cfg`'s `auto` fields in place, then freeze it."""
+    warnings = check_run_data(cfg, required=data_required)  # first: vocab_size: auto
+    resume = find_resume(cfg) if find_resume is not None else None
+    if resume is not None and cfg.train.global_batch_size is None:
+        # Resharding keeps the global batch: gradient accumulation follows the new dp size.
+        cfg.train.global_batch_size = resume.meta["global_batch"]
+    choice = None
+    if on_this_machine:
+        choice = settle_precision(cfg.train.precision, device_type, resume=resume)
+        cfg.train.precision = choice.precision
+    return SettledConfig(freeze(cfg), choice, resume, warnings)
+
+
+def settle_precision(requested: Precision, device_type: str, *, resume) -> PrecisionChoice:
+    """`hardware.choose_precision`, except that `auto` resuming a checkpoint keeps the
+    checkpoint's precision (its optimizer states are in that precision's layout)."""
+    if requested == Precision.AUTO and resume is not None:
+        saved = resume.meta.get("config", {}).get("train", {}).get("precision")
+        if saved and saved != Precision.AUTO.value:
+            return PrecisionChoice(Precision(saved), "auto: the precision of the checkpoint "
+                                                     "being resumed")
+    return choose_precision(requested, device_type)
+
+
+def lay_out(settled: SettledConfig, *, world_size: int, rank: int = 0, device_type: str = "cpu",
+            ds_json: dict[str, Any] | None = None) -> ResolvedRun:
+    """Step 2 of `resolve_run`: the settled config on `world_size` ranks."""
+    cfg = settled.cfg
+    topology = Topology.from_parallel_config(cfg.parallel, world_size=world_size, rank=rank)
+    source = copy.deepcopy(ds_json if ds_json is not None else load_ds_json(cfg.deepspeed))
+    check_top_level_keys(source, where=cfg.deepspeed)  # a misspelled section changes what is read
+    layout = resolve_layout(cfg, topology, ds_json=source, where=cfg.deepspeed)
+    ds_config = fill_ds_config(cfg, layout, source, accelerator=device_type)
+    if settled.resume is not None and settled.resume.universal:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    return ResolvedRun(cfg=cfg, topology=topology, layout=layout, ds_config=ds_config,
+                       precision=settled.precision, resume=settled.resume,
+                       data_warnings=settled.data_warnings)
+
+
+def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any] | None = None,
+                   where: str = "") -> Layout:
+    """The checked layout of `cfg` on `topology`: the run config's own rules first, then the
+    DeepSpeed JSON's engine (ZeRO stage, offload, buckets; ZeRO 0 without one), whose errors
+    name the JSON file `where`."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    layout = Layout(tensor=p.tensor, pipeline=p.pipeline, data=topology.data,
+                    micro_batch=t.micro_batch_size,
+                    global_batch=t.global_batch_size or t.micro_batch_size * topology.data,
+                    recompute=m.activation_checkpointing,
+                    recompute_interval=m.activation_checkpointing_interval,
+                    sequence_parallel=p.sequence_parallel,
+                    precision=planned_precision(t.precision),
+                    partition=p.pipeline_partition, context=p.context)
+    check_layout(m, layout)
+    if ds_json is None:
+        return layout
+    try:
+        layout = replace(layout, **engine_fields(ds_json))
+        check_engine(layout)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    return layout
+
+
+# ---- the same rules for tests and benchmarks that need one piece of a run ---------------------
+def layout_on(cfg: RunConfig, *, world_size: int) -> Layout:
+    """The layout of `cfg` on `world_size` ranks, without the DeepSpeed JSON (ZeRO 0)."""
+    return resolve_layout(cfg, Topology.from_parallel_config(cfg.parallel, world_size=world_size))
+
+
+def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cpu",
+                      source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The resolved DeepSpeed dict of `cfg` on `world_size` ranks (`cfg` is not settled or
+    frozen: a test's config as it is)."""
+    return lay_out(SettledConfig(cfg, precision=None), world_size=world_size,
+                   device_type=accelerator, ds_json=source).ds_config
