@@ -154,12 +154,25 @@ def create_io_group(*, timeout_minutes: float) -> None:
         backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+def _io_group():
+    """The I/O group; an error, not the default group, when it was never created: the default
+    group's timeout (NCCL's watchdog) would abort a long wait for one rank's file work."""
+    if _IO_GROUP is None:
+        raise RuntimeError("no I/O process group on this rank: call pretrain.dist.create_io_group "
+                           "on every rank after the default group (init_distributed does)")
+    return _IO_GROUP
+
+
+def _several_ranks() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 def wait_for_io() -> None:
     """A barrier for the ranks waiting on one rank's file work (sample indices, a checkpoint's
     manifest and pruning, the final weights): on a CPU group whose timeout is
     train.io_timeout_minutes, not the collectives' (NCCL's watchdog would abort a long wait)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier(group=_IO_GROUP)
+    if _several_ranks():
+        torch.distributed.barrier(group=_io_group())
 
 
 @contextlib.contextmanager
@@ -183,19 +196,19 @@ def barriers_for_io() -> Iterator[None]:
 def gather_for_io(value: Any) -> list[Any]:
     """Every rank's `value` (a small picklable object), in rank order, on every rank: a
     `wait_for_io` that also tells each rank what the others report (a checkpoint's files)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+    if not _several_ranks():
         return [value]
     values: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(values, value, group=_IO_GROUP)
+    torch.distributed.all_gather_object(values, value, group=_io_group())
     return values
 
 
 def same_on_every_rank(value: int) -> bool:
     """Whether every rank passed the same integer (collective, on the CPU group)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+    if not _several_ranks():
         return True
     both = torch.tensor([value, -value], dtype=torch.int64)
-    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=_IO_GROUP)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=_io_group())
     return int(both[0]) == -int(both[1])  # the largest value is the smallest
 
 
@@ -207,8 +220,8 @@ def exit_distributed(code: int) -> NoReturn:
     a rank aborted there ("terminate called without an active exception", exit -6) after a
     complete run. Every file is written and closed by now, so nothing is lost by skipping it.
     """
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier(group=_IO_GROUP)
+    if _several_ranks():
+        torch.distributed.barrier(group=_io_group())
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -11,13 +11,12 @@
 - `is_collective_failure`: tells a peer's death or a collective timeout from other errors, so
   `pretrain train` exits with EXIT_FAULT and a one-line reason instead of a traceback or a hang.
 
-Testing aid: `PRETRAIN_INJECT_NAN_STEP=k` (or `k,l,...`) makes global rank 0 multiply its first
-micro-batch loss of step k by NaN (flat models only; the pipeline engine computes the loss inside its schedule).
+Tests inject non-finite losses through `pretrain.testing.faults`, which replaces
+`NonFiniteGuard.corrupt_loss` (here: the loss unchanged).
 """
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from typing import Any, Callable, NamedTuple
@@ -27,7 +26,6 @@ import torch.distributed as torch_dist
 
 from pretrain.errors import EXIT_FAULT
 
-INJECT_NAN_ENV = "PRETRAIN_INJECT_NAN_STEP"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -57,17 +55,25 @@ class Poll(NamedTuple):
 class RunControl:
     """When to stop or save, agreed by all ranks once per step (one 4-element all-reduce)."""
 
-    def __init__(self, *, save_interval_minutes: float, exit_after_minutes: float,
+    def __init__(self, *, save_interval_minutes: float = 0.0, exit_after_minutes: float = 0.0,
                  save_interval_steps: int = 0):
         """Installs the SIGTERM / SIGUSR1 handlers and starts the wall-time clock: create it
-        first thing in a process, so a signal during start-up is not lost either. A save is due
-        every `save_interval_steps` steps and every `save_interval_minutes` minutes (0: never)."""
-        self.save_every_s = save_interval_minutes * 60.0
-        self.save_every_steps = save_interval_steps
-        self.deadline = time.monotonic() + exit_after_minutes * 60.0 if exit_after_minutes else None
-        self.last_save = time.monotonic()
+        first thing in a process, so a signal during start-up is not lost either."""
+        self.started = self.last_save = time.monotonic()
         self.received: str | None = None
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        self.schedule(save_interval_steps=save_interval_steps,
+                      save_interval_minutes=save_interval_minutes,
+                      exit_after_minutes=exit_after_minutes)
+
+    def schedule(self, *, save_interval_steps: int, save_interval_minutes: float,
+                 exit_after_minutes: float) -> None:
+        """A save is due every `save_interval_steps` steps and every `save_interval_minutes`
+        minutes (0: never); the run stops `exit_after_minutes` after the clock started (0: no
+        limit)."""
+        self.save_every_steps = save_interval_steps
+        self.save_every_s = save_interval_minutes * 60.0
+        self.deadline = self.started + exit_after_minutes * 60.0 if exit_after_minutes else None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the step in flight finishes, then every rank learns of it in `poll`.
@@ -80,7 +86,7 @@ class RunControl:
     def mark_saved(self) -> None:
         self.last_save = time.monotonic()
 
-    def poll(self, *, device: str, step: int = 0, writing: bool = False) -> Poll:
+    def poll(self, *, device: str, step: int | None = None, writing: bool = False) -> Poll:
         """The same `Poll` on all ranks after optimizer step `step`: signal, time limit, save
         cadence (steps or minutes) and `writing` (this rank still writes a checkpoint in the
         background) are each the MAX over the world."""
@@ -92,7 +98,8 @@ class RunControl:
         if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
             torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
         signalled, out_of_time, save_due, writing = (bool(v) for v in flags.tolist())
-        save_due = save_due or bool(self.save_every_steps and step % self.save_every_steps == 0)
+        if step is not None and self.save_every_steps and step % self.save_every_steps == 0:
+            save_due = True  # the same step on every rank
         if signalled:
             return Poll(f"signal {self.received or 'received by another rank'}", True, writing)
         if out_of_time:
@@ -122,7 +129,6 @@ class NonFiniteGuard:
         self.total = self.in_a_row = 0
         self.mean_loss: float | None = None  # running mean (EMA) of finite losses
         self.loss_scale = self._loss_scale()
-        self.inject_steps = {int(k) for k in os.environ.get(INJECT_NAN_ENV, "").split(",") if k}
         optimizer = engine.optimizer
         if not hasattr(optimizer, "overflow"):
             # ZeRO-0 hands DeepSpeed a plain torch optimizer, which would apply NaN gradients:
@@ -142,11 +148,9 @@ class NonFiniteGuard:
         scale = getattr(self.engine.optimizer, "cur_scale", None)
         return float(scale) if scale is not None else None
 
-    def maybe_inject(self, loss: torch.Tensor, *, step: int, micro: int) -> torch.Tensor:
-        """`loss` * NaN on rank 0 at the first micro-batch of the steps listed in
-        PRETRAIN_INJECT_NAN_STEP (testing aid: "3" or "3,4,5")."""
-        if step in self.inject_steps and micro == 0 and self.rank == 0:
-            return loss * float("nan")
+    def corrupt_loss(self, loss: torch.Tensor, *, step: int, micro: int) -> torch.Tensor:
+        """Micro-batch `micro`'s loss of step `step`, unchanged: the seam through which
+        `pretrain.testing.faults.inject_nan_losses` makes it non-finite."""
         return loss
 
     def after_step(self, *, step: int, loss: float, skipped_before: int) -> dict[str, Any]:

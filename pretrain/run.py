@@ -108,9 +108,9 @@ def lay_out(settled: SettledConfig, *, world_size: int, rank: int = 0, device_ty
             ds_json: dict[str, Any] | None = None) -> ResolvedRun:
     """Step 2 of `resolve_run`: the settled config on `world_size` ranks."""
     cfg = settled.cfg
-    topology = Topology.from_parallel_config(cfg.parallel, world_size=world_size, rank=rank)
     source = copy.deepcopy(ds_json if ds_json is not None else load_ds_json(cfg.deepspeed))
     check_top_level_keys(source, where=cfg.deepspeed)  # a misspelled section changes what is read
+    topology = Topology.from_parallel_config(cfg.parallel, world_size=world_size, rank=rank)
     layout = resolve_layout(cfg, topology, ds_json=source, where=cfg.deepspeed)
     ds_config = fill_ds_config(cfg, layout, source, accelerator=device_type)
     if settled.resume is not None and settled.resume.universal:
@@ -145,15 +145,23 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
     return layout
 
 
-# ---- the same rules for tests and benchmarks that need one piece of a run ---------------------
+# ---- a config as loaded (nothing settled, not frozen) through the same rules ---------------------
+def lay_out_as_loaded(cfg: RunConfig, *, world_size: int, accelerator: str = "cpu",
+                      source: dict[str, Any] | None = None) -> ResolvedRun:
+    """`cfg` on `world_size` ranks as it stands: the layout and DeepSpeed checks of a config
+    whose `auto` fields its own run settles later (a sweep's runs, a tune trial's values), or
+    a test's config; precision `auto` is planned as bf16."""
+    return lay_out(SettledConfig(cfg, precision=None), world_size=world_size,
+                   device_type=accelerator, ds_json=source)
+
+
 def layout_on(cfg: RunConfig, *, world_size: int) -> Layout:
-    """The layout of `cfg` on `world_size` ranks, without the DeepSpeed JSON (ZeRO 0)."""
+    """The layout of `cfg` as loaded on `world_size` ranks, without the DeepSpeed JSON (ZeRO 0)."""
     return resolve_layout(cfg, Topology.from_parallel_config(cfg.parallel, world_size=world_size))
 
 
 def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cpu",
                       source: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The resolved DeepSpeed dict of `cfg` on `world_size` ranks (`cfg` is not settled or
-    frozen: a test's config as it is)."""
-    return lay_out(SettledConfig(cfg, precision=None), world_size=world_size,
-                   device_type=accelerator, ds_json=source).ds_config
+    """The resolved DeepSpeed dict of `cfg` as loaded on `world_size` ranks."""
+    return lay_out_as_loaded(cfg, world_size=world_size, accelerator=accelerator,
+                             source=source).ds_config

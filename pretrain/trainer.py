@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,23 +20,20 @@ from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
 from pretrain import checkpoint, curves, faults, telemetry
+from pretrain.config import Precision
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
 from pretrain.data.loader import micro_batches
-from pretrain.dist import World, wait_for_io
-from pretrain.ds_config import zero_stage
+from pretrain.dist import World, same_on_every_rank, wait_for_io
 from pretrain.engine import build_engine
 from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
+from pretrain.hardware import PrecisionChoice
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
 from pretrain.model import ModelForm, compile_report
-from pretrain.terminal import show_progress_bar
 from pretrain.run import ResolvedRun
+from pretrain.terminal import show_progress_bar
 from pretrain.topology import ProcessGroups
-
-# DeepSpeed 0.19.8's ZeRO-2 calls a torch.distributed function that torch 2.13 deprecates, once
-# per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
-warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
 
 class _TimedBatches:
@@ -81,6 +77,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.device = get_accelerator().current_device_name()
         self.layout = run.layout
+        self._agree_on_precision(run.precision)
         self.dp_size, self.grad_accum = self.layout.data, self.layout.grad_accum
         self.global_batch = self.layout.global_batch
         # Ranks of one tensor-parallel group read the same samples: the data follows the dp index;
@@ -104,12 +101,15 @@ class Trainer:
                                       background=cfg.checkpoint.async_save)
         self._save_started = 0.0  # perf_counter of the save in flight
         # The pipeline engine steps inside train_batch: at ZeRO-0 it reports no norm (null).
-        self._norm_before_step = zero_stage(ds_config) == 0 and not self.pipelined
+        self._norm_before_step = self.layout.zero_stage == 0 and not self.pipelined
         self._grad_norm: float | None = None
         self.checkpoint_layout = run.checkpoint_layout
         if resume is not None:
             self._resume(resume)
         self.control = control
+        control.schedule(save_interval_steps=cfg.checkpoint.save_interval,
+                         save_interval_minutes=cfg.checkpoint.save_interval_minutes,
+                         exit_after_minutes=cfg.train.exit_after_minutes)
         self.guard = faults.NonFiniteGuard(
             self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
             spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
@@ -124,6 +124,17 @@ class Trainer:
                      train_data=self.train_data, run_dir=self.run_dir)
 
     # ---- setup ------------------------------------------------------------------------------
+    def _agree_on_precision(self, choice: PrecisionChoice) -> None:
+        """Every rank must have chosen the same precision (ranks on different CPUs might not);
+        then the run says which and why."""
+        if not same_on_every_rank(list(Precision).index(choice.precision)):
+            raise ConfigError(f"train.precision=auto chose {choice.precision.value} on rank "
+                              f"{self.world.rank} ({choice.reason}) but not on every rank: the "
+                              "ranks run on different hardware; set train.precision explicitly")
+        telemetry.log(f"[precision] {choice.precision.value}: {choice.reason}", main=self.main)
+        if choice.warning:
+            telemetry.log(f"warning: {choice.warning}", main=self.main, level="warning")
+
     def _load_data(self) -> tuple[Tokenizer, Samples, Samples | None]:
         d, m = self.cfg.data, self.cfg.model
         tokenizer = Tokenizer.load(d.tokenizer)
@@ -188,7 +199,7 @@ class Trainer:
             input_ids, labels = next(timed)
             loss = engine(input_ids.to(self.device, non_blocking=True),
                           labels=labels.to(self.device, non_blocking=True))
-            loss = self.guard.maybe_inject(loss, step=self.step + 1, micro=micro)
+            loss = self.guard.corrupt_loss(loss, step=self.step + 1, micro=micro)
             engine.backward(loss)
             if self._norm_before_step and micro == self.grad_accum - 1:
                 # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads.

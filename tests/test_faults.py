@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 
+from pretrain.testing.faults import nan_loss_environment
 from pretrain.testing.runs import REPO, launcher_prefix, run_pretrain, train
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
@@ -173,6 +174,30 @@ def test_run_control_wall_clock_cadence_and_signals(monkeypatch):
         control.restore_handlers()
 
 
+def test_run_control_owns_both_save_cadences(monkeypatch):
+    """Steps and minutes: a save is due at every save_interval-th step and after
+    save_interval_minutes, whichever comes first; the minutes count from the last save."""
+    from pretrain import faults
+
+    now = [1000.0]
+    monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
+    control = faults.RunControl()
+    try:
+        control.schedule(save_interval_steps=3, save_interval_minutes=2.0, exit_after_minutes=0)
+        due = [control.poll(device="cpu", step=step).save_due for step in range(1, 8)]
+        assert due == [False, False, True, False, False, True, False]
+        now[0] += 121
+        assert control.poll(device="cpu", step=7).save_due  # the minutes, between the steps
+        control.mark_saved()
+        assert not control.poll(device="cpu", step=8).save_due
+        assert control.deadline is None
+        control.schedule(save_interval_steps=0, save_interval_minutes=0, exit_after_minutes=1)
+        assert control.deadline == 1000.0 + 60  # from when the process started its clock
+        assert control.poll(device="cpu", step=9) == ("--exit-after-minutes reached", True, False)
+    finally:
+        control.restore_handlers()
+
+
 def test_killed_rank_makes_the_others_exit_then_restart_resumes(tiny_data, tmp_path):
     """srun-style ranks (no launcher to clean up): rank 1 is SIGKILLed; rank 0 must notice in a
     collective, print one line and exit 3 (within the 1-minute collective timeout)."""
@@ -245,7 +270,7 @@ def test_nan_step_is_skipped_and_training_continues(nprocs, zero, tiny_data, tmp
                  "checkpoint.save_interval=1", "checkpoint.keep_last=5"]
     run = run_pretrain(_args(run_dir, tiny_data, overrides),
                        run_dir=run_dir, nprocs=nprocs, launcher="single" if nprocs == 1 else "torchrun",
-                       env={"PRETRAIN_INJECT_NAN_STEP": "3"}).check()
+                       env=nan_loss_environment({3}, directory=tmp_path)).check()
     records = [r for r in run.records if r["kind"] == "train"]
     assert [r["update_skipped"] for r in records] == [False, False, True, False, False]
     assert records[2]["loss"] is None  # metrics.jsonl writes NaN as null (strict JSON)
@@ -266,7 +291,7 @@ def test_nan_step_is_skipped_and_training_continues(nprocs, zero, tiny_data, tmp
 def test_nonfinite_steps_in_a_row_stop_the_run(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     run = run_pretrain(_args(run_dir, tiny_data, ["train.steps=6", "train.max_nonfinite_steps=2"]),
-                       run_dir=run_dir, env={"PRETRAIN_INJECT_NAN_STEP": "2,3"})
+                       run_dir=run_dir, env=nan_loss_environment({2, 3}, directory=tmp_path))
     assert run.returncode == EXIT_FAULT, run.stderr[-3000:]
     assert "error: 2 non-finite steps in a row (up to step 3): the run diverged" in run.stderr
     assert "Traceback" not in run.stderr

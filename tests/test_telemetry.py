@@ -14,6 +14,7 @@ from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
 from pretrain.curves import PANELS
 from pretrain.errors import ConfigError
 from pretrain.metrics import format_step_line
+from pretrain.testing.faults import nan_loss_environment
 
 
 def test_hardware_flops_count_recomputed_forwards():
@@ -370,7 +371,7 @@ def test_a_diverged_run_ends_its_mlflow_run_failed(tmp_path, tiny_data):
     run_dir = tmp_path / "diverged"
     args = train_args(run_dir, tiny_data, overrides=[
         "train.steps=6", "train.max_nonfinite_steps=2", "logging.report_to=[mlflow]"])
-    run = run_pretrain(args, run_dir=run_dir, env={"PRETRAIN_INJECT_NAN_STEP": "2,3"})
+    run = run_pretrain(args, run_dir=run_dir, env=nan_loss_environment({2, 3}, directory=tmp_path))
     assert run.returncode == EXIT_FAULT, run.stderr[-3000:]
     client, runs = _mlflow_runs(mlflow_local_uri(run_dir))
     assert [r.info.status for r in runs] == ["FAILED"]

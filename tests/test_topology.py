@@ -159,3 +159,21 @@ def test_ranks_wait_for_rank0_file_work_beyond_the_collective_timeout(tmp_path):
     """
     waited = run_on_ranks(_wait_for_slow_rank0, world_size=2, tmp_path=tmp_path, timeout_s=120)
     assert waited[1] >= 4.5, waited
+
+
+def _file_work_without_the_io_group(rank: int, world_size: int) -> bool:
+    from pretrain import dist as pretrain_dist
+
+    pretrain_dist._IO_GROUP = None  # a process that never called create_io_group
+    with pytest.raises(RuntimeError, match="no I/O process group"):
+        pretrain_dist.wait_for_io()
+    with pytest.raises(RuntimeError, match="call pretrain.dist.create_io_group"):
+        pretrain_dist.gather_for_io(rank)
+    return True
+
+
+def test_file_work_waits_never_fall_back_to_the_default_group(tmp_path):
+    """Without the I/O group a wait for one rank's file work is an error, not a barrier on the
+    default group (whose timeout, NCCL's watchdog on GPUs, would abort a long wait)."""
+    assert run_on_ranks(_file_work_without_the_io_group, world_size=2,
+                        tmp_path=tmp_path) == [True, True]

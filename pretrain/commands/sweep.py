@@ -90,7 +90,7 @@ def check_runs(runs: list[tuple[str, list[str]]], *, world_size: int) -> None:
     `pretrain train` would: a bad field or layout fails the sweep before any run starts."""
     from pretrain.commands import train
     from pretrain.config import config_overrides, load_config
-    from pretrain.plan.dry_run import dry_run
+    from pretrain.run import lay_out_as_loaded
 
     parser = argparse.ArgumentParser(prog="pretrain train")
     train.add_arguments(parser)
@@ -98,7 +98,7 @@ def check_runs(runs: list[tuple[str, list[str]]], *, world_size: int) -> None:
         args = parser.parse_args(train_args)
         try:
             cfg = load_config(args.config, config_overrides(args))
-            dry_run(cfg, world_size=world_size, accelerator="cpu")
+            lay_out_as_loaded(cfg, world_size=world_size)
         except ConfigError as exc:
             raise ConfigError(f"sweep run {name} ({world_size} ranks): {exc}") from None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import NoReturn
 
 from pretrain.config import LOG_LEVELS, add_config_arguments, config_overrides
@@ -53,13 +54,16 @@ def run(args: argparse.Namespace) -> NoReturn:
     from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
     from pretrain.faults import RunControl
 
+    # Signals are caught from here on (a SIGTERM while loading still stops after the first step);
+    # the trainer gives it the run's save cadence and time limit.
+    control = RunControl()
     cfg = load_config(args.config, _overrides(args))
-    # Signals are caught from here on (a SIGTERM while loading still stops after the first step).
-    control = RunControl(save_interval_minutes=cfg.checkpoint.save_interval_minutes,
-                         save_interval_steps=cfg.checkpoint.save_interval,
-                         exit_after_minutes=cfg.train.exit_after_minutes)
     world = discover_world()
     from deepspeed.accelerator import get_accelerator  # after the world: picks the device type
+
+    # DeepSpeed 0.19.8's ZeRO-2 calls a torch.distributed function that torch 2.13 deprecates,
+    # once per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
     from pretrain.run import resolve_run
 
@@ -81,7 +85,6 @@ def run(args: argparse.Namespace) -> NoReturn:
     try:
         # every rank reads its share of the checkpoint's files: damage found anywhere is skipped
         resume = confirm_content(run.resume, run.cfg, resume_from=args.resume_from, log=log)
-        announce_precision(run.precision, rank=world.rank)
         result = Trainer(run, world, groups, resume=resume, control=control).train()
     except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
         _exit_on_fault(exc, rank=world.rank)
@@ -113,28 +116,6 @@ def refuse_another_layout(run) -> None:
         raise CheckpointError(f"checkpoint {str(resume.path)!r} was saved on another layout "
                               f"({change}) and --require-same-layout is set: run it on its own "
                               "layout, or drop the flag to reshard it")
-
-
-def announce_precision(choice, *, rank: int) -> None:
-    """Check that every rank chose the same precision, then say which and why."""
-    from pretrain import telemetry
-
-    agree_on_precision(choice, rank=rank)
-    telemetry.log(f"[precision] {choice.precision.value}: {choice.reason}", main=rank == 0)
-    if choice.warning:
-        telemetry.log(f"warning: {choice.warning}", main=rank == 0, level="warning")
-
-
-def agree_on_precision(choice, *, rank: int) -> None:
-    """Every rank must have chosen the same precision (ranks on different CPUs might not)."""
-    from pretrain.config import Precision
-    from pretrain.dist import same_on_every_rank
-    from pretrain.errors import ConfigError
-
-    if not same_on_every_rank(list(Precision).index(choice.precision)):
-        raise ConfigError(f"train.precision=auto chose {choice.precision.value} on rank {rank} "
-                          f"({choice.reason}) but not on every rank: the ranks run on different "
-                          "hardware; set train.precision explicitly")
 
 
 def _exit_on_fault(exc: Exception, *, rank: int) -> None:

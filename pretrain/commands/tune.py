@@ -76,11 +76,11 @@ def _check(args: argparse.Namespace, params, base: list[str],
     pruning, resolved."""
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
-    from pretrain.plan.dry_run import dry_run
+    from pretrain.run import lay_out_as_loaded
     from pretrain.tune import override
 
     cfg = load_config(args.config, base)
-    dry_run(cfg, world_size=world_size, accelerator="cpu")
+    lay_out_as_loaded(cfg, world_size=world_size)
     for param in params:
         if param.key == "run_dir":
             raise ConfigError("search space: run_dir is each trial's own directory; it cannot "
@@ -88,8 +88,7 @@ def _check(args: argparse.Namespace, params, base: list[str],
         for value in param.edge_values():
             text = override(param.key, value)
             try:
-                dry_run(load_config(args.config, base + [text]), world_size=world_size,
-                        accelerator="cpu")
+                lay_out_as_loaded(load_config(args.config, base + [text]), world_size=world_size)
             except ConfigError as exc:
                 raise ConfigError(f"search space {text} ({world_size} ranks): {exc}") from None
     objective = args.objective or ("valid" if cfg.train.eval_interval > 0 else "train")

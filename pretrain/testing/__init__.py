@@ -1,6 +1,8 @@
 """Helpers shared by the test suite and the benchmarks (like `torch.testing`), importable wherever
 the package is installed, so neither edits `sys.path` to borrow the other's code.
 
+- `pretrain.testing.faults`: fault injection (NaN losses at chosen steps), in-process or in a
+  spawned `pretrain` run,
 - `pretrain.testing.memory`: resident memory and the peak a phase adds (/proc/self/status),
 - `pretrain.testing.numerics`: bf16 tolerances derived from rounding, fp64 reference losses,
   a tensor-parallel model's gradients gathered whole,

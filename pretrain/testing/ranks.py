@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from pretrain.dist import create_io_group
+
 
 def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, result_dir: str,
                timeout_s: float, args: tuple) -> None:
@@ -42,6 +44,7 @@ def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, result_
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        create_io_group(timeout_minutes=timeout_s / 60)  # as init_distributed makes it
         result = fn(rank, world_size, *args)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
         dist.barrier()  # nobody leaves while a peer still uses the group
