@@ -149,7 +149,7 @@ def _zero1_engine(run_dir: str, world_size: int):
     import deepspeed
 
     from pretrain.config import load_config
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.engine import param_groups
     from pretrain.model import build_model
     from pretrain.testing.runs import REPO

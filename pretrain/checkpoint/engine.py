@@ -37,7 +37,7 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint import ds_to_universal
 
-from pretrain.checkpoint import safe_load
+import pretrain.checkpoint.safe_load as safe_load
 from pretrain.checkpoint.paths import (FINAL, MANIFEST, read_meta, step_dirs, tag_step, verify,
                                        write_latest, write_manifest)
 from pretrain.checkpoint.reshard import (OPTIMIZER_NAMES, derived_rng_seed, layout_change,

@@ -39,7 +39,7 @@ from torch.utils.serialization import config as _save_config
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (CheckpointCommitInfo,
                                                                    CheckpointEngine)
 
-from pretrain.checkpoint import safe_load
+import pretrain.checkpoint.safe_load as safe_load
 
 
 class _Checksummed:

@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from pretrain.checkpoint import safe_load
+import pretrain.checkpoint.safe_load as safe_load
 from pretrain.errors import CheckpointError
 
 
