@@ -25,6 +25,7 @@ restart of that layout. The model has no dropout, so losses do not depend on the
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -187,18 +188,14 @@ def _create_adam_state(engine, *, step: int) -> None:
     `step`, and link DeepSpeed's per-parameter views of that state."""
     base = getattr(engine.optimizer, "optimizer", engine.optimizer)
     as_tensor = isinstance(base, torch.optim.Adam)  # torch keeps the count as a tensor
-    updated = [p for group in base.param_groups for p in group["params"]]
-    # ZeRO-3 hands its flat fp32 partitions to the optimizer only while it steps
-    updated += getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
-    for p in updated:
-        state = base.state[p]
-        for key in ADAM_MOMENTS:
-            if key not in state:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        old = state.get("step")
-        state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
-                         if isinstance(old, torch.Tensor) else
-                         torch.tensor(float(step)) if old is None and as_tensor else step)
+    for group, updated in _updated_tensors(engine.optimizer, base):
+        for p in updated:
+            state = base.state[p]
+            for key in ADAM_MOMENTS:
+                if key not in state:  # on the master's device, in its dtype: what Adam creates
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] = (adam_step_tensor(step, param=p, group=group) if as_tensor
+                             else step)  # DeepSpeed's CPU Adam counts with an int
     for group in base.param_groups:
         if "step" in group:  # optimizers that count per group (DeepSpeed's fused Adam)
             group["step"] = step
@@ -207,18 +204,59 @@ def _create_adam_state(engine, *, step: int) -> None:
         link()
 
 
+def _updated_tensors(wrapper, base) -> list[tuple[dict, list[torch.Tensor]]]:
+    """(param group, the tensors Adam updates in it) of the base optimizer."""
+    found = [(group, list(group["params"])) for group in base.param_groups]
+    # ZeRO-3 hands its flat fp32 partitions to the optimizer only while it steps
+    flat = getattr(wrapper, "fp32_partitioned_groups_flat", [])
+    group_of = getattr(wrapper, "sub_group_to_group_id", {})
+    for sub_group, partition in enumerate(flat):
+        found.append((base.param_groups[group_of.get(sub_group, 0)], [partition]))
+    return found
+
+
+def adam_step_tensor(step: int, *, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """Adam's step count as torch's Adam/AdamW would hold it for `param` in `group`: its fused
+    and capturable kernels (the fused AdamW the configs select on GPUs) take an fp32 count on the
+    parameter's device and refuse any other; the for-each and single-tensor ones a CPU scalar of
+    the default float dtype (torch.optim.Adam._init_group's rule)."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(step), dtype=_get_scalar_dtype(is_fused=group.get("fused")),
+                            device=param.device)
+    return torch.tensor(float(step), dtype=_get_scalar_dtype(), device="cpu")
+
+
 def _set_schedule(engine, step_dir: Path, meta: dict[str, Any]) -> None:
     """The learning-rate schedule where it was (and the optimizer's lr with it), and the
     engine's counters."""
     model_files = sorted(step_dir.glob("*mp_rank_*_model_states.pt"))
     saved = load_checkpoint_file(model_files[0])
     if engine.lr_scheduler is not None and saved.get("lr_scheduler"):
-        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
-        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-            group["lr"] = lr
+        _resume_schedule(engine.lr_scheduler, saved["lr_scheduler"],
+                         engine.optimizer.param_groups)
     engine.global_steps = int(saved.get("global_steps", meta["step"]))
     engine.global_samples = int(saved.get("global_samples", meta["consumed_samples"]))
     engine.skipped_steps = int(saved.get("skipped_steps", 0))
+
+
+def _resume_schedule(scheduler, saved: dict[str, Any], param_groups: list[dict]) -> None:
+    """Move `scheduler` to the saved schedule's position and set each group's lr there.
+
+    Only the position is taken from the file: the groups' base learning rates are this engine's
+    own. The file is the first model-parallel rank's, whose groups need not be this rank's (a
+    muP middle pipeline stage holds neither embedding nor head; its groups are cut differently),
+    and the rates of its groups would land on the wrong ones."""
+    state = scheduler.state_dict()
+    state.update({key: saved[key] for key in ("last_epoch", "_step_count") if key in saved})
+    scheduler.load_state_dict(state)
+    with warnings.catch_warnings():  # get_lr() outside step() warns; it is the closed form here
+        warnings.simplefilter("ignore")
+        lrs = scheduler.get_lr()
+    for group, lr in zip(param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)  # what get_last_lr() returns, as after a step
 
 
 def derived_rng_seed(cfg: RunConfig, *, step: int, rank: int) -> int:
