@@ -364,6 +364,52 @@ def test_mup_training_is_layout_independent(tiny_data, tmp_path):
     assert "model.parametrization='mup' there, 'standard' here" in refused.stderr
 
 
+@pytest.mark.slow
+def test_mup_at_three_pipeline_stages(tiny_data, tmp_path):
+    """3 layers at pp 3: the middle stage holds neither embedding nor head (two kinds of
+    parameter, not three). From scratch the losses are one rank's within 1e-5 relative (the run
+    used to hang before its first step), and one rank's step-2 checkpoint resumes at pp 3 with
+    the same lrs and losses (the middle stage used to fail on the saved schedule's groups)."""
+    three = MUP + ["model.num_layers=3"]
+    pp3 = ["parallel.pipeline=3"]
+    flat = train(tmp_path, tiny_data, nprocs=1, name="flat", overrides=three)
+    staged = train(tmp_path, tiny_data, nprocs=3, name="pp3", overrides=three + pp3, timeout=300)
+    assert len(flat.losses) == 4
+    assert rel_diff(staged.losses, flat.losses) < 1e-5, (staged.losses, flat.losses)
+
+    saved = flat.run_dir / "checkpoints" / "step2"
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / "step2")
+    resumed = train(tmp_path, tiny_data, nprocs=3, name="resumed", overrides=three + pp3,
+                    timeout=300)
+    assert "resharded tp1 pp1 dp1 ZeRO-1 -> tp1 pp3 dp1 ZeRO-1" in resumed.stdout
+    after = [r for r in resumed.records if r["kind"] == "train"]
+    before = [r for r in flat.records if r["kind"] == "train"][2:]
+    assert [r["lr"] for r in after] == [r["lr"] for r in before]
+    assert rel_diff([r["loss"] for r in after], [r["loss"] for r in before]) < 1e-5
+
+
+def test_every_pipeline_stage_has_the_whole_models_group_count():
+    """DeepSpeed's ZeRO-1/2 collectives run once per group: each stage of a muP pipeline has as
+    many groups as the whole model, each group's parameters at their rule's lr and decay."""
+    cfg = model_cfg(64, "mup", base=32, num_layers=3)
+    pipeline = build_flat_pipeline(cfg, seed=0)
+    named = list(canonical_parameters(pipeline, cfg))
+    whole = mup.optimizer_groups(build_model(cfg, seed=0), lr=1e-2, weight_decay=0.1, cfg=cfg)
+    middle = [(n, p) for n, p in named if n.startswith("model.layers.1.")]
+    groups = mup.optimizer_groups(middle, lr=1e-2, weight_decay=0.1, cfg=cfg)
+    assert len(whole) == len(groups) == 3
+    assert sum(len(g["params"]) for g in groups) == len(middle)
+    names = {id(p): n for n, p in middle}
+    for group in groups:
+        assert group["params"]
+        for p in group["params"]:
+            r = mup.rule(names[id(p)], cfg)
+            assert (group["lr"], group["weight_decay"]) == (1e-2 * r.lr, 0.1 * r.weight_decay)
+    # at m = 1 the whole model has two groups (hidden matrices at lr): so does every stage
+    same = model_cfg(32, "mup", base=32, num_layers=3)
+    assert len(mup.optimizer_groups(middle, lr=1e-2, weight_decay=0.1, cfg=same)) == 2
+
+
 def _export_gives_the_same_logits(step_dir: Path, out: Path) -> None:
     """`export-hf` of a muP engine checkpoint: transformers' logits are the muP model's."""
     import transformers

@@ -125,7 +125,9 @@ def optimizer_groups(model: torch.nn.Module | Iterable[tuple[str, torch.nn.Param
     groups, matrices (weight_decay) and norm gains (0), both at `lr`, in module order - the
     groups the engine always had. muP: one group per (lr, weight decay) - hidden matrices at lr/m,
     embeddings and lm_head at lr (group 0: the lr a run logs), norm gains at lr without decay -
-    empty ones left out (a stage may hold no norm or no embedding). A learning rate schedule that
+    empty ones left out (a stage may hold no norm or no embedding), and a pipeline stage with
+    fewer kinds than the whole model gets as many groups all the same, its largest cut in two
+    (DeepSpeed's collectives are per group). A learning rate schedule that
     multiplies each group's base lr (LambdaLR) keeps the ratios. Each muP group also names its
     kinds ("mup": "hidden", "embedding+output", "norm")."""
     named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
@@ -148,9 +150,39 @@ def optimizer_groups(model: torch.nn.Module | Iterable[tuple[str, torch.nn.Param
     # the group at lr first (the lr a run logs is group 0's), then the hidden matrices, then
     # the norms
     order = sorted(groups, key=lambda key: (not key[1], key[0] != 1.0))
-    return [{"params": groups[key], "lr": lr * key[0],
-             "weight_decay": weight_decay if key[1] else 0.0, "mup": "+".join(sorted(kinds[key]))}
-            for key in order]
+    found = [{"params": groups[key], "lr": lr * key[0],
+              "weight_decay": weight_decay if key[1] else 0.0,
+              "mup": "+".join(sorted(kinds[key]))} for key in order]
+    return _as_many_groups_as_the_whole_model(found, cfg)
+
+
+# One parameter of each kind, to count the groups of the whole model under a config.
+_KIND_EXAMPLES = ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                  "model.norm.weight")
+
+
+def _as_many_groups_as_the_whole_model(groups: list[dict[str, Any]],
+                                       cfg: ModelConfig) -> list[dict[str, Any]]:
+    """`groups` of one pipeline stage, split until there are as many as the whole model has.
+
+    DeepSpeed's ZeRO-1/2 optimizers all-reduce one gradient norm per group across the pipeline
+    stages: a stage with fewer groups (a middle stage holds neither embedding nor head, so no
+    group at lr with weight decay) leaves the others waiting in a collective it never joins,
+    and the run hangs before its first step. The missing group cannot be empty (DeepSpeed
+    flattens each group and reads its first tensor), so the largest group is cut in two with
+    the same hyper-parameters: the updates, and the sum of squares that is the norm, are
+    unchanged."""
+    wanted = len({(r.lr, r.weight_decay) for r in (rule(n, cfg) for n in _KIND_EXAMPLES)})
+    groups = list(groups)
+    while 0 < len(groups) < wanted:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]["params"]))
+        params = groups[largest]["params"]
+        if len(params) < 2:
+            break  # nothing left to cut (not a stage of a decoder model)
+        half = len(params) // 2
+        groups[largest:largest + 1] = [{**groups[largest], "params": params[:half]},
+                                       {**groups[largest], "params": params[half:]}]
+    return groups
 
 
 def comparable_model_fields(model: dict[str, Any]) -> dict[str, Any]:
