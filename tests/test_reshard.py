@@ -139,3 +139,64 @@ def test_layout_change_names_what_differs():
     # a checkpoint of an older version records no offload or precision: not compared
     older = {k: saved[k] for k in ("tensor", "pipeline", "data", "world_size", "zero_stage")}
     assert layout_change(older, {**saved, "precision": "bf16"}) is None
+
+
+# ---- each rank reads only its own piece ----------------------------------------------------------
+
+@pytest.mark.slow  # a training run through the launcher, then two ranks resharding
+@pytest.mark.parametrize("target", ["zero1", "zero3"])
+def test_each_rank_reads_only_its_new_shard(target, tiny_data, tmp_path):
+    """A tp 2 checkpoint resumed at dp 2: each rank copies out of the files at most 1.25x the
+    bytes of the masters and Adam moments it keeps (its ZeRO partition), counted by the reader
+    (the pickles' metadata aside); reading every parameter whole, as a reshard did, is 2x."""
+    common = ["train.steps=2", "checkpoint.save_interval=2"]
+    saved = train(tmp_path, tiny_data, nprocs=2, name="tp2",
+                  overrides=common + _layout(2, 1, 1, "zero1")[1])
+    step_dir = saved.run_dir / "checkpoints" / "step2"
+    new = _layout(1, 1, 2, target)[1]
+    volumes = run_on_ranks(_reshard_and_count, world_size=2, tmp_path=tmp_path,
+                           args=(train_args(tmp_path / "new", tiny_data, overrides=common + new),
+                                 str(step_dir)))
+    size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
+    for rank, (read, kept, checkpoint_bytes) in enumerate(volumes):
+        assert checkpoint_bytes == size
+        assert 0 < read <= 1.25 * kept, (rank, read, kept)
+
+
+def _reshard_and_count(rank: int, world_size: int, args: list[str], source: str):
+    """(bytes the reshard read, bytes of the fp32 master partitions and two moments this rank
+    keeps, checkpoint size)."""
+    from pretrain.checkpoint import find_resume
+    from pretrain.checkpoint.reshard import load_resharded
+    from pretrain.engine import build_engine
+
+    cfg, ds_config, groups = _new_layout(rank, world_size, args)
+    engine = build_engine(cfg, ds_config, groups, main=False)
+    point = find_resume(cfg, resume_from=source, log=lambda text: None)
+    volume = load_resharded(engine, point.path, point.meta, cfg=cfg, groups=groups, rank=rank)
+    optimizer = engine.optimizer
+    partitions = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
+        optimizer.fp32_partitioned_groups_flat
+    kept = sum(t.numel() * t.element_size() for t in partitions) * 3  # masters + 2 moments
+    return volume.bytes_read, kept, volume.checkpoint_bytes
+
+
+def _new_layout(rank: int, world_size: int, args: list[str]):
+    """(config, resolved DeepSpeed config, process groups) of `pretrain train` `args`."""
+    import argparse
+
+    from pretrain.commands.train import add_arguments
+    from pretrain.config import config_overrides, load_config
+    from pretrain.dist import init_deepspeed_comm
+    from pretrain.ds_config import resolve_ds_config
+    from pretrain.topology import Topology
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ns = parser.parse_args(args[1:])
+    cfg = load_config(ns.config, config_overrides(ns))
+    init_deepspeed_comm(dist_backend="gloo")
+    ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
+    groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
+                                           rank=rank).create_groups()
+    return cfg, ds_config, groups

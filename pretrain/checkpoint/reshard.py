@@ -24,8 +24,10 @@ restart of that layout. The model has no dropout, so losses do not depend on the
 """
 from __future__ import annotations
 
+import math
 import random
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from pretrain.checkpoint.zero_shards import load_checkpoint_file
 from pretrain.config import RunConfig
 from pretrain.errors import CheckpointError
 from pretrain.model import canonical_parameters, tensor_parallel_group
-from pretrain.model.llama import shard_of
+from pretrain.model.llama import ShardRange, full_parameter_shape, shard_range
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -100,11 +102,34 @@ def _step_of(state: dict, default: int) -> int:
     return default
 
 
+@dataclass(frozen=True)
+class ReadVolume:
+    """What a reshard read on this rank: tensor bytes copied out of the checkpoint's files, and
+    the checkpoint's size on disk."""
+
+    bytes_read: int
+    checkpoint_bytes: int
+
+    def __str__(self) -> str:
+        return f"read {_size(self.bytes_read)} of {_size(self.checkpoint_bytes)}"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 @torch.no_grad()
 def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConfig, groups,
-                   rank: int) -> None:
+                   rank: int) -> ReadVolume:
     """Set this rank's engine to the state of `step_dir`, saved on another layout (module
-    weights, fp32 masters, Adam moments and step, lr schedule, step and sample counters)."""
+    weights, fp32 masters, Adam moments and step, lr schedule, step and sample counters).
+
+    Each rank reads only its own piece of each master and moment: its ZeRO partition of its
+    tensor-parallel shard (the whole shard at ZeRO-0); ZeRO-1/2 and the bf16 optimizer then
+    all-gather the low-precision weights from the partitions, as after a step."""
     m = cfg.model
     tp_group = tensor_parallel_group(groups)
     tp_size, my_tp = tp_world_size(tp_group), tp_rank(tp_group)
@@ -117,15 +142,64 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
     targets = _Targets(engine, dp_rank=topology.replica_rank(topology.rank),
                        dp_size=topology.replicas)
     for name, param in canonical_parameters(engine.module, m):
+        flat_range = targets.needed(param)
+        if flat_range is None:  # ZeRO-1/2: outside this rank's partition
+            continue
+        where = shard_range(name, m, tp_rank=my_tp, tp_size=tp_size)
         for what, source in sources.items():
             try:
-                full = source[name]
+                piece = read_shard_piece(source, name, where, flat_range, cfg=m)
             except KeyError:
                 raise CheckpointError(f"{step_dir} holds no {what} of {name}") from None
-            shard = shard_of(full, name, cfg=m, tp_rank=my_tp, tp_size=tp_size)
-            targets.set(param, shard.contiguous(), what)
-            del full, shard
+            targets.set(param, piece, what)
+            del piece
+    targets.finish()
     _set_schedule(engine, step_dir, meta)
+    return ReadVolume(bytes_read=sum(source.bytes_read for source in sources.values()),
+                      checkpoint_bytes=sum(f.stat().st_size for f in step_dir.rglob("*")
+                                           if f.is_file()))
+
+
+def read_shard_piece(source, name: str, where: ShardRange, flat_range: tuple[int, int], *,
+                     cfg) -> torch.Tensor:
+    """Elements [start, stop) of the flattened tensor-parallel shard `where` of `name`, read
+    from `source` (`weights.MergedShards`) block by block: at most a partial row, whole rows and
+    a partial row. Padded vocabulary rows are zero (no checkpoint holds them)."""
+    start, stop = flat_range
+    rows = where.shape[0]
+    width = math.prod(where.shape[1:])
+    pieces = []
+    for (r0, r1), cols in _row_blocks(start, stop, width=width):
+        box = [(r0, r1), cols][:len(where.shape)]
+        box[where.dim] = (box[where.dim][0] + where.start, box[where.dim][1] + where.start)
+        real = full_parameter_shape(name, cfg)[where.dim]
+        lo, hi = box[where.dim]
+        block = torch.zeros([b - a for a, b in box])
+        if min(hi, real) > lo:  # the rows (or columns) past `real` are vocabulary padding
+            read = list(box)
+            read[where.dim] = (lo, min(hi, real))
+            block.narrow(where.dim, 0, min(hi, real) - lo).copy_(source.read_box(name,
+                                                                                tuple(read)))
+        pieces.append(block.reshape(-1))
+    assert rows * width >= stop
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _row_blocks(start: int, stop: int, *, width: int):
+    """((row range), (column range)) blocks covering flat elements [start, stop) of a matrix
+    `width` columns wide, in order: a partial first row, whole rows, a partial last row."""
+    (r_start, c_start), (r_stop, c_stop) = divmod(start, width), divmod(stop, width)
+    if r_start == r_stop:
+        if c_start < c_stop:
+            yield (r_start, r_start + 1), (c_start, c_stop)
+        return
+    if c_start:
+        yield (r_start, r_start + 1), (c_start, width)
+        r_start += 1
+    if r_start < r_stop:
+        yield (r_start, r_stop), (0, width)
+    if c_stop:
+        yield (r_stop, r_stop + 1), (0, c_stop)
 
 
 class _Targets:
@@ -136,20 +210,37 @@ class _Targets:
         self.base = getattr(engine.optimizer, "optimizer", engine.optimizer)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.masters: dict[int, torch.Tensor] = {}
+        self.partitioned = False  # ZeRO-1/2 or the bf16 optimizer: low-precision from masters
         if hasattr(self.wrapper, "fp16_groups") and hasattr(self.wrapper, "fp32_groups"):
             for low_group, master_group in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups):
                 self.masters.update({id(low): master for low, master in zip(low_group,
                                                                              master_group)})
 
-    def set(self, param: torch.nn.Parameter, value: torch.Tensor, what: str) -> None:
+    def needed(self, param: torch.nn.Parameter) -> tuple[int, int] | None:
+        """The elements [start, stop) of the flattened shard this rank keeps (None: none)."""
         if hasattr(param, "ds_id"):  # ZeRO-3: this rank's piece of the flat parameter
-            self._set_zero3(param, value, what)
-        elif hasattr(param, "_hp_mapping") and param._hp_mapping is not None:
-            self._set_fragment(param, value, what)
-        elif hasattr(param, "_hp_mapping"):  # ZeRO-1/2: a parameter outside this partition
-            if what == "master":
-                param.data.copy_(value)
+            size = param.ds_tensor.numel()
+            start = min(self.dp_rank * size, param.ds_numel)
+            return start, min(start + size, param.ds_numel)
+        if hasattr(param, "_hp_mapping"):  # ZeRO-1/2: this rank's fragment, if any
+            self.partitioned = True
+            mapping = param._hp_mapping
+            if mapping is None:
+                return None
+            start = mapping.lp_fragment_address.start
+            return start, start + mapping.lp_fragment_address.numel
+        return 0, param.numel()  # ZeRO-0: all of it
+
+    def set(self, param: torch.nn.Parameter, piece: torch.Tensor, what: str) -> None:
+        """Store `piece` (the elements `needed` names) as `what` of `param`."""
+        if hasattr(param, "ds_id"):
+            self._set_zero3(param, piece, what)
+        elif hasattr(param, "_hp_mapping"):
+            target = (param._hp_mapping.hp_fragment if what == "master" else
+                      param._hp_mapping.get_hp_fragment(optim_state_key=what))
+            target.data.copy_(piece)
         else:  # ZeRO-0: per-parameter masters and state
+            value = piece.view_as(param)
             master = self.masters.get(id(param), param)
             if what == "master":
                 param.data.copy_(value)
@@ -157,29 +248,22 @@ class _Targets:
             else:
                 self.base.state[master][what].copy_(value)
 
-    def _set_fragment(self, param, value: torch.Tensor, what: str) -> None:
-        mapping = param._hp_mapping
-        if what == "master":
-            param.data.copy_(value)  # the low-precision copy every rank computes with
-            piece = value.reshape(-1).narrow(0, mapping.lp_fragment_address.start,
-                                             mapping.lp_fragment_address.numel)
-            mapping.hp_fragment.data.copy_(piece)
-        else:
-            mapping.get_hp_fragment(optim_state_key=what).data.copy_(value.reshape(-1).narrow(
-                0, mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel))
+    def finish(self) -> None:
+        """ZeRO-1/2 and the bf16 optimizer: every rank's module weights from the masters'
+        partitions (collective over the data-parallel ranks)."""
+        if self.partitioned:
+            self.wrapper.update_lp_params()
 
-    def _set_zero3(self, param, value: torch.Tensor, what: str) -> None:
+    def _set_zero3(self, param, piece: torch.Tensor, what: str) -> None:
         from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
-        size = param.ds_tensor.numel()
-        flat = torch.zeros(size * self.dp_size, dtype=torch.float32)
-        flat[:value.numel()] = value.reshape(-1)
-        piece = flat[self.dp_rank * size:(self.dp_rank + 1) * size]
+        padded = torch.zeros(param.ds_tensor.numel(), dtype=torch.float32)
+        padded[:piece.numel()] = piece  # the last rank's piece ends in padding
         if what == "master":
-            param.ds_tensor.data.copy_(piece.view_as(param.ds_tensor))
-            safe_set_local_fp32_param(param, piece)
+            param.ds_tensor.data.copy_(padded.view_as(param.ds_tensor))
+            safe_set_local_fp32_param(param, padded)
         else:
-            safe_set_local_optimizer_state(param, piece, what)
+            safe_set_local_optimizer_state(param, padded, what)
 
 
 def _create_adam_state(engine, *, step: int) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -320,6 +321,7 @@ class MergedShards(Mapping):
                 raise CheckpointError(f"{source}: {name} has tensor-parallel shards "
                                       f"{sorted(by_rank)} of {tp}: a rank's files are missing")
         self._shards, self._cfg, self._tp = shards, cfg, tp
+        self.bytes_read = 0  # by read_box
 
     def __getitem__(self, name: str) -> torch.Tensor:
         dim = tensor_partition_dim(name)
@@ -346,11 +348,51 @@ class MergedShards(Mapping):
             raise KeyError(name)
         return full_parameter_shape(name, self._cfg)
 
+    def read_box(self, name: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The block [start, stop) along each dimension of the whole (unpadded) tensor `name`,
+        in fp32, read from the shards that hold it and, within a shard, only its elements (the
+        ZeRO partitions through `ZeroMasters.read_runs`; other files are memory-mapped, so a
+        slice reads its pages). `bytes_read` counts the tensor bytes copied out."""
+        dim = tensor_partition_dim(name)
+        if dim is None or self._tp == 1:
+            blocks = [(self._shards[name][0], box)]
+        else:
+            size = shard_range(name, self._cfg, tp_rank=0, tp_size=self._tp).shape[dim]
+            blocks = []
+            for rank in range(self._tp):
+                lo, hi = max(box[dim][0], rank * size), min(box[dim][1], (rank + 1) * size)
+                if lo < hi:
+                    local = list(box)
+                    local[dim] = (lo - rank * size, hi - rank * size)
+                    blocks.append((self._shards[name][rank], tuple(local)))
+        parts = [_read_block(source, local, block) for (source, local), block in blocks]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._shards)
 
     def __len__(self) -> int:
         return len(self._shards)
+
+
+def _read_block(source: Mapping[str, torch.Tensor], local: str,
+                block: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """`block` of tensor `local` of one shard's `source`, fp32, reading only its elements."""
+    shape = tuple(hi - lo for lo, hi in block)
+    if isinstance(source, ZeroMasters):
+        full = source.shape(local)
+        (r0, r1), cols = block[0], block[1:]
+        if not cols or cols[0] == (0, full[1]):  # whole rows: one run
+            width = math.prod(full[1:])
+            runs = [(r0 * width, r1 * width)]
+        else:
+            (c0, c1), width = cols[0], full[1]
+            runs = [(r * width + c0, r * width + c1) for r in range(r0, r1)]
+        return source.read_runs(local, runs).view(shape)
+    tensor = source[local]  # memory-mapped: the slice below reads only its pages
+    return tensor[tuple(slice(lo, hi) for lo, hi in block)].float().clone()
 
 
 def _engine_tokenizer(info: dict, *, step_dir: Path, cfg: RunConfig) -> Path | None:

@@ -87,6 +87,7 @@ class ZeroMasters(Mapping):
             raise CheckpointError(f"{step_dir} lacks the {tag} model or optimizer states of a "
                                   "ZeRO checkpoint: a rank's files are missing")
         self.source, self.key = f"{step_dir} ({tag})", key
+        self.bytes_read = 0  # tensor bytes `read_runs` copied out
         param_shapes = load_checkpoint_file(model_files[0])["param_shapes"]
         self.stage, self._sizes, paddings = _fp32_layout(self._files, source=self.source)
         self._spans = (_zero3_spans(param_shapes, world=len(self._files))
@@ -108,6 +109,43 @@ class ZeroMasters(Mapping):
                 self._copy(rank, [(span.group, lo, hi)], into=out[filled:filled + hi - lo])
                 filled += hi - lo
         return out.view(span.shape)
+
+    def read_runs(self, name: str, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """Elements [start, stop) of the flattened parameter `name`, for each (start, stop) of
+        `runs`, one after the other: only the files and elements that hold them are read (each
+        file mapped once per call). `bytes_read` counts the elements copied out."""
+        span = self._spans[name]
+        pieces: dict[int, list[tuple[int, int, int, int]]] = {}  # rank: (group, lo, hi, at)
+        filled = 0
+        for start, stop in runs:
+            for rank, group, lo, hi in self._locate(span, start, stop - start):
+                pieces.setdefault(rank, []).append((group, lo, hi, filled))
+                filled += hi - lo
+        out = torch.empty(filled)
+        for rank, parts in pieces.items():
+            groups = _flat_groups(load_checkpoint_file(self._files[rank]), stage=self.stage,
+                                  key=self.key)
+            for group, lo, hi, at in parts:
+                out[at:at + hi - lo].copy_(groups[group].reshape(-1)[lo:hi])
+            del groups
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def _locate(self, span: _Span, start: int, length: int) -> list[tuple[int, int, int, int]]:
+        """(rank, group, lo, hi): where elements [start, start + length) of a parameter lie, in
+        order."""
+        if self.stage != 3:
+            sizes = [groups[span.group] for groups in self._sizes]
+            return [(rank, span.group, lo, hi)
+                    for rank, lo, hi in overlaps(sizes, span.offset + start, length)]
+        per_rank = math.ceil(span.numel / len(self._files))  # ZeRO-3: each rank a chunk
+        found = []
+        for rank in range(start // per_rank, (start + length - 1) // per_rank + 1):
+            lo = max(start, rank * per_rank) - rank * per_rank
+            hi = min(start + length, (rank + 1) * per_rank) - rank * per_rank
+            found += [(rank, g, a, b) for g, a, b in
+                      overlaps(self._sizes[rank], span.offset + lo, hi - lo)]
+        return found
 
     def _copy(self, rank: int, parts: list[tuple[int, int, int]], *, into: torch.Tensor) -> None:
         """Copy elements [lo, hi) of flat group g, for each (g, lo, hi), of data-parallel rank
