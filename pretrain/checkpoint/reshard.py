@@ -3,15 +3,16 @@
 A checkpoint saved on the run's own layout is loaded by DeepSpeed (`engine.load`), bitwise.
 Any other is resharded here, online, by every rank of the new run, from the saved files alone:
 
-- each parameter this rank holds (by Hugging Face name, so pipeline stages may move) gets its
-  tensor-parallel shard of the saved fp32 master weight and of Adam's two moments, read one
-  whole tensor at a time from the saved partitions (`weights.engine_tensors`: ZeRO-1/2/3 flat
-  partitions, ZeRO-0 per-parameter states, tensor-parallel shards merged);
-- those go where the new engine keeps them: the module's weight (rounded to its dtype), the
-  fp32 master (ZeRO-1/2 and DeepSpeed's bf16 optimizer through the parameter's
-  `_hp_mapping` fragment, ZeRO-3 through its partition, bf16 at ZeRO-0 through the
+- each parameter this rank holds (by Hugging Face name, so pipeline stages may move) gets the
+  piece of the saved fp32 master weight and of Adam's two moments that this rank keeps: its new
+  ZeRO partition of its new tensor-parallel shard (the whole shard at ZeRO-0), and only that is
+  copied out of the saved files (`weights.engine_tensors(...).read_box`: ZeRO-1/2/3 flat
+  partitions, ZeRO-0 per-parameter states, whichever saved tensor-parallel shards hold it);
+- those go where the new engine keeps them: the fp32 master (ZeRO-1/2 and DeepSpeed's bf16
+  optimizer through the parameter's `_hp_mapping` fragment, then the module weights all-gathered
+  from the partitions as after a step; ZeRO-3 through its partition; bf16 at ZeRO-0 through the
   optimizer's fp32 groups; fp32 at ZeRO-0: the module's weight is the master) and the
-  optimizer state of that master;
+  optimizer state of that master, created as the optimizer's own kernel keeps it;
 - Adam's step count, the learning-rate schedule's position and the engine's step and sample
   counters are the saved ones; the trainer carries consumed samples and the global batch
   (gradient accumulation follows the new dp).
