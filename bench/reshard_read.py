@@ -1,0 +1,114 @@
+"""What one rank reads to reshard a checkpoint: its own pieces against whole tensors.
+
+Two ranks (gloo, ZeRO-1 at dp 2, fp32, the small preset at 8 layers, ~30M parameters) take one
+step and save a real checkpoint (`pretrain.checkpoint.Saver`). Then one process plays rank 0 of a
+new layout, tensor parallel 2 x data parallel 2, and reads the fp32 master and both Adam moments
+of every parameter two ways, in alternating rounds:
+
+- pieces (what `reshard.load_resharded` does): its ZeRO partition (a quarter of each tensor,
+  cut as ZeRO-3 cuts a parameter; a ZeRO-1/2 rank's partition is as large) of its
+  tensor-parallel shard, through `reshard.read_shard_piece`;
+- whole (the previous reshard): every tensor whole (`weights.engine_tensors`), then its shard.
+
+Printed: bytes copied out of the files and seconds per way, and their ratios (measured in the
+same run). Page-cache state is whatever the save left (the files were just written).
+
+    .venv/bin/python bench/reshard_read.py          # a few minutes on 2 loaded cores
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from common import machine, median
+from pretrain.testing.ranks import run_on_ranks
+
+OVERRIDES = ["model.preset=small", "model.num_layers=8", "model.vocab_size=8192",
+             "model.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=2",
+             "deepspeed=ds_configs/zero1.json", "train.precision=fp32"]
+NEW_TP, NEW_DP, ROUNDS = 2, 2, 3
+
+
+def _save(rank: int, world_size: int, out_dir: str) -> None:
+    import deepspeed
+    import torch
+
+    from pretrain import checkpoint
+    from pretrain.config import load_config
+    from pretrain.ds_config import resolve_ds_config
+    from pretrain.engine import param_groups
+    from pretrain.model import build_model
+
+    cfg = load_config("configs/tiny.yaml", OVERRIDES + [f"run_dir={out_dir}"])
+    ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
+    model = build_model(cfg.model, seed=1, tp_group=None, sequence_parallel=False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                      model_parameters=param_groups(model, 0.1))
+    ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
+    engine.backward(engine(ids, labels=ids))
+    engine.step()  # Adam's moments exist: the checkpoint has its full size
+    layout = {"tensor": 1, "pipeline": 1, "data": world_size, "world_size": world_size,
+              "zero_stage": 1, "offload": "none", "precision": "fp32"}
+    saver = checkpoint.Saver(engine, ckpt_dir=Path(out_dir) / "checkpoints", keep_last=1,
+                             keep_every=0, rank=rank, background=False)
+    saver.save(client_state={"step": 1, "config": cfg.to_dict()},
+               meta={"step": 1, "consumed_samples": 0, "config": cfg.to_dict(),
+                     "global_batch": 2, "layout": layout})
+    saver.finish()
+
+
+def _read(step_dir: Path, cfg, *, pieces: bool) -> tuple[int, float]:
+    """(bytes copied out, seconds) for rank 0 of tp NEW_TP x dp NEW_DP."""
+    from pretrain.checkpoint.reshard import ADAM_MOMENTS, read_shard_piece
+    from pretrain.checkpoint.weights import engine_tensors
+    from pretrain.model.llama import shard_of, shard_range
+
+    start = time.perf_counter()
+    sources = [engine_tensors(step_dir)] + [engine_tensors(step_dir, k) for k in ADAM_MOMENTS]
+    copied = 0
+    for name in sources[0]:
+        where = shard_range(name, cfg, tp_rank=0, tp_size=NEW_TP)
+        numel = math.prod(where.shape)
+        per_rank = math.ceil(numel / NEW_DP)
+        for source in sources:
+            if pieces:
+                piece = read_shard_piece(source, name, where, (0, min(per_rank, numel)), cfg=cfg)
+            else:
+                whole = source[name]
+                copied += whole.numel() * whole.element_size()
+                piece = shard_of(whole, name, cfg=cfg, tp_rank=0, tp_size=NEW_TP).clone()
+            del piece
+    if pieces:
+        copied = sum(source.bytes_read for source in sources)
+    return copied, time.perf_counter() - start
+
+
+def main() -> None:
+    from pretrain.checkpoint.paths import step_dirs
+    from pretrain.config import load_config
+
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as out:
+        run_on_ranks(_save, world_size=2, tmp_path=Path(out), args=(out,), timeout_s=1200)
+        step_dir = next(iter(step_dirs(Path(out) / "checkpoints", follow_latest=True)))
+        size = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+        cfg = load_config("configs/tiny.yaml", OVERRIDES).model
+        results: dict[str, list[tuple[int, float]]] = {"pieces": [], "whole": []}
+        for _ in range(ROUNDS):
+            for way in ("whole", "pieces"):
+                results[way].append(_read(step_dir, cfg, pieces=way == "pieces"))
+    piece_bytes, whole_bytes = results["pieces"][0][0], results["whole"][0][0]
+    piece_s = median([s for _, s in results["pieces"]])
+    whole_s = median([s for _, s in results["whole"]])
+    print(f"machine: {machine()}")
+    print(f"checkpoint: {size / 1e6:.1f} MB (ZeRO-1, dp 2, fp32); reader: rank 0 of tp "
+          f"{NEW_TP} x dp {NEW_DP}, median of {ROUNDS} rounds")
+    print(f"pieces: read {piece_bytes / 1e6:.1f} MB in {piece_s:.2f} s")
+    print(f"whole:  read {whole_bytes / 1e6:.1f} MB in {whole_s:.2f} s")
+    print(f"ratio pieces/whole: bytes {piece_bytes / whole_bytes:.3f}, time "
+          f"{piece_s / whole_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()
