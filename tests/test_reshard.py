@@ -188,7 +188,7 @@ def _new_layout(rank: int, world_size: int, args: list[str]):
     from pretrain.commands.train import add_arguments
     from pretrain.config import config_overrides, load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.topology import Topology
 
     parser = argparse.ArgumentParser()

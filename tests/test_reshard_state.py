@@ -40,7 +40,7 @@ def _engine(ds_name: str, precision: str):
     """A one-rank engine of the tiny model, its torch AdamW fused as the configs make it on GPUs."""
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.engine import build_engine
     from pretrain.topology import Topology
 
