@@ -7,7 +7,9 @@ seed holds bitwise the same model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -115,9 +117,19 @@ def compile_blocks(module: nn.Module, *, cache_dir: Path) -> int:
     for layer in layers:
         if partitioned:
             for part in (layer.self_attn, layer.mlp):
-                part.project = torch.compiler.disable(fused_projections, recursive=True)
+                part.project = eager_fused_projections()
         layer.compile()
     return len(layers)
+
+
+@functools.cache
+def eager_fused_projections() -> Callable[..., tuple[torch.Tensor, ...]]:
+    """`fused_projections` left to eager code by dynamo, one wrapper for the whole process.
+
+    Dynamo guards on the identity of the function a layer calls: a new `torch.compiler.disable`
+    wrapper per layer made every layer a new graph (one compile per layer instead of one for all
+    of them)."""
+    return torch.compiler.disable(fused_projections, recursive=True)
 
 
 class CompileReport(NamedTuple):
