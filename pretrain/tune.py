@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import fcntl
 import io
 import math
 import os
@@ -51,6 +50,7 @@ import yaml
 
 from pretrain.child_runs import child_env, launcher_command, start_run, stop_run
 from pretrain.errors import ConfigError
+from pretrain.file_lock import exclusive_lock
 
 POLL_S = 0.5  # how often a worker reads its trial's metrics.jsonl
 HEARTBEAT_S = 5.0  # how often a worker touches its trial's heartbeat file
@@ -242,14 +242,11 @@ def load_study(settings: Settings, *, seed: int | None = None) -> Any:
 
 @contextlib.contextmanager
 def study_lock(settings: Settings) -> Iterator[None]:
-    """The study directory's lock: one worker at a time counts trials and asks for one."""
+    """The study directory's lock: one worker at a time counts trials and asks for one. On
+    every node (`file_lock`: a lock file where the file system's flock is per node or absent)."""
     settings.study_dir.mkdir(parents=True, exist_ok=True)
-    with open(settings.study_dir / ".tune.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with exclusive_lock(settings.study_dir / ".tune.lock"):
+        yield
 
 
 def retried(trials: list[Any]) -> set[int]:
