@@ -20,16 +20,19 @@ refused here:
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 from pretrain.config import Precision, RunConfig, did_you_mean
 from pretrain.errors import ConfigError
 from pretrain.layout import DEEPSPEED_DEFAULT_BUCKET, Layout
+from pretrain.mounts import mount_of, network_filesystem, node_local_scratch
 
 AUTO = "auto"
 
@@ -176,6 +179,35 @@ def _check_writable(path: str) -> None:
                           "zero_optimization.offload_*.nvme_path to a writable local disk") from None
 
 
+def nvme_swap_path(chosen: str, *, run_dir: str | Path, where: str) -> str:
+    """Where NVMe offload swaps: `chosen`, or for "auto" a folder of this run in the node's
+    scratch directory (`mounts.node_local_scratch`: $SLURM_TMPDIR, $TMPDIR, /tmp), named after
+    the run directory so that runs sharing a node do not share swap files.
+
+    Swapping is many O_DIRECT reads and writes at every step: on a network file system it is
+    slow and may fail (no O_DIRECT). "auto" landing on one is refused; an explicit path on one is
+    the user's choice and warned about, as is a tmpfs (memory, not a disk)."""
+    if chosen == AUTO:
+        run = Path(run_dir).resolve()
+        tag = hashlib.sha256(str(run).encode()).hexdigest()[:8]
+        path = str(node_local_scratch() / "pretrain_nvme_swap" / f"{run.name}-{tag}")
+    else:
+        path = chosen
+    network = network_filesystem(path)
+    if network and chosen == AUTO:
+        raise ConfigError(f"{where}: \"auto\" gives {path!r}, which is on a {network} network "
+                          "file system (from $SLURM_TMPDIR / $TMPDIR / /tmp): NVMe swap needs a "
+                          "node-local disk; set nvme_path to one, or TMPDIR")
+    mount = mount_of(path)
+    if network or (mount is not None and mount.fstype == "tmpfs"):
+        reason = (f"a {network} network file system: slow and maybe without O_DIRECT" if network
+                  else "a tmpfs: the swap files take memory, not disk")
+        warnings.warn(f"{where}={path!r} is on {reason}; NVMe offload wants a node-local disk",
+                      stacklevel=2)
+    _check_writable(path)
+    return path
+
+
 def zero_stage(ds: dict[str, Any]) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
@@ -295,9 +327,9 @@ def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
     for key in ("offload_optimizer", "offload_param"):
         section = zero.get(key, {})
         if section.get("device") == "nvme":
-            if section.get("nvme_path", AUTO) == AUTO:
-                section["nvme_path"] = str(Path(cfg.run_dir) / "nvme_swap")
-            _check_writable(section["nvme_path"])
+            section["nvme_path"] = nvme_swap_path(section.get("nvme_path", AUTO),
+                                                  run_dir=cfg.run_dir, where=f"{where_file}: "
+                                                  f"zero_optimization.{key}.nvme_path")
 
     opt = ds.get("optimizer")
     if opt is not None:

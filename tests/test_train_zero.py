@@ -152,8 +152,10 @@ def test_cpu_offload_matches_zero3(ds_config, tiny_data, tmp_path, zero3_fp32):
         ("cpu", "cpu" if stage == 3 else "none"), facts
 
 
-def test_nvme_offload_matches_zero3(libaio, tiny_data, tmp_path, zero3_fp32):
-    """ZeRO-Infinity: optimizer state and parameters swapped through files in the run dir."""
+def test_nvme_offload_matches_zero3(libaio, tiny_data, tmp_path, zero3_fp32, monkeypatch):
+    """ZeRO-Infinity: optimizer state and parameters swapped through files in the node's
+    scratch directory ($SLURM_TMPDIR here)."""
+    monkeypatch.setenv("SLURM_TMPDIR", str(tmp_path / "node_local"))
     run = train(tmp_path, tiny_data, nprocs=2, name="nvme",
                 overrides=[f"train.steps={STEPS}", "deepspeed=ds_configs/zero3_offload_nvme.json"])
     assert_trains_like(run, zero3_fp32, 1e-5)
@@ -162,7 +164,7 @@ def test_nvme_offload_matches_zero3(libaio, tiny_data, tmp_path, zero3_fp32):
         (3, "nvme", "nvme"), facts
     # DeepSpeed's swappers make one folder per rank for parameters and optimizer state (and
     # delete the swap files themselves at exit); ZeRO-2 + nvme, which does no I/O, makes none.
-    swap = run.run_dir / "nvme_swap" / "zero_stage_3"
+    (swap,) = (tmp_path / "node_local" / "pretrain_nvme_swap").glob("nvme-*/zero_stage_3")
     for rank in (0, 1):
         assert (swap / "optimizer" / f"rank{rank}").is_dir(), list(swap.rglob("*"))
         assert list(swap.glob(f"*params/rank{rank}")), list(swap.rglob("*"))
