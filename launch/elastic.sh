@@ -21,12 +21,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-[[ -z ${VIRTUAL_ENV:-} && -f .venv/bin/activate ]] && source .venv/bin/activate
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
-GPUS="$(python -c 'import torch; print(torch.cuda.device_count())')"
+source launch/env.sh  # venv, TORCH_EXTENSIONS_DIR, DS_ACCELERATOR, OMP_NUM_THREADS
+activate_venv
+GPUS="$(gpu_count)"
 NPROC_PER_NODE="${NPROC_PER_NODE:-$(( GPUS > 0 ? GPUS : 1 ))}"
-export DS_ACCELERATOR="${DS_ACCELERATOR:-$( (( GPUS > 0 )) && echo cuda || echo cpu)}"
-[[ $DS_ACCELERATOR == cpu ]] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}"
+rank_env "$GPUS" "$NPROC_PER_NODE"
 # torch 2.13's shared rendezvous store deadlocks when an agent that was alone (rank 0) is joined:
 # it keeps its first round's store address and never publishes it for the new round, where the
 # joining agent waits for it. A store per round avoids that.

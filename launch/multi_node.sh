@@ -20,13 +20,12 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-[[ -z ${VIRTUAL_ENV:-} && -f .venv/bin/activate ]] && source .venv/bin/activate
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
+source launch/env.sh  # venv, TORCH_EXTENSIONS_DIR, DS_ACCELERATOR, OMP_NUM_THREADS
+activate_venv
 LAUNCHER="${LAUNCHER:-pdsh}"
-GPUS="$(python -c 'import torch; print(torch.cuda.device_count())')"
+GPUS="$(gpu_count)"
 GPUS_PER_NODE="${GPUS_PER_NODE:-$(( GPUS > 0 ? GPUS : 1 ))}"
-export DS_ACCELERATOR="${DS_ACCELERATOR:-$( (( GPUS > 0 )) && echo cuda || echo cpu)}"
-[[ $DS_ACCELERATOR == cpu ]] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / GPUS_PER_NODE > 0 ? $(nproc) / GPUS_PER_NODE : 1 ))}"
+rank_env "$GPUS" "$GPUS_PER_NODE"
 LAUNCH_DIR="${LAUNCH_DIR:-runs/launch/${SLURM_JOB_ID:-$$}}"
 mkdir -p "$LAUNCH_DIR" && LAUNCH_DIR="$(cd "$LAUNCH_DIR" && pwd)"
 

@@ -9,11 +9,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash launch/setup_env.sh
-source .venv/bin/activate
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
-# Name DeepSpeed's accelerator (it warns when it has to guess the CPU).
-export DS_ACCELERATOR="${DS_ACCELERATOR:-$(python -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}"
+source launch/env.sh
+activate_venv "$ROOT/.venv"
 NPROC="${NPROC:-2}"
+# Name DeepSpeed's accelerator (it warns when it has to guess the CPU); threads left to torch.
+rank_env "$(gpu_count)"
 # The global batch stays 16 samples: each rank's micro-batch shrinks as ranks are added.
 if (( NPROC < 1 || 16 % NPROC )); then
   echo "error: NPROC=$NPROC: the quickstart's global batch of 16 must divide into NPROC ranks (1, 2, 4, 8 or 16)" >&2

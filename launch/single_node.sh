@@ -10,21 +10,14 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-[[ -z ${VIRTUAL_ENV:-} && -f .venv/bin/activate ]] && source .venv/bin/activate
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
+source launch/env.sh  # venv, TORCH_EXTENSIONS_DIR, DS_ACCELERATOR, OMP_NUM_THREADS
+activate_venv
 read -r GPUS FREE_PORT < <(python -c 'import torch
 from pretrain.dist import free_port
 print(torch.cuda.device_count(), free_port())')
 LAUNCHER="${LAUNCHER:-deepspeed}"
-if (( GPUS > 0 )); then
-  NPROC="${NPROC:-$GPUS}"
-  export DS_ACCELERATOR="${DS_ACCELERATOR:-cuda}"
-else
-  NPROC="${NPROC:-2}"
-  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-  # Oversubscribed intra-op threads made 2 ranks on 2 cores 2x slower.
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
-fi
+NPROC="${NPROC:-$(( GPUS > 0 ? GPUS : 2 ))}"
+rank_env "$GPUS" "$NPROC"
 PORT="${MASTER_PORT:-$FREE_PORT}"
 echo "[launch] $LAUNCHER: $NPROC ranks on $(hostname) ($DS_ACCELERATOR), port $PORT"
 case $LAUNCHER in

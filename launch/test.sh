@@ -8,8 +8,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash launch/setup_env.sh
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
-export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+source launch/env.sh
+rank_env 0  # the suite runs CPU ranks: DS_ACCELERATOR=cpu unless set
 # loadfile: each test file runs on one worker, so the local Slurm cluster of tests/test_slurm.py is
 # started once (pytest-xdist 3.8's loadgroup is a no-op under pytest 9: see that file).
 TIER=()

@@ -11,7 +11,9 @@
 #                 writes <job name>-<job id>.out where it ran, see slurm/job_log.sh)
 #   GPUS_PER_NODE ranks per node = GPUs per node; 0 runs CPU ranks (TASKS_PER_NODE of them)
 #   TASKS_PER_NODE ranks per node (default: GPUS_PER_NODE, else SLURM_NTASKS_PER_NODE)
-#   MASTER_PORT   rendezvous port (default from the job id and attempt, the same on every node)
+#   PRETRAIN_MASTER_PORT rendezvous port (default from the job id and attempt, the same on every
+#                 node); MASTER_ADDR is the allocation's first node. A MASTER_ADDR/MASTER_PORT
+#                 inherited from the submitting shell is ignored: it belongs to another run.
 #   CPU_BIND      srun --cpu-bind of the ranks (default cores; none leaves binding to the site)
 #   SRUN_WAIT     seconds the other ranks may run on after one rank exited (default 300): a
 #                 crashed rank ends the step then, not after the collective timeout
@@ -26,8 +28,8 @@ if [[ ! -f $ROOT/slurm/common.sh ]]; then
 fi
 cd "$ROOT"
 source "$ROOT/slurm/job_log.sh"  # creates runs/slurm/ and copies this job's output there
-VENV="${VENV:-$ROOT/.venv}"
-[[ -f $VENV/bin/activate ]] && source "$VENV/bin/activate"
+source "$ROOT/launch/env.sh"     # venv, TORCH_EXTENSIONS_DIR, DS_ACCELERATOR (rank_env below)
+activate_venv "${VENV:-$ROOT/.venv}"
 
 # ---- nodes and ranks -----------------------------------------------------------------------
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -39,20 +41,22 @@ else
   TASKS_PER_NODE="${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
 fi
 WORLD_SIZE=$(( NNODES * TASKS_PER_NODE ))
-export MASTER_ADDR="${MASTER_ADDR:-${NODES[0]}}"
 ATTEMPT="${SLURM_RESTART_COUNT:-0}"
+# The allocation's rendezvous, always: sbatch hands the submitting shell's environment to the
+# job, and a MASTER_ADDR / MASTER_PORT left there by another run would send the ranks to it.
 # A requeued job keeps its id: a new port per attempt, as the last one may still be in TIME_WAIT.
-export MASTER_PORT="${MASTER_PORT:-$(( 20000 + (SLURM_JOB_ID * 10 + ATTEMPT % 10) % 20000 ))}"
+export MASTER_ADDR="${NODES[0]}"
+export MASTER_PORT="${PRETRAIN_MASTER_PORT:-$(( 20000 + (SLURM_JOB_ID * 10 + ATTEMPT % 10) % 20000 ))}"
 
 # ---- environment of every rank (srun passes the batch shell's environment on) --------------
-export DS_ACCELERATOR="${DS_ACCELERATOR:-$( (( GPUS_PER_NODE > 0 )) && echo cuda || echo cpu)}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"  # a failed collective ends the rank
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # TP/SP communication overlap order
+# No CUDA_DEVICE_MAX_CONNECTIONS=1: it orders kernels for Megatron's TP/SP communication overlap,
+# which nothing here uses, and serialises ZeRO-3's communication and compute streams.
 export PYTHONFAULTHANDLER=1          # Python stacks of every thread on a crash or a fatal signal
 export PYTHONUNBUFFERED=1
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"  # before rank_env's default
+rank_env "$GPUS_PER_NODE" "$TASKS_PER_NODE"
 
 RUN_ARGS=(--config "$CONFIG" "$@")
 [[ -n ${RUN_DIR:-} ]] && RUN_ARGS+=(--set "run_dir=$RUN_DIR")
@@ -67,6 +71,23 @@ preflight() {  # `pretrain plan` (layout, per-GPU memory), then the record in $L
     --log-dir "$LOG_DIR" "${RUN_ARGS[@]}"
 }
 
+# ---- compiled DeepSpeed ops: built once per node before the ranks start -----------------------
+# The pre-flight wrote the ops the config needs (CPU Adam, async I/O; none for most configs) and
+# the node-local folder for them to $LOG_DIR/ops.tsv. One task per node copies the set-up's
+# builds there (`launch/setup_env.sh --ops`) or compiles them; the ranks then load them from it:
+# no rank compiles, and no build lock is shared between nodes or left for a later job.
+prepare_ops() {
+  [[ -s $LOG_DIR/ops.tsv ]] || return 0
+  local ops ops_dir
+  IFS=$'\t' read -r ops ops_dir < "$LOG_DIR/ops.tsv"
+  echo "[slurm] DeepSpeed ops $ops: built once per node in $ops_dir"
+  srun --ntasks="$NNODES" --ntasks-per-node=1 --nodes="$NNODES" \
+    --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+    python -m pretrain launch build-ops --ops "$ops" --dir "$ops_dir" --seed "$TORCH_EXTENSIONS_DIR" \
+    || return 1
+  export TORCH_EXTENSIONS_DIR="$ops_dir"
+}
+
 # ---- train: one task per rank; discover_world maps SLURM_PROCID/NTASKS/LOCALID ---------------
 # `--signal=B:USR1@N` signals only this shell: pass it to the ranks, which save a checkpoint and
 # exit 75 (EXIT_REQUEUE). Sets JOB_RC (2 when the pre-flight refused the config).
@@ -74,6 +95,7 @@ forward_usr1() { echo "[slurm] USR1: asking the ranks to checkpoint and stop"; k
 run_training() {
   JOB_RC=0
   preflight || { JOB_RC=2; return 0; }
+  prepare_ops || { echo "[slurm] building DeepSpeed's ops failed on a node (see above)"; JOB_RC=3; return 0; }
   trap forward_usr1 USR1
   # --cpus-per-task explicitly: srun of Slurm 22.05-23.02 does not inherit it from sbatch, and
   # every rank would get one core. Each rank bound to its own cores (CPU_BIND=none: off).

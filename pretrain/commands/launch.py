@@ -11,7 +11,10 @@ launcher call. What needs logic lives here, where it is unit tested:
 - `preflight`: `pretrain plan --build` for the job's world size before any rank starts (layout,
   memory per GPU of the GPUs `nvidia-smi` lists on the node unless `--gpu-memory-gb` is given;
   exit 2 with one `error:` line for a config that does not fit), then the resolved run config,
-  the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory;
+  the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory; a config
+  whose compiled DeepSpeed ops cannot load here is refused (`compiled_ops`);
+- `build-ops`: those ops built (or copied from the set-up's builds) before the ranks start:
+  `launch/setup_env.sh --ops` into `.build/`, a Slurm job once per node into node-local scratch.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pretrain import compiled_ops
 from pretrain.commands import plan as plan_command
 from pretrain.errors import ConfigError
 from pretrain.files import git_commit
@@ -154,13 +158,33 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     except ConfigError:
         sys.stdout.write(gpus_seen + out.getvalue())  # the plan that does not fit, then why
         raise
+    ops = check_compiled_ops(run.ds_config, where=run.cfg.deepspeed)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
+        # for slurm/common.sh: the ops to build once per node, and the node-local folder
+        (log_dir / "ops.tsv").write_text(
+            f"{','.join(ops)}\t{compiled_ops.node_local_ops_dir()}\n" if ops else "")
         run.cfg.save(log_dir / "config.yaml")  # model.vocab_size: auto settled, as the run will
         (log_dir / "ds_config.json").write_text(json.dumps(run.ds_config, indent=2) + "\n")
         (log_dir / "git_commit.txt").write_text(git_commit() + "\n")
         (log_dir / "plan.txt").write_text(gpus_seen + out.getvalue())
     return gpus_seen + out.getvalue()
+
+
+def check_compiled_ops(ds: dict, *, where: str) -> list[str]:
+    """The compiled DeepSpeed ops the resolved config needs (`compiled_ops`); ConfigError when
+    one cannot load on this node, before anything is queued. Stale build locks in
+    $TORCH_EXTENSIONS_DIR are removed and reported."""
+    ops = compiled_ops.needed_ops(ds)
+    if not ops:
+        return ops
+    problems = [problem for problem in map(compiled_ops.load_problem, ops) if problem]
+    if problems:
+        raise ConfigError(f"{where} needs DeepSpeed's compiled op(s) {', '.join(ops)}; "
+                          + "; ".join(problems))
+    for line in compiled_ops.clear_stale_locks(ops, compiled_ops.extensions_dir()):
+        print(line, file=sys.stderr)
+    return ops
 
 
 def _gpus_of_this_node(args: argparse.Namespace) -> str:
@@ -197,6 +221,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                  "git_commit.txt and plan.txt here")
     p.add_argument("--no-build", action="store_true",
                    help="skip building every distinct rank on the meta device (plan --build)")
+    b = sub.add_parser("build-ops", help="build the compiled DeepSpeed ops a config needs "
+                                          "(CPU Adam, async I/O) before any rank starts")
+    which = b.add_mutually_exclusive_group(required=True)
+    which.add_argument("--ops", help="comma-separated op names: " + ", ".join(compiled_ops.BUILDERS))
+    which.add_argument("--shipped", action="store_true",
+                       help="every op a DeepSpeed config in ds_configs/ needs (launch/setup_env.sh --ops)")
+    b.add_argument("--dir", type=Path, help="build here (default $TORCH_EXTENSIONS_DIR)")
+    b.add_argument("--seed", type=Path, help="copy builds made for this CPU model from here "
+                                             "instead of compiling (the set-up's .build)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -207,5 +240,24 @@ def run(args: argparse.Namespace) -> None:
     elif args.launch_command == "env-file":
         Path(args.output).write_text(deepspeed_env_text(names=tuple(args.var)))
         print(f"[launch] {args.output}: environment for every rank")
+    elif args.launch_command == "build-ops":
+        build_ops(args)
     else:
         sys.stdout.write(preflight(args, log_dir=args.log_dir))
+
+
+def build_ops(args: argparse.Namespace) -> None:
+    """`pretrain launch build-ops`: the ops that can load here, built; the others reported
+    (exit 2 when any named op cannot be built here)."""
+    if args.shipped:
+        ops = compiled_ops.shipped_ops(Path(__file__).resolve().parents[2] / "ds_configs")
+    else:
+        ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+        unknown = sorted(set(ops) - set(compiled_ops.BUILDERS))
+        if unknown:
+            raise ConfigError(f"--ops {','.join(unknown)}: unknown op; known: "
+                              + ", ".join(compiled_ops.BUILDERS))
+    skipped = compiled_ops.build(ops, ext_dir=args.dir or compiled_ops.extensions_dir(),
+                                 seed=args.seed)
+    if skipped:
+        raise ConfigError("; ".join(skipped))
