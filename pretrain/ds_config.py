@@ -266,27 +266,29 @@ def check_deepspeed_pipeline_config(ds_config: dict, *, sequence_parallel: bool)
                 "the DeepSpeed config")
 
 
-def _gradient_dtype(precision: Precision, *, zero_stage: int) -> str:
-    """The dtype micro-batch gradients are summed and reduced in: fp32 for bf16 under ZeRO
-    (like Megatron-LM: bf16's 8-bit mantissa drops the small terms of a long sum), else the
-    model's. At ZeRO-0 DeepSpeed refuses the mix; its pipeline engine sums bf16 gradients in
-    fp32 anyway, the flat ZeRO-0 engine in bf16. fp16 keeps its own dtype and loss scaling."""
-    if precision == Precision.BF16 and zero_stage >= 1:
+def _gradient_dtype(precision: Precision, *, zero_stage: int, pipeline: bool = False) -> str:
+    """The dtype micro-batch gradients are summed and reduced in: fp32 for bf16 under ZeRO and
+    in pipelines (like Megatron-LM: bf16's 8-bit mantissa drops the small terms of a long sum),
+    else the model's. A bf16 pipeline at ZeRO-0 steps in DeepSpeed's BF16_Optimizer, whose
+    gradient buffer has this dtype (`pretrain.engine` lets DeepSpeed build it with fp32 there);
+    the flat ZeRO-0 engine (FP16_UnfusedOptimizer) cannot: it sums in bf16. fp16 keeps its own
+    dtype and loss scaling."""
+    if precision == Precision.BF16 and (zero_stage >= 1 or pipeline):
         return "fp32"
     return {Precision.FP32: "fp32", Precision.BF16: "bf16", Precision.FP16: "fp16"}[precision]
 
 
 def _resolve_gradient_dtypes(ds: dict[str, Any], precision: Precision, *, zero_stage: int,
-                             where: str) -> None:
+                             pipeline: bool, where: str) -> None:
     """Fill "auto" grad_accum_dtype / communication_data_type (`_gradient_dtype`); an explicit
     one is the user's choice, refused only where DeepSpeed would refuse it at start-up."""
-    grads = _gradient_dtype(precision, zero_stage=zero_stage)
+    grads = _gradient_dtype(precision, zero_stage=zero_stage, pipeline=pipeline)
     data_types = ds.setdefault("data_types", {})
     for section, key in ((data_types, "grad_accum_dtype"), (ds, "communication_data_type")):
         if section.get(key, AUTO) == AUTO:
             section[key] = grads
     model = _gradient_dtype(precision, zero_stage=0)
-    if zero_stage == 0 and data_types["grad_accum_dtype"] != model:
+    if zero_stage == 0 and data_types["grad_accum_dtype"] not in (model, grads):
         raise ConfigError(f"{where}: data_types.grad_accum_dtype="
                           f"{data_types['grad_accum_dtype']!r} needs ZeRO >= 1 (DeepSpeed sums "
                           f"ZeRO-0 gradients in the model's dtype, {model!r}): set it to \"auto\"")
@@ -351,7 +353,8 @@ def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
     fp16 = ds.setdefault("fp16", {})
     _fill(bf16, "enabled", precision == Precision.BF16, where="bf16.")
     _fill(fp16, "enabled", precision == Precision.FP16, where="fp16.")
-    _resolve_gradient_dtypes(ds, precision, zero_stage=stage, where=where_file)
+    _resolve_gradient_dtypes(ds, precision, zero_stage=stage, pipeline=layout.pipeline > 1,
+                             where=where_file)
 
     left = _find_auto(ds)
     if left:

@@ -6,8 +6,10 @@ schedule is ours (`warmup_cosine`), so the DeepSpeed config carries no "schedule
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,40 @@ def forget_the_construction_step(engine: deepspeed.DeepSpeedEngine) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def bf16_pipelines_sum_gradients_in_fp32() -> Iterator[None]:
+    """Let DeepSpeed build a bf16 pipeline at ZeRO-0 whose gradients are summed in fp32.
+
+    DeepSpeed's pipeline engine steps bf16 at ZeRO-0 with its BF16_Optimizer, which sums each
+    micro-batch's bf16 gradients into a buffer of `data_types.grad_accum_dtype` (the same
+    optimizer does it in fp32 at ZeRO-1). Its start-up check refuses fp32 there without ZeRO
+    (`_do_optimizer_sanity_check`: "unsupported mix"), so the sum would stay in bf16, where
+    terms below 1/256 of the running sum are lost. For that one case the check answers what it
+    answers at ZeRO-1, while the engine is built."""
+    from deepspeed.runtime.constants import BFLOAT16
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    name = "_do_optimizer_sanity_check"
+    deepspeeds = getattr(PipelineEngine, name)
+    own = name in PipelineEngine.__dict__
+
+    def sanity_check(engine, basic_optimizer):
+        model_dtype, grad_dtype = engine.get_data_types()
+        if (not engine.zero_optimization() and model_dtype == torch.bfloat16
+                and grad_dtype == torch.float32):
+            return BFLOAT16
+        return deepspeeds(engine, basic_optimizer)
+
+    setattr(PipelineEngine, name, sanity_check)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(PipelineEngine, name, deepspeeds)
+        else:
+            delattr(PipelineEngine, name)
+
+
 def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
                  main: bool) -> deepspeed.DeepSpeedEngine:
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
@@ -112,15 +148,16 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     flat = ModelForm.of(model) is ModelForm.FLAT
     if is_mup(cfg.model):
         log(f"[mup] parametrization {describe(cfg.model)}", main=main)
-    engine, _, _, _ = deepspeed.initialize(
-        # per-group lr (muP: hidden matrices lr/m); the schedule multiplies each group's lr
-        model=model, model_parameters=param_groups(model, cfg.train.weight_decay, cfg=cfg.model,
-                                                   lr=cfg.train.lr),
-        config=ds_config,
-        # without it DeepSpeed treats every rank as data parallel; a PipelineModule brings its
-        # own grid (DeepSpeed asserts mpu is None)
-        mpu=groups.mpu if flat else None,
-        lr_scheduler=_lr_schedule(cfg.train))
+    with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32():
+        engine, _, _, _ = deepspeed.initialize(
+            # per-group lr (muP: hidden matrices lr/m); the schedule multiplies each group's lr
+            model=model, model_parameters=param_groups(model, cfg.train.weight_decay,
+                                                       cfg=cfg.model, lr=cfg.train.lr),
+            config=ds_config,
+            # without it DeepSpeed treats every rank as data parallel; a PipelineModule brings
+            # its own grid (DeepSpeed asserts mpu is None)
+            mpu=groups.mpu if flat else None,
+            lr_scheduler=_lr_schedule(cfg.train))
     if not flat and zero_stage(ds_config) == 0:
         clip_by_the_whole_models_norm(engine, groups)
     forget_the_construction_step(engine)

@@ -147,6 +147,19 @@ def test_bf16_gradients_are_summed_and_reduced_in_fp32_under_zero(tmp_path, prec
     assert ds["communication_data_type"] == grads
 
 
+@pytest.mark.parametrize("precision, grads", [("bf16", "fp32"), ("fp32", "fp32"), ("fp16", "fp16")])
+def test_pipelines_at_zero0_sum_bf16_gradients_in_fp32(tmp_path, precision, grads):
+    """A bf16 pipeline at ZeRO-0 steps in DeepSpeed's BF16_Optimizer, which sums gradients in
+    grad_accum_dtype: fp32, like ZeRO >= 1 (an explicit bf16 stays the user's choice)."""
+    zero0 = json.load(open("ds_configs/zero0.json"))
+    ds = _resolve(tmp_path, zero0, [f"train.precision={precision}", "parallel.pipeline=2"], world=4)
+    assert (ds["data_types"]["grad_accum_dtype"], ds["communication_data_type"]) == (grads, grads)
+    if precision == "bf16":
+        explicit = {**zero0, "data_types": {"grad_accum_dtype": "bf16"}}
+        ds = _resolve(tmp_path, explicit, ["train.precision=bf16", "parallel.pipeline=2"], world=4)
+        assert ds["data_types"]["grad_accum_dtype"] == "bf16"
+
+
 @pytest.mark.parametrize("ds, overrides, message", [
     ({"train_batch_size": 16}, [], "train_batch_size=16 contradicts the run config, which gives 8"),
     ({"gradient_accumulation_steps": 1}, [], "gradient_accumulation_steps=1 contradicts"),

@@ -299,3 +299,43 @@ def test_bf16_zero0_first_update_is_adams_first_step(tmp_path):
     assert result["steps"] == {1}, result
     assert result["norm_delta_max"] <= result["lr"] * (1 + 1e-6), result
     assert result["norm_delta_median"] > 0.99 * result["lr"], result
+
+
+def _bf16_pipeline_gradient_sums(rank: int, world_size: int, ds_json: str) -> dict:
+    """Build the tiny model's bf16 pipeline (pp 2, ZeRO-0) and sum 1 + 64 x 2**-10 into each
+    gradient through the optimizer's own accumulation (`update_hp_grads`, what DeepSpeed runs
+    after every micro-batch's backward). fp32 holds 1.0625 exactly; bf16 (8-bit mantissa,
+    spacing 2**-7 at 1) rounds every 1 + 2**-10 back to 1."""
+    from pretrain.config import load_config
+    from pretrain.dist import init_deepspeed_comm
+    from pretrain.ds_config import resolve_ds_config
+    from pretrain.engine import build_engine
+    from pretrain.topology import Topology
+
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)
+    cfg = load_config(None, ["model.preset=tiny", "train.precision=bf16", f"deepspeed={ds_json}",
+                             "parallel.pipeline=2", "train.micro_batch_size=2",
+                             "train.global_batch_size=4"])
+    ds_config = resolve_ds_config(cfg, world_size=world_size)
+    groups = Topology(tensor=1, pipeline=2, world_size=world_size, rank=rank).create_groups()
+    engine = build_engine(cfg, ds_config, groups, main=rank == 0)
+    optimizer = engine.optimizer
+    lows = [p for group in optimizer.bf16_groups for p in group]
+    for value, times in ((1.0, 1), (2.0**-10, 64)):
+        for _ in range(times):
+            for p in lows:
+                p.grad = torch.full_like(p, value)
+            optimizer.update_hp_grads()
+    sums = torch.cat([g.flatten() for g in optimizer.fp32_groups_actual_gradients_flat])
+    return {"optimizer": type(optimizer).__name__,
+            "buffer_dtypes": sorted({str(g.dtype) for g in optimizer.fp32_groups_gradients_flat}),
+            "sums": sorted({float(v) for v in sums.unique()})}
+
+
+def test_bf16_pipeline_at_zero0_sums_gradients_in_fp32(tmp_path):
+    results = run_on_ranks(_bf16_pipeline_gradient_sums, world_size=2, tmp_path=tmp_path,
+                           args=(str(REPO / "ds_configs" / "zero0.json"),), timeout_s=300)
+    for result in results:  # both stages
+        assert result["optimizer"] == "BF16_Optimizer", result
+        assert result["buffer_dtypes"] == ["torch.float32"], result
+        assert result["sums"] == [1.0625], result
