@@ -11,8 +11,13 @@ Bytes per parameter (P = compute dtype bytes: 2 for bf16/fp16, 4 for fp32):
 ==========  =======  =====  =====================================================
 precision   params   grads  optimizer (sharded by dp from ZeRO 1)
 ==========  =======  =====  =====================================================
-bf16/fp16   2        2      12: fp32 master + Adam m + v (bf16 at ZeRO 0 keeps no
-                            master: 8, as counted in DeepSpeed 0.19.8)
+bf16/fp16   2        2      12: fp32 master + Adam m + v
+bf16, BF16  2        2 + 4  12, sharded by dp at ZeRO 0 too: DeepSpeed's
+_Optimizer                  BF16_Optimizer (ZeRO 1 without offload; pipelines at
+                            ZeRO 0) sums the bf16 gradients into an fp32 buffer
+                            of the whole stage, never sharded
+bf16 ZeRO 0 2        2 + 4  12, not sharded (FP16_UnfusedOptimizer: fp32 masters,
+(flat)                      gradients widened to fp32 at the step)
 fp32        4        4      8 at ZeRO 0 (m + v); 12 from ZeRO 1 (DeepSpeed clones
                             an fp32 master partition even of fp32 weights)
 ==========  =======  =====  =====================================================
@@ -30,6 +35,16 @@ from pretrain.config import ModelConfig, Precision
 from pretrain.layout import Layout
 
 GB = 2**30
+
+
+def steps_with_bf16_optimizer(layout: Layout) -> bool:
+    """Whether DeepSpeed wraps the optimizer in its BF16_Optimizer: bf16 at ZeRO 1 without
+    optimizer offload, and bf16 pipelines at ZeRO 0 (DeepSpeed 0.19's
+    `DeepSpeedEngine._do_optimizer_sanity_check`). It keeps, besides the bf16 gradients, a flat
+    fp32 gradient buffer of every parameter of the stage (`fp32_groups_gradients_flat`, not
+    partitioned), and fp32 masters and Adam moments partitioned over data parallelism."""
+    return layout.precision == Precision.BF16 and layout.offload_optimizer == "none" and (
+        layout.zero_stage == 1 or (layout.zero_stage == 0 and layout.pipeline > 1))
 
 
 def bytes_per_param(layout: Layout) -> tuple[int, int, int]:
@@ -99,7 +114,11 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -
     dp = lay.data * lay.context  # ZeRO shards over every replica: data x context ranks
     params, grads, optimizer = n * p_b, n * g_b, n * o_b
     host = 0.0
-    if lay.zero_stage >= 1:
+    bf16_optimizer = steps_with_bf16_optimizer(lay)
+    if bf16_optimizer:
+        grads = n * (p_b + 4)  # bf16 gradients + the whole fp32 buffer they are summed into
+        optimizer = n * 12.0  # fp32 master + Adam m + v, sharded below even at ZeRO 0
+    if lay.zero_stage >= 1 or bf16_optimizer:
         optimizer /= dp
     if lay.zero_stage >= 2:
         grads /= dp
@@ -133,8 +152,9 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -
 
     buffers = 0.0
     if lay.zero_stage in (1, 2) or (lay.zero_stage == 0 and dp > 1):
-        buffers += min(lay.reduce_bucket, n) * g_b  # gradient reduction bucket
-    if lay.zero_stage in (1, 2):
+        # gradient reduction bucket (BF16_Optimizer reduces its fp32 buffer)
+        buffers += min(lay.reduce_bucket, n) * (4 if bf16_optimizer else g_b)
+    if lay.zero_stage in (1, 2) or bf16_optimizer:
         buffers += min(lay.allgather_bucket, n) * p_b  # parameter all-gather after the step
     if lay.zero_stage == 3:
         # Gathered 16-bit parameters: DeepSpeed keeps up to stage3_max_live_parameters (1e9 by
@@ -145,7 +165,8 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -
         layer_full = (sharded // lay.tensor + replicated) * p_b
         gathered = 2 * min(n, lay.max_live_parameters) * p_b
         buffers += max(gathered, 2 * layer_full) + min(lay.reduce_bucket, n) * g_b
-    if lay.zero_stage >= 1 and lay.offload_optimizer == "none" and lay.precision != Precision.FP32:
+    if lay.zero_stage >= 1 and lay.offload_optimizer == "none" and lay.precision != Precision.FP32 \
+            and not bf16_optimizer:
         buffers += n * 4 / dp  # fp32 gradient partition the optimizer steps on
     return MemoryBreakdown(stage=stage, parameters_count=n, params=params, grads=grads,
                            optimizer=optimizer, activations=activations, buffers=buffers,
