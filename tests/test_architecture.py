@@ -14,10 +14,11 @@ PACKAGE = REPO / "pretrain"
 # Lower layers never import higher ones; modules of one layer may import each other (no cycle).
 # The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("pretrain.errors", "pretrain.files", "pretrain.terminal", "pretrain.log"),
+    ("pretrain.errors", "pretrain.files", "pretrain.terminal", "pretrain.log", "pretrain.mounts",
+     "pretrain.file_lock"),
     ("pretrain.config",),
     ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
-     "pretrain.dist", "pretrain.hardware", "pretrain.data"),
+     "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data"),
     ("pretrain.run",),
     ("pretrain.model",),
     ("pretrain.checkpoint", "pretrain.sinks", "pretrain.profiler", "pretrain.curves",
