@@ -13,8 +13,8 @@ on compute nodes that may have no compiler, and a build cancelled with its job l
   compiles them there, and the ranks load them from that folder;
 - the pre-flight refuses a config whose op cannot load here (`load_problem`): no compiler, no
   libaio, an op the accelerator does not have;
-- a build lock older than any build, with no build process on this node, is removed and
-  reported (`clear_stale_locks`).
+- a build lock with no build process on this node, older than any build on a shared file
+  system (a minute on a node-local disk), is removed and reported (`clear_stale_locks`).
 """
 from __future__ import annotations
 
@@ -27,11 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.ds_config import offload_devices
-from pretrain.mounts import node_local_scratch
+from pretrain.mounts import network_filesystem, node_local_scratch
 
 BUILDERS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
 CPU_STAMP = "built_for_cpu.txt"  # cpu_signature() of the node that built the op
 STALE_LOCK_S = 1800.0  # longer than any op build (CPU Adam: ~45 s on 2 cores)
+# On a node-local disk only this node's processes can build: a lock this old with none of them
+# in the folder is stale (the grace covers torch taking the lock before it starts ninja).
+LOCAL_STALE_LOCK_S = 60.0
 
 
 def needed_ops(ds: dict[str, Any]) -> list[str]:
@@ -107,12 +110,15 @@ def load_problem(name: str) -> str | None:
     return None
 
 
-def clear_stale_locks(ops: list[str], ext_dir: Path, *, older_than_s: float = STALE_LOCK_S,
+def clear_stale_locks(ops: list[str], ext_dir: Path, *, older_than_s: float | None = None,
                       now: float | None = None) -> list[str]:
-    """Remove the build locks of `ops` in `ext_dir` that a dead build left: older than
-    `older_than_s` and no process on this node building in that folder (torch runs ninja and
-    the compiler there). One line per lock found, saying what was done."""
+    """Remove the build locks of `ops` in `ext_dir` that a dead build left: no process on this
+    node building in that folder (torch runs ninja and the compiler there), and older than
+    `older_than_s` (default: STALE_LOCK_S on a network file system, where another node may be
+    building, else LOCAL_STALE_LOCK_S). One line per lock found, saying what was done."""
     now = time.time() if now is None else now
+    if older_than_s is None:
+        older_than_s = STALE_LOCK_S if network_filesystem(ext_dir) else LOCAL_STALE_LOCK_S
     lines = []
     for name in ops:
         lock = ext_dir / name / "lock"
@@ -126,8 +132,8 @@ def clear_stale_locks(ops: list[str], ext_dir: Path, *, older_than_s: float = ST
             lines.append(f"[ops] {lock}: a build holds it ({age:.0f} s old, {who}): left alone")
             continue
         lock.unlink(missing_ok=True)
-        lines.append(f"[ops] {lock}: removed a stale build lock ({age / 60:.0f} min old, no "
-                     "build running on this node); a cancelled build left it")
+        lines.append(f"[ops] {lock}: removed a stale build lock ({age:.0f} s old, no build "
+                     "running on this node); a cancelled build left it")
     return lines
 
 

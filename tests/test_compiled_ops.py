@@ -67,7 +67,7 @@ def test_a_build_made_for_another_cpu_is_not_reused(tmp_path):
     assert compiled_ops._same_cpu_build(seed)
 
 
-def test_a_stale_build_lock_is_removed_and_a_live_one_left(tmp_path):
+def test_a_stale_build_lock_is_removed_and_a_live_one_left(tmp_path, monkeypatch):
     ext = tmp_path / "ext"
     for op in ("cpu_adam", "async_io"):
         (ext / op).mkdir(parents=True)
@@ -77,8 +77,17 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_left(tmp_path):
     lines = compiled_ops.clear_stale_locks(["cpu_adam", "async_io"], ext)
     assert not (ext / "cpu_adam" / "lock").exists()
     assert (ext / "async_io" / "lock").exists()  # young: a build may hold it
-    assert "removed a stale build lock (31 min old, no build running on this node)" in lines[0]
+    assert "removed a stale build lock (1860 s old, no build running on this node)" in lines[0]
     assert "a build holds it" in lines[1] and "no process on this node" in lines[1]
+
+    # two minutes old: stale on a node-local disk, not where another node may be building
+    minutes = time.time() - 120
+    os.utime(ext / "async_io" / "lock", (minutes, minutes))
+    monkeypatch.setattr(compiled_ops, "network_filesystem", lambda path: "lustre")
+    assert "a build holds it" in compiled_ops.clear_stale_locks(["async_io"], ext)[0]
+    monkeypatch.setattr(compiled_ops, "network_filesystem", lambda path: None)
+    assert "removed a stale build lock" in compiled_ops.clear_stale_locks(["async_io"], ext)[0]
+    (ext / "async_io" / "lock").touch()
 
     # old, but a process works in the folder (torch runs ninja and the compiler there)
     os.utime(ext / "async_io" / "lock", (old, old))
