@@ -37,7 +37,7 @@ def _save(rank: int, world_size: int, out_dir: str) -> None:
 
     from pretrain import checkpoint
     from pretrain.config import load_config
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.engine import param_groups
     from pretrain.model import build_model
 

@@ -308,7 +308,7 @@ def _bf16_pipeline_gradient_sums(rank: int, world_size: int, ds_json: str) -> di
     spacing 2**-7 at 1) rounds every 1 + 2**-10 back to 1."""
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.ds_config import resolve_ds_config
+    from pretrain.run import resolve_ds_config
     from pretrain.engine import build_engine
     from pretrain.topology import Topology
 
