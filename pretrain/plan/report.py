@@ -7,7 +7,7 @@ from pretrain.hardware import format_flops
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
 from pretrain.plan.memory import GB
 from pretrain.layout import Layout
-from pretrain.plan.search import Plan, engine_key
+from pretrain.plan.search import MEMORY_MARGIN_REASON, Plan, engine_key, keeps_margin
 
 
 def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerator: str) -> str:
@@ -73,37 +73,116 @@ def selecting_arguments(layout: Layout, ds_config: str) -> str:
 
 
 def format_search(plans: list[Plan], cluster: Cluster, *, top: int,
-                  ds_configs: dict[tuple[int, str, str], str],
+                  ds_configs: dict[tuple[int, str, str], str], margin: float,
                   current: tuple[Plan | None, str] | None = None) -> str:
-    """The fastest `top` of the layouts that fit, one line each and the arguments that select
-    it under it; then where `current` (the config's own plan, or None and why) ranks."""
+    """The fastest `top` of the layouts that keep `margin`, one line each and the arguments that
+    select it under it; then where `current` (the config's own plan, or None and why) ranks,
+    how far it is from the fastest and which parts of the step cost the difference."""
     lines = [f"[plan] {len(plans)} layouts of {cluster.world_size} GPUs ({cluster.nodes} x "
-             f"{cluster.gpus_per_node} {cluster.name}) fit; the fastest {min(top, len(plans))}:",
+             f"{cluster.gpus_per_node} {cluster.name}) fit with the memory margin; the fastest "
+             f"{min(top, len(plans))}:",
              f"  {'#':>3}  {'layout':<58}{'memory':>9}{'tokens/s':>12}{'MFU':>7}"]
     for i, p in enumerate(plans[:top], 1):
         lines += [f"  {i:>3}  {p.layout.describe():<58}{p.memory.total / GB:8.1f}G"
                   f"{p.tokens_per_s:12,.0f}{100 * p.mfu:6.1f}%",
                   f"       {selecting_arguments(p.layout, ds_configs[engine_key(p.layout)])}"]
+    if plans:
+        lines.append(margin_line(margin, plans[0].memory_limit_gb))
     if current is not None:
-        lines.append(f"this config: {_current_rank(plans, *current)}")
+        lines.append(f"this config: {_current_rank(plans, *current, margin=margin)}")
     return "\n".join(lines)
 
 
-def _current_rank(plans: list[Plan], plan: Plan | None, why: str) -> str:
-    where = current_rank(plans, plan, why)
+def margin_line(margin: float, limit_gb: float) -> str:
+    return (f"memory margin {margin:.0%} (--memory-margin {margin:g}): a layout is ranked when "
+            f"its predicted memory x {1 + margin:.2f} fits the {limit_gb:.1f} GB usable (at most "
+            f"{limit_gb / (1 + margin):.1f} GB predicted); {MEMORY_MARGIN_REASON}")
+
+
+def _current_rank(plans: list[Plan], plan: Plan | None, why: str, *, margin: float) -> str:
+    where = current_rank(plans, plan, why, margin=margin)
     if not where["ok"]:
         return why
     described = f"{where['layout']}, {where['tokens_per_s']:,.0f} tokens/s"
     if not where["fits"]:
         return f"{described}: does not fit ({plan.memory.total / GB:.1f} GB per GPU)"
-    return f"{described}: #{where['rank']} of {len(plans)}"
+    kept = "" if where["keeps_margin"] else \
+        f" (unranked: {plan.memory.total / GB:.1f} GB does not keep the margin)"
+    if not plans:
+        return f"{described}{kept}"
+    return (f"{described}: #{where['rank']} of {len(plans)}{kept}; "
+            f"{slowdown_text(plan, plans[0])}")
 
 
-def current_rank(plans: list[Plan], plan: Plan | None, why: str) -> dict:
+def current_rank(plans: list[Plan], plan: Plan | None, why: str, *, margin: float) -> dict:
     """`format_search`'s last line as JSON."""
     if plan is None:
         return {"ok": False, "reason": why}
-    return {"ok": True, "layout": plan.layout.describe(), "tokens_per_s": plan.tokens_per_s,
-            "fits": plan.fits,
-            "rank": 1 + sum(p.tokens_per_s > plan.tokens_per_s for p in plans) if plan.fits
-            else None}
+    where = {"ok": True, "layout": plan.layout.describe(), "tokens_per_s": plan.tokens_per_s,
+             "fits": plan.fits, "keeps_margin": keeps_margin(plan, margin),
+             "rank": 1 + sum(p.tokens_per_s > plan.tokens_per_s for p in plans) if plan.fits
+             else None}
+    if plans:
+        where.update(times_slower=times_slower(plan, plans[0]),
+                     step_difference_s=step_difference(plan, plans[0]))
+    return where
+
+
+# The parts of a step, compute split into the model's FLOPs and recomputation's.
+STEP_TERMS = {"compute": "compute", "recompute": "recomputation",
+              "tensor_comm": "tensor-parallel communication",
+              "context_comm": "context-parallel all-to-alls", "bubble": "pipeline bubble",
+              "pipeline_comm": "pipeline point-to-point", "data_comm": "data-parallel communication",
+              "offload": "offload"}
+SLOWER_THAN_BEST = 0.10  # the pre-flight warns past this: the best predicted 1.10x faster
+
+
+def step_terms(plan: Plan) -> dict[str, float]:
+    """Seconds per step of each of `STEP_TERMS`."""
+    t = plan.time
+    model_share = plan.mfu / plan.hfu if plan.hfu else 1.0
+    return {"compute": t.compute * model_share, "recompute": t.compute * (1 - model_share),
+            "tensor_comm": t.tensor_comm, "context_comm": t.context_comm, "bubble": t.bubble,
+            "pipeline_comm": t.pipeline_comm, "data_comm": t.data_comm, "offload": t.offload}
+
+
+def times_slower(plan: Plan, best: Plan) -> float:
+    """How many times longer `plan` takes than `best` for the same tokens."""
+    return best.tokens_per_s / plan.tokens_per_s
+
+
+def step_difference(plan: Plan, best: Plan) -> dict[str, float]:
+    """Seconds each term of `plan`'s step takes more than `best`'s (negative: less), `plan`'s
+    scaled to `best`'s global batch, largest first."""
+    scale = best.layout.global_batch / plan.layout.global_batch
+    ours, theirs = step_terms(plan), step_terms(best)
+    diff = {k: ours[k] * scale - theirs[k] for k in STEP_TERMS}
+    return dict(sorted(diff.items(), key=lambda kv: -kv[1]))
+
+
+def slowdown_text(plan: Plan, best: Plan, *, best_is: str = "#1") -> str:
+    """'1.52x slower than #1 (tp4 ...): of the 15.0 s more per step, recomputation +8.2 s,
+    ...': the terms that moved by at least 1% of `best`'s step."""
+    ratio = times_slower(plan, best)
+    if ratio <= 1.0:
+        return f"as fast as {best_is}"
+    diff = step_difference(plan, best)
+    shown = [f"{STEP_TERMS[k]} {v:+.2f} s" for k, v in diff.items()
+             if abs(v) >= 0.01 * best.time.step]
+    return (f"{ratio:.2f}x slower than {best_is} ({best.layout.describe()}): of the "
+            f"{sum(diff.values()):.2f} s more per step, " + ", ".join(shown))
+
+
+def slower_layout_warnings(plan: Plan, plans: list[Plan], *, margin: float,
+                           ds_configs: dict[tuple[int, str, str], str]) -> list[str]:
+    """A warning when `plan` is predicted more than `SLOWER_THAN_BEST` slower than the fastest
+    of `plans` (a search with `margin`), naming the arguments of that one; else []."""
+    if not plans or times_slower(plan, plans[0]) <= 1 + SLOWER_THAN_BEST:
+        return []
+    best = plans[0]
+    fastest = f"the fastest layout with a {margin:.0%} memory margin"
+    return [f"this layout ({plan.layout.describe()}, {plan.tokens_per_s:,.0f} tokens/s) is "
+            f"predicted {slowdown_text(plan, best, best_is=fastest)}; that one "
+            f"({best.tokens_per_s:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%, "
+            f"{best.memory.total / GB:.1f} GB per GPU): "
+            f"{selecting_arguments(best.layout, ds_configs[engine_key(best.layout)])}"]

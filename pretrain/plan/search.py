@@ -77,12 +77,34 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# What `pretrain plan --search` keeps free beyond the planner's count: bf16 runs measured peaks
+# up to 1.19x the predicted one (ZeRO-2/3, states + activations + buffers; BENCHMARKS.md,
+# "Predicted vs measured peak memory per rank"), an overhead the model does not explain yet.
+DEFAULT_MEMORY_MARGIN = 0.20
+MEMORY_MARGIN_REASON = "bf16 runs measured up to 1.19x the predicted peak"
+
+
+def keeps_margin(plan: Plan, margin: float) -> bool:
+    """Whether `plan` still fits its GPUs' usable memory if the real peak is (1 + margin) x
+    the predicted one."""
+    return plan.memory.total / GB * (1 + margin) <= plan.memory_limit_gb
+
+
+def check_margin(margin: float) -> float:
+    if not 0 <= margin < 1:
+        raise ConfigError(f"memory margin {margin}: give a fraction of the predicted memory "
+                          f"in [0, 1), e.g. {DEFAULT_MEMORY_MARGIN} for "
+                          f"{DEFAULT_MEMORY_MARGIN:.0%}")
+    return margin
+
+
 def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
            precision: Precision = Precision.BF16, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
            allow_offload: bool = True,
            engines: set[tuple[int, str, str]] | None = None,
-           contexts: tuple[int, ...] | None = None) -> list[Plan]:
-    """Every valid layout of `cluster.world_size` GPUs that fits, fastest first.
+           contexts: tuple[int, ...] | None = None, memory_margin: float = 0.0) -> list[Plan]:
+    """Every valid layout of `cluster.world_size` GPUs that fits with `memory_margin` to spare
+    (`keeps_margin`), fastest first.
 
     TP stays inside a node (powers of two dividing the GPUs per node), and so does TP x context
     (context parallelism, powers of two; `contexts`: the sizes to consider, by default
@@ -92,6 +114,7 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
     passes those a shipped DeepSpeed JSON selects).
     """
+    check_margin(memory_margin)
     world = cluster.world_size
     base = Layout(precision=precision, global_batch=global_batch)
     plans = []
@@ -118,7 +141,7 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
                 plan = estimate(model, layout, cluster)
             except ConfigError:
                 continue
-            if plan.fits:
+            if plan.fits and keeps_margin(plan, memory_margin):
                 plans.append(plan)
     plans.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     return plans
