@@ -1,8 +1,10 @@
 #!/bin/bash
 # Llama-2-13B pretraining (configs/llama_13b.yaml) on 16 nodes x 8 GPUs (80 GB) = 128 GPUs:
-#   tensor parallel 8 inside each node, no pipeline, data parallel 128 / 8 = 16 with ZeRO-1
-#   (ds_configs/zero1.json), bf16, sequence 4096, global batch 1024 sequences = 4.2M tokens a step
-#   (micro-batch 1 x 64 accumulation steps x dp 16), full activation recomputation.
+#   tensor parallel 2 with sequence parallelism, no pipeline, data parallel 128 / 2 = 64 with
+#   ZeRO-2 (ds_configs/zero2.json), bf16, sequence 4096, global batch 1024 sequences = 4.2M tokens
+#   a step (micro-batch 2 x 8 accumulation steps x dp 64), no activation recomputation: the
+#   planner's fastest layout with a 20% memory margin (`pretrain plan --config
+#   configs/llama_13b.yaml --world-size 128 --search`).
 #
 #   sbatch slurm/pretrain_13b.sh [--set section.key=value ...]
 #   # log: llama13b-<job id>.out here, copied to runs/slurm/llama13b-<job id>.out

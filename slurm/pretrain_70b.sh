@@ -1,9 +1,11 @@
 #!/bin/bash
 # Llama-2-70B pretraining (configs/llama_70b.yaml) on 16 nodes x 8 GPUs (80 GB, e.g. H100) = 128 GPUs:
-#   tensor parallel 8 inside each node (NVLink), pipeline parallel 4 across nodes (1F1B, 20 layers
-#   a stage), data parallel 128 / (8 x 4) = 4 with ZeRO-1 (ds_configs/zero1.json), bf16 with fp32
-#   master weights, sequence 4096, global batch 1024 sequences = 4.2M tokens a step (micro-batch 1 x
-#   256 accumulation steps x dp 4), full activation recomputation.
+#   tensor parallel 4 with sequence parallelism inside a node (NVLink), pipeline parallel 8 across
+#   nodes (1F1B, 10 layers a stage), data parallel 128 / (4 x 8) = 4 with ZeRO-1
+#   (ds_configs/zero1.json), bf16 with fp32 master weights, sequence 4096, global batch 1024
+#   sequences = 4.2M tokens a step (micro-batch 1 x 256 accumulation steps x dp 4), no activation
+#   recomputation: the planner's fastest layout with a 20% memory margin (`pretrain plan --config
+#   configs/llama_70b.yaml --world-size 128 --search`).
 #
 #   sbatch slurm/pretrain_70b.sh [--set section.key=value ...]
 #   # log: llama70b-<job id>.out here, copied to runs/slurm/llama70b-<job id>.out

@@ -1,8 +1,10 @@
 #!/bin/bash
 # Llama-2-7B pretraining (configs/llama_7b.yaml) on 8 nodes x 8 GPUs (80 GB) = 64 GPUs:
-#   tensor parallel 4 inside each node, no pipeline, data parallel 64 / 4 = 16 with ZeRO-1
-#   (ds_configs/zero1.json), bf16, sequence 4096, global batch 1024 sequences = 4.2M tokens a step
-#   (micro-batch 1 x 64 accumulation steps x dp 16), full activation recomputation.
+#   tensor parallel 2 with sequence parallelism, no pipeline, data parallel 64 / 2 = 32 with
+#   ZeRO-3 (ds_configs/zero3.json), bf16, sequence 4096, global batch 1024 sequences = 4.2M tokens
+#   a step (micro-batch 4 x 8 accumulation steps x dp 32), no activation recomputation: the
+#   planner's fastest layout with a 20% memory margin (`pretrain plan --config
+#   configs/llama_7b.yaml --world-size 64 --search`).
 #
 #   sbatch slurm/pretrain_7b.sh [--set section.key=value ...]
 #   # log: llama7b-<job id>.out here, copied to runs/slurm/llama7b-<job id>.out

@@ -184,7 +184,7 @@ def test_preflight_refuses_a_config_that_does_not_fit_the_world(tmp_path):
 
 def test_preflight_plans_for_the_gpus_of_the_node_and_refuses_what_does_not_fit(tmp_path):
     """The batch script's node lists 8 x 16 GiB GPUs (a stand-in nvidia-smi): the 70B recipe's
-    ~24 GB per GPU does not fit, so the pre-flight prints the plan and exits 2 before srun; on
+    ~55 GB per GPU does not fit, so the pre-flight prints the plan and exits 2 before srun; on
     80 GiB GPUs it fits and records the run."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -23,17 +23,17 @@ def _pretrain(args: list[str], *, prelude: str = "",
 
 
 def test_every_rank_of_the_70b_recipe_builds_as_planned():
-    """TP 8 x PP 4 x DP 4: 32 distinct ranks, each the planner's stage parameters."""
+    """TP 4 x PP 8 x DP 4: 32 distinct ranks, each the planner's stage parameters."""
     run = _pretrain(PLAN_70B + ["--json"])
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout)["builds"]
     assert sorted((b["stage"], b["tensor_rank"]) for b in builds) == \
-        [(s, t) for s in range(4) for t in range(8)]
+        [(s, t) for s in range(8) for t in range(4)]
     assert all(b["built"] == b["planned"] for b in builds)
-    # 80 layers over 4 stages of 20, the embedding on the first, norm + head on the last
+    # 80 layers over 8 stages of 10, the embedding on the first, norm + head on the last
     by_stage = {b["stage"]: b["built"] for b in builds}
-    assert by_stage[1] == by_stage[2] < by_stage[0] < by_stage[3]
-    assert {b["rank"] for b in builds if b["stage"] == 3} == set(range(96, 104))
+    assert by_stage[1] == by_stage[6] < by_stage[0] < by_stage[7]
+    assert {b["rank"] for b in builds if b["stage"] == 7} == set(range(112, 116))
 
 
 def test_zero3_tp2_layout_of_70b_builds_shards_of_the_whole_model():
