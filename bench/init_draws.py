@@ -1,10 +1,11 @@
-"""Start-up cost of initialising one rank of the 70B recipe: blocked draws against whole ones.
+"""Start-up cost of initialising one rank of the 70B model at TP 8: blocked draws against whole ones.
 
-Each tensor-parallel rank of `configs/llama_70b.yaml` (TP 8) holds 1/8 of each decoder layer.
+Each tensor-parallel rank of `configs/llama_70b.yaml`'s model at TP 8 (the recipe's layout when
+this was measured; it now ships TP 4) holds 1/8 of each decoder layer.
 `shard_init` draws only the 128-row blocks its shard overlaps; the baseline draws each whole
 tensor (`full_parameter_init`) and cuts the rank's shard from it (`shard_of`), as every rank did
 before. Both give bitwise the same shard (checked here). Times one decoder layer of rank 3 of 8,
-best of 3 rounds each, alternating, and prints the ratio; a 70B stage holds 20 such layers.
+best of 3 rounds each, alternating, and prints the ratio; a 70B stage of 4 holds 20 such layers.
 
     .venv/bin/python bench/init_draws.py            # ~1 minute on 2 cores
 """
