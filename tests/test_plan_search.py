@@ -11,6 +11,7 @@ import pytest
 
 from pretrain.config import MODEL_PRESETS, ModelConfig, Recompute, load_config
 from pretrain.ds_config import shipped_ds_configs
+from pretrain.errors import ConfigError
 from pretrain.layout import Layout
 from pretrain.plan.clusters import make_cluster
 from pretrain.plan.dry_run import dry_run
@@ -59,7 +60,7 @@ def test_the_margin_drops_exactly_the_layouts_that_would_not_fit_that_much_large
     fits_larger = [p for p in every if p.memory.total / GB * 1.2 <= p.memory_limit_gb]
     assert 0 < len(kept) < len(every)
     assert [p.layout for p in kept] == [p.layout for p in fits_larger]
-    with pytest.raises(Exception, match="memory margin 1.5"):
+    with pytest.raises(ConfigError, match="memory margin 1.5"):
         search(LLAMA_13B, cluster, global_batch=64, memory_margin=1.5)
 
 
