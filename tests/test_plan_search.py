@@ -16,8 +16,8 @@ from pretrain.layout import Layout
 from pretrain.plan.clusters import make_cluster
 from pretrain.plan.dry_run import dry_run
 from pretrain.plan.memory import GB
-from pretrain.plan.report import (SLOWER_THAN_BEST, selecting_arguments, slower_layout_warnings,
-                                  step_difference, times_slower)
+from pretrain.plan.report import (SLOWER_THAN_BEST, selecting_arguments, step_difference,
+                                  times_slower, warnings_against_best)
 from pretrain.plan.search import (DEFAULT_MEMORY_MARGIN, engine_key, estimate, keeps_margin,
                                   search)
 from pretrain.testing.runs import REPO
@@ -79,9 +79,9 @@ def test_the_difference_to_the_best_is_split_into_the_terms_that_cost_it():
     assert diff["bubble"] == diff["pipeline_comm"] == diff["offload"] == 0
     assert times_slower(slow, best) == pytest.approx(best.tokens_per_s / slow.tokens_per_s)
     engines = shipped_ds_configs()
-    warning, = slower_layout_warnings(slow, [best], margin=0.2, ds_configs=engines)
+    warning, = warnings_against_best(slow, [best], margin=0.2, ds_configs=engines)
     assert "--set parallel.tensor=2 --set parallel.pipeline=1" in warning
-    assert slower_layout_warnings(best, [best], margin=0.2, ds_configs=engines) == []
+    assert warnings_against_best(best, [best], margin=0.2, ds_configs=engines) == []
 
 
 def _pretrain(*args: str) -> subprocess.CompletedProcess:

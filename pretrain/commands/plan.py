@@ -164,18 +164,6 @@ def _current_plan(args: argparse.Namespace, settled, cluster: Cluster):
         return None, f"does not resolve on {cluster.world_size} GPUs: {error}"
 
 
-def _slower_layout_warnings(plan, cfg: RunConfig, cluster: Cluster, *, margin: float) -> list[str]:
-    """The search's fastest layout with `margin`, when more than 10% faster than `plan`'s."""
-    from pretrain.ds_config import shipped_ds_configs
-    from pretrain.plan.report import slower_layout_warnings
-    from pretrain.plan.search import search
-
-    engines = shipped_ds_configs()
-    plans = search(cfg.model, cluster, global_batch=plan.layout.global_batch,
-                   precision=plan.layout.precision, engines=set(engines), memory_margin=margin)
-    return slower_layout_warnings(plan, plans, margin=margin, ds_configs=engines)
-
-
 def run(args: argparse.Namespace):
     """The dry run and plan of the config (a `pretrain.plan.search.Plan`), or with --search the
     ranking of every layout (None)."""
@@ -201,7 +189,9 @@ def plan_run(args: argparse.Namespace):
     resolved = dry_run(settled, world_size=world, accelerator=args.accelerator)
     plan = estimate(cfg.model, resolved.layout, cluster)
     if args.accelerator == "cuda" and world == cluster.world_size and plan.fits:
-        warnings += _slower_layout_warnings(plan, cfg, cluster, margin=_margin(args))
+        from pretrain.plan.report import slower_layout_warnings
+
+        warnings += slower_layout_warnings(cfg.model, plan, margin=_margin(args))
     builds = None
     if args.build:
         from pretrain.plan.build_check import build_distinct_ranks

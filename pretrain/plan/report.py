@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from pretrain.arithmetic import model_flops_per_token, num_parameters
-from pretrain.config import RunConfig
+from pretrain.config import ModelConfig, RunConfig
+from pretrain.ds_config import shipped_ds_configs
 from pretrain.hardware import format_flops
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
 from pretrain.plan.memory import GB
 from pretrain.layout import Layout
-from pretrain.plan.search import MEMORY_MARGIN_REASON, Plan, engine_key, keeps_margin
+from pretrain.plan.search import MEMORY_MARGIN_REASON, Plan, engine_key, keeps_margin, search
 
 
 def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerator: str) -> str:
@@ -173,8 +174,17 @@ def slowdown_text(plan: Plan, best: Plan, *, best_is: str = "#1") -> str:
             f"{sum(diff.values()):.2f} s more per step, " + ", ".join(shown))
 
 
-def slower_layout_warnings(plan: Plan, plans: list[Plan], *, margin: float,
-                           ds_configs: dict[tuple[int, str, str], str]) -> list[str]:
+def slower_layout_warnings(model: ModelConfig, plan: Plan, *, margin: float) -> list[str]:
+    """`warnings_against_best` of `plan` and a search of its cluster with `margin` (the same
+    global batch and precision, the engines a shipped DeepSpeed JSON selects)."""
+    engines = shipped_ds_configs()
+    plans = search(model, plan.cluster, global_batch=plan.layout.global_batch,
+                   precision=plan.layout.precision, engines=set(engines), memory_margin=margin)
+    return warnings_against_best(plan, plans, margin=margin, ds_configs=engines)
+
+
+def warnings_against_best(plan: Plan, plans: list[Plan], *, margin: float,
+                          ds_configs: dict[tuple[int, str, str], str]) -> list[str]:
     """A warning when `plan` is predicted more than `SLOWER_THAN_BEST` slower than the fastest
     of `plans` (a search with `margin`), naming the arguments of that one; else []."""
     if not plans or times_slower(plan, plans[0]) <= 1 + SLOWER_THAN_BEST:
