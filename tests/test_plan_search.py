@@ -14,7 +14,7 @@ from pretrain.ds_config import shipped_ds_configs
 from pretrain.errors import ConfigError
 from pretrain.layout import Layout
 from pretrain.plan.clusters import make_cluster
-from pretrain.plan.dry_run import dry_run
+from pretrain.plan.dry_run import dry_run, settle_for_plan
 from pretrain.plan.memory import GB
 from pretrain.plan.report import (SLOWER_THAN_BEST, selecting_arguments, step_difference,
                                   times_slower, warnings_against_best)
@@ -44,7 +44,8 @@ def test_each_recipe_is_within_10_percent_of_the_best_layout_with_the_margin(rec
     no layout the search ranks is predicted more than 10% faster."""
     cluster = _documented_cluster(recipe)
     cfg = load_config(REPO / "configs" / f"{recipe}.yaml")
-    layout = dry_run(cfg, world_size=cluster.world_size, accelerator="cuda")[1]
+    settled = settle_for_plan(cfg, on_this_machine=False)
+    layout = dry_run(settled, world_size=cluster.world_size, accelerator="cuda").layout
     own = estimate(cfg.model, layout, cluster)
     plans = search(cfg.model, cluster, global_batch=layout.global_batch,
                    precision=layout.precision, engines=set(shipped_ds_configs()),
