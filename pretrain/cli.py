@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         # Validation errors are the same on every rank: one line from rank 0 is enough.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+        # bad input exits 2; an error more nodes would cure carries its own (requeue) status
+        sys.exit(getattr(exc, "exit_code", EXIT_USER_ERROR))
 
 
 if __name__ == "__main__":

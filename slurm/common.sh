@@ -68,7 +68,7 @@ echo "[slurm] job $SLURM_JOB_ID attempt $ATTEMPT: $NNODES nodes (${NODES[*]}) x 
 # ---- pre-flight: fail in seconds, before any rank starts, with the reason in this log --------
 preflight() {  # `pretrain plan` (layout, per-GPU memory), then the record in $LOG_DIR
   python -m pretrain launch preflight --world-size "$WORLD_SIZE" --accelerator "$DS_ACCELERATOR" \
-    --log-dir "$LOG_DIR" "${RUN_ARGS[@]}"
+    --ranks-per-node "$TASKS_PER_NODE" --log-dir "$LOG_DIR" "${RUN_ARGS[@]}"
 }
 
 # ---- compiled DeepSpeed ops: built once per node before the ranks start -----------------------
@@ -90,11 +90,13 @@ prepare_ops() {
 
 # ---- train: one task per rank; discover_world maps SLURM_PROCID/NTASKS/LOCALID ---------------
 # `--signal=B:USR1@N` signals only this shell: pass it to the ranks, which save a checkpoint and
-# exit 75 (EXIT_REQUEUE). Sets JOB_RC (2 when the pre-flight refused the config).
+# exit 75 (EXIT_REQUEUE). Sets JOB_RC (the pre-flight's status when it refused: 2 for the
+# config, 75 for an allocation smaller than one model replica, which a requeue may cure).
+# Ranks the layout or the batch cannot use sit idle and exit with the job (pretrain/world_fit.py).
 forward_usr1() { echo "[slurm] USR1: asking the ranks to checkpoint and stop"; kill -USR1 "$SRUN_PID" 2>/dev/null || true; }
 run_training() {
   JOB_RC=0
-  preflight || { JOB_RC=2; return 0; }
+  preflight || { JOB_RC=$?; return 0; }
   prepare_ops || { echo "[slurm] building DeepSpeed's ops failed on a node (see above)"; JOB_RC=3; return 0; }
   trap forward_usr1 USR1
   # --cpus-per-task explicitly: srun of Slurm 22.05-23.02 does not inherit it from sbatch, and
@@ -119,7 +121,7 @@ run_training() {
 finish_job() {
   case $JOB_RC in
     0) echo "[slurm] training finished" ;;
-    75) echo "[slurm] checkpoint saved after a stop request: requeueing job $SLURM_JOB_ID"
+    75) echo "[slurm] checkpoint saved after a stop request, or too few nodes for one model replica: requeueing job $SLURM_JOB_ID"
         scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;
     2) echo "[slurm] error in the run's input (exit 2, see above): fix it and resubmit; not requeued" ;;
     *) echo "[slurm] training failed with exit $JOB_RC (3: a rank faulted or a collective timed out)" ;;

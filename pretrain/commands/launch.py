@@ -10,9 +10,11 @@ launcher call. What needs logic lives here, where it is unit tested:
   runners (pdsh, ssh, slurm) export to every rank: the variables that must be the same everywhere;
 - `preflight`: `pretrain plan --build` for the job's world size before any rank starts (layout,
   memory per GPU of the GPUs `nvidia-smi` lists on the node unless `--gpu-memory-gb` is given;
-  exit 2 with one `error:` line for a config that does not fit), then the resolved run config,
-  the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory; a config
-  whose compiled DeepSpeed ops cannot load here is refused (`compiled_ops`);
+  exit 2 with one `error:` line for a config that does not fit, 75 for a job smaller than one
+  model replica, which more nodes cure), planned for the ranks `pretrain train` will use of the
+  job's (`pretrain.world_fit`), with the recipe's usable node counts; then the resolved run
+  config, the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory;
+  a config whose compiled DeepSpeed ops cannot load here is refused (`compiled_ops`);
 - `build-ops`: those ops built (or copied from the set-up's builds) before the ranks start:
   `launch/setup_env.sh --ops` into `.build/`, a Slurm job once per node into node-local scratch.
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from pretrain import compiled_ops
 from pretrain.commands import plan as plan_command
+from pretrain.config import add_config_arguments, config_overrides, load_config
 from pretrain.errors import ConfigError
 from pretrain.files import git_commit
 
@@ -150,7 +153,7 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     if not args.world_size or args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: need the job's number of ranks (>= 1)")
     args.build = not args.no_build
-    gpus_seen = _gpus_of_this_node(args)
+    gpus_seen = _gpus_of_this_node(args) + _fit_world(args)
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
@@ -187,6 +190,27 @@ def check_compiled_ops(ds: dict, *, where: str) -> list[str]:
     return ops
 
 
+def _fit_world(args: argparse.Namespace) -> str:
+    """The node counts on which every rank of the recipe trains, and the world `pretrain
+    train` will use of this job's (`args.world_size` becomes it): lines for the plan text.
+    `WorldTooSmall` (exit 75, requeue) when the job cannot hold one model replica."""
+    from pretrain import world_fit
+
+    cfg = load_config(args.config, config_overrides(args))
+    per_node = args.ranks_per_node or args.world_size
+    nodes = max(1, args.world_size // per_node)
+    counts = world_fit.usable_node_counts(cfg, ranks_per_node=per_node, up_to=max(16, 2 * nodes))
+    fit = world_fit.fit_of_config(cfg, args.world_size)
+    lines = [f"[preflight] usable node counts ({per_node} ranks a node, every rank training): "
+             f"{', '.join(map(str, counts)) or 'none up to ' + str(max(16, 2 * nodes))}; other "
+             "counts at least one replica large train on the largest usable set of ranks and "
+             "leave the rest idle"]
+    if fit.idle:
+        lines.append(fit.describe().replace("[world]", "[preflight]"))
+        args.world_size = fit.used
+    return "".join(line + "\n" for line in lines)
+
+
 def _gpus_of_this_node(args: argparse.Namespace) -> str:
     """Plan for the GPUs the job has: unless --gpu-memory-gb is given, the memory of the
     smallest GPU `nvidia-smi` lists on this node (the batch script runs on the job's first
@@ -214,11 +238,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e = sub.add_parser("env-file", help="write DeepSpeed's .deepspeed_env for every rank")
     e.add_argument("--output", default=".deepspeed_env")
     e.add_argument("--var", action="append", default=[], help="also pass this variable (repeatable)")
+    n = sub.add_parser("nodes", help="the node counts between --min-nodes and --max-nodes on "
+                                      "which the recipe trains; prints the smallest usable one")
+    add_config_arguments(n)
+    n.add_argument("--ranks-per-node", type=int, required=True, metavar="N")
+    n.add_argument("--min-nodes", type=int, required=True)
+    n.add_argument("--max-nodes", type=int, required=True)
     p = sub.add_parser("preflight", help="pretrain plan for the job's ranks, then record the "
                                          "resolved config, DeepSpeed JSON and git commit")
     plan_command.add_arguments(p, search=False)  # --config / --set / --world-size / cluster
     p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, "
                                                  "git_commit.txt and plan.txt here")
+    p.add_argument("--ranks-per-node", type=int, metavar="N",
+                   help="ranks per node, for the usable node counts it prints (default: "
+                        "--world-size, one node)")
     p.add_argument("--no-build", action="store_true",
                    help="skip building every distinct rank on the meta device (plan --build)")
     b = sub.add_parser("build-ops", help="build the compiled DeepSpeed ops a config needs "
@@ -242,6 +275,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"[launch] {args.output}: environment for every rank")
     elif args.launch_command == "build-ops":
         build_ops(args)
+    elif args.launch_command == "nodes":
+        print(elastic_min_nodes(args))
     else:
         sys.stdout.write(preflight(args, log_dir=args.log_dir))
 
@@ -261,3 +296,39 @@ def build_ops(args: argparse.Namespace) -> None:
                                  seed=args.seed)
     if skipped:
         raise ConfigError("; ".join(skipped))
+
+
+def elastic_min_nodes(args: argparse.Namespace) -> int:
+    """`launch/elastic.sh MIN:MAX`: the smallest node count in the range that holds one model
+    replica (torchrun then waits for that many nodes instead of starting a world that cannot
+    train), with the counts on which every rank trains on stderr. ConfigError when even
+    --max-nodes cannot hold one replica."""
+    from pretrain import world_fit
+
+    cfg = load_config(args.config, config_overrides(args))
+    lo, hi, per_node = args.min_nodes, args.max_nodes, args.ranks_per_node
+    if not 1 <= lo <= hi or per_node < 1:
+        raise ConfigError(f"nodes {lo}:{hi} x {per_node} ranks: need 1 <= MIN <= MAX and >= 1 "
+                          "rank a node")
+    fitting = [n for n in range(lo, hi + 1) if _holds_a_replica(cfg, n * per_node)]
+    if not fitting:  # bad input: no node count of the range can ever train
+        try:
+            world_fit.fit_of_config(cfg, hi * per_node)
+        except world_fit.WorldTooSmall as exc:
+            raise ConfigError(f"--max-nodes {hi} x {per_node} ranks: {exc}") from None
+    full = [n for n in world_fit.usable_node_counts(cfg, ranks_per_node=per_node, up_to=hi)
+            if n >= lo]
+    print(f"[launch] nodes {lo}:{hi}: the run starts with {fitting[0]} or more (one model "
+          f"replica); every rank trains at {', '.join(map(str, full)) or 'none of them'}, other "
+          "counts leave ranks idle", file=sys.stderr)
+    return fitting[0]
+
+
+def _holds_a_replica(cfg, ranks: int) -> bool:
+    from pretrain import world_fit
+
+    try:
+        world_fit.fit_of_config(cfg, ranks)
+        return True
+    except world_fit.WorldTooSmall:
+        return False

@@ -14,6 +14,7 @@ saved because of SIGTERM / SIGUSR1 / --exit-after-minutes: requeue the job and i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     from pretrain.checkpoint import confirm_content, find_resume
     from pretrain.config import load_config
     from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
+    from pretrain import world_fit
     from pretrain.faults import RunControl
 
     # Signals are caught from here on (a SIGTERM while loading still stops after the first step);
@@ -65,16 +67,21 @@ def run(args: argparse.Namespace) -> NoReturn:
     # once per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
-    from pretrain.run import resolve_run
+    from pretrain.run import lay_out, settle_config
 
     telemetry.set_log_level(cfg.logging.level)  # DeepSpeed, now imported, logs from here on
     log = lambda text: telemetry.log(text, main=world.is_main)  # noqa: E731
     # Every check that can fail does so here, before a process group or an engine exists.
     telemetry.check_sinks(cfg.logging.report_to)
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
-    run = resolve_run(cfg, world_size=world.world_size, rank=world.rank,
-                      device_type=get_accelerator().device_name(),
-                      find_resume=lambda c: find_resume(c, resume_from=args.resume_from, log=log))
+    device_type = get_accelerator().device_name()
+    settled = settle_config(cfg, device_type=device_type, find_resume=lambda c: find_resume(
+        c, resume_from=args.resume_from, log=log))
+    # ranks the layout or the batch cannot use sit idle until the job ends (never return here)
+    fit = world_fit.fit_of_config(settled.cfg, world.world_size)
+    world_fit.enter(fit, rank=world.rank, log=log)
+    world = dataclasses.replace(world, world_size=fit.used)
+    run = lay_out(settled, world_size=world.world_size, rank=world.rank, device_type=device_type)
     if run.resume is not None and args.require_same_layout:
         refuse_another_layout(run)
     init_distributed(world, timeout_minutes=run.cfg.train.collective_timeout_minutes,
@@ -143,4 +150,7 @@ def _exit_on_fault(exc: Exception, *, rank: int) -> None:
     if reason is not None:
         print(f"error: {reason}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    from pretrain.world_fit import publish_exit
+
+    publish_exit(code, rank=rank)  # ranks left idle exit with the job's status
     os._exit(code)

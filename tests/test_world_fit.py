@@ -1,0 +1,121 @@
+"""An allocation the layout or the batch cannot use whole trains on its largest usable part.
+
+The arithmetic on the 70B recipe (tp 8 x pp 4, global batch 1024, 8 GPUs a node), the pre-flight's
+exit statuses, and a 4-rank data-parallel checkpoint resumed under 3 ranks of the real `deepspeed`
+launcher: global batch 4 with micro-batch 1 lets 2 of the 3 ranks train, the third sits idle and
+exits with the job; the losses are the uninterrupted 4-rank run's.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pretrain.config import load_config
+from pretrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR
+from pretrain.testing.runs import REPO, rel_diff, run_pretrain, train, train_args
+from pretrain.world_fit import WorldTooSmall, fit_of_config, usable_node_counts, usable_world
+
+GPUS_PER_NODE = 8
+
+
+@pytest.fixture(scope="module")
+def llama_70b():
+    return load_config(str(REPO / "configs" / "llama_70b.yaml"), [])
+
+
+@pytest.mark.parametrize("nodes, used_nodes", [(4, 4), (8, 8), (12, 8), (13, 8), (14, 8),
+                                               (15, 8), (16, 16), (20, 16)])
+def test_70b_on_any_node_count_trains_on_the_largest_usable_part(llama_70b, nodes, used_nodes):
+    fit = fit_of_config(llama_70b, nodes * GPUS_PER_NODE)
+    assert fit.used == used_nodes * GPUS_PER_NODE
+    assert list(fit.idle) == list(range(used_nodes * GPUS_PER_NODE, nodes * GPUS_PER_NODE))
+    if nodes != used_nodes:
+        assert f"ranks {fit.used}-{fit.launched - 1} sit idle" in fit.describe()
+        assert f"data parallel {nodes // 4} does not divide train.global_batch_size=1024" \
+            in fit.describe()
+
+
+def test_70b_usable_node_counts(llama_70b):
+    assert usable_node_counts(llama_70b, ranks_per_node=GPUS_PER_NODE, up_to=40) == [4, 8, 16, 32]
+
+
+def test_fewer_ranks_than_a_replica_is_cured_by_more_nodes(llama_70b):
+    with pytest.raises(WorldTooSmall, match="at least 32 ranks") as caught:
+        fit_of_config(llama_70b, 3 * GPUS_PER_NODE)
+    assert caught.value.exit_code == EXIT_REQUEUE
+
+
+def test_usable_world_arithmetic():
+    # not whole replicas: 7 ranks of tp 2 -> 6
+    assert usable_world(7, model_parallel=2, micro_batch=1, global_batch=None).used == 6
+    # the micro-batch counts: global 8 at micro 2 allows dp 4, 2, 1 but not 3
+    fit = usable_world(3, model_parallel=1, micro_batch=2, global_batch=8)
+    assert (fit.used, list(fit.idle)) == (2, [2])
+    assert usable_world(4, model_parallel=1, micro_batch=2, global_batch=8).idle == range(4, 4)
+    # global batch 6 at micro 2: dp 2 would need 4 | 6, dp 1 fits
+    assert usable_world(2, model_parallel=1, micro_batch=2, global_batch=6).used == 1
+    # global batch 5 at micro 2 fits no dp: the whole world, for the layout check to refuse
+    assert usable_world(2, model_parallel=1, micro_batch=2, global_batch=5).used == 2
+
+
+def _preflight(world_size: int, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pretrain", "launch", "preflight",
+                           "--config", "configs/llama_70b.yaml", "--world-size", str(world_size),
+                           "--ranks-per-node", str(GPUS_PER_NODE), "--no-build", *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_preflight_prints_usable_node_counts_and_plans_the_used_ranks():
+    proc = _preflight(12 * GPUS_PER_NODE)
+    assert proc.returncode == 0, proc.stderr
+    assert "usable node counts (8 ranks a node, every rank training): 4, 8, 16;" in proc.stdout
+    assert "ranks 64-95 sit idle" in proc.stdout
+    assert "tp 8 x pp 4 x dp 2 = 64 ranks" in proc.stdout
+
+
+def test_preflight_requeues_a_job_smaller_than_a_replica_and_refuses_bad_input():
+    small = _preflight(3 * GPUS_PER_NODE)
+    assert small.returncode == EXIT_REQUEUE and "at least 32 ranks" in small.stderr
+    bad = _preflight(4 * GPUS_PER_NODE, "--set", "parallel.tensor=3")
+    assert bad.returncode == EXIT_USER_ERROR, bad.stderr
+
+
+def test_elastic_minimum_is_raised_to_one_replica():
+    proc = subprocess.run([sys.executable, "-m", "pretrain", "launch", "nodes", "--config",
+                           "configs/llama_70b.yaml", "--ranks-per-node", "8", "--min-nodes", "1",
+                           "--max-nodes", "14"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["4"]
+    assert "every rank trains at 4, 8, other counts leave ranks idle" in proc.stderr
+
+
+STEPS, SAVE_AT = 6, 3
+DP = ["train.micro_batch_size=1", "train.global_batch_size=4", f"train.steps={STEPS}",
+      f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=2", "train.eval_interval=0",
+      "train.precision=fp32", "checkpoint.save_final=false"]
+
+
+@pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
+def test_four_rank_checkpoint_resumes_on_two_of_three_deepspeed_ranks(tiny_data, tmp_path):
+    full = train(tmp_path, tiny_data, nprocs=4, launcher="deepspeed", name="full", overrides=DP)
+    saved = full.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+
+    resumed = run_pretrain(train_args(tmp_path / "resumed", tiny_data, overrides=DP),
+                           run_dir=tmp_path / "resumed", launcher="deepspeed", nprocs=3)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    out = resumed.stdout + resumed.stderr
+    assert ("training on ranks 0-1 of 3; rank 2 sits idle until the job ends: data parallel 3 "
+            "does not divide train.global_batch_size=4") in out
+    assert "resharded tp1 pp1 dp4 ZeRO-1 -> tp1 pp1 dp2 ZeRO-1" in out
+    run = [r for r in resumed.records if r["kind"] == "run"]
+    assert [(r["world_size"], r["data_parallel"], r["global_batch"]) for r in run] == [(2, 2, 4)]
+    after = [r for r in resumed.records if r["kind"] == "train"]
+    before = [r for r in full.records if r["kind"] == "train"][SAVE_AT:]
+    assert [r["step"] for r in after] == list(range(SAVE_AT + 1, STEPS + 1))
+    assert [r["consumed_samples"] for r in after] == [r["consumed_samples"] for r in before]
+    assert rel_diff([r["loss"] for r in after], [r["loss"] for r in before]) < 1e-5
