@@ -212,6 +212,15 @@ def same_on_every_rank(value: int) -> bool:
     return int(both[0]) == -int(both[1])  # the largest value is the smallest
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (collective, on the CPU group: no device sync)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)])
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=_IO_GROUP)
+    return bool(value.item())
+
+
 def exit_distributed(code: int) -> NoReturn:
     """Wait for every rank, flush, and end the process with `code` - skipping the teardown.
 

@@ -4,6 +4,16 @@
   its flags, so all ranks stop (or save on the wall-clock cadence, or complete a checkpoint
   written in the background) at the same step even when the signal reached only some of them.
   The trainer then saves, waits for the checkpoint's files and exits with EXIT_REQUEUE (75).
+  Between micro-batches (of a training step's gradient accumulation and of an evaluation)
+  `RunControl.stop_agreed` asks the same of every rank in one 1-element all-reduce on the CPU
+  (gloo) group, so a stop waits for one micro-batch, not a step and a whole evaluation. A stop
+  inside a step's accumulation abandons the partial step: its gradients are never applied
+  (the optimizer and the learning-rate schedule only move at the accumulation boundary) nor
+  saved, the checkpoint holds the last completed step, and the resumed run redoes the whole step
+  from its first micro-batch (the data position is saved per step). The process exits right
+  after that save, so the partial gradients and DeepSpeed's micro-step counter die with it.
+  A pipeline's training step runs inside DeepSpeed's 1F1B schedule and stops at its end; its
+  evaluation runs in chunks of `pipeline_eval_chunk` micro-batches and stops between them.
 - `NonFiniteGuard`: a step whose loss or gradient norm is NaN/Inf is not applied (DeepSpeed's ZeRO
   and bf16 optimizers skip it themselves; the plain torch optimizer of ZeRO-0 is wrapped to do
   the same), counted and logged; after `max_in_a_row` such steps in a row the run stops with
@@ -11,8 +21,9 @@
 - `is_collective_failure`: tells a peer's death or a collective timeout from other errors, so
   `pretrain train` exits with EXIT_FAULT and a one-line reason instead of a traceback or a hang.
 
-Tests inject non-finite losses through `pretrain.testing.faults`, which replaces
-`NonFiniteGuard.corrupt_loss` (here: the loss unchanged).
+Tests inject non-finite losses and stop signals through `pretrain.testing.faults`, which
+replaces the seams `NonFiniteGuard.corrupt_loss` (here: the loss unchanged) and
+`RunControl.micro_batch_started` (here: nothing).
 """
 from __future__ import annotations
 
@@ -61,6 +72,7 @@ class RunControl:
         first thing in a process, so a signal during start-up is not lost either."""
         self.started = self.last_save = time.monotonic()
         self.received: str | None = None
+        self.after_signal = 0  # micro-batches run since the signal arrived (this rank)
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         self.schedule(save_interval_steps=save_interval_steps,
                       save_interval_minutes=save_interval_minutes,
@@ -76,8 +88,28 @@ class RunControl:
         self.deadline = self.started + exit_after_minutes * 60.0 if exit_after_minutes else None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        # Only a flag: the step in flight finishes, then every rank learns of it in `poll`.
+        # Only a flag: the micro-batch in flight finishes, then every rank learns of it in
+        # `stop_agreed` (or in `poll`, after the step).
         self.received = signal.Signals(signum).name
+
+    def micro_batch_done(self) -> None:
+        """Count a micro-batch that ran (for the stop line: how many ran after the signal)."""
+        if self.received is not None:
+            self.after_signal += 1
+
+    def stop_agreed(self) -> bool:
+        """Between micro-batches: whether any rank got a stop signal or reached the time limit
+        (collective: one 1-element all-reduce on the CPU group, no device synchronisation)."""
+        from pretrain.dist import any_rank
+
+        local = self.received is not None or (self.deadline is not None
+                                               and time.monotonic() >= self.deadline)
+        return any_rank(local)
+
+    def micro_batch_started(self, where: str, *, step: int, micro: int, rank: int) -> None:
+        """A seam for tests (`pretrain.testing.faults.signal_inside`): called as micro-batch
+        `micro` of step `step`'s accumulation (`where` "step") or of the evaluation after step
+        `step` ("eval") starts on global rank `rank`. Nothing here."""
 
     def restore_handlers(self) -> None:
         for sig, handler in self._previous.items():
@@ -101,7 +133,10 @@ class RunControl:
         if step is not None and self.save_every_steps and step % self.save_every_steps == 0:
             save_due = True  # the same step on every rank
         if signalled:
-            return Poll(f"signal {self.received or 'received by another rank'}", True, writing)
+            late = (f" ({self.after_signal} micro-batch(es) ran after it arrived)"
+                    if self.received else "")
+            return Poll(f"signal {self.received or 'received by another rank'}{late}", True,
+                        writing)
         if out_of_time:
             return Poll("--exit-after-minutes reached", True, writing)
         return Poll(None, save_due, writing)

@@ -295,3 +295,45 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tiny_data, tmp_path):
     assert run.returncode == EXIT_FAULT, run.stderr[-3000:]
     assert "error: 2 non-finite steps in a row (up to step 3): the run diverged" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+STOP_RUN = ["train.micro_batch_size=1", "train.global_batch_size=4", "train.steps=5",
+            "train.warmup_steps=2", "train.eval_interval=2", "train.eval_batches=4",
+            "train.precision=fp32", "checkpoint.save_final=false", "data.num_workers=0"]
+
+
+@pytest.mark.parametrize("where, step", [
+    # inside the first of the 8 micro-batches each rank evaluates after step 2
+    ("eval", 2),
+    # inside the first of step 3's 2 accumulated micro-batches: the partial step is abandoned
+    ("step", 3),
+])
+def test_stop_request_is_honoured_within_one_micro_batch(where, step, tiny_data, tmp_path):
+    """Rank 0 signals itself from inside a micro-batch (deterministic, no timed kill): both
+    ranks stop after that micro-batch, save step 2 (the last completed one), exit 75, and the
+    resumed run's losses are the uninterrupted run's."""
+    from pretrain.testing.faults import signal_environment
+    from pretrain.testing.runs import train_args
+
+    env = signal_environment(where, step, directory=tmp_path)
+    full = train(tmp_path, tiny_data, nprocs=2, launcher="deepspeed", name="full",
+                 overrides=STOP_RUN)
+    run_dir = tmp_path / "stopped"
+    stopped = run_pretrain(train_args(run_dir, tiny_data, overrides=STOP_RUN), run_dir=run_dir,
+                           launcher="deepspeed", nprocs=2, env=env)
+    assert stopped.returncode == EXIT_REQUEUE, stopped.stderr[-3000:]
+    # the micro-batch the signal arrived in, and no other, ran after it
+    assert ("[stop] signal SIGUSR1 (1 micro-batch(es) ran after it arrived): saving step 2, "
+            "then exiting to be requeued") in stopped.stdout, stopped.stdout[-3000:]
+    if where == "eval":
+        assert "[eval] step 2: interrupted by a stop request" in stopped.stdout
+    assert _train_steps(run_dir) == [1, 2]
+    assert json.loads((run_dir / "stopped.json").read_text())["step"] == 2
+
+    resumed = run_pretrain(train_args(run_dir, tiny_data, overrides=STOP_RUN), run_dir=run_dir,
+                           launcher="deepspeed", nprocs=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [r for r in resumed.records if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in records] == [r["loss"] for r in full.records
+                                            if r["kind"] == "train"]

@@ -1,17 +1,24 @@
 """Fault injection for tests, the one way in: production code reads no test switch.
 
-`NonFiniteGuard.corrupt_loss` (`pretrain.faults`) is the seam: it returns a micro-batch's loss
-unchanged. `inject_nan_losses(steps)` replaces it in this process, so that global rank 0's first
-micro-batch loss of each optimizer step in `steps` is multiplied by NaN (flat models; the
-pipeline engine computes its loss inside its schedule). A `pretrain` process a test spawns gets
-the same through `nan_loss_environment(steps, directory=)`: a `sitecustomize.py` in `directory`,
-put first on PYTHONPATH, which Python imports at start-up in every process of the run::
+The seams are in `pretrain.faults`:
+- `NonFiniteGuard.corrupt_loss` returns a micro-batch's loss unchanged. `inject_nan_losses(steps)`
+  replaces it in this process, so that global rank 0's first micro-batch loss of each optimizer
+  step in `steps` is multiplied by NaN (flat models; the pipeline engine computes its loss inside
+  its schedule).
+- `RunControl.micro_batch_started` does nothing. `signal_inside(where, step)` replaces it, so
+  that global rank 0 sends itself SIGUSR1 as the first micro-batch of step `step` ("step", flat
+  models) or of the evaluation after step `step` ("eval"; a pipeline's first chunk) starts.
+A `pretrain` process a test spawns gets the same through `nan_loss_environment(steps,
+directory=)` or `signal_environment(where, step, directory=)`: a `sitecustomize.py` in
+`directory`, put first on PYTHONPATH, which Python imports at start-up in every process of the
+run::
 
     run_pretrain(args, run_dir=run_dir, env=nan_loss_environment({3}, directory=tmp_path))
 """
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Iterable
 
@@ -32,14 +39,37 @@ def inject_nan_losses(steps: Iterable[int]) -> None:
     NonFiniteGuard.corrupt_loss = corrupt_loss
 
 
+def signal_inside(where: str, step: int) -> None:
+    """From now on in this process, global rank 0 sends itself SIGUSR1 as the first micro-batch
+    of step `step` (`where` "step") or of the evaluation after step `step` ("eval") starts."""
+    from pretrain.faults import RunControl
+
+    def micro_batch_started(self, at: str, *, step: int, micro: int, rank: int) -> None:
+        if (at, step, micro, rank) == (where, chosen, 0, 0):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    chosen = step
+    RunControl.micro_batch_started = micro_batch_started
+
+
 def nan_loss_environment(steps: Iterable[int], *, directory: Path) -> dict[str, str]:
     """The environment (PYTHONPATH) under which a spawned process calls `inject_nan_losses`."""
+    return _environment("inject_nan_losses", f"inject_nan_losses({sorted(set(steps))!r})",
+                        directory=directory)
+
+
+def signal_environment(where: str, step: int, *, directory: Path) -> dict[str, str]:
+    """The environment (PYTHONPATH) under which a spawned process calls `signal_inside`."""
+    return _environment("signal_inside", f"signal_inside({where!r}, {int(step)})",
+                        directory=directory)
+
+
+def _environment(name: str, call: str, *, directory: Path) -> dict[str, str]:
     from pretrain.testing.runs import REPO
 
-    directory = Path(directory) / "inject_nan_losses"
+    directory = Path(directory) / name
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "sitecustomize.py").write_text(
-        "from pretrain.testing.faults import inject_nan_losses\n"
-        f"inject_nan_losses({sorted(set(steps))!r})\n")
+        f"from pretrain.testing.faults import {name}\n{call}\n")
     path = [str(directory), str(REPO), os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(p for p in path if p)}
