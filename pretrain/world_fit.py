@@ -14,7 +14,11 @@ rank 0's TCPStore under the `deepspeed` launcher and srun, the agent's store und
 block until rank 0 publishes the job's exit status there, acknowledge it, and exit with it.
 Exiting at once is not an option: srun's `--wait` (slurm/common.sh: 300 s) ends every task that
 many seconds after the first one exits. If the active ranks crash instead, the launcher ends the
-idle ranks with the others (or their store connection breaks and they exit EXIT_FAULT).
+idle ranks with the others (or their store connection breaks and they exit EXIT_FAULT). A stop
+signal (SIGTERM / SIGUSR1, which srun and the launchers pass to every rank) only sets the flag of
+`faults.RunControl` in an idle rank, so it keeps waiting and exits 75 with the training ranks
+instead of dying first (a non-zero exit that launchers answer by killing the training ranks
+mid-save); the store's blocking read survives the signal.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
      "pretrain.file_lock"),
     ("pretrain.config",),
     ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
-     "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data"),
+     "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data", "pretrain.world_fit"),
     ("pretrain.run",),
     ("pretrain.model",),
     ("pretrain.checkpoint", "pretrain.sinks", "pretrain.profiler", "pretrain.curves",

@@ -9,7 +9,9 @@ Runs the same under `deepspeed`, `torchrun`, `srun` and as a plain process (a wo
 
 Exit statuses (pretrain/errors.py): 0 done; 2 bad config / data / checkpoint; 3 the run stopped
 itself (a rank died or a collective timed out, too many non-finite steps); 75 a checkpoint was
-saved because of SIGTERM / SIGUSR1 / --exit-after-minutes: requeue the job and it resumes.
+saved because of SIGTERM / SIGUSR1 / --exit-after-minutes, or fewer ranks than one model replica:
+requeue the job and it resumes. Ranks the layout or the batch cannot use sit idle and exit with
+the others' status (pretrain/world_fit.py).
 """
 from __future__ import annotations
 
