@@ -93,8 +93,13 @@ def usable_world(launched: int, *, model_parallel: int, micro_batch: int,
 
 
 def fit_of_config(cfg: Any, launched: int) -> WorldFit:
-    """`usable_world` of a `RunConfig` (its parallel sizes, micro and global batch)."""
+    """`usable_world` of a `RunConfig` (its parallel sizes, micro and global batch). A model
+    the parallel sizes cannot split is bad input (ConfigError, exit 2) whatever the world."""
+    from pretrain.layout import check_pipeline_split, check_tensor_split
+
     p, t = cfg.parallel, cfg.train
+    check_tensor_split(cfg.model, p.tensor)
+    check_pipeline_split(cfg.model, p.pipeline, partition_method=p.pipeline_partition)
     return usable_world(launched, model_parallel=p.tensor * p.pipeline * getattr(p, "context", 1),
                         micro_batch=t.micro_batch_size, global_batch=t.global_batch_size)
 

@@ -172,10 +172,13 @@ def test_preflight_records_the_resolved_run(tmp_path):
 
 
 def test_preflight_refuses_a_config_that_does_not_fit_the_world(tmp_path):
-    proc = _pretrain("launch", "preflight", "--world-size", "3", "--log-dir", str(tmp_path), *TINY)
+    # a batch no data-parallel size fits (3 ranks of a batch of 4 now train on 2 of them:
+    # tests/test_world_fit.py)
+    proc = _pretrain("launch", "preflight", "--world-size", "3", "--log-dir", str(tmp_path), *TINY,
+                     "--set", "train.global_batch_size=5")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: train.global_batch_size=4 is not a multiple of train.micro_batch_size x "
+        "error: train.global_batch_size=5 is not a multiple of train.micro_batch_size x "
         "data-parallel size = 2 x 3 = 6: set it to a multiple of 6"]
     assert not (tmp_path / "config.yaml").exists()
     proc = _pretrain("launch", "preflight", "--world-size", "2", "--search", *TINY)

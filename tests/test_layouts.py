@@ -125,3 +125,21 @@ def test_final_weights_of_a_pipeline_equal_the_single_process_run(tp, pp, dp, ti
     _assert_same_final(run, single)
     ours = load_file(str(run.run_dir / "final" / "model.safetensors"))
     assert "lm_head.weight" not in ours  # tied: stored once
+
+
+def test_pipelined_evaluation_in_chunks_matches_single_process(tiny_data, tmp_path):
+    """A pipeline evaluates in calls of PIPELINE_EVAL_CHUNK x stages micro-batches (so that a
+    stop request waits for one call): 12 micro-batches at pp 2 are two calls, 8 + 4, whose
+    weighted mean is the single process's validation loss."""
+    from pretrain.trainer import PIPELINE_EVAL_CHUNK
+
+    micro_batches = 12  # eval_batches 3 x accum 4 (global batch 4, micro-batch 1, dp 1)
+    assert PIPELINE_EVAL_CHUNK * 2 < micro_batches
+    overrides = ["train.steps=2", "train.eval_interval=2", "train.eval_batches=3",
+                 "train.micro_batch_size=1"]
+    single = train(tmp_path, tiny_data, name="single", overrides=overrides)
+    piped = train(tmp_path, tiny_data, nprocs=2, name="pp2",
+                  overrides=[*overrides, "parallel.pipeline=2"])
+    evals = [[r["loss"] for r in run.records if r["kind"] == "eval"] for run in (piped, single)]
+    assert len(evals[1]) == 1
+    assert rel_diff(*evals) < 1e-4

@@ -2,7 +2,8 @@
 
 Two slurmd "nodes" on this host, one CPU rank each: the 70B script with tiny overrides trains and
 checkpoints; USR1 leads to a checkpoint, a requeue and a resume at the next step (also on fewer
-nodes than the first attempt had: the checkpoint is resharded); the ZeRO sweep
+nodes than the first attempt had, with a rank the batch cannot use sitting idle: the checkpoint
+is resharded); the ZeRO sweep
 array leaves a result table; the tasks of the tune array share one study; a bad config fails in
 the pre-flight with its message in the log.
 Each test submits exactly what a user would, with `sbatch` options and environment overrides.
@@ -130,16 +131,19 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, tiny_data, tmp_path):
 
 
 def test_requeued_job_on_fewer_nodes_resumes_resharded(cluster, tiny_data, tmp_path):
-    """A job on 2 nodes (dp 2): node 2 is drained, USR1 checkpoints and requeues, the requeued
-    job is shrunk to the one node left (`scontrol update NumNodes=1`: this Slurm starts a
-    `--nodes 1-2` job on one node even when both are idle, so a range cannot show the shrink),
-    reshards the checkpoint to dp 1 and finishes the run with the same global batch, no step
-    repeated or lost."""
+    """A job on 2 nodes x 2 ranks with global batch 6: dp 4 does not divide it, so ranks 0-2
+    train (dp 3) and rank 3 sits idle. Node 2 is drained, USR1 checkpoints and requeues (the idle
+    rank exits 75 with the others), the requeued job is shrunk to the one node left (`scontrol
+    update NumNodes=1`: this Slurm starts a `--nodes 1-2` job on one node even when both are
+    idle, so a range cannot show the shrink), reshards the 3-rank checkpoint to dp 2 and finishes
+    the run with the same global batch, no step repeated or lost."""
     run_dir, log_dir = tmp_path / "run", tmp_path / "job"
-    job = _submit(cluster, "pretrain_70b.sh", tmp_path, sbatch_args=TWO_CPU_NODES,
+    two_ranks_a_node = [*TWO_CPU_NODES]
+    two_ranks_a_node[two_ranks_a_node.index("--ntasks-per-node") + 1] = "2"
+    job = _submit(cluster, "pretrain_70b.sh", tmp_path, sbatch_args=two_ranks_a_node,
                   env={"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir)},
-                  script_args=_sets(*TINY_70B, "parallel.pipeline=1", "train.steps=60",
-                                    "train.micro_batch_size=1", "train.global_batch_size=4",
+                  script_args=_sets(*TINY_70B, "parallel.pipeline=1", "train.steps=40",
+                                    "train.micro_batch_size=1", "train.global_batch_size=6",
                                     f"data.tokenizer={tiny_data['tokenizer']}",
                                     f"data.dataset={tiny_data['dataset']}"))
     deadline = time.monotonic() + 300
@@ -157,18 +161,23 @@ def test_requeued_job_on_fewer_nodes_resumes_resharded(cluster, tiny_data, tmp_p
                    and cluster.job(job)[0].fields.get("Restarts") == "1"):
             assert time.monotonic() < deadline + 300, _log(tmp_path)
             time.sleep(0.2)  # polling a condition, not synchronising on time
-        cluster.run(["scontrol", "update", f"jobid={job}", "NumNodes=1", "NumTasks=1"])
+        # (and its CPUs: the job still asks for the 4 of its first attempt, which one node lacks)
+        cluster.run(["scontrol", "update", f"jobid={job}", "NumNodes=1", "NumTasks=2",
+                     "NumCPUs=2"])
         (info,), log = _done(cluster, job, tmp_path, timeout=600)
     finally:
         cluster.run(["scontrol", "update", "nodename=pretrain-node2", "state=resume"])
     assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
     assert info.fields["Restarts"] == "1" and info.fields["NodeList"] == "pretrain-node1", log
+    assert "attempt=0 exit=75" in (log_dir / "attempts.txt").read_text()
+    assert ("rank 3 sits idle until the job ends: data parallel 4 does not divide "
+            "train.global_batch_size=6") in log
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     starts = [(r["world_size"], r["data_parallel"], r["global_batch"]) for r in records
               if r["kind"] == "run"]
-    assert starts == [(2, 2, 4), (1, 1, 4)], starts
-    assert "resharded tp1 pp1 dp2 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in log
-    assert _train_steps(run_dir) == list(range(1, 61))
+    assert starts == [(3, 3, 6), (2, 2, 6)], starts
+    assert "resharded tp1 pp1 dp3 ZeRO-1 -> tp1 pp1 dp2 ZeRO-1" in log
+    assert _train_steps(run_dir) == list(range(1, 41))
 
 
 def test_zero_sweep_array_leaves_result_table(cluster, tiny_data, tmp_path):
@@ -229,11 +238,12 @@ def test_tune_array_tasks_are_workers_of_one_study(cluster, tiny_data, tmp_path)
 
 
 def test_bad_config_fails_fast_with_message_in_log(cluster, tiny_data, tmp_path):
-    # tp 3 cannot divide 2 ranks: refused by the pre-flight, before srun starts any rank.
+    # tp 3 cannot split the tiny model's 4 heads: refused by the pre-flight, before srun starts
+    # any rank (not requeued, as more nodes would not cure it).
     job, run_dir, _ = _submit_tiny_70b(cluster, tiny_data, tmp_path, "parallel.tensor=3")
     (info,), log = _done(cluster, job, tmp_path, timeout=120)
     assert (info.state, info.exit_code) == ("FAILED", "2:0"), log
-    assert "error: world size 2 is not divisible by parallel.tensor x parallel.pipeline" in log
+    assert "error: parallel.tensor=3: must divide model.num_heads=4" in log
     assert "not requeued" in log and info.fields["Restarts"] == "0"
     assert not run_dir.exists()  # no rank ever started
 

@@ -79,8 +79,10 @@ def test_preflight_prints_usable_node_counts_and_plans_the_used_ranks():
 def test_preflight_requeues_a_job_smaller_than_a_replica_and_refuses_bad_input():
     small = _preflight(3 * GPUS_PER_NODE)
     assert small.returncode == EXIT_REQUEUE and "at least 32 ranks" in small.stderr
-    bad = _preflight(4 * GPUS_PER_NODE, "--set", "parallel.tensor=3")
+    # a model the layout cannot split is bad input, even on fewer ranks than a replica
+    bad = _preflight(2 * GPUS_PER_NODE, "--set", "parallel.tensor=3")
     assert bad.returncode == EXIT_USER_ERROR, bad.stderr
+    assert "parallel.tensor=3: must divide model.num_heads=64" in bad.stderr
 
 
 def test_elastic_minimum_is_raised_to_one_replica():
