@@ -242,7 +242,8 @@ class Trainer:
             self.control.micro_batch_started("eval", step=self.step, micro=done, rank=self.world.rank)
             size = min(chunk, n - done)
             if self.pipelined:
-                total += self.engine.eval_batch(pairs, num_micro_batches=size).float() * size
+                loss = self.engine.eval_batch(pairs, num_micro_batches=size)  # shape [1]
+                total += loss.float().reshape(()) * size
             else:
                 input_ids, labels = next(pairs)
                 total += self.engine(input_ids.to(self.device),
