@@ -1,6 +1,6 @@
 """An allocation the layout or the batch cannot use whole trains on its largest usable part.
 
-The arithmetic on the 70B recipe (tp 8 x pp 4, global batch 1024, 8 GPUs a node), the pre-flight's
+The arithmetic on the 70B recipe (tp 4 x pp 8, global batch 1024, 8 GPUs a node), the pre-flight's
 exit statuses, and a 4-rank data-parallel checkpoint resumed under 3 ranks of the real `deepspeed`
 launcher: global batch 4 with micro-batch 1 lets 2 of the 3 ranks train, the third sits idle and
 exits with the job; the losses are the uninterrupted 4-rank run's.
@@ -73,7 +73,7 @@ def test_preflight_prints_usable_node_counts_and_plans_the_used_ranks():
     assert proc.returncode == 0, proc.stderr
     assert "usable node counts (8 ranks a node, every rank training): 4, 8, 16;" in proc.stdout
     assert "ranks 64-95 sit idle" in proc.stdout
-    assert "tp 8 x pp 4 x dp 2 = 64 ranks" in proc.stdout
+    assert "tp 4 x pp 8 x dp 2 = 64 ranks" in proc.stdout
 
 
 def test_preflight_requeues_a_job_smaller_than_a_replica_and_refuses_bad_input():
