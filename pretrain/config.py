@@ -147,7 +147,7 @@ class ModelConfig(_Freezable):
     loss_chunk_tokens: int = 4096  # lm_head + cross entropy over chunks of this many tokens of a
     # micro-batch, gradients computed chunk by chunk: the full fp32 logits never exist (0: whole)
     parametrization: Parametrization = Parametrization.STANDARD  # standard | mup: muP scales
-    # hidden-matrix init and Adam lr, the logits and the attention scale with width (README)
+    # hidden-matrix init and Adam lr, the logits and the attention scale with width (docs/model.md)
     mup_base_width: int = 256  # mup: the hidden_size init_std and train.lr were tuned at
     mup_base_head_dim: int = 0  # mup: the head_dim of that proxy (attention scale
     # sqrt(mup_base_head_dim) / head_dim); 0: mup_base_width // num_heads

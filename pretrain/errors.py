@@ -22,7 +22,8 @@ class CheckpointError(PretrainError):
     """A checkpoint that is missing, damaged or does not match the run."""
 
 
-# Exit statuses of `pretrain` (documented in README.md; the Slurm scripts act on them).
+# Exit statuses of `pretrain` (documented in docs/checkpoints-and-faults.md; the Slurm scripts
+# act on them).
 EXIT_OK = 0
 EXIT_USER_ERROR = 2  # a PretrainError: bad config, data or checkpoint; fix the input, do not retry
 EXIT_FAULT = 3  # the run stopped itself: a rank died / collective timed out, too many NaN steps

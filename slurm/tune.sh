@@ -1,9 +1,9 @@
 #!/bin/bash
-# Hyper-parameter search: one Optuna study (`pretrain tune`, README "Hyper-parameter search"),
-# whose workers are the tasks of this array job. Each task is one node and runs
-# `pretrain tune --workers 1` on the shared study directory: one trial at a time, each a short
-# `pretrain train` of all the node's ranks (torchrun), until the study has TRIALS trials. Trials
-# are pruned as their losses fall behind; $STUDY_DIR gets trials.csv and best.yaml as trials
+# Hyper-parameter search: one Optuna study (`pretrain tune`, "Hyper-parameter search" in
+# docs/planning-and-telemetry.md), whose workers are the tasks of this array job. Each task is one
+# node and runs `pretrain tune --workers 1` on the shared study directory: one trial at a time, each
+# a short `pretrain train` of all the node's ranks (torchrun), until the study has TRIALS trials.
+# Trials are pruned as their losses fall behind; $STUDY_DIR gets trials.csv and best.yaml as trials
 # finish, plots when a task ends, and the log's last line is the best `pretrain train` command.
 #
 #   sbatch slurm/tune.sh --set data.dataset=... --set train.steps=500       # 4 workers

@@ -123,7 +123,8 @@ def test_no_reference_outside_the_repository():
     hits = []
     for path in [*PACKAGE.rglob("*.py"), *(REPO / "tests").glob("*.py"), *(REPO / "bench").glob("*"),
                  *(REPO / "launch").glob("*"), *(REPO / "slurm").glob("*"), REPO / "README.md",
-                 REPO / "ARCHITECTURE.md", REPO / "BENCHMARKS.md"]:
+                 REPO / "ARCHITECTURE.md", REPO / "BENCHMARKS.md",
+                 *(REPO / "docs").glob("*.md")]:
         if path.is_file() and path != Path(__file__):
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if pattern.search(line):

@@ -1,5 +1,5 @@
-"""The documents hold together: every relative link and anchor resolves, and the README's command
-table lists every command the CLI has."""
+"""The documents hold together: every relative link and anchor resolves, every manual in docs/ is
+reachable from the README, and the README's command table lists every command the CLI has."""
 from __future__ import annotations
 
 import argparse
@@ -102,6 +102,14 @@ def test_the_link_check_finds_missing_files_and_headings(tmp_path):
         "anchor in other.md",
         "page.md:6: #nowhere: no heading with that anchor in page.md",
         "page.md:6: picture.png#top: an anchor into a file that is not markdown"]
+
+
+def test_every_manual_in_docs_is_linked_from_the_readme():
+    readme_targets = {target.partition("#")[0] for _, target in relative_links(REPO / "README.md")}
+    manuals = {f"docs/{page.name}" for page in (REPO / "docs").glob("*.md")}
+    assert manuals, "docs/ holds no manual"
+    assert not manuals - readme_targets, \
+        f"not linked from README.md: {sorted(manuals - readme_targets)}"
 
 
 def test_the_readme_command_table_lists_every_command():

@@ -3,7 +3,7 @@
 Signalled runs train a long schedule; the test polls metrics.jsonl until steps are being made,
 sends the signal, and then checks the checkpoint, the exit status and that a restarted run
 continues at the next step. What each launcher does with a signal (read from their sources and
-checked here) is in README.md, "Checkpoints, resume and faults".
+checked here) is in docs/checkpoints-and-faults.md.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The planner's arithmetic: memory by ZeRO stage / offload / recompute / SP, two published
-runs, and the predictions README.md and BENCHMARKS.md print."""
+runs, and the predictions docs/planning-and-telemetry.md and BENCHMARKS.md print."""
 from __future__ import annotations
 
 import json
@@ -139,15 +139,18 @@ def test_bloom_176b_on_384_a100():
     assert 0.75 * plan.hfu < plan.mfu < 0.8 * plan.hfu
 
 
-# ---- the predictions README.md and BENCHMARKS.md print: a change in the planner fails here -----
+# ---- the predictions the planning docs and BENCHMARKS.md print: a change in the planner fails here
 # until these numbers and the documents are updated together
+
+PLANNING_DOC = "docs/planning-and-telemetry.md"
+
 
 def _doc(name: str) -> str:
     """A document of the repository with its line breaks as spaces."""
     return " ".join((REPO / name).read_text().split())
 
 
-def test_published_runs_predict_what_the_readme_and_benchmarks_print():
+def test_published_runs_predict_what_the_docs_and_benchmarks_print():
     megatron = estimate(MEGATRON_70B["model"], MEGATRON_70B["layout"], MEGATRON_70B["cluster"])
     bloom = estimate(BLOOM_176B["model"], BLOOM_176B["layout"], BLOOM_176B["cluster"])
     # each within half a unit of the last digit printed
@@ -160,10 +163,10 @@ def test_published_runs_predict_what_the_readme_and_benchmarks_print():
     t = bloom.time
     assert (round(t.step, 1), round(t.compute, 1), round(t.tensor_comm, 1), round(t.bubble, 1),
             round(t.pipeline_comm, 1), round(t.data_comm, 2)) == (97.5, 85.8, 3.4, 7.7, 0.4, 0.25)
-    readme, benchmarks = _doc("README.md"), _doc("BENCHMARKS.md")
+    planning, benchmarks = _doc(PLANNING_DOC), _doc("BENCHMARKS.md")
     assert ("x DP 48 on 768 H100 (published ~42% MFU, 420 TFLOP/s per GPU; predicted 36.6%, 362) "
-            "and BLOOM-176B") in readme
-    assert "(published ~150 TFLOP/s per GPU counting recomputation; predicted 153)" in readme
+            "and BLOOM-176B") in planning
+    assert "(published ~150 TFLOP/s per GPU counting recomputation; predicted 153)" in planning
     assert ("| 36.6% MFU, 362 TFLOP/s/GPU | 0.87 / 0.86 | 2.54 s = compute 1.57 + TP 0.42 + "
             "bubble 0.25 + DP 0.30 |") in benchmarks
     assert ("| 153 TFLOP/s/GPU | 1.02 | 97.5 s = compute 85.8 + TP 3.4 + bubble 7.7 + PP 0.4 + "
@@ -198,10 +201,11 @@ def test_the_step_time_is_the_sum_of_its_parts_and_each_part_follows_its_dimensi
     assert spent(every) == set(parts)
 
 
-def test_the_70b_recipes_plan_is_the_one_the_readme_prints():
-    """README.md's `pretrain plan --config configs/llama_70b.yaml --world-size 128` output: each
-    of its lines (one "..." stands for the lines left out) is a line the command prints."""
-    lines = (REPO / "README.md").read_text().splitlines()
+def test_the_70b_recipes_plan_is_the_one_the_docs_print():
+    """The `pretrain plan --config configs/llama_70b.yaml --world-size 128` output the planning docs
+    print: each of its lines (one "..." stands for the lines left out) is a line the command
+    prints."""
+    lines = (REPO / PLANNING_DOC).read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("layout  tp 4 x pp 8 x dp 4"))
     block = lines[start:lines.index("```", start)]
     assert len(block) > 10 and block[-1].startswith("throughput 144,123 tokens/s")
@@ -274,7 +278,8 @@ def test_search_rows_carry_the_arguments_that_select_them_and_rank_the_config():
     text = _plan_cli(*base, "--search", "--top", "1")
     assert f"this config: {current['layout']}" in text.stdout
     assert f"#{current['rank']} of {result['count']}" in text.stdout
-    # the rank README.md quotes for this recipe on 16 H100 nodes (with the default memory margin)
+    # the rank the planning docs quote for this recipe on 16 H100 nodes (with the default memory
+    # margin)
     assert (current["rank"], result["count"]) == (1, 184)
     assert "(`this config: ... #1 of 184` for the 70B recipe on 16 H100 nodes)" in \
-        _doc("README.md")
+        _doc(PLANNING_DOC)
