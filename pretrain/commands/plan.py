@@ -54,9 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, search: bool = True) -> No
     parser.set_defaults(search=False, json=False, global_batch=None, top=10)
     parser.add_argument("--memory-margin", type=float, default=None, metavar="FRACTION",
                         help="memory to keep free beyond the planner's count, as a fraction of "
-                        "the predicted memory: --search ranks only layouts whose predicted "
-                        "memory x (1 + FRACTION) fits the usable memory, and a plan warns when "
-                        "such a layout is predicted more than 10%% faster than its own "
+                        "the predicted memory: the layout search ranks only layouts whose "
+                        "predicted memory x (1 + FRACTION) fits the usable memory, and a plan "
+                        "warns when such a layout is predicted more than 10%% faster than its own "
                         "(default 0.2: bf16 runs measured up to 1.19x the predicted peak)")
     if search:
         parser.add_argument("--search", action="store_true",
