@@ -97,6 +97,7 @@ class Trainer:
         self.engine = build_engine(cfg, ds_config, groups, main=self.main)
         self.pipelined = ModelForm.of(self.engine) is ModelForm.PIPELINE
         self.step, self.consumed_samples = 0, 0
+        self._steps_run = 0  # steps completed by this process (a stop waits for the first)
         self._saved_step: int | None = None  # the step the newest checkpoint holds
         self.saver = checkpoint.Saver(self.engine, ckpt_dir=self.run_dir / "checkpoints",
                                       keep_last=cfg.checkpoint.keep_last,
@@ -201,7 +202,9 @@ class Trainer:
         engine, total = self.engine, torch.zeros((), device=self.device)
         self._grad_norm = None
         for micro in range(self.grad_accum):
-            if micro and self.control.stop_agreed():  # one small all-reduce per micro-batch
+            # one small all-reduce per micro-batch; a stop waits for this process's first step,
+            # so that a signal or time limit during start-up still saves a step
+            if micro and self._steps_run and self.control.stop_agreed():
                 return None, timed.wait
             input_ids, labels = next(timed)
             self.control.micro_batch_started("step", step=self.step + 1, micro=micro,
@@ -303,6 +306,7 @@ class Trainer:
         if loss is None:  # stopped inside the step (`RunControl.stop_agreed`)
             return None
         self.step += 1
+        self._steps_run += 1
         self.consumed_samples += self.global_batch
         elapsed = time.perf_counter() - start
         if profiler.end(self.step):
