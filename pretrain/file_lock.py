@@ -102,11 +102,12 @@ def _owner(path: Path) -> tuple[str, int, float] | None:
 def _is_stale(owner: tuple[str, int, float]) -> bool:
     host, pid, since = owner
     if host == socket.gethostname():
-        return not _pid_alive(pid)
+        return not pid_alive(pid)
     return bool(host) and time.time() - since > STALE_AFTER_S
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -50,7 +50,7 @@ import yaml
 
 from pretrain.child_runs import child_env, launcher_command, start_run, stop_run
 from pretrain.errors import ConfigError
-from pretrain.file_lock import exclusive_lock
+from pretrain.file_lock import exclusive_lock, pid_alive
 
 POLL_S = 0.5  # how often a worker reads its trial's metrics.jsonl
 HEARTBEAT_S = 5.0  # how often a worker touches its trial's heartbeat file
@@ -268,20 +268,10 @@ def _heartbeat_path(run_dir: Path) -> Path:
     return run_dir.with_name(run_dir.name + ".heartbeat")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stale(trial: Any, settings: Settings) -> str | None:
     """Why a RUNNING trial's worker is gone, or None while it may be alive."""
     host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
-    if host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
+    if host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid)):
         return f"its worker {host}:{pid} is gone"
     beat = _heartbeat_path(Path(trial.user_attrs.get("run_dir", "")))
     try:
