@@ -134,7 +134,7 @@ class RunControl:
             save_due = True  # the same step on every rank
         if signalled:
             late = (f" ({self.after_signal} micro-batch(es) ran after it arrived)"
-                    if self.received else "")
+                    if self.received and self.after_signal else "")
             return Poll(f"signal {self.received or 'received by another rank'}{late}", True,
                         writing)
         if out_of_time:
