@@ -1,5 +1,5 @@
-# Sourced by the launch/ scripts and slurm/common.sh, with ROOT set to the repository: the
-# environment every way of starting ranks shares.
+# Sourced by the launch/ scripts and slurm/common.sh, with ROOT set to the repository (unset: the
+# repository this file is in): the environment every way of starting ranks shares.
 #
 #   activate_venv [DIR]   activate DIR's virtual environment; without DIR, the repository's .venv
 #                         unless one is active already (a user's own environment is kept)
@@ -10,6 +10,7 @@
 #   gpu_count             this node's GPUs, as torch sees them
 # and, on sourcing: TORCH_EXTENSIONS_DIR (DeepSpeed's compiled ops) defaults to
 # $ROOT/.build/torch_extensions, where `bash launch/setup_env.sh --ops` builds them.
+ROOT="${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.build/torch_extensions}"
 
 activate_venv() {

@@ -422,6 +422,7 @@ class LoggingConfig(_Freezable):
     # online | disabled; offline runs are kept under <run_dir>/wandb for `wandb sync`
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: taken from the accelerator's table
     progress_bar: bool = True
+    curves: bool = True  # draw <run_dir>/curves.png (matplotlib) after each eval and at the end
     profile_steps: str = ""  # "a:b": torch profiler Chrome trace of steps a..b (1-based,
     # inclusive), one file per rank under <run_dir>/profile; "" disables
 

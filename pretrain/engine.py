@@ -16,6 +16,7 @@ from typing import Any
 import deepspeed
 import torch
 
+from pretrain import lean_imports
 from pretrain.config import ModelConfig, RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.ds_config import zero_stage
@@ -148,6 +149,7 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     flat = ModelForm.of(model) is ModelForm.FLAT
     if is_mup(cfg.model):
         log(f"[mup] parametrization {describe(cfg.model)}", main=main)
+    lean_imports.import_muon_uncompiled()
     with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32():
         engine, _, _, _ = deepspeed.initialize(
             # per-group lr (muP: hidden matrices lr/m); the schedule multiplies each group's lr

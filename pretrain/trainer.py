@@ -407,7 +407,7 @@ class Trainer:
     def _draw_curves(self) -> None:
         """<run_dir>/curves.png from metrics.jsonl (rank 0), once per step. A failure turns the
         picture off for the run after one warning: it never stops training."""
-        if not self.main or self._curves_step in (self.step, -1):
+        if not self.main or not self.cfg.logging.curves or self._curves_step in (self.step, -1):
             return
         try:
             curves.write_png([curves.read_curves(self.run_dir)], self.run_dir / "curves.png")

@@ -15,7 +15,7 @@ PACKAGE = REPO / "pretrain"
 # The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     ("pretrain.errors", "pretrain.files", "pretrain.terminal", "pretrain.log", "pretrain.mounts",
-     "pretrain.file_lock"),
+     "pretrain.file_lock", "pretrain.lean_imports"),
     ("pretrain.config",),
     ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
      "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data", "pretrain.world_fit"),

@@ -241,7 +241,8 @@ def test_fused_loss_peak_memory_is_a_fraction_of_whole_logits(tmp_path, monkeypa
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by the spawned ranks
     tokens, vocab, width = 512, 32000, 64
     peaks = {chunk: run_on_ranks(_peak_loss_memory, world_size=1, tmp_path=tmp_path,
-                                 args=(chunk, tokens, vocab, width))[0] for chunk in (0, 64)}
+                                 args=(chunk, tokens, vocab, width), start_method="spawn")[0]
+             for chunk in (0, 64)}
     logits_bytes = tokens * vocab * 4
     assert peaks[0] > 2 * logits_bytes, peaks  # the measurement sees the whole logits
     assert peaks[64] < peaks[0] / 4, peaks
@@ -274,7 +275,7 @@ def test_the_models_loss_peak_memory_is_a_fraction_of_whole_logits(tmp_path, mon
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     tokens, vocab = 512, 16000
     peaks = run_on_ranks(_peak_model_memory, world_size=1, tmp_path=tmp_path,
-                         args=(tokens, vocab))[0]
+                         args=(tokens, vocab), start_method="spawn")[0]
     logits_bytes = tokens * vocab * 4
     for name in ("model", "pipeline"):
         assert peaks[name, 0] > 2 * logits_bytes, (name, peaks)  # it sees the whole logits

@@ -67,6 +67,8 @@ def test_deepspeed_launcher_zero2_trains_checkpoints_and_generates(stdlib_data, 
             "--set", "logging.report_to=[tensorboard,wandb]",
             "--set", "logging.wandb_mode=offline",
             "--set", "logging.progress_bar=true", "--set", "logging.log_interval=10",
+            # a user's defaults where the test model turns them off: curves.png, measured MFU peak
+            "--set", "logging.curves=true", "--set", "logging.peak_tflops=0",
             "--deepspeed-config", "ds_configs/zero2.json"]
     extensions = tmp_path / "torch_extensions"  # a fresh machine's: nothing compiled yet
     extensions.mkdir()

@@ -84,7 +84,7 @@ def test_construction_and_init_from_add_about_a_shard_per_rank(tp, wide_final, t
     cfg = load_config(None, WIDE).model
     largest = _largest_tensor_bytes(cfg)
     for rank, used in enumerate(run_on_ranks(_build_and_load, world_size=tp, tmp_path=tmp_path,
-                                             args=(str(wide_final),))):
+                                             args=(str(wide_final),), start_method="spawn")):
         limit = 1.5 * used["shard"] + largest
         assert used["build"] <= limit, (rank, {k: v / MB for k, v in used.items()}, limit / MB)
         # the weights are allocated already: loading adds at most a tensor and its shard
@@ -172,7 +172,8 @@ def test_zero3_construction_adds_a_partition_per_rank(tmp_path):
 
     cfg = load_config(None, DEEP).model
     largest, whole = _largest_tensor_bytes(cfg), 4 * num_parameters(cfg)
-    for rank, used in enumerate(run_on_ranks(_build_under_zero3, world_size=4, tmp_path=tmp_path)):
+    for rank, used in enumerate(run_on_ranks(_build_under_zero3, world_size=4, tmp_path=tmp_path,
+                                             start_method="spawn")):
         assert abs(used["partition"] - whole / 4) < 0.01 * whole, (rank, used, whole)
         assert used["build"] <= 1.5 * used["partition"] + 2 * largest < 0.6 * whole, (
             rank, {k: v / MB for k, v in used.items()}, largest / MB)
@@ -211,7 +212,8 @@ def test_final_save_adds_about_one_tensor_per_rank(tp, tiny_data, tmp_path):
     cfg = load_config(None, WIDE).model
     largest = _largest_tensor_bytes(cfg)
     used = run_on_ranks(_save_final, world_size=tp, tmp_path=tmp_path,
-                        args=(str(tmp_path / "run"), tiny_data["tokenizer"]))
+                        args=(str(tmp_path / "run"), tiny_data["tokenizer"]),
+                        start_method="spawn")
     for rank, u in enumerate(used):
         if tp == 1:  # nothing gathered: the tensor being written (measured 125 of 336 MB)
             assert u["save"] <= 1.5 * largest < 0.6 * u["shard"], (rank, u, largest)

@@ -71,7 +71,7 @@ def _three_saves(rank: int, world_size: int, out: str) -> dict:
 
 def test_three_background_saves_keep_no_copy_of_the_state(tmp_path):
     used = run_on_ranks(_three_saves, world_size=1, tmp_path=tmp_path, args=(str(tmp_path),),
-                        timeout_s=300)[0]
+                        timeout_s=300, start_method="spawn")[0]
     mb = {k: ([x / 2**20 for x in v] if isinstance(v, list) else v / 2**20)
           for k, v in used.items()}
     assert used["checkpoint"] > 30 * 2**20, mb

@@ -333,7 +333,8 @@ def test_training_reports_to_mlflow_and_draws_curves(tmp_path, tiny_data):
     from pretrain.sinks import mlflow_local_uri
 
     run = train(tmp_path, tiny_data, name="tracked",
-                overrides=["train.steps=4", "train.eval_interval=2", "logging.report_to=[mlflow]"])
+                overrides=["train.steps=4", "train.eval_interval=2", "logging.report_to=[mlflow]",
+                           "logging.curves=true"])
     client, runs = _mlflow_runs(mlflow_local_uri(run.run_dir))
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     run_id = runs[0].info.run_id

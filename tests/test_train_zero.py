@@ -83,6 +83,11 @@ def test_single_process_run_learns(single_fp32):
     assert len(single_fp32.losses) == STEPS
     assert single_fp32.losses[-1] < single_fp32.losses[0] - 0.1, single_fp32.losses
     assert engine_record(single_fp32)["param_dtypes"] == ["float32"]
+    # the test model sets logging.curves: false and a configured MFU peak: no picture drawn, MFU
+    # against 1 TFLOP/s (tokens/s x FLOPs per token / 1e12)
+    assert not (single_fp32.run_dir / "curves.png").exists()
+    head = single_fp32.records[0]
+    assert (head["peak_tflops"], head["peak_source"]) == (1.0, "logging.peak_tflops"), head
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
