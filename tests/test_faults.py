@@ -302,13 +302,21 @@ STOP_RUN = ["train.micro_batch_size=1", "train.global_batch_size=4", "train.step
             "train.precision=fp32", "checkpoint.save_final=false", "data.num_workers=0"]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data, tmp_path_factory):
+    """STOP_RUN on 2 ranks under the deepspeed launcher, never stopped (the reference)."""
+    return train(tmp_path_factory.mktemp("uninterrupted"), tiny_data, nprocs=2,
+                 launcher="deepspeed", name="full", overrides=STOP_RUN)
+
+
 @pytest.mark.parametrize("where, step", [
     # inside the first of the 8 micro-batches each rank evaluates after step 2
     ("eval", 2),
     # inside the first of step 3's 2 accumulated micro-batches: the partial step is abandoned
     ("step", 3),
 ])
-def test_stop_request_is_honoured_within_one_micro_batch(where, step, tiny_data, tmp_path):
+def test_stop_request_is_honoured_within_one_micro_batch(where, step, tiny_data, tmp_path,
+                                                         uninterrupted):
     """Rank 0 signals itself from inside a micro-batch (deterministic, no timed kill): both
     ranks stop after that micro-batch, save step 2 (the last completed one), exit 75, and the
     resumed run's losses are the uninterrupted run's."""
@@ -316,8 +324,7 @@ def test_stop_request_is_honoured_within_one_micro_batch(where, step, tiny_data,
     from pretrain.testing.runs import train_args
 
     env = signal_environment(where, step, directory=tmp_path)
-    full = train(tmp_path, tiny_data, nprocs=2, launcher="deepspeed", name="full",
-                 overrides=STOP_RUN)
+    full = uninterrupted
     run_dir = tmp_path / "stopped"
     stopped = run_pretrain(train_args(run_dir, tiny_data, overrides=STOP_RUN), run_dir=run_dir,
                            launcher="deepspeed", nprocs=2, env=env)

@@ -86,48 +86,44 @@ def _done(cluster: SlurmCluster, job_id: str, tmp: Path, *, timeout: float = 420
     return jobs, _log(tmp)
 
 
-def test_70b_script_trains_tiny_model_on_two_nodes(cluster, tiny_data, tmp_path):
-    job, run_dir, log_dir = _submit_tiny_70b(cluster, tiny_data, tmp_path, "train.steps=4",
-                                             "checkpoint.save_interval=2",
-                                             "checkpoint.save_final=true")
-    (info,), log = _done(cluster, job, tmp_path)
-    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
-    assert info.fields["NodeList"] == "pretrain-node[1-2]"
-    # The pre-flight's layout and the job record in the log directory.
-    assert "layout  tp 1 x pp 2 x dp 1 = 2 ranks" in log
-    assert (log_dir / "plan.txt").read_text() in log
-    assert "pretrain-node1:" in log  # master address from scontrol show hostnames
-    assert (log_dir / "attempts.txt").read_text() == "attempt=0 exit=0\n"
-    assert len((log_dir / "git_commit.txt").read_text().split()[0]) == 40
-    assert json.loads((log_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
-    assert "preset: tiny" in (log_dir / "config.yaml").read_text()
-    # Two ranks, one per node, through srun (discover_world's Slurm mapping).
-    run = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert (run["world_size"], run["launcher"]) == (2, "slurm")
-    assert _train_steps(run_dir) == [1, 2, 3, 4]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step4"
-    assert (run_dir / "checkpoints" / "step2").is_dir() and (run_dir / "final").is_dir()
-
-
-def test_usr1_checkpoints_requeues_and_resumes(cluster, tiny_data, tmp_path):
-    # Enough steps that the signal lands mid-run; it is sent once step 2 is logged.
+def test_70b_script_trains_on_two_nodes_checkpoints_on_usr1_requeues_and_resumes(
+        cluster, tiny_data, tmp_path):
+    """slurm/pretrain_70b.sh, shrunk to the tiny model on 2 nodes: the job records what it ran,
+    USR1 (sent once step 2 is logged, with enough steps left that it lands mid-run) checkpoints
+    and requeues it, and the second attempt finishes the run with no step repeated or lost."""
     job, run_dir, log_dir = _submit_tiny_70b(cluster, tiny_data, tmp_path, "train.steps=60",
-                                             "train.micro_batch_size=1", "train.global_batch_size=2")
+                                             "train.micro_batch_size=1", "train.global_batch_size=2",
+                                             "checkpoint.save_interval=40",
+                                             "checkpoint.save_final=true")
     deadline = time.monotonic() + 300
     while len(_train_steps(run_dir)) < 2:
         assert time.monotonic() < deadline, _log(tmp_path)
         assert cluster.job(job)[0].state in ("PENDING", "RUNNING"), _log(tmp_path)
-        time.sleep(0.2)
+        time.sleep(0.2)  # polling a condition, not synchronising on time
     cluster.run(["scancel", "--signal=USR1", "--batch", job])
     (info,), log = _done(cluster, job, tmp_path, timeout=600)
     assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
+    assert info.fields["NodeList"] == "pretrain-node[1-2]"
     assert info.fields["Restarts"] == "1", log
     attempts = (log_dir / "attempts.txt").read_text().splitlines()
     assert attempts == ["attempt=0 exit=75", "attempt=1 exit=0"], log
     assert "requeueing job" in log
-    steps = _train_steps(run_dir)
+    # The pre-flight's layout and the job record in the log directory.
+    assert "layout  tp 1 x pp 2 x dp 1 = 2 ranks" in log
+    assert (log_dir / "plan.txt").read_text() in log
+    assert "pretrain-node1:" in log  # master address from scontrol show hostnames
+    assert len((log_dir / "git_commit.txt").read_text().split()[0]) == 40
+    assert json.loads((log_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
+    assert "preset: tiny" in (log_dir / "config.yaml").read_text()
+    # Two ranks, one per node, through srun (discover_world's Slurm mapping), in both attempts.
+    starts = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in starts if r["kind"] == "run"]
+    assert [(r["world_size"], r["launcher"]) for r in starts] == [(2, "slurm")] * 2, starts
     # Attempt 1 continues at the step after the checkpoint of attempt 0: no step repeated or lost.
+    steps = _train_steps(run_dir)
     assert steps == list(range(1, 61)), steps
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step60"
+    assert (run_dir / "checkpoints" / "step40").is_dir() and (run_dir / "final").is_dir()
 
 
 def test_requeued_job_on_fewer_nodes_resumes_resharded(cluster, tiny_data, tmp_path):
