@@ -4,7 +4,9 @@
 DeepSpeed's communication backend exists (it keeps references to some of them, e.g.
 `all_gather_into_tensor`): DeepSpeed's `deepspeed.comm` and our own code both call through that
 namespace, so this one seam sees the collectives of every layout. torch's internal calls
-between its own functions (`all_gather_object` using `all_gather`) are not seen twice. Not
+between its own functions (`all_gather_object` using `all_gather`) are not seen twice, and
+collectives inside a region torch.compile traces (a compiled layer's tensor-parallel all-reduce)
+are passed through unrecorded, so dynamo traces what it traced before. Not
 wrapped: `isend` / `irecv` / `batch_isend_irecv` (torch checks a P2POp's function by identity;
 they only issue work) - a pipeline's blocking `send` / `recv` are.
 
@@ -23,6 +25,7 @@ import time
 from typing import Any, Callable
 
 import torch.distributed as torch_dist
+from torch.compiler import is_compiling
 
 OPS = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
        "all_gather_object", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
@@ -101,6 +104,8 @@ def _wrap(fn: Callable, op: str, log: CollectiveLog) -> Callable:
 
     @functools.wraps(fn)
     def collective(*args, **kwargs):
+        if is_compiling():  # traced by dynamo (a compiled layer's tensor-parallel all-reduce):
+            return fn(*args, **kwargs)  # exactly what it traced before; no record of it
         if "group" in kwargs:
             group = kwargs["group"]
         else:
