@@ -11,7 +11,8 @@ each pair's ratio and their median. Because a shared 2-core machine drifts by mo
 effect, it also prints the bound that does not drift: collectives per step x the measured cost
 of one recorded call (wrapper and ring buffer, against an empty function), over the step time.
 
-    .venv/bin/python bench/hang_overhead.py               # ~3 minutes on 2 cores
+    .venv/bin/python bench/hang_overhead.py               # defaults: 4 rounds x 8 steps per side
+    .venv/bin/python bench/hang_overhead.py --rounds 2 --steps 3 --warmup 1   # BENCHMARKS.md's run
 """
 from __future__ import annotations
 
