@@ -356,6 +356,10 @@ class TrainConfig(_Freezable):
     max_nonfinite_steps: int = 5
     loss_spike_factor: float = 2.0  # log a spike when a loss exceeds this x its running mean
     collective_timeout_minutes: float = 10.0  # a collective waiting longer: a rank is dead/stuck
+    # No micro-batch or step for this long: every rank dumps its stacks and last collectives to
+    # <run_dir>/hang/, one names the rank(s) the others wait for, all exit 75 (pretrain/hang.py).
+    # null: half of collective_timeout_minutes; must stay below it.
+    hang_timeout_minutes: float | None = None
     # How long the other ranks wait for one rank's file work (sample indices, a checkpoint's
     # manifest and pruning, final weights): minutes at 70B scale, beyond a collective's timeout.
     io_timeout_minutes: float = 120.0
@@ -373,6 +377,12 @@ class TrainConfig(_Freezable):
                   "need max_nonfinite_steps >= 1, loss_spike_factor > 1, "
                   "collective_timeout_minutes > 0, exit_after_minutes >= 0 and "
                   "io_timeout_minutes > 0")
+        if self.hang_timeout_minutes is not None and not \
+                0 < self.hang_timeout_minutes < self.collective_timeout_minutes:
+            _fail("train", "hang_timeout_minutes", self.hang_timeout_minutes,
+                  f"must be > 0 and below train.collective_timeout_minutes="
+                  f"{self.collective_timeout_minutes:g} (the watchdog must name the hung rank "
+                  "before the collective times out), or null for half of it")
         for name in ("steps", "micro_batch_size", "eval_batches"):
             if getattr(self, name) < 1:
                 _fail("train", name, getattr(self, name), "must be a positive integer")
@@ -383,6 +393,11 @@ class TrainConfig(_Freezable):
         if self.warmup_steps < 0 or self.eval_interval < 0 or self.grad_clip < 0:
             _fail("train", "warmup_steps/eval_interval/grad_clip",
                   (self.warmup_steps, self.eval_interval, self.grad_clip), "must be >= 0")
+
+    @property
+    def hang_timeout(self) -> float:
+        """hang_timeout_minutes, null resolved (half of collective_timeout_minutes)."""
+        return self.hang_timeout_minutes or self.collective_timeout_minutes / 2
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
-from pretrain import checkpoint, curves, faults, telemetry
+from pretrain import checkpoint, curves, faults, hang, telemetry
 from pretrain.config import Precision
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
@@ -114,6 +114,12 @@ class Trainer:
         control.schedule(save_interval_steps=cfg.checkpoint.save_interval,
                          save_interval_minutes=cfg.checkpoint.save_interval_minutes,
                          exit_after_minutes=cfg.train.exit_after_minutes)
+        # started with the loop: a rank without progress for train.hang_timeout_minutes is named
+        self.watchdog = hang.Watchdog(
+            timeout_minutes=cfg.train.hang_timeout, rank=world.rank, world_size=world.world_size,
+            run_dir=self.run_dir, store=hang.default_store() if world.world_size > 1 else None,
+            control=control, log=lambda line: telemetry.log(line, level="warning"),
+            on_verdict=self._record_hang)
         self.guard = faults.NonFiniteGuard(
             self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
             spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
@@ -220,6 +226,7 @@ class Trainer:
             engine.step()
             total += loss.detach().float()
             self.control.micro_batch_done()
+            self.watchdog.beat()
         return self._mean_over_dp(total / self.grad_accum), timed.wait
 
     @torch.no_grad()
@@ -253,17 +260,27 @@ class Trainer:
                                      labels=labels.to(self.device)).float()
             done += size
             self.control.micro_batch_done()
+            self.watchdog.beat()
         self.engine.train()
         return self._mean_over_dp(total / n)
 
     def train(self) -> TrainResult:
         """Train to train.steps or a stop request. The metric sinks are closed on every way out:
         a run that raised is FAILED in MLflow (KILLED when interrupted)."""
+        self.watchdog.start()
         try:
             return self._train()
         except BaseException as exc:
             self.metrics.close(status="FAILED" if isinstance(exc, Exception) else "KILLED")
             raise
+        finally:
+            self.watchdog.stop()
+
+    def _record_hang(self, record: dict[str, Any]) -> None:
+        """The hang verdict's record (rank 0's watchdog, just before the process exits)."""
+        if record:
+            self.metrics.write(record)
+        self.metrics.close(status="FAILED")
 
     def _train(self) -> TrainResult:
         result = TrainResult()
@@ -307,6 +324,7 @@ class Trainer:
             return None
         self.step += 1
         self._steps_run += 1
+        self.watchdog.beat(self.step)
         self.consumed_samples += self.global_batch
         elapsed = time.perf_counter() - start
         if profiler.end(self.step):
@@ -371,9 +389,10 @@ class Trainer:
             self.save()
         self._finish_save()
         if self.cfg.checkpoint.save_final:
-            result.final_dir = checkpoint.save_final(
-                self.engine, cfg=self.cfg, groups=self.groups, tokenizer=self.tokenizer,
-                run_dir=self.run_dir, step=self.step, main=self.main)
+            with self.watchdog.paused():  # its waits have train.io_timeout_minutes
+                result.final_dir = checkpoint.save_final(
+                    self.engine, cfg=self.cfg, groups=self.groups, tokenizer=self.tokenizer,
+                    run_dir=self.run_dir, step=self.step, main=self.main)
             telemetry.log(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
         self._draw_curves()
         self.metrics.close()
@@ -428,7 +447,8 @@ class Trainer:
             layout=self.checkpoint_layout)
         self._finish_save()  # the previous save, if it is still being written
         self._save_started = time.perf_counter()
-        path = self.saver.save(meta=meta, client_state=state)
+        with self.watchdog.paused():  # its waits have train.io_timeout_minutes
+            path = self.saver.save(meta=meta, client_state=state)
         self.control.mark_saved()
         self._saved_step = self.step
         took = f"{time.perf_counter() - self._save_started:.1f}s"
@@ -438,7 +458,8 @@ class Trainer:
     def _finish_save(self) -> None:
         """Complete the save in flight, if any (collective): every rank's files on disk, then
         the manifest and `latest`."""
-        path = self.saver.finish()
+        with self.watchdog.paused():  # its waits have train.io_timeout_minutes
+            path = self.saver.finish()
         if path is not None:
             telemetry.log(f"[checkpoint] {path} complete, "
                           f"{time.perf_counter() - self._save_started:.1f}s after the save began",

@@ -121,7 +121,7 @@ run_training() {
 finish_job() {
   case $JOB_RC in
     0) echo "[slurm] training finished" ;;
-    75) echo "[slurm] checkpoint saved after a stop request, or too few nodes for one model replica: requeueing job $SLURM_JOB_ID"
+    75) echo "[slurm] checkpoint saved after a stop request, a hung rank named (<run_dir>/hang/verdict.txt), or too few nodes for one model replica: requeueing job $SLURM_JOB_ID"
         scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;
     2) echo "[slurm] error in the run's input (exit 2, see above): fix it and resubmit; not requeued" ;;
     *) echo "[slurm] training failed with exit $JOB_RC (3: a rank faulted or a collective timed out)" ;;

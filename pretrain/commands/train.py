@@ -9,8 +9,8 @@ Runs the same under `deepspeed`, `torchrun`, `srun` and as a plain process (a wo
 
 Exit statuses (pretrain/errors.py): 0 done; 2 bad config / data / checkpoint; 3 the run stopped
 itself (a rank died or a collective timed out, too many non-finite steps); 75 a checkpoint was
-saved because of SIGTERM / SIGUSR1 / --exit-after-minutes, or fewer ranks than one model replica:
-requeue the job and it resumes. Ranks the layout or the batch cannot use sit idle and exit with
+saved because of SIGTERM / SIGUSR1 / --exit-after-minutes, or fewer ranks than one model replica,
+or a hung rank named (pretrain/hang.py): requeue the job and it resumes. Ranks the layout or the batch cannot use sit idle and exit with
 the others' status (pretrain/world_fit.py).
 """
 from __future__ import annotations
@@ -86,6 +86,10 @@ def run(args: argparse.Namespace) -> NoReturn:
     run = lay_out(settled, world_size=world.world_size, rank=world.rank, device_type=device_type)
     if run.resume is not None and args.require_same_layout:
         refuse_another_layout(run)
+    from pretrain import collective_log, hang
+
+    collective_log.install()  # before DeepSpeed's backend keeps references to the collectives
+    hang.flight_recorder_environment(device_type)
     init_distributed(world, timeout_minutes=run.cfg.train.collective_timeout_minutes,
                      io_timeout_minutes=run.cfg.train.io_timeout_minutes)
     from pretrain.trainer import Trainer  # DeepSpeed's modules, once the process group exists

@@ -8,8 +8,12 @@ The seams are in `pretrain.faults`:
 - `RunControl.micro_batch_started` does nothing. `signal_inside(where, step)` replaces it, so
   that global rank 0 sends itself SIGUSR1 as the first micro-batch of step `step` ("step", flat
   models) or of the evaluation after step `step` ("eval"; a pipeline's first chunk) starts.
+- `hang_inside(step, rank, how)` replaces the same seam, so that global rank `rank` hangs as the
+  first micro-batch of step `step` starts: it blocks forever in `blocked_forever` ("block") or
+  SIGSTOPs itself ("stop"), for the hang watchdog (`pretrain.hang`) to find.
 A `pretrain` process a test spawns gets the same through `nan_loss_environment(steps,
-directory=)` or `signal_environment(where, step, directory=)`: a `sitecustomize.py` in
+directory=)`, `signal_environment(where, step, directory=)` or `hang_environment(step, rank,
+how, directory=)`: a `sitecustomize.py` in
 `directory`, put first on PYTHONPATH, which Python imports at start-up in every process of the
 run::
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -50,6 +55,35 @@ def signal_inside(where: str, step: int) -> None:
 
     chosen = step
     RunControl.micro_batch_started = micro_batch_started
+
+
+def blocked_forever() -> None:
+    """The frame a "block" hang waits in (the test finds it in the rank's stack dump)."""
+    threading.Event().wait()
+
+
+def hang_inside(step: int, rank: int, how: str) -> None:
+    """From now on in this process, global rank `rank` hangs as the first micro-batch of step
+    `step` starts: `how` "block" (forever, in `blocked_forever`) or "stop" (SIGSTOP)."""
+    from pretrain.faults import RunControl
+
+    if how not in ("block", "stop"):
+        raise ValueError(how)
+    chosen = ("step", step, 0, rank)
+
+    def micro_batch_started(self, at: str, *, step: int, micro: int, rank: int) -> None:
+        if (at, step, micro, rank) == chosen:
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            blocked_forever()
+
+    RunControl.micro_batch_started = micro_batch_started
+
+
+def hang_environment(step: int, rank: int, how: str, *, directory: Path) -> dict[str, str]:
+    """The environment (PYTHONPATH) under which a spawned process calls `hang_inside`."""
+    return _environment("hang_inside", f"hang_inside({int(step)}, {int(rank)}, {how!r})",
+                        directory=directory)
 
 
 def nan_loss_environment(steps: Iterable[int], *, directory: Path) -> dict[str, str]:

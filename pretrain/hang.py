@@ -1,0 +1,266 @@
+"""Name the rank that hangs: a watchdog thread per rank, dumps, one verdict, exit to be requeued.
+
+`Watchdog` is a daemon thread started when training starts. The training loop calls `beat`
+after every micro-batch it runs itself (a flat model's accumulation and evaluation, a pipeline's
+evaluation chunks) and after every step (a pipeline's 1F1B schedule runs its micro-batches inside
+DeepSpeed): micro-batches, not steps, because a step of a long accumulation may legitimately run
+for minutes while a micro-batch is bounded like a collective. Checkpoint saves run `paused`
+(their waits have `train.io_timeout_minutes`). No beat for `train.hang_timeout_minutes` - or a
+SIGTERM the loop has not acted on within `SIGTERM_GRACE_S` (its handler only sets a flag that a
+hung loop never polls) - is a hang. Then every rank that can still run Python:
+
+1. raises the alarm in the rendezvous store (the launcher's TCPStore, which works while
+   NCCL / gloo are wedged), which the other ranks' watchdogs see at their next poll;
+2. writes `<run_dir>/hang/rank<N>.txt`: every thread's Python stack (faulthandler) and its last
+   collectives (`pretrain.collective_log`); on NCCL also torch's flight recorder
+   (`hang/flight_recorder_rank<N>.pkl`);
+3. answers in the store with its status: host, last finished step, collectives entered per
+   group, the one it is in.
+
+The lowest rank that answered within `answer_window` judges (`verdict`): one line, in the log and
+in `hang/verdict.txt`, naming the rank(s) and hosts that did not reach the collective the others
+wait in, and a rank that never answered (SIGSTOPped, frozen) as one that cannot answer. A
+"hang" record goes to metrics.jsonl (through rank 0's sinks when rank 0 answered). Then every
+answering rank exits EXIT_REQUEUE (75): the Slurm scripts requeue the job, which resumes from the
+last complete checkpoint. Between hangs each watchdog publishes a heartbeat (the same status)
+every `interval` seconds, so the status of a rank that stops answering is at most that old.
+"""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from pretrain import collective_log
+from pretrain.errors import EXIT_REQUEUE
+from pretrain.hang_verdict import verdict
+
+SIGTERM_GRACE_S = 30.0  # Slurm's default KillWait: it SIGKILLs this long after SIGTERM anyway
+_KEY = "pretrain/hang"
+
+
+def intervals(timeout_s: float) -> tuple[float, float]:
+    """(poll interval, answer window) for a hang timeout: a rank's status is at most one interval
+    old; the judge waits up to the window for every rank's answer."""
+    interval = min(max(timeout_s / 6, 0.2), 10.0)
+    return interval, max(10.0, 3 * interval)
+
+
+def flight_recorder_environment(device_type: str) -> None:
+    """On NCCL, keep torch's flight recorder (its last collectives, per communicator) unless the
+    user set it: set before the process group exists. Not exercised on CPU machines."""
+    if device_type == "cuda":
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+
+
+def dump_flight_recorder(path: Path) -> bool:
+    """torch's flight recorder (NCCL's, or gloo's when TORCH_FR_BUFFER_SIZE is set) to `path`
+    (a pickle that torch's `fr_trace` tool reads); False when this build or backend has none."""
+    import torch._C._distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None and os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        dump = getattr(c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return False
+    try:
+        path.write_bytes(dump(includeCollectives=True, includeStackTraces=True, onlyActive=False))
+    except Exception:  # noqa: BLE001 - best effort: the stacks and our log are already written
+        return False
+    return True
+
+
+def default_store():
+    """The process group's rendezvous store (None without a process group)."""
+    import torch.distributed as torch_dist
+
+    if not torch_dist.is_initialized():
+        return None
+    return torch_dist.distributed_c10d._get_default_store()
+
+
+class Watchdog:
+    def __init__(self, *, timeout_minutes: float, rank: int, world_size: int, run_dir: Path,
+                 store: Any = None, control: Any = None, log: Callable[[str], None] = print,
+                 on_verdict: Callable[[dict[str, Any]], None] | None = None,
+                 exit: Callable[[int], None] = os._exit,
+                 collectives: collective_log.CollectiveLog = collective_log.LOG):
+        """`store` the rendezvous store (a `torch.distributed.Store`; None in a world of one);
+        `control` the `faults.RunControl` whose SIGTERM flag counts; `on_verdict` called on rank
+        0 with the metrics record before the exit; `exit` ends the process."""
+        self.timeout_s, self.rank, self.world_size = timeout_minutes * 60.0, rank, world_size
+        self.dir, self.store, self.control = Path(run_dir) / "hang", store, control
+        self.log, self.on_verdict, self.exit, self.collectives = log, on_verdict, exit, collectives
+        self.interval, self.window = intervals(self.timeout_s)
+        self.host, self.step = socket.gethostname(), 0
+        self.last_progress = time.monotonic()
+        self._paused, self._sigterm_at = 0, None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._prefix = f"{_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self._local: dict[str, str] = {}  # the store of a world of one
+
+    # ---- the training loop's side ----------------------------------------------------------
+    def start(self) -> None:
+        """Publish this rank's first heartbeat (so a rank stopped at once is still known by its
+        host), then watch from a daemon thread."""
+        self.beat()
+        self._set(f"beat/{self.rank}", json.dumps(self.status()))
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, 2 * self.interval))
+
+    def beat(self, step: int | None = None) -> None:
+        """Progress: a micro-batch ran, or step `step` completed."""
+        self.last_progress = time.monotonic()
+        if step is not None:
+            self.step = step
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No alarm from this rank inside the block (a save: its waits have their own timeout)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self.beat()
+
+    # ---- the thread ------------------------------------------------------------------------
+    def due(self, now: float) -> str | None:
+        """Why this rank is hung at monotonic time `now`, or None."""
+        if self._paused:
+            return None
+        idle = now - self.last_progress
+        if idle >= self.timeout_s:
+            return (f"no progress for {idle:.1f} s (train.hang_timeout_minutes="
+                    f"{self.timeout_s / 60:g})")
+        if self.control is not None and self.control.received == "SIGTERM":
+            if self._sigterm_at is None:
+                self._sigterm_at = now
+            waited = now - max(self._sigterm_at, self.last_progress)
+            if waited >= min(SIGTERM_GRACE_S, self.timeout_s):
+                return f"SIGTERM not acted on: no progress for {waited:.1f} s after it arrived"
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                reason = self.due(time.monotonic())
+                alarm = self._get("alarm")
+                if not (reason or alarm):
+                    self._set(f"beat/{self.rank}", json.dumps(self.status()))
+                    continue
+            except Exception as exc:  # noqa: BLE001 - the watchdog must never kill training
+                print(f"warning: rank {self.rank}: hang watchdog off: {type(exc).__name__}: "
+                      f"{exc}", file=sys.stderr, flush=True)
+                return
+            try:
+                self._on_hang(reason, alarm)
+            except Exception as exc:  # noqa: BLE001 - the store's host (rank 0) may be gone
+                print(f"error: rank {self.rank}: hang: {reason or alarm}; naming the rank "
+                      f"failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.exit(EXIT_REQUEUE)
+            return
+
+    def status(self, *, answered: bool = False) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
+                "at": time.time(), "answered": answered,
+                "counts": dict(self.collectives.counts), "last": self.collectives.last()}
+
+    def _on_hang(self, reason: str | None, alarm: str | None) -> None:
+        if reason and not alarm:
+            self._set("alarm", f"rank {self.rank}: {reason}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._dump(reason or f"alarm raised by {alarm}")
+        self._set(f"answer/{self.rank}", json.dumps(self.status(answered=True)))
+        statuses = self._gather_answers()
+        answered = [r for r, s in statuses.items() if s and s["answered"]]
+        if self._get("verdict") is None:
+            if self.rank == min(answered) or self._wait_for("verdict", self.window) is None:
+                self._judge(statuses)  # the lowest rank that answered, or the next if it died
+        if self.rank == 0 and self.on_verdict is not None:
+            with contextlib.suppress(Exception):
+                self.on_verdict(json.loads(self._get("record") or "{}"))
+        self._set(f"left/{self.rank}", "1")
+        if self.rank == 0:  # it holds the store under most launchers: leave last
+            self._wait_for_all([f"left/{r}" for r in answered], self.window)
+            from pretrain.world_fit import publish_exit  # ranks left idle exit with this code
+
+            publish_exit(EXIT_REQUEUE, rank=0)
+
+    def _dump(self, reason: str) -> None:
+        now = time.time()
+        with open(self.dir / f"rank{self.rank}.txt", "w") as f:
+            f.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), last finished step "
+                    f"{self.step}: {reason}\n\nPython stacks (faulthandler):\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.write(f"\nlast collectives, oldest first ({self.collectives.total} entered):\n")
+            for entry in self.collectives.recent():
+                f.write(collective_log.describe(collective_log.as_dict(entry), now=now) + "\n")
+        dump_flight_recorder(self.dir / f"flight_recorder_rank{self.rank}.pkl")
+
+    def _gather_answers(self) -> dict[int, dict[str, Any] | None]:
+        """Every rank's answer, or its last heartbeat if it has not answered within the window."""
+        self._wait_for_all([f"answer/{r}" for r in range(self.world_size)], self.window)
+        statuses = {}
+        for r in range(self.world_size):
+            text = self._get(f"answer/{r}") or self._get(f"beat/{r}")
+            statuses[r] = json.loads(text) if text else None
+        return statuses
+
+    def _judge(self, statuses: dict[int, dict[str, Any] | None]) -> None:
+        line, record = verdict(statuses, now=time.time())
+        (self.dir / "verdict.txt").write_text(line + "\n")
+        self.log(line)
+        rank0_writes = (statuses.get(0) or {}).get("answered") and (
+            self.rank != 0 or self.on_verdict is not None)  # through its metric sinks
+        if not rank0_writes:
+            with open(self.dir.parent / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self._set("record", json.dumps(record))
+        self._set("verdict", line)
+
+    # ---- the store (a world of one has none: its own statuses only) ------------------------
+    def _set(self, key: str, value: str) -> None:
+        if self.store is not None:
+            self.store.set(f"{self._prefix}/{key}", value)
+        else:
+            self._local[key] = value
+
+    def _get(self, key: str) -> str | None:
+        if self.store is None:
+            return self._local.get(key)
+        full = f"{self._prefix}/{key}"
+        return self.store.get(full).decode() if self.store.check([full]) else None
+
+    def _wait_for_all(self, keys: list[str], seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not (done := self._has_all(keys)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling the store for the other ranks
+        return done
+
+    def _has_all(self, keys: list[str]) -> bool:
+        if self.store is None:
+            return all(k in self._local for k in keys)
+        return self.store.check([f"{self._prefix}/{k}" for k in keys])
+
+    def _wait_for(self, key: str, seconds: float) -> str | None:
+        deadline = time.monotonic() + seconds
+        while (value := self._get(key)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling the store for the judge's line
+        return value
