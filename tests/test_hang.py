@@ -22,8 +22,9 @@ from pretrain.testing.faults import hang_environment
 from pretrain.testing.runs import REPO, run_pretrain, train_args
 
 EXIT_REQUEUE = 75
-# 2 ranks, grad accum 1, fp32; rank 1 hangs as step 2 starts; 6 s without progress is a hang
-HANG_RUN = ["train.steps=4", "train.hang_timeout_minutes=0.1",
+# 2 ranks, grad accum 1, fp32; rank 1 hangs as step 2 starts; 12 s without progress is a hang
+# (a loaded 2-core machine runs a tiny micro-batch in well under a second)
+HANG_RUN = ["train.steps=4", "train.hang_timeout_minutes=0.2",
             "train.collective_timeout_minutes=2", "checkpoint.save_interval=1"]
 HOST = socket.gethostname()
 
