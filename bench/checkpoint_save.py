@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, median
+from common import machine, median, tiny_zero1_engine, train_step, zero1_layout
 from pretrain.testing.ranks import run_on_ranks
 
 OVERRIDES = ["model.preset=small", "model.num_layers=8", "model.vocab_size=8192",
@@ -54,36 +54,24 @@ def _sequential_write(path: Path, nbytes: int) -> float:
 
 
 def _rank(rank: int, world_size: int, out_dir: str) -> dict:
-    import deepspeed
     import torch
     import torch.distributed as dist
 
     from pretrain import checkpoint
-    from pretrain.config import load_config
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import param_groups
-    from pretrain.model import build_model
 
-    cfg = load_config("configs/tiny.yaml", OVERRIDES + [f"run_dir={out_dir}"])
-    ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
-    model = build_model(cfg.model, seed=1, tp_group=None, sequence_parallel=False)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
-                                      model_parameters=param_groups(model, 0.1))
-    ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
+    engine, cfg = tiny_zero1_engine(OVERRIDES, out_dir=out_dir, world_size=world_size)
 
-    def train_step() -> None:
-        engine.backward(engine(ids, labels=ids))
-        engine.step()
+    def one_step() -> None:
+        train_step(engine, cfg)
 
     def anyone_writing(saver) -> bool:  # the trainer's per-step agreement
         flag = torch.tensor([float(saver.writing())])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    train_step()  # optimizer states exist: the checkpoint has its full size
+    one_step()  # optimizer states exist: the checkpoint has its full size
     ckpt_dir = Path(out_dir) / "checkpoints"
-    layout = {"tensor": 1, "pipeline": 1, "data": world_size, "world_size": world_size,
-              "zero_stage": 1, "offload": "none", "precision": "fp32"}
+    layout = zero1_layout(world_size)
     savers = {mode: checkpoint.Saver(engine, ckpt_dir=ckpt_dir, keep_last=1, keep_every=0,
                                      rank=rank, background=mode == "background")
               for mode in ("sync", "background")}
@@ -126,7 +114,7 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict:
         times["blocked"].append(time.perf_counter() - start)
         start, n = time.perf_counter(), 0
         while True:
-            train_step()
+            one_step()
             n += 1
             if not anyone_writing(savers["background"]):
                 break
@@ -136,7 +124,7 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(n):
-            train_step()
+            one_step()
             anyone_writing(savers["background"])
         times["without"].append(time.perf_counter() - start)
 

@@ -45,3 +45,37 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def tiny_zero1_engine(overrides: list[str], *, out_dir: str, world_size: int):
+    """(engine, config) of configs/tiny.yaml with `overrides`, run_dir `out_dir`, on this rank
+    of `world_size` (one process group already up), built as `pretrain train` builds it."""
+    import deepspeed
+
+    from pretrain.config import load_config
+    from pretrain.engine import param_groups
+    from pretrain.model import build_model
+    from pretrain.run import resolve_ds_config
+
+    cfg = load_config("configs/tiny.yaml", overrides + [f"run_dir={out_dir}"])
+    ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
+    model = build_model(cfg.model, seed=1, tp_group=None, sequence_parallel=False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                      model_parameters=param_groups(model, 0.1))
+    return engine, cfg
+
+
+def train_step(engine, cfg) -> None:
+    """One forward, backward and optimizer step on random tokens (Adam's moments then exist:
+    a checkpoint has its full size)."""
+    import torch
+
+    ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
+    engine.backward(engine(ids, labels=ids))
+    engine.step()
+
+
+def zero1_layout(world_size: int) -> dict:
+    """The checkpoint meta's layout of a flat fp32 ZeRO-1 run of `world_size` ranks."""
+    return {"tensor": 1, "pipeline": 1, "data": world_size, "world_size": world_size,
+            "zero_stage": 1, "offload": "none", "precision": "fp32"}

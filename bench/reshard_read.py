@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, median
+from common import machine, median, tiny_zero1_engine, train_step, zero1_layout
 from pretrain.testing.ranks import run_on_ranks
 
 OVERRIDES = ["model.preset=small", "model.num_layers=8", "model.vocab_size=8192",
@@ -32,25 +32,11 @@ NEW_TP, NEW_DP, ROUNDS = 2, 2, 3
 
 
 def _save(rank: int, world_size: int, out_dir: str) -> None:
-    import deepspeed
-    import torch
-
     from pretrain import checkpoint
-    from pretrain.config import load_config
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import param_groups
-    from pretrain.model import build_model
 
-    cfg = load_config("configs/tiny.yaml", OVERRIDES + [f"run_dir={out_dir}"])
-    ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
-    model = build_model(cfg.model, seed=1, tp_group=None, sequence_parallel=False)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
-                                      model_parameters=param_groups(model, 0.1))
-    ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
-    engine.backward(engine(ids, labels=ids))
-    engine.step()  # Adam's moments exist: the checkpoint has its full size
-    layout = {"tensor": 1, "pipeline": 1, "data": world_size, "world_size": world_size,
-              "zero_stage": 1, "offload": "none", "precision": "fp32"}
+    engine, cfg = tiny_zero1_engine(OVERRIDES, out_dir=out_dir, world_size=world_size)
+    train_step(engine, cfg)
+    layout = zero1_layout(world_size)
     saver = checkpoint.Saver(engine, ckpt_dir=Path(out_dir) / "checkpoints", keep_last=1,
                              keep_every=0, rank=rank, background=False)
     saver.save(client_state={"step": 1, "config": cfg.to_dict()},
