@@ -66,6 +66,14 @@ class Precision(str, enum.Enum):
     FP16 = "fp16"  # dynamic loss scaling
 
 
+class SpikeAction(str, enum.Enum):
+    """What a loss spike (train.loss_spike_factor x the running mean) does (`pretrain.spikes`)."""
+
+    LOG = "log"  # a warning line; the update is applied
+    SKIP = "skip"  # the update is dropped, as a non-finite step's is (flat models)
+    ROLLBACK = "rollback"  # replay from the last checkpoint; a data problem quarantines the batch
+
+
 # model.vocab_size: the vocabulary of data.tokenizer, read by the data checks before the run starts
 # (`pretrain.data.build.check_run_data`); the config keeps the word until then.
 VOCAB_AUTO = "auto"
@@ -314,8 +322,15 @@ class DataConfig(_Freezable):
     test_fraction: float = 0.0  # documents held out for testing (never trained or validated on)
     seed: int = 1234  # document and sample shuffle seed
     num_workers: int = 1  # DataLoader workers per rank
+    # Global sample numbers (positions in the run's sample stream, counted from 0 as
+    # consumed_samples counts) never trained on; a rollback adds to the checkpoint's own list.
+    exclude_samples: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0
+               for n in self.exclude_samples):
+            _fail("data", "exclude_samples", self.exclude_samples,
+                  "must list sample numbers, integers >= 0 (as [12, 13])")
         for name in ("valid_fraction", "test_fraction"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail("data", name, getattr(self, name), "must be in [0, 1)")
@@ -355,6 +370,7 @@ class TrainConfig(_Freezable):
     # Faults (pretrain/faults.py): a NaN/Inf step is skipped; this many in a row stop the run.
     max_nonfinite_steps: int = 5
     loss_spike_factor: float = 2.0  # log a spike when a loss exceeds this x its running mean
+    on_loss_spike: SpikeAction = SpikeAction.LOG  # log | skip | rollback (pretrain/spikes.py)
     collective_timeout_minutes: float = 10.0  # a collective waiting longer: a rank is dead/stuck
     # No micro-batch or step for this long: every rank dumps its stacks and last collectives to
     # <run_dir>/hang/, one names the rank(s) the others wait for, all exit 75 (pretrain/hang.py).

@@ -17,7 +17,8 @@
 - `NonFiniteGuard`: a step whose loss or gradient norm is NaN/Inf is not applied (DeepSpeed's ZeRO
   and bf16 optimizers skip it themselves; the plain torch optimizer of ZeRO-0 is wrapped to do
   the same), counted and logged; after `max_in_a_row` such steps in a row the run stops with
-  `TrainingFault` (EXIT_FAULT). Loss spikes and fp16 loss-scale changes are logged.
+  `TrainingFault` (EXIT_FAULT). Loss spikes and fp16 loss-scale changes are logged; what a
+  spike does beyond that (skip, rollback) is `pretrain.spikes`'.
 - `is_collective_failure`: tells a peer's death or a collective timeout from other errors, so
   `pretrain train` exits with EXIT_FAULT and a one-line reason instead of a traceback or a hang.
 
@@ -158,8 +159,11 @@ class NonFiniteGuard:
     """Skip, count and log non-finite steps; log loss spikes and loss-scale changes."""
 
     def __init__(self, engine, *, max_in_a_row: int, spike_factor: float, device: str,
-                 rank: int, log: Callable[[str], None]):
+                 rank: int, log: Callable[[str], None], spikes_kept_out: bool = False):
+        """`spikes_kept_out`: a spike's loss stays out of the running mean (its update was
+        skipped or rolled back, `pretrain.spikes`); otherwise every finite loss enters it."""
         self.engine, self.max_in_a_row, self.spike_factor = engine, max_in_a_row, spike_factor
+        self.spikes_kept_out = spikes_kept_out
         self.log, self.rank = log, rank
         self.total = self.in_a_row = 0
         self.mean_loss: float | None = None  # running mean (EMA) of finite losses
@@ -188,10 +192,20 @@ class NonFiniteGuard:
         `pretrain.testing.faults.inject_nan_losses` makes it non-finite."""
         return loss
 
-    def after_step(self, *, step: int, loss: float, skipped_before: int) -> dict[str, Any]:
-        """Account for the step just taken; the fields it adds to the step record."""
+    def is_spike(self, loss: float) -> bool:
+        """A finite loss above spike_factor x the running mean of the losses before it."""
+        return math.isfinite(loss) and self.mean_loss is not None \
+            and loss > self.spike_factor * self.mean_loss
+
+    def after_step(self, *, step: int, loss: float, skipped_before: int,
+                   spike_skipped: bool = False) -> dict[str, Any]:
+        """Account for the step just taken; the fields it adds to the step record.
+        `spike_skipped`: the trainer dropped this step's update for a loss spike (through the
+        non-finite path: `pretrain.spikes`), which is then no non-finite step."""
         skipped = self.engine.skipped_steps > skipped_before
-        nonfinite = not math.isfinite(loss) or (skipped and self.loss_scale is None)
+        nonfinite = not spike_skipped and (
+            not math.isfinite(loss) or (skipped and self.loss_scale is None))
+        spike = False
         if nonfinite:
             self.total += 1
             self.in_a_row += 1
@@ -205,12 +219,16 @@ class NonFiniteGuard:
                     f"(train.max_nonfinite_steps={self.max_in_a_row})")
         else:
             self.in_a_row = 0
-            if self.mean_loss is not None and loss > self.spike_factor * self.mean_loss:
+            spike = self.is_spike(loss)
+            if spike:
                 self.log(f"[fault] step {step}: loss spike {loss:.4f} > {self.spike_factor} x "
-                         f"running mean {self.mean_loss:.4f}")
-            self.mean_loss = loss if self.mean_loss is None else 0.9 * self.mean_loss + 0.1 * loss
+                         f"running mean {self.mean_loss:.4f}"
+                         + ("; update skipped (train.on_loss_spike=skip)" if spike_skipped else ""))
+            if not (spike and self.spikes_kept_out):
+                self.mean_loss = loss if self.mean_loss is None \
+                    else 0.9 * self.mean_loss + 0.1 * loss
         scale = self._loss_scale()
         if scale is not None and scale != self.loss_scale:
             self.log(f"[fp16] step {step}: loss scale {self.loss_scale:g} -> {scale:g}")
             self.loss_scale = scale
-        return {"update_skipped": skipped, "nonfinite_steps": self.total}
+        return {"update_skipped": skipped, "nonfinite_steps": self.total, "loss_spike": spike}

@@ -21,7 +21,7 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from pretrain.config import Precision, RunConfig, freeze
+from pretrain.config import Precision, RunConfig, SpikeAction, freeze
 from pretrain.data.build import check_run_data
 from pretrain.ds_config import check_top_level_keys, engine_fields, fill_ds_config, load_ds_json
 from pretrain.errors import ConfigError
@@ -135,6 +135,11 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     precision=planned_precision(t.precision),
                     partition=p.pipeline_partition, context=p.context)
     check_layout(m, layout)
+    if t.on_loss_spike is SpikeAction.SKIP and p.pipeline > 1:
+        raise ConfigError(
+            f"train.on_loss_spike=skip with parallel.pipeline={p.pipeline}: a pipeline applies "
+            "its update inside DeepSpeed's schedule, before the step's loss is known; use "
+            "train.on_loss_spike=rollback (or log)")
     if ds_json is None:
         return layout
     try:

@@ -19,11 +19,12 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
-from pretrain import checkpoint, curves, faults, hang, telemetry
+from pretrain import checkpoint, curves, faults, hang, spikes, telemetry
 from pretrain.config import Precision
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
 from pretrain.data.loader import micro_batches
+from pretrain.data.samples import stream_numbers
 from pretrain.dist import World, same_on_every_rank, wait_for_io
 from pretrain.engine import build_engine
 from pretrain.errors import EXIT_REQUEUE, ConfigError
@@ -108,6 +109,11 @@ class Trainer:
         self._norm_before_step = self.layout.zero_stage == 0 and not self.pipelined
         self._grad_norm: float | None = None
         self.checkpoint_layout = run.checkpoint_layout
+        # what a loss spike does, and the sample numbers the data stream leaves out
+        self.spikes = spikes.LossSpikes(cfg.train.on_loss_spike, excluded=cfg.data.exclude_samples)
+        self._step_samples: list[int] = []  # the global sample numbers of the step being run
+        self._local_loss = math.nan  # this replica's loss of the last step (a rollback's replay)
+        self._spike_skipped = False  # the last step's update was dropped for a spike
         if resume is not None:
             self._resume(resume)
         self.control = control
@@ -123,7 +129,8 @@ class Trainer:
         self.guard = faults.NonFiniteGuard(
             self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
             spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
-            log=lambda text: telemetry.log(text, main=self.main, level="warning"))
+            log=lambda text: telemetry.log(text, main=self.main, level="warning"),
+            spikes_kept_out=self.spikes.action is not spikes.SpikeAction.LOG)
         self._git_commit = git_commit()  # recorded in every checkpoint's meta.json
         self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
                                    main=self.main)
@@ -161,11 +168,15 @@ class Trainer:
 
     def _loader(self, dataset: Samples, *, consumed: int,
                 workers: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches of `dataset` from `consumed` on; the training data leaves out the
+        quarantined sample numbers (`pretrain.spikes`), the validation data nothing."""
+        skip = self.spikes.quarantine if dataset is self.train_data else ()
         return micro_batches(dataset, micro_batch_size=self.cfg.train.micro_batch_size,
                              dp_rank=self.dp_rank, dp_size=self.dp_size,
                              consumed_samples=consumed, workers=workers,
                              pin_memory=self.device.startswith("cuda"),
-                             context_rank=self.context_rank, context_size=self.context_size)
+                             context_rank=self.context_rank, context_size=self.context_size,
+                             skip=skip)
 
     def _resume(self, point: checkpoint.ResumePoint) -> None:
         start = time.perf_counter()
@@ -173,6 +184,7 @@ class Trainer:
                                  layout=self.checkpoint_layout, rank=self.world.rank)
         self.step, self.consumed_samples = point.step, point.meta["consumed_samples"]
         self._saved_step = point.step
+        self.spikes.resume(point.meta)
         if point.meta["global_batch"] != self.global_batch:
             raise ConfigError(f"{point.path} was trained with a global batch of "
                               f"{point.meta['global_batch']}, this run has {self.global_batch}: set "
@@ -197,16 +209,29 @@ class Trainer:
             value /= self.replicas
         return value.item()
 
+    def _step_loss(self, local: torch.Tensor) -> float:
+        """The step's loss, the mean over replicas of each replica's `local` loss (through
+        the spike seam); this replica's share is kept for a rollback's replay."""
+        local = self.spikes.observed_loss(local.detach().float(), step=self.step + 1,
+                                          samples=self._step_samples, dp_rank=self.dp_rank)
+        self._local_loss = local.item()
+        return self._mean_over_dp(local)
+
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float | None, float]:
         """One optimizer step over `grad_accum` micro-batches; returns (mean loss, data wait).
         The loss is None when a stop request came between two micro-batches: the partial step
-        is abandoned (`pretrain.faults`: the engine state is still the last completed step's)."""
+        is abandoned (`pretrain.faults`: the engine state is still the last completed step's).
+        With train.on_loss_spike=skip a spike's update is dropped (`pretrain.spikes`)."""
         timed = _TimedBatches(batches)
+        self._step_samples = stream_numbers(self.consumed_samples, self.global_batch,
+                                            skip=self.spikes.quarantine)
+        self._spike_skipped = False
         if self.pipelined:  # DeepSpeed's 1F1B schedule pulls the micro-batches itself
             loss = self.engine.train_batch(data_iter=timed)
-            return self._mean_over_dp(loss), timed.wait
+            return self._step_loss(loss), timed.wait
         engine, total = self.engine, torch.zeros((), device=self.device)
         self._grad_norm = None
+        mean = None
         for micro in range(self.grad_accum):
             # one small all-reduce per micro-batch; a stop waits for this process's first step,
             # so that a signal or time limit during start-up still saves a step
@@ -218,16 +243,24 @@ class Trainer:
             loss = engine(input_ids.to(self.device, non_blocking=True),
                           labels=labels.to(self.device, non_blocking=True))
             loss = self.guard.corrupt_loss(loss, step=self.step + 1, micro=micro)
+            total += loss.detach().float()
+            if self.spikes.skips and micro == self.grad_accum - 1:
+                # the loss is known before the update: a spike takes the non-finite path
+                mean = self._step_loss(total / self.grad_accum)
+                if self.guard.is_spike(mean):
+                    self._spike_skipped = True
+                    loss = loss * float("nan")
             engine.backward(loss)
             if self._norm_before_step and micro == self.grad_accum - 1:
                 # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads.
                 self._grad_norm = global_grad_norm(engine.module.parameters(), self.groups,
                                                    device=self.device)
             engine.step()
-            total += loss.detach().float()
             self.control.micro_batch_done()
             self.watchdog.beat()
-        return self._mean_over_dp(total / self.grad_accum), timed.wait
+        if mean is None:
+            mean = self._step_loss(total / self.grad_accum)
+        return mean, timed.wait
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -297,6 +330,10 @@ class Trainer:
                 self._stop(result, self.control.poll(device=self.device).stop)
                 break
             self._show_step(record, bar)
+            if record["loss_spike"] and self.spikes.rolls_back:
+                batches = self._roll_back(batches, record, result)
+                if self.step < record["step"]:  # back at the checkpoint (or stopped in replay)
+                    continue
             self._evaluate_if_due(result)
             if self._stop_or_save(result):
                 break
@@ -304,6 +341,16 @@ class Trainer:
         batches.close()  # the loader's worker processes end here, not at interpreter exit
         self.control.restore_handlers()
         return self._finish(result)
+
+    def _roll_back(self, batches: Iterator[dict[str, torch.Tensor]], record: dict[str, Any],
+                   result: TrainResult) -> Iterator[dict[str, torch.Tensor]]:
+        """`pretrain.spikes.roll_back`; the losses of the steps undone leave `result`."""
+        batches = spikes.roll_back(self, batches, record=record, samples=self._step_samples,
+                                   first_local=self._local_loss)
+        undone = record["step"] - self.step
+        if undone:
+            del result.losses[-undone:]
+        return batches
 
     def _progress_bar(self) -> tqdm:
         show = self.main and show_progress_bar(self.cfg.logging.progress_bar)
@@ -338,7 +385,10 @@ class Trainer:
             tokens=self.global_batch * self.cfg.model.seq_length,
             consumed_samples=self.consumed_samples, grad_norm=self._grad_norm)
         record.update(self.guard.after_step(step=self.step, loss=loss,
-                                            skipped_before=skipped_before))
+                                            skipped_before=skipped_before,
+                                            spike_skipped=self._spike_skipped))
+        self.spikes.counts.skipped += self._spike_skipped
+        record.update(self.spikes.counts.fields())
         self.metrics.write(record)
         return record
 
@@ -381,6 +431,11 @@ class Trainer:
     def _finish(self, result: TrainResult) -> TrainResult:
         """After the loop: the last step saved (and the final weights), curves, sinks closed."""
         result.final_step = self.step
+        summary = self.spikes.counts.summary()
+        if summary:
+            telemetry.log(summary, main=self.main, level="warning")
+            self.metrics.write({"kind": "spike_summary", "step": self.step,
+                                **self.spikes.counts.fields()})
         if result.stop_reason:
             self._draw_curves()
             self.metrics.close(status="KILLED")
@@ -445,6 +500,7 @@ class Trainer:
             cfg, step=self.step, consumed_samples=self.consumed_samples,
             global_batch=self.global_batch, tokenizer=self.tokenizer, git_commit=self._git_commit,
             layout=self.checkpoint_layout)
+        meta.update(self.spikes.meta_fields())  # the quarantine every later resume honours
         self._finish_save()  # the previous save, if it is still being written
         self._save_started = time.perf_counter()
         with self.watchdog.paused():  # its waits have train.io_timeout_minutes

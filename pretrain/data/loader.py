@@ -76,15 +76,17 @@ def _keep(batch: np.ndarray) -> np.ndarray:
 def micro_batches(samples: TokenSamples, *, micro_batch_size: int, dp_rank: int, dp_size: int,
                   consumed_samples: int = 0, workers: int = 0, pin_memory: bool = False,
                   prefetch_factor: int = 4, context_rank: int = 0,
-                  context_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+                  context_size: int = 1,
+                  skip: list[int] | tuple[int, ...] = ()) -> Iterator[dict[str, torch.Tensor]]:
     """Endless ``{"input_ids", "labels"}`` micro-batches of `dp_rank`, from `consumed_samples`
     on, in the global order of `DistributedPackedSampler` (the same for every dp size). With
     `context_size` > 1 the context ranks of a data-parallel rank read the same samples and each
     keeps its contiguous chunk of their tokens: inputs T/context, labels shifted before the
-    split (a chunk's last label is the next chunk's first input)."""
+    split (a chunk's last label is the next chunk's first input). The global sample numbers in
+    `skip` are left out of the stream."""
     sampler = DistributedPackedSampler(len(samples), micro_batch_size=micro_batch_size,
                                        dp_rank=dp_rank, dp_size=dp_size,
-                                       consumed_samples=consumed_samples)
+                                       consumed_samples=consumed_samples, skip=skip)
     # In-process there is no round trip to amortise: one micro-batch per fetch.
     group = math.ceil(_SAMPLES_PER_FETCH / micro_batch_size) if workers > 0 else 1
     # batch_size=None: each item of the sampler (a group of micro-batches) is one fetch.

@@ -27,9 +27,15 @@ Global order (`micro_batch_indices`): optimizer step s consumes samples ``[s*G, 
 takes the r-th slice of it. The sequence of samples is therefore the same for every dp size, and
 resuming from ``consumed_samples`` continues it exactly. Past the end of the split the index
 wraps around (modulo the number of samples): later epochs repeat the first one's order.
+
+Excluded samples (`stream_numbers`): a run may leave global sample numbers out of its stream
+(``data.exclude_samples``, and the quarantine a loss-spike rollback keeps in checkpoints). The
+k-th sample the run trains on is then the k-th number not excluded, so ``consumed_samples``
+still counts samples trained on and every layout reads the same stream.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -250,16 +256,48 @@ def micro_batch_indices(*, step: int, micro_step: int, dp_rank: int, micro_batch
     return list(range(first, first + micro_batch_size))
 
 
+def _kept_number(k: int, skip: list[int]) -> int:
+    """The k-th (from 0) number not in the sorted list `skip`: the least n with
+    n = k + #(skip <= n), found by iterating that map upwards from k (each round adds the
+    excluded numbers passed, so it stops after at most len(skip) + 1 rounds)."""
+    n = k
+    while True:
+        moved = k + bisect.bisect_right(skip, n)
+        if moved == n:
+            return n
+        n = moved
+
+
+def stream_numbers(first: int, count: int, *, skip: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """The global sample numbers of the run's samples `first` .. `first + count - 1` (counted
+    as ``consumed_samples`` counts: samples trained on) when the numbers in the sorted list
+    `skip` are left out of the stream; without `skip`, ``range(first, first + count)``."""
+    if not skip:
+        return list(range(first, first + count))
+    skip = list(skip)
+    number = _kept_number(first, skip)
+    at = bisect.bisect_left(skip, number)
+    numbers = []
+    while len(numbers) < count:
+        if at < len(skip) and skip[at] == number:
+            at += 1
+        else:
+            numbers.append(number)
+        number += 1
+    return numbers
+
+
 class DistributedPackedSampler(Sampler[list[int]]):
     """Endless micro-batches of sample indices for one dp rank, in the global order.
 
     Use as ``DataLoader(samples, batch_sampler=DistributedPackedSampler(len(samples), ...))``.
     Batch n of this rank is micro-step n of the run counted from `consumed_samples`; the
     gradient-accumulation grouping does not change which samples come next, so it is not needed.
+    The global sample numbers in `skip` are left out of the stream (`stream_numbers`).
     """
 
     def __init__(self, num_samples: int, *, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 consumed_samples: int = 0) -> None:
+                 consumed_samples: int = 0, skip: list[int] | tuple[int, ...] = ()) -> None:
         if num_samples < 1:
             raise DataError(f"cannot sample from a dataset of {num_samples} samples")
         if micro_batch_size < 1 or not 0 <= dp_rank < dp_size:
@@ -270,6 +308,7 @@ class DistributedPackedSampler(Sampler[list[int]]):
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.consumed_samples = consumed_samples
+        self.skip = sorted(set(skip))
 
     def __iter__(self) -> Iterator[list[int]]:
         micro_step = 0
@@ -278,5 +317,7 @@ class DistributedPackedSampler(Sampler[list[int]]):
                 step=micro_step, micro_step=0, dp_rank=self.dp_rank,
                 micro_batch_size=self.micro_batch_size, dp_size=self.dp_size, grad_accum=1,
                 start_sample=self.consumed_samples)
+            if self.skip:
+                numbers = stream_numbers(numbers[0], len(numbers), skip=self.skip)
             yield [number % self.num_samples for number in numbers]
             micro_step += 1

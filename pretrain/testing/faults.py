@@ -11,9 +11,14 @@ The seams are in `pretrain.faults`:
 - `hang_inside(step, rank, how)` replaces the same seam, so that global rank `rank` hangs as the
   first micro-batch of step `step` starts: it blocks forever in `blocked_forever` ("block") or
   SIGSTOPs itself ("stop"), for the hang watchdog (`pretrain.hang`) to find.
+- `LossSpikes.observed_loss` (`pretrain.spikes`) returns a replica's step loss unchanged.
+  `inject_loss_spikes(data=, transient=)` replaces it, so that data-parallel replica 0's loss
+  is multiplied by 100 in every step whose global batch holds one of the sample numbers `data`
+  (a data problem: a replay spikes again), and in the first step run that holds one of
+  `transient` (a transient fault: a replay does not).
 A `pretrain` process a test spawns gets the same through `nan_loss_environment(steps,
-directory=)`, `signal_environment(where, step, directory=)` or `hang_environment(step, rank,
-how, directory=)`: a `sitecustomize.py` in
+directory=)`, `spike_environment(data=, transient=, directory=)`, `signal_environment(where,
+step, directory=)` or `hang_environment(step, rank, how, directory=)`: a `sitecustomize.py` in
 `directory`, put first on PYTHONPATH, which Python imports at start-up in every process of the
 run::
 
@@ -42,6 +47,30 @@ def inject_nan_losses(steps: Iterable[int]) -> None:
         return loss
 
     NonFiniteGuard.corrupt_loss = corrupt_loss
+
+
+SPIKE_FACTOR = 100.0  # far above any train.loss_spike_factor a test sets
+
+
+def inject_loss_spikes(*, data: Iterable[int] = (), transient: Iterable[int] = ()) -> None:
+    """From now on in this process, replica 0's step loss is SPIKE_FACTOR x larger in every step
+    whose samples include one of `data`, and in the first step run that includes one of
+    `transient`."""
+    from pretrain.spikes import LossSpikes
+
+    always, once = frozenset(data), frozenset(transient)
+    fired: list[int] = []
+
+    def observed_loss(self, loss: torch.Tensor, *, step: int, samples, dp_rank: int):
+        if dp_rank != 0:
+            return loss
+        hit = bool(always.intersection(samples))
+        if not fired and once.intersection(samples):
+            fired.append(step)
+            hit = True
+        return loss * SPIKE_FACTOR if hit else loss
+
+    LossSpikes.observed_loss = observed_loss
 
 
 def signal_inside(where: str, step: int) -> None:
@@ -90,6 +119,13 @@ def nan_loss_environment(steps: Iterable[int], *, directory: Path) -> dict[str, 
     """The environment (PYTHONPATH) under which a spawned process calls `inject_nan_losses`."""
     return _environment("inject_nan_losses", f"inject_nan_losses({sorted(set(steps))!r})",
                         directory=directory)
+
+
+def spike_environment(*, data: Iterable[int] = (), transient: Iterable[int] = (),
+                      directory: Path) -> dict[str, str]:
+    """The environment (PYTHONPATH) under which a spawned process calls `inject_loss_spikes`."""
+    return _environment("inject_loss_spikes", f"inject_loss_spikes(data={sorted(set(data))!r}, "
+                        f"transient={sorted(set(transient))!r})", directory=directory)
 
 
 def signal_environment(where: str, step: int, *, directory: Path) -> dict[str, str]:

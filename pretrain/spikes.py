@@ -1,0 +1,181 @@
+"""Loss spikes: what `train.on_loss_spike` does once `NonFiniteGuard` sees one.
+
+A spike is a step whose loss (the mean over the global batch) exceeds `train.loss_spike_factor`
+times the running mean of the losses before it (`pretrain.faults.NonFiniteGuard.is_spike`).
+
+- `log` (the default): a `[fault] ... loss spike` line; the update is applied.
+- `skip`: the update is dropped through the non-finite path. The step's loss is reduced over
+  the replicas after its last micro-batch's forward, before its backward; on a spike every rank
+  multiplies that micro-batch's loss by NaN, so each optimizer's own overflow check (DeepSpeed's
+  ZeRO and bf16 optimizers; `NonFiniteGuard`'s wrapper of ZeRO-0's plain optimizer) drops the
+  update on every rank and the lr schedule does not advance. The data is consumed. Under fp16
+  the overflow also halves the loss scale, as any overflow does. Flat models only: a pipeline's
+  update happens inside DeepSpeed's schedule before the loss is known (`pretrain.run` refuses it).
+- `rollback`: the step was applied; the run loads its last checkpoint, replays the steps from
+  there up to the spike from the same state and data, and compares the spiking step's loss:
+  * the replay differs: a transient fault (hardware, not data). The line names the ranks whose
+    own loss changed, with their hosts; training goes on from the replayed state.
+  * the replay agrees: a data problem. The run loads the checkpoint again and quarantines the
+    global sample numbers of the spiking step's global batch (every micro-batch of it: the
+    spike is a mean over them): the data stream leaves them out from now on
+    (`pretrain.data.samples.stream_numbers`), every later checkpoint's meta.json lists them
+    (`quarantined_samples`), and a resume honours the list. The run then equals one that never
+    had those samples (`data.exclude_samples`), bitwise in fp32.
+  Without a checkpoint yet, a spike is only logged. Replaying costs the steps since the last
+  checkpoint (at most `checkpoint.save_interval`).
+
+Counts go into every step record (`spikes_skipped`, `spikes_rolled_back`, `spikes_transient`,
+`samples_quarantined`), a `{"kind": "spike"}` record marks each rollback, and the run ends with a
+summary line when a spike was handled. Tests inject spikes through the seam
+`LossSpikes.observed_loss` (here: the loss unchanged; `pretrain.testing.faults`).
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import torch
+
+from pretrain import checkpoint, telemetry
+from pretrain.checkpoint.paths import read_meta
+from pretrain.config import SpikeAction
+from pretrain.dist import gather_for_io
+
+if TYPE_CHECKING:
+    from pretrain.trainer import Trainer
+
+QUARANTINE_KEY = "quarantined_samples"  # in a checkpoint's meta.json
+
+
+@dataclass
+class SpikeCounts:
+    skipped: int = 0
+    rolled_back: int = 0  # data problems: the batch was quarantined
+    transient: int = 0  # replays that differed
+    quarantined: int = 0  # samples this process added to the quarantine
+
+    def fields(self) -> dict[str, int]:
+        return {"spikes_skipped": self.skipped, "spikes_rolled_back": self.rolled_back,
+                "spikes_transient": self.transient, "samples_quarantined": self.quarantined}
+
+    def summary(self) -> str | None:
+        if not (self.skipped or self.rolled_back or self.transient):
+            return None
+        return (f"[spike] run summary: {self.skipped} update(s) skipped, {self.rolled_back} "
+                f"rollback(s) for data ({self.quarantined} samples quarantined), "
+                f"{self.transient} transient fault(s) replayed away")
+
+
+class LossSpikes:
+    """The run's spike policy, its counts and the quarantine of sample numbers."""
+
+    def __init__(self, action: SpikeAction, *, excluded: Sequence[int]):
+        self.action = action
+        self.quarantine: list[int] = sorted(set(excluded))
+        self.counts = SpikeCounts()
+
+    @property
+    def skips(self) -> bool:
+        return self.action is SpikeAction.SKIP
+
+    @property
+    def rolls_back(self) -> bool:
+        return self.action is SpikeAction.ROLLBACK
+
+    def resume(self, meta: dict[str, Any]) -> None:
+        """Honour a checkpoint's quarantine (on top of data.exclude_samples)."""
+        self.quarantine = sorted(set(self.quarantine) | set(meta.get(QUARANTINE_KEY, [])))
+
+    def meta_fields(self) -> dict[str, list[int]]:
+        return {QUARANTINE_KEY: list(self.quarantine)} if self.quarantine else {}
+
+    def observed_loss(self, loss: torch.Tensor, *, step: int, samples: Sequence[int],
+                      dp_rank: int) -> torch.Tensor:
+        """This replica's loss of step `step` (before the mean over replicas), whose global
+        batch holds the sample numbers `samples`, on a rank of data-parallel index `dp_rank`:
+        unchanged. The seam through which `pretrain.testing.faults.inject_loss_spikes` makes
+        chosen samples spike."""
+        return loss
+
+
+def roll_back(trainer: "Trainer", batches: Iterator, *, record: dict[str, Any],
+              samples: list[int], first_local: float) -> Iterator:
+    """`rollback` for the step of `record`, a spike whose global batch held `samples` and whose
+    loss on this rank's replica was `first_local`: replay it from the last checkpoint, then keep
+    the replay (transient) or quarantine `samples` and go back to that checkpoint (data).
+    Collective. Returns the data iterator to go on with (`batches` is closed)."""
+    step, spikes = record["step"], trainer.spikes
+    if trainer._saved_step is None:
+        telemetry.log(f"[spike] step {step}: no checkpoint to roll back to yet; the update is "
+                      "kept", main=trainer.main, level="warning")
+        return batches
+    trainer._finish_save()
+    batches.close()
+    point = _restore(trainer)
+    batches = trainer._loader(trainer.train_data, consumed=trainer.consumed_samples,
+                              workers=trainer.cfg.data.num_workers)
+    replay_mean = None
+    while trainer.step < step:
+        replay_mean, _ = trainer.train_step(batches)
+        if replay_mean is None:  # a stop request: the loop stops at this step (not quarantined)
+            return batches
+        trainer.step += 1
+        trainer.consumed_samples += trainer.global_batch
+    differing = _ranks_whose_loss_changed(first_local, trainer._local_loss)
+    if replay_mean != record["loss"]:
+        spikes.counts.transient += 1
+        where = ", ".join(f"rank {r} (host {h})" for r, h in differing) or "no single rank"
+        telemetry.log(f"[spike] step {step}: replayed from step {point.step}, the loss is now "
+                      f"{replay_mean:.4f} (was {record['loss']:.4f}): a transient fault on "
+                      f"{where}; going on from the replayed step", main=trainer.main,
+                      level="warning")
+        _write_record(trainer, step=step, verdict="transient", to_step=point.step, samples=[],
+                      hosts=[h for _, h in differing], replay_loss=replay_mean)
+        return batches
+    batches.close()
+    spikes.quarantine = sorted(set(spikes.quarantine) | set(samples))
+    spikes.counts.rolled_back += 1
+    spikes.counts.quarantined += len(samples)
+    _restore(trainer)
+    telemetry.log(f"[spike] step {step}: the replay from step {point.step} gives the same loss "
+                  f"{replay_mean:.4f}: a data problem. Rolled back to step {point.step}; "
+                  f"quarantined its {len(samples)} samples (numbers {_ranges(samples)}), left "
+                  "out of the data stream and listed in every later checkpoint",
+                  main=trainer.main, level="warning")
+    _write_record(trainer, step=step, verdict="data", to_step=point.step, samples=samples,
+                  hosts=[], replay_loss=replay_mean)
+    return trainer._loader(trainer.train_data, consumed=trainer.consumed_samples,
+                           workers=trainer.cfg.data.num_workers)
+
+
+def _restore(trainer: "Trainer") -> checkpoint.ResumePoint:
+    """Load the newest checkpoint this run saved into the engine (collective)."""
+    path = trainer.run_dir / "checkpoints" / f"step{trainer._saved_step}"
+    point = checkpoint.ResumePoint(path, read_meta(path))
+    checkpoint.load(trainer.engine, point, cfg=trainer.cfg, groups=trainer.groups,
+                    layout=trainer.checkpoint_layout, rank=trainer.world.rank)
+    trainer.step, trainer.consumed_samples = point.step, point.meta["consumed_samples"]
+    return point
+
+
+def _ranks_whose_loss_changed(first: float, replay: float) -> list[tuple[int, str]]:
+    """(rank, host) of every rank whose own replica loss differs between the two runs."""
+    mine = (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+            socket.gethostname(), first != replay)
+    return [(rank, host) for rank, host, changed in gather_for_io(mine) if changed]
+
+
+def _write_record(trainer: "Trainer", **fields: Any) -> None:
+    trainer.metrics.write({"kind": "spike", **fields, **trainer.spikes.counts.fields()})
+
+
+def _ranges(numbers: list[int]) -> str:
+    """'4-7, 12' for [4, 5, 6, 7, 12]."""
+    spans: list[list[int]] = []
+    for n in sorted(numbers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

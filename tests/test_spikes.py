@@ -1,0 +1,146 @@
+"""Loss spikes (`pretrain.spikes`): the data stream without excluded samples, `skip` and
+`rollback` against clean runs whose data stream leaves the same samples out.
+
+The tiny config's global batch is 4 samples, so step s (from 1) reads the global sample
+numbers 4(s-1) .. 4s-1. Spikes are injected through `pretrain.testing.faults.spike_environment`.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pretrain.config import load_config
+from pretrain.errors import ConfigError
+from pretrain.data import DistributedPackedSampler
+from pretrain.data.samples import stream_numbers
+from pretrain.run import resolve_layout
+from pretrain.testing.faults import spike_environment
+from pretrain.testing.runs import REPO, run_pretrain, train, train_args
+from pretrain.topology import Topology
+
+
+def _brute_force(first: int, count: int, skip: set[int]) -> list[int]:
+    kept = [n for n in range(first + count + len(skip) + 1) if n not in skip]
+    return kept[first:first + count]
+
+
+def test_stream_numbers_leave_the_excluded_numbers_out():
+    rng = random.Random(0)
+    for _ in range(200):
+        skip = set(rng.sample(range(60), rng.randint(0, 30)))
+        first, count = rng.randint(0, 40), rng.randint(1, 12)
+        assert stream_numbers(first, count, skip=sorted(skip)) == \
+            _brute_force(first, count, skip), (first, count, sorted(skip))
+    assert stream_numbers(5, 3) == [5, 6, 7]
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_sampler_with_excluded_samples_reads_one_stream_on_every_dp_size(dp_size):
+    """dp ranks interleave, per micro-step, the numbers left after the exclusion, and a sampler
+    started at consumed_samples=c continues the same stream (samples trained on, not
+    positions)."""
+    skip = [1, 2, 9, 30]
+    expected = _brute_force(0, 48, set(skip))
+    micro = 2
+    ranks = [iter(DistributedPackedSampler(1000, micro_batch_size=micro, dp_rank=r,
+                                           dp_size=dp_size, skip=skip)) for r in range(dp_size)]
+    read = [n for _ in range(48 // (micro * dp_size)) for it in ranks for n in next(it)]
+    assert read == expected
+    resumed = DistributedPackedSampler(1000, micro_batch_size=micro, dp_rank=0, dp_size=dp_size,
+                                       consumed_samples=8 * dp_size, skip=skip)
+    assert next(iter(resumed)) == expected[8 * dp_size:8 * dp_size + micro]
+
+
+def test_spike_settings_are_checked():
+    tiny = str(REPO / "configs" / "tiny.yaml")
+    with pytest.raises(ConfigError, match="choose one of log, skip, rollback"):
+        load_config(tiny, overrides=["train.on_loss_spike=drop"])
+    with pytest.raises(ConfigError, match=r"data.exclude_samples=\[3, -1\]: must list"):
+        load_config(tiny, overrides=["data.exclude_samples=[3, -1]"])
+    cfg = load_config(tiny, overrides=["train.on_loss_spike=skip", "parallel.pipeline=2"])
+    with pytest.raises(ConfigError, match="use train.on_loss_spike=rollback"):
+        resolve_layout(cfg, Topology.from_parallel_config(cfg.parallel, world_size=2))
+
+
+def _tensors(step_dir):
+    from test_faults import _saved_tensors
+
+    return _saved_tensors(step_dir)
+
+
+def _changed(a, b):
+    from test_faults import _changed as changed
+
+    return changed(a, b)
+
+
+def _train_records(run) -> list[dict]:
+    return [r for r in run.records if r["kind"] == "train"]
+
+
+def _last_loss_per_step(run) -> dict[int, float]:
+    """The loss of each step as the run finally took it (a rollback redoes steps)."""
+    return {r["step"]: r["loss"] for r in _train_records(run)}
+
+
+STEP3, STEP4 = list(range(8, 12)), list(range(12, 16))  # the sample numbers of steps 3 and 4
+
+
+@pytest.mark.slow
+def test_skip_drops_the_spiking_update(tiny_data, tmp_path):
+    """Step 3's samples spike: its update is dropped, so after 5 steps the weights and optimizer
+    state equal bitwise those of a clean run (the same 5-step schedule) that never read step 3's
+    samples, after 4."""
+    run_dir = tmp_path / "skip"
+    spiky = run_pretrain(
+        train_args(run_dir, tiny_data, overrides=["train.steps=5", "train.on_loss_spike=skip"]),
+        run_dir=run_dir, env=spike_environment(data=[9], directory=tmp_path)).check()
+    clean = train(tmp_path, tiny_data, name="clean",
+                  overrides=["train.steps=5", "checkpoint.save_interval=4",
+                             f"data.exclude_samples={STEP3}"])
+    records = _train_records(spiky)
+    assert [r["update_skipped"] for r in records] == [False, False, True, False, False]
+    assert [r["loss_spike"] for r in records] == [False, False, True, False, False]
+    assert records[-1]["spikes_skipped"] == 1 and records[-1]["nonfinite_steps"] == 0
+    assert "update skipped (train.on_loss_spike=skip)" in spiky.stdout
+    assert "[spike] run summary: 1 update(s) skipped" in spiky.stdout
+    kept = [r for r in records if r["step"] != 3]
+    assert [r["loss"] for r in kept] == clean.losses[:4]  # bitwise: json keeps every float bit
+    assert [r["lr"] for r in kept] == [r["lr"] for r in _train_records(clean)][:4]
+    after = _tensors(run_dir / "checkpoints" / "step5")
+    assert _changed(after, _tensors(clean.run_dir / "checkpoints" / "step4")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nprocs, layout", [(1, []), (2, ["parallel.pipeline=2"])],
+                         ids=["single", "pp2"])
+def test_rollback_replays_then_quarantines_a_bad_batch(nprocs, layout, tiny_data, tmp_path):
+    """Checkpoints every 2 steps. Step 3 spikes once (a transient fault: its replay from step 2
+    does not), step 4's samples spike every time (a data problem: the replay agrees), so the run
+    goes back to step 2, quarantines step 4's batch and goes on. It ends bitwise equal to a clean
+    run whose data stream leaves those 4 samples out, and later checkpoints list them."""
+    run_dir = tmp_path / "rollback"
+    common = ["train.steps=5", "checkpoint.save_interval=2", "checkpoint.keep_last=5", *layout]
+    spiky = run_pretrain(
+        train_args(run_dir, tiny_data, overrides=common + ["train.on_loss_spike=rollback"]),
+        run_dir=run_dir, launcher="single" if nprocs == 1 else "torchrun", nprocs=nprocs,
+        env=spike_environment(data=[13], transient=[10], directory=tmp_path)).check()
+    clean = train(tmp_path, tiny_data, name="clean", nprocs=nprocs,
+                  overrides=common + [f"data.exclude_samples={STEP4}"])
+    spikes = [r for r in spiky.records if r["kind"] == "spike"]
+    assert [(r["step"], r["verdict"], r["to_step"]) for r in spikes] == \
+        [(3, "transient", 2), (4, "data", 2)]
+    assert spikes[1]["samples"] == STEP4 and spikes[1]["samples_quarantined"] == 4
+    assert "a transient fault on rank 0 (host " in spiky.stdout
+    assert "a data problem. Rolled back to step 2; quarantined its 4 samples (numbers 12-15)" \
+        in spiky.stdout
+    last = _train_records(spiky)[-1]
+    assert (last["spikes_rolled_back"], last["spikes_transient"]) == (1, 1)
+    assert _last_loss_per_step(spiky) == _last_loss_per_step(clean)
+    for step in (4, 5):
+        meta = json.loads((run_dir / "checkpoints" / f"step{step}" / "meta.json").read_text())
+        assert meta["quarantined_samples"] == STEP4
+    assert _changed(_tensors(run_dir / "checkpoints" / "step5"),
+                    _tensors(clean.run_dir / "checkpoints" / "step5")) == []
