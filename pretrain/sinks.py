@@ -12,7 +12,12 @@ machine-readable record. Fields:
     GPUs; process peak RSS on CPU), peak_mem_gb_ranks (the same for every rank, in rank order),
     data_wait_s (time waiting for the data loader this step),
     step_time_s, consumed_samples, skipped_steps (cumulative, fp16 overflow), loss_scale (fp16),
-    and on GPUs gpu_util_pct, gpu_temp_c, gpu_mem_used_gb (NVML, rank 0's device).
+    and on GPUs gpu_util_pct, gpu_temp_c, gpu_mem_used_gb (NVML, rank 0's device); update_skipped,
+    nonfinite_steps, loss_spike, and the spike counts spikes_skipped, spikes_rolled_back,
+    spikes_transient, samples_quarantined (`pretrain.spikes`).
+``{"kind": "spike", ...}`` once per loss-spike rollback
+    step, verdict (transient | data), to_step, samples (quarantined), hosts, replay_loss, counts.
+``{"kind": "spike_summary", ...}`` last, when the run handled a spike: the spike counts.
 ``{"kind": "eval", ...}`` once per validation pass
     step, loss, ppl, tokens.
 ``{"kind": "run", ...}`` first line: world size, layout, parameters, peak_tflops, versions.

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -41,9 +41,6 @@ from pretrain import checkpoint, telemetry
 from pretrain.checkpoint.paths import read_meta
 from pretrain.config import SpikeAction
 from pretrain.dist import gather_for_io
-
-if TYPE_CHECKING:
-    from pretrain.trainer import Trainer
 
 QUARANTINE_KEY = "quarantined_samples"  # in a checkpoint's meta.json
 
@@ -99,10 +96,11 @@ class LossSpikes:
         return loss
 
 
-def roll_back(trainer: "Trainer", batches: Iterator, *, record: dict[str, Any],
+def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
               samples: list[int], first_local: float) -> Iterator:
     """`rollback` for the step of `record`, a spike whose global batch held `samples` and whose
-    loss on this rank's replica was `first_local`: replay it from the last checkpoint, then keep
+    loss on this rank's replica was `first_local` (`trainer`: the run's `pretrain.trainer.Trainer`,
+    whose engine, step, data position and checkpoints this moves): replay it from the last checkpoint, then keep
     the replay (transient) or quarantine `samples` and go back to that checkpoint (data).
     Collective. Returns the data iterator to go on with (`batches` is closed)."""
     step, spikes = record["step"], trainer.spikes
@@ -149,7 +147,7 @@ def roll_back(trainer: "Trainer", batches: Iterator, *, record: dict[str, Any],
                            workers=trainer.cfg.data.num_workers)
 
 
-def _restore(trainer: "Trainer") -> checkpoint.ResumePoint:
+def _restore(trainer: Any) -> checkpoint.ResumePoint:
     """Load the newest checkpoint this run saved into the engine (collective)."""
     path = trainer.run_dir / "checkpoints" / f"step{trainer._saved_step}"
     point = checkpoint.ResumePoint(path, read_meta(path))
@@ -166,7 +164,7 @@ def _ranks_whose_loss_changed(first: float, replay: float) -> list[tuple[int, st
     return [(rank, host) for rank, host, changed in gather_for_io(mine) if changed]
 
 
-def _write_record(trainer: "Trainer", **fields: Any) -> None:
+def _write_record(trainer: Any, **fields: Any) -> None:
     trainer.metrics.write({"kind": "spike", **fields, **trainer.spikes.counts.fields()})
 
 

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pretrain.model",),
     ("pretrain.checkpoint", "pretrain.sinks", "pretrain.profiler", "pretrain.curves",
      "pretrain.faults", "pretrain.plan", "pretrain.hang", "pretrain.hang_verdict"),
-    ("pretrain.engine", "pretrain.metrics", "pretrain.telemetry", "pretrain.trainer",
+    ("pretrain.engine", "pretrain.metrics", "pretrain.telemetry", "pretrain.trainer", "pretrain.spikes",
      "pretrain.sweep_results", "pretrain.child_runs", "pretrain.tune", "pretrain.testing"),
     ("pretrain.commands",),
     ("pretrain.cli", "pretrain.__main__"),
