@@ -371,6 +371,12 @@ class TrainConfig(_Freezable):
     max_nonfinite_steps: int = 5
     loss_spike_factor: float = 2.0  # log a spike when a loss exceeds this x its running mean
     on_loss_spike: SpikeAction = SpikeAction.LOG  # log | skip | rollback (pretrain/spikes.py)
+    # Stragglers (pretrain/stragglers.py): every straggler_interval steps (0: off) the ranks
+    # compare their compute + data wait; one slower than the median by straggler_margin (0.2:
+    # 20%) for straggler_patience checks in a row is named with its host.
+    straggler_interval: int = 0
+    straggler_margin: float = 0.2
+    straggler_patience: int = 3
     collective_timeout_minutes: float = 10.0  # a collective waiting longer: a rank is dead/stuck
     # No micro-batch or step for this long: every rank dumps its stacks and last collectives to
     # <run_dir>/hang/, one names the rank(s) the others wait for, all exit 75 (pretrain/hang.py).
@@ -399,6 +405,12 @@ class TrainConfig(_Freezable):
                   f"must be > 0 and below train.collective_timeout_minutes="
                   f"{self.collective_timeout_minutes:g} (the watchdog must name the hung rank "
                   "before the collective times out), or null for half of it")
+        if self.straggler_interval < 0 or self.straggler_margin <= 0 \
+                or self.straggler_patience < 1:
+            _fail("train", "straggler_interval/straggler_margin/straggler_patience",
+                  (self.straggler_interval, self.straggler_margin, self.straggler_patience),
+                  "need straggler_interval >= 0 (0: off), straggler_margin > 0 (a fraction of "
+                  "the median: 0.2 is 20% slower) and straggler_patience >= 1")
         for name in ("steps", "micro_batch_size", "eval_batches"):
             if getattr(self, name) < 1:
                 _fail("train", name, getattr(self, name), "must be a positive integer")

@@ -211,6 +211,8 @@ def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
              f"mem {rec['peak_mem_gb']:.2f}GB", f"data {1000 * rec['data_wait_s']:.0f}ms"]
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
+    for slow in rec.get("stragglers", ()):  # pretrain.stragglers
+        parts.append(f"straggler rank {slow['rank']} ({slow['host']}) {slow['slowdown']:.2f}x")
     return " | ".join(parts)
 
 

@@ -14,10 +14,14 @@ machine-readable record. Fields:
     step_time_s, consumed_samples, skipped_steps (cumulative, fp16 overflow), loss_scale (fp16),
     and on GPUs gpu_util_pct, gpu_temp_c, gpu_mem_used_gb (NVML, rank 0's device); update_skipped,
     nonfinite_steps, loss_spike, and the spike counts spikes_skipped, spikes_rolled_back,
-    spikes_transient, samples_quarantined (`pretrain.spikes`).
+    spikes_transient, samples_quarantined (`pretrain.spikes`); with straggler checks
+    stragglers_named, and at a check straggler_max_slowdown and stragglers (the ranks named:
+    rank, host, slowdown, compute_s, data_wait_s, collective_wait_s; `pretrain.stragglers`).
 ``{"kind": "spike", ...}`` once per loss-spike rollback
     step, verdict (transient | data), to_step, samples (quarantined), hosts, replay_loss, counts.
 ``{"kind": "spike_summary", ...}`` last, when the run handled a spike: the spike counts.
+``{"kind": "straggler_summary", ...}`` last, with straggler checks: slowest (rank, host,
+    vs_median: own time over the run against the median rank's), stragglers_named.
 ``{"kind": "eval", ...}`` once per validation pass
     step, loss, ppl, tokens.
 ``{"kind": "run", ...}`` first line: world size, layout, parameters, peak_tflops, versions.

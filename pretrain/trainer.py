@@ -19,7 +19,7 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
-from pretrain import checkpoint, curves, faults, hang, spikes, telemetry
+from pretrain import checkpoint, curves, faults, hang, spikes, stragglers, telemetry
 from pretrain.config import Precision
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
@@ -132,6 +132,10 @@ class Trainer:
             log=lambda text: telemetry.log(text, main=self.main, level="warning"),
             spikes_kept_out=self.spikes.action is not spikes.SpikeAction.LOG)
         self._git_commit = git_commit()  # recorded in every checkpoint's meta.json
+        self.stragglers = stragglers.StragglerWatch(
+            interval=cfg.train.straggler_interval, margin=cfg.train.straggler_margin,
+            patience=cfg.train.straggler_patience, rank=world.rank,
+            log=lambda text: telemetry.log(text, main=self.main, level="warning"))
         self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
                                    main=self.main)
         self.metrics = telemetry.MetricsSink(self.run_dir, enabled=self.main,
@@ -308,6 +312,7 @@ class Trainer:
             raise
         finally:
             self.watchdog.stop()
+            self.stragglers.close()
 
     def _record_hang(self, record: dict[str, Any]) -> None:
         """The hang verdict's record (rank 0's watchdog, just before the process exits)."""
@@ -366,6 +371,7 @@ class Trainer:
         start = time.perf_counter()
         lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
         skipped_before = self.engine.skipped_steps
+        self.stragglers.begin_step(self.step + 1)
         loss, wait = self.train_step(batches)
         if loss is None:  # stopped inside the step (`RunControl.stop_agreed`)
             return None
@@ -389,6 +395,7 @@ class Trainer:
                                             spike_skipped=self._spike_skipped))
         self.spikes.counts.skipped += self._spike_skipped
         record.update(self.spikes.counts.fields())
+        record.update(self.stragglers.end_step(step=self.step, elapsed=elapsed, data_wait=wait))
         self.metrics.write(record)
         return record
 
@@ -404,7 +411,8 @@ class Trainer:
         steps = self.cfg.train.steps
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
-        if self.main and (self.step % self.cfg.logging.log_interval == 0 or self.step == steps):
+        if self.main and (self.step % self.cfg.logging.log_interval == 0 or self.step == steps
+                          or record.get("stragglers")):
             bar.write(telemetry.format_step_line(record, steps))
 
     def _evaluate_if_due(self, result: TrainResult) -> None:
@@ -436,6 +444,12 @@ class Trainer:
             telemetry.log(summary, main=self.main, level="warning")
             self.metrics.write({"kind": "spike_summary", "step": self.step,
                                 **self.spikes.counts.fields()})
+        slowest = self.stragglers.summary()
+        if slowest:
+            telemetry.log(slowest[0], main=self.main)
+            self.metrics.write({"kind": "straggler_summary", "step": self.step,
+                                "stragglers_named": self.stragglers.named,
+                                "slowest": slowest[1]})
         if result.stop_reason:
             self._draw_curves()
             self.metrics.close(status="KILLED")

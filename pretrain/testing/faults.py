@@ -16,9 +16,14 @@ The seams are in `pretrain.faults`:
   is multiplied by 100 in every step whose global batch holds one of the sample numbers `data`
   (a data problem: a replay spikes again), and in the first step run that holds one of
   `transient` (a transient fault: a replay does not).
+- `StragglerWatch.step_started` and `StragglerWatch.measured` (`pretrain.stragglers`) do
+  nothing. `delay_rank(rank, seconds)` makes one rank sleep as each step starts;
+  `fake_step_times(rank, from_step=)` replaces every rank's measured times by fixed ones, that
+  rank's compute 3x longer from a step on.
 A `pretrain` process a test spawns gets the same through `nan_loss_environment(steps,
-directory=)`, `spike_environment(data=, transient=, directory=)`, `signal_environment(where,
-step, directory=)` or `hang_environment(step, rank, how, directory=)`: a `sitecustomize.py` in
+directory=)`, `spike_environment(data=, transient=, directory=)`, `straggler_environment(call,
+directory=)`, `signal_environment(where, step, directory=)` or `hang_environment(step, rank,
+how, directory=)`: a `sitecustomize.py` in
 `directory`, put first on PYTHONPATH, which Python imports at start-up in every process of the
 run::
 
@@ -126,6 +131,42 @@ def spike_environment(*, data: Iterable[int] = (), transient: Iterable[int] = ()
     """The environment (PYTHONPATH) under which a spawned process calls `inject_loss_spikes`."""
     return _environment("inject_loss_spikes", f"inject_loss_spikes(data={sorted(set(data))!r}, "
                         f"transient={sorted(set(transient))!r})", directory=directory)
+
+
+def delay_rank(rank: int, seconds: float) -> None:
+    """From now on in this process, global rank `rank` sleeps `seconds` as each step starts (a
+    real straggler: its data wait and compute stay, the others wait in collectives)."""
+    import time
+
+    from pretrain.stragglers import StragglerWatch
+
+    def step_started(self, *, step: int, rank: int) -> None:
+        if rank == slowed:
+            time.sleep(seconds)
+
+    slowed = rank
+    StragglerWatch.step_started = step_started
+
+
+def fake_step_times(slow_rank: int, *, from_step: int, factor: float = 3.0) -> None:
+    """From now on in this process, every rank reports the same measured times (compute 1 s,
+    data wait 0.1 s, collective wait 0.2 s per check) except `slow_rank`, whose compute is
+    `factor` x longer at the checks after steps >= `from_step`: a naming that no timing moves."""
+    from pretrain.stragglers import StragglerWatch
+
+    def measured(self, times, *, step: int, rank: int):
+        slow = rank == slow_rank and step >= from_step
+        return (factor if slow else 1.0, 0.1, 0.2)
+
+    StragglerWatch.measured = measured
+
+
+def straggler_environment(call: str, *, directory: Path) -> dict[str, str]:
+    """The environment under which a spawned process makes `call`, one of
+    ``delay_rank(rank, seconds)`` / ``fake_step_times(rank, from_step=...)``."""
+    name = call.split("(")[0]
+    assert name in ("delay_rank", "fake_step_times"), call
+    return _environment(name, call, directory=directory)
 
 
 def signal_environment(where: str, step: int, *, directory: Path) -> dict[str, str]:

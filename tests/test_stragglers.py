@@ -1,0 +1,87 @@
+"""Stragglers (`pretrain.stragglers`): the verdict from measured times, and 2-rank runs where
+one rank is slowed - through fake measured times (a naming no timing can move) and through a
+real delay far above a tiny step's time."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as torch_dist
+
+from pretrain.stragglers import CollectiveClock, StragglerWatch, slow_ranks
+from pretrain.testing.faults import straggler_environment
+from pretrain.testing.runs import run_pretrain, train_args
+
+
+def test_slow_ranks_are_those_above_the_median_by_the_margin():
+    assert slow_ranks([1.0, 1.0, 1.3, 1.0], margin=0.2) == [2]
+    assert slow_ranks([1.0, 1.0, 1.1, 1.0], margin=0.2) == []
+    assert slow_ranks([1.0, 1.0], margin=0.2) == []
+
+
+def test_a_rank_is_named_after_patience_checks_in_a_row():
+    lines = []
+    watch = StragglerWatch(interval=0, margin=0.2, patience=2, rank=0, log=lines.append)
+    even, slow = [(1.0, 0.1, 0.5)] * 3, [(1.0, 0.1, 0.5), (2.0, 0.1, 0.0), (1.0, 0.1, 0.5)]
+    hosts = ["a", "b", "c"]
+    assert "stragglers" not in watch._judge(even, hosts=hosts, step=1)
+    assert "stragglers" not in watch._judge(slow, hosts=hosts, step=2)  # once: not yet
+    named = watch._judge(slow, hosts=hosts, step=3)["stragglers"]
+    assert [(s["rank"], s["host"]) for s in named] == [(1, "b")]
+    assert named[0]["slowdown"] == pytest.approx(2.1 / 1.1)
+    assert "[straggler] step 3: rank 1 (host b)" in lines[0]
+    assert "stragglers" not in watch._judge(even, hosts=hosts, step=4)  # caught up
+    assert "stragglers" not in watch._judge(slow, hosts=hosts, step=5)  # the count restarted
+    text, slowest = watch.summary()
+    assert slowest[0]["rank"] == 1 and "1 naming(s)" in text
+
+
+def test_collective_clock_times_the_calls_and_uninstalls():
+    original = torch_dist.barrier
+    clock = CollectiveClock()
+    clock.install()
+    try:
+        assert torch_dist.barrier is not original
+    finally:
+        clock.uninstall()
+    assert torch_dist.barrier is original
+
+
+def _straggler_run(tmp_path, tiny_data, call: str, overrides: list[str], name: str):
+    run_dir = tmp_path / name
+    return run_pretrain(
+        train_args(run_dir, tiny_data, overrides=["train.steps=4", "train.straggler_interval=1",
+                                                  *overrides]),
+        run_dir=run_dir, launcher="torchrun", nprocs=2,
+        env=straggler_environment(call, directory=tmp_path / name)).check()
+
+
+def _named(run) -> list[list[int]]:
+    """The ranks named at each step's check."""
+    return [[s["rank"] for s in r.get("stragglers", [])] for r in run.records
+            if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody(tiny_data, tmp_path):
+    """Every rank reports the same times at steps 1-2 (an even run: nobody named), then rank 1's
+    compute triples: with patience 2 it is named at steps 4, in the step line too."""
+    run = _straggler_run(tmp_path, tiny_data, "fake_step_times(1, from_step=3)",
+                         ["train.straggler_patience=2", "train.straggler_margin=0.2"], "fake")
+    assert _named(run) == [[], [], [], [1]]
+    step4 = [r for r in run.records if r["kind"] == "train"][-1]
+    assert step4["stragglers_named"] == 1 and step4["stragglers"][0]["compute_s"] == 3.0
+    assert "straggler rank 1 (" in run.stdout and "[straggler] step 4: rank 1 (host" in run.stdout
+    summary = [r for r in run.records if r["kind"] == "straggler_summary"]
+    assert summary[0]["slowest"][0]["rank"] == 1
+
+
+@pytest.mark.slow
+def test_a_rank_that_really_sleeps_is_named(tiny_data, tmp_path):
+    """Rank 1 sleeps 2 s as each step starts. Its own time (compute + data wait) is then above
+    1.5x the median of the two ranks whenever a step's own time is under 1 s (a tiny step after
+    the first takes about 0.1 s, on a loaded 2-core machine too), and rank 0, which waits for it
+    in the collectives, never is: rank 1 is named at the checks of steps 3 and 4 (step 2's
+    depends on whether the first step's start-up cost stayed under 1 s)."""
+    run = _straggler_run(tmp_path, tiny_data, "delay_rank(1, 2.0)",
+                         ["train.straggler_patience=2", "train.straggler_margin=0.5"], "delay")
+    named = _named(run)
+    assert named[2:] == [[1], [1]] and named[1] in ([], [1]) and named[0] == [], named
