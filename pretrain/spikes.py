@@ -84,6 +84,13 @@ class LossSpikes:
         """Honour a checkpoint's quarantine (on top of data.exclude_samples)."""
         self.quarantine = sorted(set(self.quarantine) | set(meta.get(QUARANTINE_KEY, [])))
 
+    def write_summary(self, metrics, *, step: int, log) -> None:
+        """The end-of-run line and record, when a spike was handled."""
+        summary = self.counts.summary()
+        if summary:
+            log(summary)
+            metrics.write({"kind": "spike_summary", "step": step, **self.counts.fields()})
+
     def meta_fields(self) -> dict[str, list[int]]:
         return {QUARANTINE_KEY: list(self.quarantine)} if self.quarantine else {}
 
@@ -97,13 +104,14 @@ class LossSpikes:
 
 
 def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
-              samples: list[int], first_local: float) -> Iterator:
-    """`rollback` for the step of `record`, a spike whose global batch held `samples` and whose
-    loss on this rank's replica was `first_local` (`trainer`: the run's `pretrain.trainer.Trainer`,
-    whose engine, step, data position and checkpoints this moves): replay it from the last checkpoint, then keep
-    the replay (transient) or quarantine `samples` and go back to that checkpoint (data).
-    Collective. Returns the data iterator to go on with (`batches` is closed)."""
+              losses: list[float]) -> Iterator:
+    """`rollback` for the step of `record`, a spike that `trainer` (the run's
+    `pretrain.trainer.Trainer`, whose engine, step, data position and checkpoints this moves)
+    just took: replay it from the last checkpoint, then keep the replay (transient) or
+    quarantine the step's samples and go back to that checkpoint (data); the steps undone leave
+    `losses`. Collective. Returns the data iterator to go on with (`batches` is closed)."""
     step, spikes = record["step"], trainer.spikes
+    samples, first_local = trainer._step_samples, trainer._local_loss
     if trainer._saved_step is None:
         telemetry.log(f"[spike] step {step}: no checkpoint to roll back to yet; the update is "
                       "kept", main=trainer.main, level="warning")
@@ -130,12 +138,15 @@ def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
                       level="warning")
         _write_record(trainer, step=step, verdict="transient", to_step=point.step, samples=[],
                       hosts=[h for _, h in differing], replay_loss=replay_mean)
+        if losses:
+            losses[-1] = replay_mean  # the step as the run now holds it
         return batches
     batches.close()
     spikes.quarantine = sorted(set(spikes.quarantine) | set(samples))
     spikes.counts.rolled_back += 1
     spikes.counts.quarantined += len(samples)
     _restore(trainer)
+    del losses[len(losses) - min(len(losses), step - trainer.step):]
     telemetry.log(f"[spike] step {step}: the replay from step {point.step} gives the same loss "
                   f"{replay_mean:.4f}: a data problem. Rolled back to step {point.step}; "
                   f"quarantined its {len(samples)} samples (numbers {_ranges(samples)}), left "

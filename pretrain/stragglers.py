@@ -179,5 +179,13 @@ class StragglerWatch:
         return (f"[straggler] slowest ranks by own time (compute + data wait) against the "
                 f"median: {text}; {self.named} naming(s) during the run"), slowest
 
+    def write_summary(self, metrics, *, step: int) -> None:
+        """The end-of-run line and record (`metrics`: the run's sink), after a check."""
+        summary = self.summary()
+        if summary:
+            self.log(summary[0])
+            metrics.write({"kind": "straggler_summary", "step": step,
+                           "stragglers_named": self.named, "slowest": summary[1]})
+
     def close(self) -> None:
         self.clock.uninstall()

@@ -7,6 +7,7 @@ owns the loop, the data, the telemetry and when to save.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -336,7 +337,7 @@ class Trainer:
                 break
             self._show_step(record, bar)
             if record["loss_spike"] and self.spikes.rolls_back:
-                batches = self._roll_back(batches, record, result)
+                batches = spikes.roll_back(self, batches, record=record, losses=result.losses)
                 if self.step < record["step"]:  # back at the checkpoint (or stopped in replay)
                     continue
             self._evaluate_if_due(result)
@@ -346,16 +347,6 @@ class Trainer:
         batches.close()  # the loader's worker processes end here, not at interpreter exit
         self.control.restore_handlers()
         return self._finish(result)
-
-    def _roll_back(self, batches: Iterator[dict[str, torch.Tensor]], record: dict[str, Any],
-                   result: TrainResult) -> Iterator[dict[str, torch.Tensor]]:
-        """`pretrain.spikes.roll_back`; the losses of the steps undone leave `result`."""
-        batches = spikes.roll_back(self, batches, record=record, samples=self._step_samples,
-                                   first_local=self._local_loss)
-        undone = record["step"] - self.step
-        if undone:
-            del result.losses[-undone:]
-        return batches
 
     def _progress_bar(self) -> tqdm:
         show = self.main and show_progress_bar(self.cfg.logging.progress_bar)
@@ -439,17 +430,9 @@ class Trainer:
     def _finish(self, result: TrainResult) -> TrainResult:
         """After the loop: the last step saved (and the final weights), curves, sinks closed."""
         result.final_step = self.step
-        summary = self.spikes.counts.summary()
-        if summary:
-            telemetry.log(summary, main=self.main, level="warning")
-            self.metrics.write({"kind": "spike_summary", "step": self.step,
-                                **self.spikes.counts.fields()})
-        slowest = self.stragglers.summary()
-        if slowest:
-            telemetry.log(slowest[0], main=self.main)
-            self.metrics.write({"kind": "straggler_summary", "step": self.step,
-                                "stragglers_named": self.stragglers.named,
-                                "slowest": slowest[1]})
+        log = functools.partial(telemetry.log, main=self.main, level="warning")
+        self.spikes.write_summary(self.metrics, step=self.step, log=log)
+        self.stragglers.write_summary(self.metrics, step=self.step)
         if result.stop_reason:
             self._draw_curves()
             self.metrics.close(status="KILLED")

@@ -144,3 +144,10 @@ def test_rollback_replays_then_quarantines_a_bad_batch(nprocs, layout, tiny_data
         assert meta["quarantined_samples"] == STEP4
     assert _changed(_tensors(run_dir / "checkpoints" / "step5"),
                     _tensors(clean.run_dir / "checkpoints" / "step5")) == []
+    if nprocs == 1:  # a resume honours the checkpoint's quarantine (else step 5 reads 12-15)
+        resumed_dir = tmp_path / "resumed"
+        resumed = run_pretrain(
+            train_args(resumed_dir, tiny_data, overrides=common)
+            + ["--resume-from", str(run_dir / "checkpoints" / "step4")],
+            run_dir=resumed_dir).check()
+        assert resumed.losses == [_last_loss_per_step(clean)[5]]

@@ -6,9 +6,18 @@ from __future__ import annotations
 import pytest
 import torch.distributed as torch_dist
 
+from pretrain.config import load_config
+from pretrain.errors import ConfigError
 from pretrain.stragglers import CollectiveClock, StragglerWatch, slow_ranks
 from pretrain.testing.faults import straggler_environment
-from pretrain.testing.runs import run_pretrain, train_args
+from pretrain.testing.runs import REPO, run_pretrain, train_args
+
+
+@pytest.mark.parametrize("override", ["train.straggler_interval=-1", "train.straggler_margin=0",
+                                      "train.straggler_patience=0"])
+def test_straggler_settings_are_checked(override):
+    with pytest.raises(ConfigError, match="need straggler_interval >= 0 .0: off."):
+        load_config(str(REPO / "configs" / "tiny.yaml"), overrides=[override])
 
 
 def test_slow_ranks_are_those_above_the_median_by_the_margin():
