@@ -371,12 +371,9 @@ class TrainConfig(_Freezable):
     max_nonfinite_steps: int = 5
     loss_spike_factor: float = 2.0  # log a spike when a loss exceeds this x its running mean
     on_loss_spike: SpikeAction = SpikeAction.LOG  # log | skip | rollback (pretrain/spikes.py)
-    # Stragglers (pretrain/stragglers.py): every straggler_interval steps (0: off) the ranks
-    # compare their compute + data wait; one slower than the median by straggler_margin (0.2:
-    # 20%) for straggler_patience checks in a row is named with its host.
-    straggler_interval: int = 0
-    straggler_margin: float = 0.2
-    straggler_patience: int = 3
+    straggler_interval: int = 0  # steps between the ranks' straggler checks (pretrain/stragglers.py); 0: off
+    straggler_margin: float = 0.2  # slower than the median rank by this fraction (0.2: 20%)...
+    straggler_patience: int = 3  # ...at this many checks in a row: the rank is named, with its host
     collective_timeout_minutes: float = 10.0  # a collective waiting longer: a rank is dead/stuck
     # No micro-batch or step for this long: every rank dumps its stacks and last collectives to
     # <run_dir>/hang/, one names the rank(s) the others wait for, all exit 75 (pretrain/hang.py).
