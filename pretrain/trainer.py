@@ -219,7 +219,8 @@ class Trainer:
         the spike seam); this replica's share is kept for a rollback's replay."""
         local = self.spikes.observed_loss(local.detach().float(), step=self.step + 1,
                                           samples=self._step_samples, dp_rank=self.dp_rank)
-        self._local_loss = local.item()
+        if self.spikes.rolls_back:  # a host sync only where a replay may compare it
+            self._local_loss = local.item()
         return self._mean_over_dp(local)
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float | None, float]:
