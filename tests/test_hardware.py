@@ -136,7 +136,7 @@ def test_the_mfu_peak_on_a_cpu_is_the_faster_of_bf16_and_fp32(monkeypatch, rates
 def test_a_step_faster_than_the_peak_never_prints_mfu_over_100_percent(monkeypatch, remeasured):
     """A faked fast step beats the measured peak: the peak is measured once more; if the step
     still beats it, MFU is withheld (None, "peak unreliable"), never printed above 100%."""
-    cfg = load_config("configs/tiny.yaml", [])
+    cfg = load_config("configs/tiny.yaml", ["logging.peak_tflops=0"])  # a measured peak
     calls = []
     monkeypatch.setattr(metrics, "cpu_mfu_peak",
                         lambda *a, **k: calls.append(k) or (remeasured, "fake"))
