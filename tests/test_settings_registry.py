@@ -85,6 +85,7 @@ REGISTRY: dict[str, str] = {
     "train.collective_timeout_minutes":
         "tests/test_faults.py::test_killed_rank_makes_the_others_exit_then_restart_resumes",
     "train.io_timeout_minutes": "tests/test_io_waits.py::test_final_export_outlasts_a_short_collective_timeout",
+    "train.hang_timeout_minutes": "tests/test_hang.py::test_rank_blocked_in_a_micro_batch_is_named",
     "train.exit_after_minutes": "tests/test_faults.py::test_exit_after_minutes_saves_and_exits_75",
     # checkpoint.*
     "checkpoint.save_interval": "tests/test_checkpoint.py::test_resume_gives_bitwise_the_same_losses",
