@@ -127,10 +127,10 @@ def test_explicit_damaged_or_mismatched_checkpoint_is_a_clear_error(tiny_data, t
 
 def test_keep_last_and_keep_every(tiny_data, tmp_path):
     run = train(tmp_path, tiny_data, name="run", overrides=[
-        "train.steps=7", "checkpoint.save_interval=1", "checkpoint.keep_last=2",
-        "checkpoint.keep_every=3"])
+        "train.steps=7", "checkpoint.save_interval=1", "checkpoint.keep_last=3",
+        "checkpoint.keep_every=3"])  # keep_last 3, not the default 2: a run that ignores it fails
     ckpts = run.run_dir / "checkpoints"
-    assert sorted(p.name for p in ckpts.glob("step*")) == ["step3", "step6", "step7"]
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step3", "step5", "step6", "step7"]
     assert (ckpts / "latest").read_text() == "step7"
     assert not list(ckpts.glob(".*tmp"))
 

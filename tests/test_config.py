@@ -223,6 +223,27 @@ def test_warmup_cosine_schedule():
                         0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
+def test_the_engines_schedule_follows_the_run_config():
+    """The scheduler the engine hands DeepSpeed, stepped on a real optimizer: train.lr,
+    min_lr, warmup_steps and steps each move the lr it sets."""
+    import torch
+
+    from pretrain.engine import _lr_schedule
+    t = load_config(None, ["train.lr=2.0", "train.min_lr=0.5", "train.warmup_steps=4",
+                           "train.steps=20"]).train
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=t.lr)
+    schedule = _lr_schedule(t)(opt)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(25):
+        opt.step()
+        schedule.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(2.0 / 4)  # update 1 of 4 warmup updates
+    assert lrs[3] == pytest.approx(2.0)  # warmup done
+    assert lrs[11] == pytest.approx(0.5 + 1.5 * 0.5)  # half way down the cosine
+    assert lrs[19] == pytest.approx(0.5) and lrs[24] == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("overrides, world, message", [
     (["parallel.tensor=3"], 6, "parallel.tensor=3: must divide model.num_heads=4"),
     (["parallel.tensor=4", "model.num_kv_heads=2"], 4, "parallel.tensor=4: must divide model.num_kv_heads=2"),

@@ -82,6 +82,17 @@ def test_logits_and_loss_match_hugging_face(variant):
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
 
 
+def test_rope_theta_and_norm_eps_reach_the_layers():
+    """Not the defaults, and init_std large enough that attention is not uniform (at 0.02 the
+    scores are ~0 and any rotary table gives the same logits): ignoring either breaks the match."""
+    cfg = tiny_cfg(rope_theta=31.0, norm_eps=0.5, init_std=0.3)
+    model = build_model(cfg, seed=7)
+    _, inputs, _ = batch(cfg, length=32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs), hf_twin(model)(inputs).logits,
+                                   rtol=1e-4, atol=1e-3)
+
+
 def test_bf16_forward_close_to_hugging_face():
     cfg = tiny_cfg()
     model = build_model(cfg, seed=3)
@@ -220,13 +231,13 @@ def test_init_is_per_name_and_independent_of_padding():
 def test_init_statistics_scale_output_projections():
     cfg = load_config(None, ["model.preset=tiny", "model.hidden_size=256", "model.num_heads=4",
                              "model.num_kv_heads=4", "model.ffn_hidden_size=1024",
-                             "model.num_layers=8", "model.init_std=0.02"]).model
+                             "model.num_layers=8", "model.init_std=0.05"]).model
     model = build_model(cfg, seed=0)
     params = dict(model.named_parameters())
-    scaled = 0.02 / (2 * 8) ** 0.5
-    for name, std in [("model.embed_tokens.weight", 0.02), ("lm_head.weight", 0.02),
-                      ("model.layers.3.self_attn.q_proj.weight", 0.02),
-                      ("model.layers.3.mlp.gate_proj.weight", 0.02),
+    scaled = 0.05 / (2 * 8) ** 0.5
+    for name, std in [("model.embed_tokens.weight", 0.05), ("lm_head.weight", 0.05),
+                      ("model.layers.3.self_attn.q_proj.weight", 0.05),
+                      ("model.layers.3.mlp.gate_proj.weight", 0.05),
                       ("model.layers.3.self_attn.o_proj.weight", scaled),
                       ("model.layers.3.mlp.down_proj.weight", scaled)]:
         values = params[name][:cfg.vocab_size]

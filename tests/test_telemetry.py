@@ -315,6 +315,24 @@ def test_a_failing_sink_is_turned_off_after_one_warning(tmp_path, monkeypatch, c
         "warning: [mlflow] off for the rest of the run: ConnectionError: tracking server gone"]
 
 
+@pytest.mark.parametrize("mode, project, opened", [
+    ("disabled", "llama", []), ("offline", "llama", ["offline"]), ("auto", "", ["offline"]),
+    ("auto", "llama", ["online"]), ("online", "", ["online"])])
+def test_the_wandb_sink_opens_in_the_configured_mode(tmp_path, monkeypatch, mode, project,
+                                                     opened):
+    """What the run opens, with the sink's class replaced by a recorder: logging.wandb_mode and
+    logging.wandb_project decide whether wandb opens and in which mode."""
+    from pretrain import sinks
+
+    modes = []
+    monkeypatch.setitem(sinks.SINKS, "wandb", (lambda *_, mode, **__: modes.append(mode),
+                                               ("wandb",)))
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    settings = LoggingConfig(report_to=["wandb"], wandb_mode=mode, wandb_project=project)
+    sinks._open_sinks(tmp_path, settings=settings, run_config={})
+    assert modes == opened
+
+
 def test_a_sink_whose_package_is_missing_is_an_error_before_the_run(monkeypatch):
     import importlib.util
 

@@ -1,0 +1,284 @@
+"""Every setting names the test that fails when the setting is silently ignored.
+
+REGISTRY maps each run-config field (found by walking pretrain/config.py's dataclasses) and each
+DeepSpeed key the shipped JSONs or the resolver set to "tests/<file>.py::<function>": a test
+that observes the setting's effect (numerics against a reference, bytes or memory measured, a
+code path counted, a value read back from the built engine). A setting with no such test yet sits
+in GAPS with its reason; GAPS may only shrink (FROZEN_GAPS), so a new field needs a test.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+from pretrain import config as run_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DS = "deepspeed:"  # prefix of DeepSpeed key paths, e.g. "deepspeed:zero_optimization.stage"
+
+T_MODEL_HF = "tests/test_model.py::test_logits_and_loss_match_hugging_face"
+T_ZERO_FP32 = "tests/test_train_zero.py::test_zero_stage_matches_single_process_fp32"
+T_TP_ZERO1 = "tests/test_tensor_parallel.py::test_deepspeed_zero1_tp2_dp2_matches_single_rank"
+T_BF16_FP32_SUMS = "tests/test_train_zero.py::test_bf16_sums_128_micro_batch_gradients_in_fp32"
+T_E2E = "tests/test_e2e.py::test_deepspeed_launcher_zero2_trains_checkpoints_and_generates"
+
+REGISTRY: dict[str, str] = {
+    # run config: top level
+    "run_dir": "tests/test_checkpoint.py::test_resume_gives_bitwise_the_same_losses",
+    "deepspeed": "tests/test_train_zero.py::test_zero3_matches_single_process_fp32",
+    # model.*
+    "model.preset": T_MODEL_HF,
+    "model.vocab_size": T_MODEL_HF,
+    "model.hidden_size": T_MODEL_HF,
+    "model.num_layers": T_MODEL_HF,
+    "model.num_heads": T_MODEL_HF,
+    "model.num_kv_heads": T_MODEL_HF,
+    "model.ffn_hidden_size": T_MODEL_HF,
+    "model.seq_length": "tests/test_data.py::test_packed_samples_cover_the_stream_and_split_documents",
+    "model.rope_theta": "tests/test_model.py::test_rope_theta_and_norm_eps_reach_the_layers",
+    "model.norm_eps": "tests/test_model.py::test_rope_theta_and_norm_eps_reach_the_layers",
+    "model.tie_embeddings": T_MODEL_HF,
+    "model.init_std": "tests/test_model.py::test_init_statistics_scale_output_projections",
+    "model.activation_checkpointing":
+        "tests/test_train_zero.py::test_activation_checkpointing_under_zero3_recomputes_and_gives_the_same_losses",
+    "model.activation_checkpointing_interval":
+        "tests/test_telemetry.py::test_hardware_flops_count_recomputed_forwards",
+    "model.vocab_pad_multiple": "tests/test_model.py::test_init_is_per_name_and_independent_of_padding",
+    "model.init_from": "tests/test_hf_interop.py::test_first_training_step_after_import_matches_transformers",
+    "model.compile": "tests/test_compile.py::test_a_restarted_run_reuses_its_compiled_kernels",
+    "model.fused_projections":
+        "tests/test_fused_projections.py::test_fused_model_runs_one_matmul_per_group_and_never_calls_the_projections",
+    "model.loss_chunk_tokens":
+        "tests/test_chunked_loss.py::test_the_models_loss_peak_memory_is_a_fraction_of_whole_logits",
+    "model.parametrization": "tests/test_mup.py::test_coordinate_check",
+    "model.mup_base_width": "tests/test_mup.py::test_m1_is_the_standard_model",
+    "model.mup_base_head_dim": "tests/test_mup.py::test_attention_and_output_multipliers",
+    # parallel.*
+    "parallel.tensor": "tests/test_tensor_parallel.py::test_model_tp2_matches_tp1",
+    "parallel.pipeline": "tests/test_pipeline.py::test_pp2_matches_single_process",
+    "parallel.context": "tests/test_context_parallel.py::test_model_context2_loss_and_grads_equal_one_process",
+    # data.*
+    "data.dataset": "tests/test_data_blend.py::test_blend_through_a_config_override_and_with_dataset",
+    "data.blend": "tests/test_data_blend.py::test_blend_through_a_config_override_and_with_dataset",
+    "data.tokenizer": "tests/test_checkpoint.py::test_checkpoint_of_another_tokenizer_is_refused",
+    "data.valid_fraction": "tests/test_data_blend.py::test_blend_valid_split_and_build_datasets",
+    "data.test_fraction": "tests/test_data_blend.py::test_test_split_through_the_config",
+    "data.seed": "tests/test_data.py::test_samples_are_served_in_a_seeded_shuffled_order",
+    # train.*
+    "train.steps": T_ZERO_FP32,
+    "train.micro_batch_size": T_TP_ZERO1,
+    "train.global_batch_size": T_BF16_FP32_SUMS,
+    "train.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
+    "train.min_lr": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
+    "train.warmup_steps": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
+    "train.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
+    "train.grad_clip": "tests/test_hf_interop.py::test_first_training_step_after_import_matches_transformers",
+    "train.precision": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",
+    "train.seed": "tests/test_model.py::test_same_seed_same_weights_different_seed_different",
+    "train.eval_interval": T_E2E,
+    "train.eval_batches": T_E2E,
+    "train.max_nonfinite_steps": "tests/test_faults.py::test_nonfinite_steps_in_a_row_stop_the_run",
+    "train.collective_timeout_minutes":
+        "tests/test_faults.py::test_killed_rank_makes_the_others_exit_then_restart_resumes",
+    "train.io_timeout_minutes": "tests/test_io_waits.py::test_final_export_outlasts_a_short_collective_timeout",
+    "train.exit_after_minutes": "tests/test_faults.py::test_exit_after_minutes_saves_and_exits_75",
+    # checkpoint.*
+    "checkpoint.save_interval": "tests/test_checkpoint.py::test_resume_gives_bitwise_the_same_losses",
+    "checkpoint.save_interval_minutes": "tests/test_faults.py::test_run_control_owns_both_save_cadences",
+    "checkpoint.keep_last": "tests/test_checkpoint.py::test_keep_last_and_keep_every",
+    "checkpoint.keep_every": "tests/test_checkpoint.py::test_keep_last_and_keep_every",
+    "checkpoint.save_final": "tests/test_checkpoint.py::test_run_ends_with_a_checkpoint_of_its_last_step_without_save_final",
+    "checkpoint.async_save": "tests/test_save_memory.py::test_three_background_saves_keep_no_copy_of_the_state",
+    # logging.*
+    "logging.report_to": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
+    "logging.level": "tests/test_telemetry.py::test_log_level_warning_keeps_step_and_eval_lines_only",
+    "logging.mlflow_tracking_uri": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
+    "logging.wandb_mode": "tests/test_telemetry.py::test_the_wandb_sink_opens_in_the_configured_mode",
+    "logging.wandb_project": "tests/test_telemetry.py::test_the_wandb_sink_opens_in_the_configured_mode",
+    "logging.progress_bar": "tests/test_telemetry.py::test_the_progress_bar_is_drawn_only_on_a_terminal",
+    "logging.curves": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
+    "logging.profile_steps": "tests/test_telemetry.py::test_training_records_hardware_flops_and_writes_a_profile_trace",
+    # DeepSpeed keys (shipped JSONs and the resolver)
+    DS + "train_batch_size": T_BF16_FP32_SUMS,
+    DS + "train_micro_batch_size_per_gpu": T_TP_ZERO1,
+    DS + "gradient_accumulation_steps": T_BF16_FP32_SUMS,
+    DS + "gradient_clipping": "tests/test_hf_interop.py::test_first_training_step_after_import_matches_transformers",
+    DS + "optimizer.type": T_ZERO_FP32,
+    DS + "optimizer.params.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
+    DS + "optimizer.params.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
+    DS + "optimizer.params.torch_adam": "tests/test_train_zero.py::test_cpu_offload_matches_zero3",
+    DS + "bf16.enabled": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",
+    DS + "data_types.grad_accum_dtype": T_BF16_FP32_SUMS,
+    DS + "communication_data_type": T_BF16_FP32_SUMS,
+    DS + "zero_optimization.stage": "tests/test_memory_scaling.py::test_zero3_construction_adds_a_partition_per_rank",
+    DS + "zero_optimization.offload_optimizer.device": "tests/test_train_zero.py::test_cpu_offload_matches_zero3",
+    DS + "zero_optimization.offload_param.device": "tests/test_train_zero.py::test_nvme_offload_matches_zero3",
+    DS + "zero_optimization.offload_optimizer.nvme_path":
+        "tests/test_nvme_swap.py::test_auto_swaps_to_the_jobs_node_local_scratch_not_the_run_dir",
+    DS + "zero_optimization.offload_param.nvme_path":
+        "tests/test_nvme_swap.py::test_auto_swaps_to_the_jobs_node_local_scratch_not_the_run_dir",
+    DS + "pipeline.pipe_partitioned": "tests/test_pipeline.py::test_tp2_pp2_sequence_parallel_matches_single_process",
+    DS + "pipeline.grad_partitioned": "tests/test_pipeline.py::test_tp2_pp2_sequence_parallel_matches_single_process",
+    DS + "checkpoint.load_universal": "tests/test_checkpoint.py::test_universal_checkpoint_reshards_dp2_to_dp1",
+}
+
+# Settings without a biting test yet, each with why. Only ever remove entries.
+_UNTESTED_DS_TUNING = ("DeepSpeed performance knob: a wrong value changes speed or buffering only, "
+                       "nothing a CPU test can observe within the suite budget")
+_FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (CPU has no fp16 kernels worth it)"
+GAPS: dict[str, str] = {
+    "logging.log_interval": "only the printed cadence; no test counts the step lines",
+    "logging.mlflow_experiment": "the MLflow test reads the default experiment only",
+    "logging.peak_tflops": "MFU's denominator; named tests check MFU's presence, not its value",
+    "train.beta1": "resolver fills betas; no test reads the built optimizer's betas back",
+    "train.beta2": "resolver fills betas; no test reads the built optimizer's betas back",
+    "train.eps": "resolver fills eps; no test reads the built optimizer's eps back",
+    "train.loss_spike_factor": "a logged note only; no test provokes a spike",
+    "parallel.pipeline_partition": "the tests' models split alike under every method (equal layers)",
+    "parallel.sequence_parallel": ("a run built without it matches the reference too; no test counts "
+                                   "its sequence-sharded activations or collectives"),
+    "train.hang_timeout_minutes": ("the hang tests pass with the default (half the collective "
+                                   "timeout) too: nothing asserts when the hang was called"),
+    "data.num_workers": "DataLoader workers: same samples either way, nothing to observe cheaply",
+    DS + "optimizer.params.betas": "no test reads the built optimizer's betas back",
+    DS + "optimizer.params.eps": "no test reads the built optimizer's eps back",
+    DS + "optimizer.params.fused": "set on GPUs only; the CPU suite cannot run it",
+    DS + "fp16.enabled": "no fp16 training test on CPU",
+    DS + "fp16.loss_scale": _FP16_SCALER,
+    DS + "fp16.initial_scale_power": _FP16_SCALER,
+    DS + "fp16.loss_scale_window": _FP16_SCALER,
+    DS + "fp16.hysteresis": _FP16_SCALER,
+    DS + "fp16.min_loss_scale": _FP16_SCALER,
+    DS + "steps_per_print": "DeepSpeed's own log cadence, set huge to silence it",
+    DS + "wall_clock_breakdown": "DeepSpeed's timers, off",
+    DS + "zero_optimization.overlap_comm": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.contiguous_gradients": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.reduce_bucket_size": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.allgather_bucket_size": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.stage3_prefetch_bucket_size": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.stage3_param_persistence_threshold": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.stage3_gather_16bit_weights_on_model_save":
+        "off in every shipped JSON; final weights are gathered by our own export",
+    DS + "zero_optimization.offload_optimizer.pin_memory": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.offload_optimizer.buffer_count": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.offload_param.pin_memory": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.offload_param.buffer_count": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.offload_param.buffer_size": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.offload_param.max_in_cpu": _UNTESTED_DS_TUNING,
+    DS + "aio.block_size": _UNTESTED_DS_TUNING,
+    DS + "aio.queue_depth": _UNTESTED_DS_TUNING,
+    DS + "aio.thread_count": _UNTESTED_DS_TUNING,
+    DS + "aio.single_submit": _UNTESTED_DS_TUNING,
+    DS + "aio.overlap_events": _UNTESTED_DS_TUNING,
+}
+
+# GAPS as written when the registry was made (DeepSpeed keys without the prefix): GAPS must stay
+# a subset, so it can only shrink. Remove a name here when its gap closes; never add one.
+FROZEN_GAPS = frozenset([
+    "train.hang_timeout_minutes",
+    "parallel.sequence_parallel",
+    "parallel.pipeline_partition",
+    "aio.block_size", "aio.overlap_events", "aio.queue_depth", "aio.single_submit",
+    "aio.thread_count", "data.num_workers", "fp16.enabled", "fp16.hysteresis",
+    "fp16.initial_scale_power", "fp16.loss_scale", "fp16.loss_scale_window", "fp16.min_loss_scale",
+    "logging.log_interval", "logging.mlflow_experiment", "logging.peak_tflops",
+    "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.fused", "steps_per_print",
+    "train.beta1", "train.beta2", "train.eps", "train.loss_spike_factor", "wall_clock_breakdown",
+    "zero_optimization.allgather_bucket_size", "zero_optimization.contiguous_gradients",
+    "zero_optimization.offload_optimizer.buffer_count",
+    "zero_optimization.offload_optimizer.pin_memory",
+    "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
+    "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_param.pin_memory",
+    "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_prefetch_bucket_size",
+])
+
+# Keys the resolver adds beyond the shipped JSONs (pretrain/ds_config.py, pretrain/run.py).
+RESOLVER_KEYS = ("optimizer.params.fused", "pipeline.pipe_partitioned",
+                 "pipeline.grad_partitioned", "checkpoint.load_universal")
+
+
+def config_fields(cls=run_config.RunConfig, prefix: str = "") -> set[str]:
+    """Every leaf field of the run config, as "section.field" (sections are dataclasses)."""
+    found = set()
+    for f in dataclasses.fields(cls):
+        factory = f.default_factory
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            found |= config_fields(factory, f"{prefix}{f.name}.")
+        else:
+            found.add(prefix + f.name)
+    return found
+
+
+def json_leaf_paths(node, prefix: str = "") -> set[str]:
+    if isinstance(node, dict):
+        return set().union(*(json_leaf_paths(v, f"{prefix}{k}.") for k, v in node.items()))
+    return {prefix.rstrip(".")}
+
+
+def deepspeed_keys() -> set[str]:
+    found = set(RESOLVER_KEYS)
+    for path in (ROOT / "ds_configs").glob("*.json"):
+        found |= json_leaf_paths(json.loads(path.read_text()))
+    return {DS + key for key in found}
+
+
+def resolver_literal_keys() -> set[str]:
+    """String keys the resolver writes: `x["key"] = ...`, `setdefault("key")`, `_fill(_, "key")`."""
+    keys = set()
+    for name in ("pretrain/ds_config.py", "pretrain/run.py"):
+        for node in ast.walk(ast.parse((ROOT / name).read_text())):
+            if isinstance(node, ast.Assign):
+                keys |= {t.slice.value for t in node.targets if isinstance(t, ast.Subscript)
+                         and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)}
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+                func = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                at = {"setdefault": 0, "_fill": 1}.get(func)
+                if at is not None and len(node.args) > at and isinstance(node.args[at], ast.Constant):
+                    keys.add(node.args[at].value)
+    return keys
+
+
+def every_setting() -> set[str]:
+    return config_fields() | deepspeed_keys()
+
+
+def test_every_setting_has_a_biting_test_or_a_reasoned_gap():
+    settings = every_setting()
+    missing = sorted(settings - set(REGISTRY) - set(GAPS))
+    assert not missing, (f"settings without a test in REGISTRY ({__file__}): {missing}; name the "
+                         "test that fails when the setting is ignored")
+    assert not set(REGISTRY) & set(GAPS), sorted(set(REGISTRY) & set(GAPS))
+    stale = sorted((set(REGISTRY) | set(GAPS)) - settings)
+    assert not stale, f"entries for settings that no longer exist: {stale}"
+
+
+def test_gaps_only_shrink_and_each_has_a_reason():
+    gaps = {key.removeprefix(DS) for key in GAPS}
+    assert gaps <= FROZEN_GAPS, f"a new setting cannot be a gap: {sorted(gaps - FROZEN_GAPS)}"
+    assert all(reason.strip() for reason in GAPS.values())
+
+
+def test_every_named_test_function_exists():
+    functions: dict[str, set[str]] = {}
+    absent = []
+    for setting, target in sorted(REGISTRY.items()):
+        file, _, function = target.partition("::")
+        if file not in functions:
+            path = ROOT / file
+            tree = ast.parse(path.read_text()) if path.exists() else ast.Module(body=[])
+            functions[file] = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        if function not in functions[file]:
+            absent.append(f"{setting}: {target}")
+    assert not absent, f"registry entries naming no test function: {absent}"
+
+
+def test_every_key_the_resolver_writes_is_a_registered_setting():
+    names = {part for key in every_setting() for part in key.removeprefix(DS).split(".")}
+    unseen = sorted(resolver_literal_keys() - names)
+    assert not unseen, (f"pretrain/ds_config.py or pretrain/run.py writes DeepSpeed keys {unseen} "
+                        "that are not in RESOLVER_KEYS")
