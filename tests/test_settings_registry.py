@@ -66,6 +66,7 @@ REGISTRY: dict[str, str] = {
     "data.valid_fraction": "tests/test_data_blend.py::test_blend_valid_split_and_build_datasets",
     "data.test_fraction": "tests/test_data_blend.py::test_test_split_through_the_config",
     "data.seed": "tests/test_data.py::test_samples_are_served_in_a_seeded_shuffled_order",
+    "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
     # train.*
     "train.steps": T_ZERO_FP32,
     "train.micro_batch_size": T_TP_ZERO1,
@@ -80,6 +81,13 @@ REGISTRY: dict[str, str] = {
     "train.eval_interval": T_E2E,
     "train.eval_batches": T_E2E,
     "train.max_nonfinite_steps": "tests/test_faults.py::test_nonfinite_steps_in_a_row_stop_the_run",
+    "train.on_loss_spike": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
+    "train.straggler_interval":
+        "tests/test_stragglers.py::test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody",
+    "train.straggler_margin":
+        "tests/test_stragglers.py::test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody",
+    "train.straggler_patience":
+        "tests/test_stragglers.py::test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody",
     "train.collective_timeout_minutes":
         "tests/test_faults.py::test_killed_rank_makes_the_others_exit_then_restart_resumes",
     "train.io_timeout_minutes": "tests/test_io_waits.py::test_final_export_outlasts_a_short_collective_timeout",

@@ -72,12 +72,14 @@ def _named(run) -> list[list[int]]:
 @pytest.mark.slow
 def test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody(tiny_data, tmp_path):
     """Every rank reports the same times at steps 1-2 (an even run: nobody named), then rank 1's
-    compute triples: with patience 2 it is named at steps 4, in the step line too."""
-    run = _straggler_run(tmp_path, tiny_data, "fake_step_times(1, from_step=3)",
-                         ["train.straggler_patience=2", "train.straggler_margin=0.2"], "fake")
+    compute is 1.3 s to the others' 1 s (own time 1.4 s, 12% above the median of 1.25 s): with
+    margin 0.1 and patience 2 it is named at step 4, in the step line too. The settings are not
+    the defaults, so a run that ignored them would name nobody (margin 0.2) or later (3)."""
+    run = _straggler_run(tmp_path, tiny_data, "fake_step_times(1, from_step=3, factor=1.3)",
+                         ["train.straggler_patience=2", "train.straggler_margin=0.1"], "fake")
     assert _named(run) == [[], [], [], [1]]
     step4 = [r for r in run.records if r["kind"] == "train"][-1]
-    assert step4["stragglers_named"] == 1 and step4["stragglers"][0]["compute_s"] == 3.0
+    assert step4["stragglers_named"] == 1 and step4["stragglers"][0]["compute_s"] == 1.3
     assert "straggler rank 1 (" in run.stdout and "[straggler] step 4: rank 1 (host" in run.stdout
     summary = [r for r in run.records if r["kind"] == "straggler_summary"]
     assert summary[0]["slowest"][0]["rank"] == 1
@@ -85,12 +87,12 @@ def test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody(tiny_
 
 @pytest.mark.slow
 def test_a_rank_that_really_sleeps_is_named(tiny_data, tmp_path):
-    """Rank 1 sleeps 2 s as each step starts. Its own time (compute + data wait) is then above
-    1.5x the median of the two ranks whenever a step's own time is under 1 s (a tiny step after
-    the first takes about 0.1 s, on a loaded 2-core machine too), and rank 0, which waits for it
-    in the collectives, never is: rank 1 is named at the checks of steps 3 and 4 (step 2's
-    depends on whether the first step's start-up cost stayed under 1 s)."""
-    run = _straggler_run(tmp_path, tiny_data, "delay_rank(1, 2.0)",
+    """Rank 1 sleeps 3 s as each step starts. Its own time (compute + data wait) is then above
+    1.5x the median of the two ranks whenever a step's own time is under 1.5 s (a tiny step
+    after the first takes about 0.1 s, 0.3 s on a loaded 2-core machine), and rank 0, which waits
+    for it in the collectives, never is: rank 1 is named at the checks of steps 3 and 4 (step
+    2's depends on whether the first step's start-up cost stayed under 1.5 s)."""
+    run = _straggler_run(tmp_path, tiny_data, "delay_rank(1, 3.0)",
                          ["train.straggler_patience=2", "train.straggler_margin=0.5"], "delay")
     named = _named(run)
     assert named[2:] == [[1], [1]] and named[1] in ([], [1]) and named[0] == [], named
