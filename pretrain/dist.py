@@ -113,17 +113,12 @@ def device_index(local_rank: int, visible_devices: int) -> int:
 
 
 def init_deepspeed_comm(**kwargs) -> None:
-    """`deepspeed.init_distributed(**kwargs)` without the shared-memory all-reduce op DeepSpeed
-    compiles on CPU accelerators: only its `inference_all_reduce` uses it, which training never
-    calls, and compiling it costs a fresh machine's first run about 50 s."""
-    import importlib
-
+    """`deepspeed.init_distributed(**kwargs)`: DeepSpeed's comm layer over the process group
+    (made here, or the one the caller made). On CPU accelerators it comes without the
+    shared-memory all-reduce op DeepSpeed would compile (`pretrain.lean_imports`)."""
     import deepspeed
 
-    # the module by name: `deepspeed.comm.torch` as an attribute is the torch package
-    backend = importlib.import_module("deepspeed.comm.torch")
-    with mock.patch.object(backend, "build_shm_op", lambda: None):
-        deepspeed.init_distributed(**kwargs)
+    deepspeed.init_distributed(**kwargs)
 
 
 def init_distributed(world: World, *, timeout_minutes: float = 30.0,

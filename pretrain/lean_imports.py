@@ -1,6 +1,6 @@
-"""Keep imports a rank never uses out of every process's start-up.
+"""Keep imports and builds a rank never uses out of every process's start-up.
 
-Two of DeepSpeed's imports cost a rank seconds for features this stack never uses:
+Three of DeepSpeed's start-up costs pay for features this stack never uses.
 
 DeepSpeed's autotuner module (imported by `import deepspeed`, never run by this stack) imports
 MLflow when it is installed, to log its own experiments. MLflow, with FastAPI and pandas behind
@@ -8,17 +8,29 @@ it, is 2.5 s of the 7 s `import deepspeed` takes on a 2-core AMD EPYC: paid by e
 run, and by every run of the test suite. The finder below answers "not installed" to that one
 import only; the autotuner then runs without MLflow (`has_mlflow = False`), and every other
 `import mlflow` (this stack's MLflow sink, `logging.report_to: [mlflow]`) works as usual.
+
+DeepSpeed's comm backend builds a shared-memory all-reduce op (a C++ extension, compiled on first
+use: about 80 s on a fresh machine, under a file lock every rank waits on) whenever the
+accelerator is the CPU, for `inference_all_reduce`, which only its inference kernels call.
+`build_shm_op` is answered "no op" as that module loads; collectives stay torch.distributed's.
+
+DeepSpeed's ZeRO imports its Muon optimizer for an isinstance check; `import_muon_uncompiled`
+keeps the `torch.compile` decorators on it from importing inductor.
 """
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import sys
 
 _IMPORTER = "deepspeed.autotuning.autotuner"
+COMM_BACKEND = "deepspeed.comm.torch"
 
 
-class _NoMlflowForDeepSpeedsAutotuner(importlib.abc.MetaPathFinder):
+class _LeanDeepSpeedFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
+        if name == COMM_BACKEND:
+            return _without_shm_op(name, path)
         if name != "mlflow":
             return None
         frame = sys._getframe(1)
@@ -29,12 +41,37 @@ class _NoMlflowForDeepSpeedsAutotuner(importlib.abc.MetaPathFinder):
         return None
 
 
+def _no_shm_op():
+    return None
+
+
+class _ThenNoShmOp(importlib.abc.Loader):
+    """DeepSpeed's comm backend module as it is, with `build_shm_op` answering "no op"."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        module.build_shm_op = _no_shm_op
+
+
+def _without_shm_op(name: str, path):
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is not None and spec.loader is not None:
+        spec.loader = _ThenNoShmOp(spec.loader)
+    return spec
+
+
 def install() -> None:
     """Once per process, before DeepSpeed is imported (a no-op after)."""
-    if _IMPORTER in sys.modules or any(isinstance(f, _NoMlflowForDeepSpeedsAutotuner)
+    if _IMPORTER in sys.modules or any(isinstance(f, _LeanDeepSpeedFinder)
                                        for f in sys.meta_path):
         return
-    sys.meta_path.insert(0, _NoMlflowForDeepSpeedsAutotuner())
+    sys.meta_path.insert(0, _LeanDeepSpeedFinder())
 
 
 MUON = "deepspeed.runtime.zero.muon.original_muon"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from pretrain import compiled_ops
+from pretrain.testing.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", "--set", "train.steps=3"]
@@ -32,11 +33,10 @@ def test_preflight_refuses_an_offload_config_whose_op_cannot_load(tmp_path):
     the reason, before the job's ranks are started or anything is recorded."""
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
            "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pretrain", "launch", "preflight", "--world-size", "2",
-         "--accelerator", "cpu", "--no-build", "--log-dir", str(tmp_path / "log"), *TINY,
-         "--deepspeed-config", "ds_configs/zero2_offload_cpu.json"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_cli(
+        ["launch", "preflight", "--world-size", "2", "--accelerator", "cpu", "--no-build",
+         "--log-dir", str(tmp_path / "log"), *TINY,
+         "--deepspeed-config", "ds_configs/zero2_offload_cpu.json"], cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {REPO}/ds_configs/zero2_offload_cpu.json needs DeepSpeed's compiled op(s) cpu_adam; "
@@ -108,10 +108,9 @@ def test_preflight_records_the_ops_and_their_node_local_folder(tmp_path):
     for ds_config, expected in (("zero2_offload_cpu.json",
                                  f"cpu_adam\t{tmp_path}/local/pretrain_torch_extensions-77\n"),
                                 ("zero1.json", "")):
-        proc = subprocess.run(
-            [sys.executable, "-m", "pretrain", "launch", "preflight", "--world-size", "2",
-             "--accelerator", "cpu", "--no-build", "--log-dir", str(tmp_path / "log"), *TINY,
-             "--deepspeed-config", f"ds_configs/{ds_config}"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_cli(
+            ["launch", "preflight", "--world-size", "2", "--accelerator", "cpu", "--no-build",
+             "--log-dir", str(tmp_path / "log"), *TINY, "--deepspeed-config",
+             f"ds_configs/{ds_config}"], cwd=REPO, env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert (tmp_path / "log" / "ops.tsv").read_text() == expected

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
+from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO
 from pretrain.arithmetic import num_parameters, stage_items, stage_parameters
 from pretrain.config import MODEL_PRESETS, ModelConfig, Precision, Recompute
@@ -235,8 +235,7 @@ def test_search_refuses_impossible_models():
 
 
 def _plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain", "plan", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return run_cli(["plan", *args], cwd=REPO)
 
 
 def test_search_cli_json_and_refusal():

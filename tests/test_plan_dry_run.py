@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
+from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO
 from test_cli import _assert_one_error_line as _one_error_line
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain", "plan", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return run_cli(["plan", *args], cwd=REPO)
 
 
 def test_dry_run_accepts_the_70b_config_on_128_ranks():
@@ -82,10 +82,9 @@ def test_plan_on_a_cpu_machine_uses_the_precision_it_would_run_and_its_peak(tmp_
     env = {**os.environ, "PRETRAIN_CPUINFO": str(tmp_path / "cpuinfo")}
     runs = {}
     for peak in (0.1, 0.2):
-        out = subprocess.run([sys.executable, "-m", "pretrain", "plan", "--config",
-                              "configs/quickstart.yaml", "--world-size", "2", "--cluster", "cpu",
-                              "--peak-tflops", str(peak), "--json"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = run_cli(["plan", "--config", "configs/quickstart.yaml", "--world-size", "2",
+                            "--cluster", "cpu", "--peak-tflops", str(peak), "--json"],
+                           cwd=REPO, env=env)
         assert out.returncode == 0, out.stderr
         runs[peak] = json.loads(out.stdout)
     plan = runs[0.1]
@@ -164,17 +163,14 @@ def test_plan_from_another_directory_finds_the_configs_files(tmp_path, tiny_data
         "train: {micro_batch_size: 2, global_batch_size: 4, precision: fp32}\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    out = subprocess.run([sys.executable, "-m", "pretrain", "plan", "--config",
-                          str(experiment / "run.yaml"), "--world-size", "2", "--accelerator",
-                          "cpu", "--json"], cwd=elsewhere, capture_output=True, text=True,
-                         timeout=120)
+    out = run_cli(["plan", "--config", str(experiment / "run.yaml"), "--world-size", "2",
+                        "--accelerator", "cpu", "--json"], cwd=elsewhere)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["warnings"] == []  # the tokenizer and the dataset were found
     assert plan["deepspeed"]["zero_optimization"]["stage"] == 1
-    shipped = subprocess.run([sys.executable, "-m", "pretrain", "plan", "--config",
-                              str(REPO / "configs/llama_7b.yaml"), "--world-size", "8"],
-                             cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    shipped = run_cli(["plan", "--config", str(REPO / "configs/llama_7b.yaml"),
+                            "--world-size", "8"], cwd=elsewhere)
     assert shipped.returncode == 0, shipped.stderr
     assert "tp 2 x pp 1 x dp 4 = 8 ranks" in shipped.stdout
     assert str(REPO / "data/tokenizer.model") in shipped.stderr  # a warning: no data here

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -20,6 +19,7 @@ from pretrain.plan.report import (SLOWER_THAN_BEST, selecting_arguments, step_di
                                   times_slower, warnings_against_best)
 from pretrain.plan.search import (DEFAULT_MEMORY_MARGIN, engine_key, estimate, keeps_margin,
                                   search)
+from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO
 
 LLAMA_13B = ModelConfig(**MODEL_PRESETS["13b"])
@@ -86,8 +86,7 @@ def test_the_difference_to_the_best_is_split_into_the_terms_that_cost_it():
 
 
 def _pretrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return run_cli(list(args), cwd=REPO)
 
 
 def _sets(overrides: list[str]) -> list[str]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from pretrain.config import load_config
 from pretrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR
+from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO, rel_diff, run_pretrain, train, train_args
 from pretrain.world_fit import WorldTooSmall, fit_of_config, usable_node_counts, usable_world
 
@@ -62,10 +62,9 @@ def test_usable_world_arithmetic():
 
 
 def _preflight(world_size: int, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain", "launch", "preflight",
-                           "--config", "configs/llama_70b.yaml", "--world-size", str(world_size),
-                           "--ranks-per-node", str(GPUS_PER_NODE), "--no-build", *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    return run_cli(["launch", "preflight", "--config", "configs/llama_70b.yaml", "--world-size",
+                    str(world_size), "--ranks-per-node", str(GPUS_PER_NODE), "--no-build", *extra],
+                   cwd=REPO, timeout=600)
 
 
 def test_preflight_prints_usable_node_counts_and_plans_the_used_ranks():
@@ -86,10 +85,8 @@ def test_preflight_requeues_a_job_smaller_than_a_replica_and_refuses_bad_input()
 
 
 def test_elastic_minimum_is_raised_to_one_replica():
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "launch", "nodes", "--config",
-                           "configs/llama_70b.yaml", "--ranks-per-node", "8", "--min-nodes", "1",
-                           "--max-nodes", "14"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_cli(["launch", "nodes", "--config", "configs/llama_70b.yaml", "--ranks-per-node",
+                    "8", "--min-nodes", "1", "--max-nodes", "14"], cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["4"]
     assert "every rank trains at 4, 8, other counts leave ranks idle" in proc.stderr
