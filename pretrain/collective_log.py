@@ -10,6 +10,10 @@ are passed through unrecorded, so dynamo traces what it traced before. Not
 wrapped: `isend` / `irecv` / `batch_isend_irecv` (torch checks a P2POp's function by identity;
 they only issue work) - a pipeline's blocking `send` / `recv` are.
 
+The same wrapper times the blocking calls of one thread (`time_thread`): the training loop's
+seconds spent waiting in collectives, which the straggler checks (`pretrain.stragglers`) take
+as a rank's collective wait.
+
 Each call costs a dict lookup, a list store and a clock read (about a microsecond, measured in
 bench/hang_overhead.py), against a collective's tens of microseconds at least.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 from typing import Any, Callable
 
@@ -43,6 +48,14 @@ class CollectiveLog:
         self.total = 0
         self.counts: dict[str, int] = {}  # collectives entered per group name
         self._groups: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.timed_thread: threading.Thread | None = None
+        self.wait_seconds = 0.0  # inside collectives, on `timed_thread`
+        self.clock: Callable[[], float] = time.perf_counter
+
+    def time_thread(self, thread: threading.Thread | None) -> None:
+        """Add the seconds `thread` spends inside the wrapped calls to `wait_seconds` (None:
+        stop timing)."""
+        self.timed_thread = thread
 
     def _group(self, group: Any) -> tuple[str, tuple[int, ...]]:
         found = self._groups.get(id(group))
@@ -111,11 +124,16 @@ def _wrap(fn: Callable, op: str, log: CollectiveLog) -> Callable:
         else:
             group = args[at] if at is not None and len(args) > at else None
         entry = log.start(op, group)
+        timed = log.timed_thread is not None and threading.current_thread() is log.timed_thread
+        started = log.clock() if timed else 0.0
         try:
             result = fn(*args, **kwargs)
         except BaseException:
             entry[5] = "failed"
             raise
+        finally:
+            if timed:
+                log.wait_seconds += log.clock() - started
         entry[5] = "issued" if hasattr(result, "wait") else "done"
         return result
 

@@ -4,7 +4,8 @@ Every step each rank adds up three times (`StragglerWatch.begin_step` / `end_ste
 - data wait: waiting for its data loader;
 - collective wait: time inside torch.distributed's blocking calls (all-reduce, all-gather,
   reduce-scatter, broadcast, send / recv, barrier - DeepSpeed's gradient reductions and
-  pipeline transfers included: `CollectiveClock` times them where they are called), where a
+  pipeline transfers included: `pretrain.collective_log`'s wrapper of them times the training
+  thread's calls), where a
   rank that is ahead waits for the one behind;
 - compute: the rest of the step.
 Every `train.straggler_interval` steps the ranks gather those sums (one small all-gather on the
@@ -25,58 +26,13 @@ both doing nothing here (`pretrain.testing.faults`).
 """
 from __future__ import annotations
 
-import functools
 import socket
 import statistics
 import threading
-import time
 from typing import Any, Callable
 
-import torch.distributed as torch_dist
-
+from pretrain import collective_log
 from pretrain.dist import gather_for_io
-
-# torch.distributed's blocking calls (all_gather_object and friends call these: counted once)
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce", "broadcast", "barrier", "send", "recv",
-               "all_to_all_single", "all_gather_object", "broadcast_object_list")
-
-
-class CollectiveClock:
-    """Seconds the installing thread spent inside torch.distributed's collectives, measured by
-    wrapping them in the module (DeepSpeed looks them up there at each call)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._thread = threading.current_thread()
-        self._inside = False
-        self._originals: dict[str, Callable] = {}
-
-    def install(self) -> None:
-        for name in COLLECTIVES:
-            original = getattr(torch_dist, name, None)
-            if original is not None and name not in self._originals:
-                self._originals[name] = original
-                setattr(torch_dist, name, self._timed(original))
-
-    def uninstall(self) -> None:
-        for name, original in self._originals.items():
-            setattr(torch_dist, name, original)
-        self._originals.clear()
-
-    def _timed(self, call: Callable) -> Callable:
-        @functools.wraps(call)
-        def timed(*args, **kwargs):
-            if self._inside or threading.current_thread() is not self._thread:
-                return call(*args, **kwargs)
-            self._inside, start = True, time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self._inside = False
-                self.seconds += time.perf_counter() - start
-        return timed
-
 
 def slow_ranks(own: list[float], *, margin: float) -> list[int]:
     """The ranks whose own time exceeds the median of `own` by more than `margin`."""
@@ -91,9 +47,10 @@ class StragglerWatch:
                  log: Callable[[str], None]):
         self.interval, self.margin, self.patience, self.rank = interval, margin, patience, rank
         self.log = log
-        self.clock = CollectiveClock()
+        self.clock = collective_log.LOG
         if interval:
-            self.clock.install()
+            collective_log.install()  # idempotent: the wrapper the hang watchdog reads too
+            self.clock.time_thread(threading.current_thread())
         self._since_check = [0.0, 0.0, 0.0]  # compute, data wait, collective wait
         self._clock_at = 0.0
         self.hosts: list[str] = []
@@ -119,13 +76,13 @@ class StragglerWatch:
     def begin_step(self, step: int) -> None:
         if self.enabled:
             self.step_started(step=step, rank=self.rank)
-            self._clock_at = self.clock.seconds
+            self._clock_at = self.clock.wait_seconds
 
     def end_step(self, *, step: int, elapsed: float, data_wait: float) -> dict[str, Any]:
         """Account for step `step`; at a check (collective) the fields of its record."""
         if not self.enabled:
             return {}
-        collective = self.clock.seconds - self._clock_at
+        collective = self.clock.wait_seconds - self._clock_at
         for index, value in enumerate((elapsed - data_wait - collective, data_wait, collective)):
             self._since_check[index] += value
         if step % self.interval:
@@ -188,4 +145,5 @@ class StragglerWatch:
                            "stragglers_named": self.named, "slowest": summary[1]})
 
     def close(self) -> None:
-        self.clock.uninstall()
+        if self.enabled:
+            self.clock.time_thread(None)

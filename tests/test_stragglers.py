@@ -3,12 +3,14 @@ one rank is slowed - through fake measured times (a naming no timing can move) a
 real delay far above a tiny step's time."""
 from __future__ import annotations
 
-import pytest
-import torch.distributed as torch_dist
+import threading
 
+import pytest
+
+from pretrain.collective_log import CollectiveLog, _wrap
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
-from pretrain.stragglers import CollectiveClock, StragglerWatch, slow_ranks
+from pretrain.stragglers import StragglerWatch, slow_ranks
 from pretrain.testing.faults import straggler_environment
 from pretrain.testing.runs import REPO, run_pretrain, train_args
 
@@ -43,15 +45,26 @@ def test_a_rank_is_named_after_patience_checks_in_a_row():
     assert slowest[0]["rank"] == 1 and "1 naming(s)" in text
 
 
-def test_collective_clock_times_the_calls_and_uninstalls():
-    original = torch_dist.barrier
-    clock = CollectiveClock()
-    clock.install()
-    try:
-        assert torch_dist.barrier is not original
-    finally:
-        clock.uninstall()
-    assert torch_dist.barrier is original
+def test_the_collective_wrapper_times_the_training_threads_calls_only():
+    """The hang log's wrapper is the straggler check's clock: seconds inside a wrapped call
+    are added for the timed thread, not for another thread, and not after timing stops."""
+    log = CollectiveLog()
+    ticks = iter([10.0, 12.5, 20.0, 21.0])
+    log.clock = lambda: next(ticks)
+    barrier = _wrap(lambda group=None: None, "barrier", log)
+    barrier()  # no thread timed yet: no clock read
+    log.time_thread(threading.current_thread())
+    barrier()
+    assert log.wait_seconds == 2.5
+    other = threading.Thread(target=barrier)
+    other.start()
+    other.join()
+    assert log.wait_seconds == 2.5  # another thread's call is recorded, not timed
+    barrier()
+    assert log.wait_seconds == 3.5
+    log.time_thread(None)
+    barrier()
+    assert log.wait_seconds == 3.5 and log.total == 5
 
 
 def _straggler_run(tmp_path, tiny_data, call: str, overrides: list[str], name: str):
