@@ -3,8 +3,8 @@
 `python -m pretrain plan ...` in a subprocess spends most of its seconds importing torch and
 DeepSpeed before it plans anything, and every rank of a training run pays the same again; the
 suite starts hundreds of them. Here each process is forked from the fork server `run_on_ranks`
-starts (torch and DeepSpeed imported once, no thread pool started) and runs `pretrain.cli.main`
-with its own working directory, environment, file descriptors 1 and 2 and exit status, as a
+starts (torch and DeepSpeed imported once, no thread pool started) and runs `python -m pretrain`'s
+module with its own working directory, environment, file descriptors 1 and 2 and exit status, as a
 subprocess has, so that nothing a command sets (log level, warning filters, environment) reaches
 the test or the next call:
 
@@ -19,9 +19,11 @@ signals through `deepspeed` or srun) name their launcher and keep using subproce
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -41,11 +43,10 @@ def _main(argv: list[str], cwd: str, environ: dict[str, str], out: str, err: str
     for stream in (sys.stdout, sys.stderr):  # written as it happens, as PYTHONUNBUFFERED=1 does
         stream.reconfigure(line_buffering=True, write_through=True)
     sys.argv = ["pretrain", *argv]
+    _start_as_an_interpreter_would(environ)
     code = 0
-    try:
-        from pretrain.cli import main
-
-        main(argv)
+    try:  # what `python -m pretrain` runs
+        runpy.run_module("pretrain", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
@@ -57,6 +58,21 @@ def _main(argv: list[str], cwd: str, environ: dict[str, str], out: str, err: str
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _start_as_an_interpreter_would(environ: dict[str, str]) -> None:
+    """What a new interpreter takes from PYTHONPATH: its folders first on `sys.path`, and the
+    first `sitecustomize.py` among them run (how `pretrain.testing.faults` reaches a run)."""
+    folders = [f for f in environ.get("PYTHONPATH", "").split(os.pathsep) if f]
+    sys.path[:0] = [f for f in folders if f not in sys.path]
+    for folder in folders:
+        site = Path(folder, "sitecustomize.py")
+        if site.is_file():
+            spec = importlib.util.spec_from_file_location("sitecustomize", site)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["sitecustomize"] = module
+            spec.loader.exec_module(module)
+            return
 
 
 def _process(ctx, argv: list[str], cwd, environ: dict[str, str], out: Path, err: Path):

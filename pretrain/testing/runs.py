@@ -1,4 +1,5 @@
-"""Run `pretrain` as a user would: through the real launchers, in subprocesses."""
+"""Run `pretrain` as a user would: through the real launchers in subprocesses, or on ranks forked
+from the test's fork server (`pretrain.testing.cli`)."""
 from __future__ import annotations
 
 import json
@@ -61,9 +62,12 @@ def launcher_prefix(launcher: str, nprocs: int) -> list[str]:
     raise ValueError(launcher)
 
 
-def run_pretrain(args: list[str], *, run_dir: Path, launcher: str = "single", nprocs: int = 1,
+def run_pretrain(args: list[str], *, run_dir: Path, launcher: str = "forked", nprocs: int = 1,
                  timeout: float = 900, env: dict[str, str] | None = None) -> Run:
-    """`pretrain <args>` under a launcher; each rank gets one thread (2-core CI machines)."""
+    """`pretrain <args>` under a launcher; each rank gets one thread (2-core CI machines).
+    `launcher="forked"`: the ranks forked from the test's fork server with the `deepspeed`
+    launcher's environment (`pretrain.testing.cli.run_ranks`), without an interpreter's start-up
+    per rank."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
                 "TORCH_EXTENSIONS_DIR": os.environ.get(
@@ -71,8 +75,13 @@ def run_pretrain(args: list[str], *, run_dir: Path, launcher: str = "single", np
                 **(env or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(var, None)
-    proc = subprocess.run(launcher_prefix(launcher, nprocs) + args, cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    if launcher == "forked":
+        from pretrain.testing.cli import run_ranks
+
+        proc = run_ranks(args, nprocs=nprocs, cwd=REPO, env=full_env, timeout=timeout)
+    else:
+        proc = subprocess.run(launcher_prefix(launcher, nprocs) + args, cwd=REPO, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
@@ -90,10 +99,11 @@ def train_args(run_dir: Path, data: dict[str, str], *, overrides: Sequence[str] 
 def train(tmp_path: Path, data: dict[str, str], *, overrides: list[str] = (), nprocs: int = 1,
           launcher: str | None = None, name: str = "run", config: str = "configs/tiny.yaml",
           timeout: float = 900) -> Run:
-    """Train the tiny config on `data` with `overrides`; returns the finished Run (checked)."""
+    """Train the tiny config on `data` with `overrides`; returns the finished Run (checked).
+    Without a `launcher`, the ranks are forked (`run_pretrain`'s "forked")."""
     run_dir = tmp_path / name
     args = train_args(run_dir, data, overrides=overrides, config=config)
-    launcher = launcher or ("single" if nprocs == 1 else "torchrun")
+    launcher = launcher or "forked"
     return run_pretrain(args, run_dir=run_dir, launcher=launcher, nprocs=nprocs,
                         timeout=timeout).check()
 
