@@ -322,6 +322,9 @@ class DataConfig(_Freezable):
     test_fraction: float = 0.0  # documents held out for testing (never trained or validated on)
     seed: int = 1234  # document and sample shuffle seed
     num_workers: int = 1  # DataLoader workers per rank
+    # attention and rotary positions restart at each end-of-document token of a packed sample
+    # (`pretrain.model.documents`); false: a sample is one sequence, across its documents
+    document_mask: bool = False
     # Global sample numbers (positions in the run's sample stream, counted from 0 as
     # consumed_samples counts) never trained on; a rollback adds to the checkpoint's own list.
     exclude_samples: list = field(default_factory=list)

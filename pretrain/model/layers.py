@@ -99,15 +99,21 @@ class RotaryEmbedding(nn.Module):
                              f"({self.cos.shape[0]} = model.seq_length): truncate the input")
         return self.cos[:seq_len].to(dtype), self.sin_signed[:seq_len].to(dtype)
 
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed (B, T, hd) of per-token positions (B, T), e.g. each token's position
+        inside its document (`pretrain.model.documents`), in `dtype`."""
+        return self.cos[positions].to(dtype), self.sin_signed[positions].to(dtype)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate each head of x (B, T, nh, hd) by its position's angle; tables are (T, hd).
+    """Rotate each head of x (B, T, nh, hd) by its position's angle; tables are (T, hd), or
+    (B, T, hd) for per-sample positions (document masking).
 
     Equals Hugging Face's ``x * cos + rotate_half(x) * sin`` bit for bit (see RotaryEmbedding).
     """
     # .to: a no-op normally; under autocast q/k are bf16 while the tables are fp32
-    cos = cos.to(x.dtype).unsqueeze(1)  # (T, 1, hd): broadcast over heads
-    sin_signed = sin_signed.to(x.dtype).unsqueeze(1)
+    cos = cos.to(x.dtype).unsqueeze(-2)  # (T, 1, hd) or (B, T, 1, hd): broadcast over heads
+    sin_signed = sin_signed.to(x.dtype).unsqueeze(-2)
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
