@@ -178,6 +178,54 @@ def test_generation_refuses_document_ids_with_a_cache(model):
         model.hidden_states(tokens[:, :-1], cache, document_ids=ids)
 
 
+def _masked_model_run(rank, world_size, tensor):
+    """Loss and gradients (fp64) of the packed sample with its document ids, on `world_size`
+    gloo ranks: tensor x context = world_size, sequence parallel under tensor 2."""
+    import torch.distributed as dist
+
+    from pretrain.testing.numerics import full_grads
+    from pretrain.topology import Topology
+
+    context = world_size // tensor
+    topo = Topology(tensor=tensor, pipeline=1, world_size=world_size, rank=rank, context=context)
+    groups = topo.create_groups() if world_size > 1 else None
+    model = build_model(tiny_cfg(seq_length=64), seed=5,
+                        tp_group=groups.tensor if tensor > 1 else None,
+                        sequence_parallel=tensor > 1,
+                        cp_group=groups.context if groups else None).double()
+    tokens, ids = packed_sample(seed=6)
+    c, T = topo.my_coords.context, SEQ // context
+    chunk = slice(c * T, (c + 1) * T)  # the loader's chunk; every rank gets the whole ids
+    loss = model(tokens[:, :-1][:, chunk], tokens[:, 1:][:, chunk], document_ids=ids)
+    loss.backward()
+    grads = full_grads(model) if tensor > 1 else {
+        name: p.grad.clone() for name, p in model.named_parameters()}
+    if groups is not None:  # DeepSpeed's average over data x context replicas
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=groups.data)
+        loss = mean / topo.replicas
+        for g in grads.values():
+            dist.all_reduce(g, group=groups.data)
+            g /= topo.replicas
+    return {"loss": float(loss.detach()), "grads": grads}
+
+
+@pytest.mark.parametrize("tensor", [1, 2], ids=["context2", "tensor2_sequence_parallel"])
+def test_masked_model_on_two_ranks_equals_one_process(tmp_path, tensor):
+    """fp64 but for the fp32 cross entropy: fp32 rounding, ~1e-7 of the largest element, where a
+    context chunk's positions counted from its own start instead of the sequence's, or a mask
+    built from a chunk's ids, changes gradients by far more."""
+    from pretrain.testing.ranks import run_on_ranks
+
+    single = run_on_ranks(_masked_model_run, world_size=1, tmp_path=tmp_path, args=(1,))[0]
+    for rank, result in enumerate(run_on_ranks(_masked_model_run, world_size=2,
+                                               tmp_path=tmp_path, args=(tensor,))):
+        assert abs(result["loss"] - single["loss"]) <= 1e-6 * abs(single["loss"]), rank
+        for name, g in single["grads"].items():
+            err = float((result["grads"][name] - g).abs().max())
+            assert err <= 1e-6 * float(g.abs().max()), (rank, name, err)
+
+
 # ---- what the CUDA kernels would get --------------------------------------------------------------
 
 def test_varlen_boundaries_describe_the_same_documents_as_the_mask():
@@ -208,3 +256,107 @@ def test_kernel_choice():
     # FlashAttention's SDPA kernel takes no mask: the masked fallback must never pin it
     assert SDPBackend.FLASH_ATTENTION not in masked_backends("cuda", torch.bfloat16)
     assert masked_backends("cpu", torch.float32) is None
+
+
+# ---- the real `pretrain train` -------------------------------------------------------------------
+
+STEPS = 5
+RUN = [f"train.steps={STEPS}", "model.seq_length=64", "data.document_mask=true",
+       "data.valid_fraction=0.05", "train.eval_interval=5", "train.eval_batches=2"]
+
+
+@pytest.fixture(scope="module")
+def short_documents(tiny_data, tmp_path_factory) -> dict[str, str]:
+    """The tiny corpus cut into documents of 2-6 lines (~15-80 tokens), so that nearly every
+    64-token sample packs two or more of them: the stdlib files themselves (median ~5,000
+    tokens) leave a document boundary in one sample of ~100."""
+    import json
+
+    from conftest import TINY_CORPUS_FILES
+    from pretrain.data import preprocess
+
+    out = tmp_path_factory.mktemp("short_documents")
+    lines = [line for path in TINY_CORPUS_FILES[:6]
+             for line in path.read_text().splitlines() if line.strip()]
+    sizes, documents, at = [2, 5, 3, 6], [], 0
+    while at < len(lines):
+        size = sizes[len(documents) % len(sizes)]
+        documents.append("\n".join(lines[at:at + size]))
+        at += size
+    corpus = out / "short.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    preprocess([corpus], tokenizer_path=tiny_data["tokenizer"], output_prefix=out / "short",
+               workers=1, show_progress=False)
+    return {"tokenizer": tiny_data["tokenizer"], "dataset": str(out / "short")}
+
+
+@pytest.fixture(scope="module")
+def masked_reference(short_documents, tmp_path_factory):
+    from pretrain.testing.runs import train
+
+    return train(tmp_path_factory.mktemp("docmask_ref"), short_documents, name="single",
+                 overrides=RUN)
+
+
+def first_step_loss(data: dict[str, str], *, masked: bool) -> float:
+    """Step 1's loss of the tiny run recomputed here: its initial weights on its first global
+    batch (2 micro-batches of 2 samples), with or without the documents' ids."""
+    from pretrain.data.build import build_datasets
+
+    cfg = load_config("configs/tiny.yaml", [*RUN, f"data.tokenizer={data['tokenizer']}",
+                                            f"data.dataset={data['dataset']}"])
+    train_data, _ = build_datasets(cfg.data, seq_length=64, train_samples=STEPS * 4,
+                                   with_valid=False, log=lambda message: None)
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    batches = micro_batches(train_data, micro_batch_size=2, dp_rank=0, dp_size=1,
+                            document_eod=EOD)
+    losses = []
+    with torch.no_grad():
+        for batch in (next(batches), next(batches)):
+            assert int(batch["document_ids"].max()) >= 1  # the batch packs several documents
+            ids = batch["document_ids"] if masked else None
+            losses.append(model(batch["input_ids"], batch["labels"], document_ids=ids).item())
+    return sum(losses) / 2
+
+
+@pytest.mark.slow
+def test_training_uses_the_document_mask(masked_reference, short_documents):
+    """`data.document_mask=true` reaches the model: the run's first loss is the masked forward's,
+    not the unmasked one's (they differ by far more than the 1e-6 the runs agree to)."""
+    masked = first_step_loss(short_documents, masked=True)
+    unmasked = first_step_loss(short_documents, masked=False)
+    assert abs(masked_reference.losses[0] - masked) <= 1e-6 * masked
+    assert abs(unmasked - masked) > 1e-4 * masked
+
+
+def assert_trains_like(run, reference, tolerance=1e-5):
+    from pretrain.testing.runs import rel_diff
+
+    norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"] for x in (run, reference)]
+    assert len(run.losses) == STEPS
+    assert rel_diff(run.losses, reference.losses) < tolerance, (run.losses, reference.losses)
+    assert rel_diff(*norms) < tolerance, norms
+    evals = [[r["loss"] for r in x.records if r["kind"] == "eval"] for x in (run, reference)]
+    assert len(evals[0]) == 1 and rel_diff(*evals) < tolerance, evals
+
+
+# name: (ranks, overrides); tensor 2 with sequence parallelism under ZeRO-3, a 2-stage pipeline,
+# 2 context ranks (each holds half of every sequence and needs the whole one's ids)
+LAYOUTS = {
+    "tp2_sp_zero3": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                         "deepspeed=ds_configs/zero3.json"]),
+    "pp2": (2, ["parallel.pipeline=2", "deepspeed=ds_configs/zero1.json"]),
+    "cp2": (2, ["parallel.context=2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_masked_training_on_every_layout_equals_one_process(layout, masked_reference,
+                                                            short_documents, tmp_path):
+    from pretrain.testing.runs import train
+
+    ranks, overrides = LAYOUTS[layout]
+    run = train(tmp_path, short_documents, nprocs=ranks, name=layout,
+                overrides=[*RUN, *overrides])
+    assert_trains_like(run, masked_reference)
