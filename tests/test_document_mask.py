@@ -340,12 +340,14 @@ def assert_trains_like(run, reference, tolerance=1e-5):
     assert len(evals[0]) == 1 and rel_diff(*evals) < tolerance, evals
 
 
-# name: (ranks, overrides); tensor 2 with sequence parallelism under ZeRO-3, a 2-stage pipeline,
-# 2 context ranks (each holds half of every sequence and needs the whole one's ids)
+# name: (ranks, overrides); tensor 2 with sequence parallelism under ZeRO-3, a 2-stage pipeline
+# with compiled layers (the ids cross the stage boundary and enter the compiled graphs), 2
+# context ranks (each holds half of every sequence and needs the whole one's ids)
 LAYOUTS = {
     "tp2_sp_zero3": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                          "deepspeed=ds_configs/zero3.json"]),
-    "pp2": (2, ["parallel.pipeline=2", "deepspeed=ds_configs/zero1.json"]),
+    "pp2_compiled": (2, ["parallel.pipeline=2", "deepspeed=ds_configs/zero1.json",
+                         "model.compile=true"]),
     "cp2": (2, ["parallel.context=2"]),
 }
 
@@ -360,3 +362,5 @@ def test_masked_training_on_every_layout_equals_one_process(layout, masked_refer
     run = train(tmp_path, short_documents, nprocs=ranks, name=layout,
                 overrides=[*RUN, *overrides])
     assert_trains_like(run, masked_reference)
+    if layout == "pp2_compiled":
+        assert "decoder layers compiled by torch.compile" in run.stdout + run.stderr
