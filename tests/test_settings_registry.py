@@ -67,6 +67,7 @@ REGISTRY: dict[str, str] = {
     "data.test_fraction": "tests/test_data_blend.py::test_test_split_through_the_config",
     "data.seed": "tests/test_data.py::test_samples_are_served_in_a_seeded_shuffled_order",
     "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
+    "data.document_mask": "tests/test_document_mask.py::test_training_uses_the_document_mask",
     # train.*
     "train.steps": T_ZERO_FP32,
     "train.micro_batch_size": T_TP_ZERO1,
