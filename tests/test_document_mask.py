@@ -364,3 +364,15 @@ def test_masked_training_on_every_layout_equals_one_process(layout, masked_refer
     assert_trains_like(run, masked_reference)
     if layout == "pp2_compiled":
         assert "decoder layers compiled by torch.compile" in run.stdout + run.stderr
+
+
+def test_stage_activations_carry_integer_document_ids():
+    from pretrain.model.pipeline import StageActivations
+
+    hidden, ids = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
+    wire = StageActivations(hidden=hidden, document_ids=ids).to_tuple()
+    assert len(wire) == 2 and wire[1] is ids
+    assert StageActivations.from_tuple(wire).document_ids is ids
+    assert StageActivations(hidden=hidden).to_tuple() == (hidden,)  # off: the wire of before
+    with pytest.raises(ValueError, match="expected 1 .hidden., or 2"):
+        StageActivations.from_tuple((hidden, hidden, ids))

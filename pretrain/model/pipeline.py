@@ -136,9 +136,12 @@ class StageActivations:
         if isinstance(values, torch.Tensor):
             values = (values,)
         names = [f.name for f in dataclasses.fields(cls)]
-        if not 1 <= len(values) <= len(names):
-            raise ValueError(f"a stage received {len(values)} tensors, expected {len(names)} "
-                             f"({', '.join(names)}): stages built from different code?")
+        # the ids are integers: a second floating tensor is another stage's idea of the wire
+        if not 1 <= len(values) <= len(names) or any(v.is_floating_point() for v in values[1:]):
+            raise ValueError(f"a stage received {len(values)} tensors "
+                             f"({', '.join(str(v.dtype) for v in values)}), expected 1 (hidden), "
+                             f"or {len(names)} ({', '.join(names)}; the ids an integer tensor) "
+                             "under data.document_mask: stages built from different code?")
         return cls(*values)
 
 
