@@ -127,7 +127,9 @@ def test_each_documents_logits_and_loss_equal_transformers_on_that_document_alon
     K <= 256 terms reordered changes by at most ~K u |terms| (u = 2^-24, 1.5e-5 relative); a
     handful of such sums per layer over 2 layers: 1e-4 of the largest logit bounds it, while a
     leak of another document or a position off by one moves logits by ~1e-1 of it (checked on
-    the unmasked forward)."""
+    the unmasked forward). Rotary scores depend on relative positions only, so a document's
+    logits cannot show a constant offset of all its positions (the positions themselves are
+    checked in `test_document_ids_count_the_eod_tokens_before_each_input`)."""
     tokens, ids = packed_sample(seed=1)
     hf = hf_twin(model)
     logits = model(tokens[:, :-1], document_ids=ids)
