@@ -228,7 +228,7 @@ def test_masked_model_on_two_ranks_equals_one_process(tmp_path, tensor):
             assert err <= 1e-6 * float(g.abs().max()), (rank, name, err)
 
 
-# ---- what the CUDA kernels would get --------------------------------------------------------------
+# ---- what the CUDA kernels would get ------------------------------------------------------------
 
 def test_varlen_boundaries_describe_the_same_documents_as_the_mask():
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1]])
