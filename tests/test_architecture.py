@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pretrain.config",),
     ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
      "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data", "pretrain.world_fit",
-     "pretrain.collective_log"),
+     "pretrain.collective_log", "pretrain.k8s"),
     ("pretrain.run",),
     ("pretrain.model",),
     ("pretrain.checkpoint", "pretrain.sinks", "pretrain.profiler", "pretrain.curves",

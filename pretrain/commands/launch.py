@@ -16,7 +16,9 @@ launcher call. What needs logic lives here, where it is unit tested:
   config, the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory;
   a config whose compiled DeepSpeed ops cannot load here is refused (`compiled_ops`);
 - `build-ops`: those ops built (or copied from the set-up's builds) before the ranks start:
-  `launch/setup_env.sh --ops` into `.build/`, a Slurm job once per node into node-local scratch.
+  `launch/setup_env.sh --ops` into `.build/`, a Slurm job once per node into node-local scratch;
+- `k8s`: the Kubernetes manifests of a run (`pretrain.k8s`), after the pre-flight for its world;
+- `torchrun`: torchrun, exiting with the ranks' status (the command of every Kubernetes pod).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import sys
 from pathlib import Path
 
 from pretrain import compiled_ops
+from pretrain.commands import launch_k8s
 from pretrain.commands import plan as plan_command
 from pretrain.config import add_config_arguments, config_overrides, load_config
 from pretrain.errors import ConfigError
@@ -41,6 +44,15 @@ from pretrain.files import git_commit
 # exports PYTHON*, NCCL_* (CUDA accelerator), UCX*, MV2*; the rest are ours or PyTorch's.
 ENV_PREFIXES = ("PYTHON", "NCCL_", "TORCH_", "CUDA_DEVICE_MAX", "WANDB_", "HF_", "PRETRAIN_")
 ENV_NAMES = ("OMP_NUM_THREADS", "DS_ACCELERATOR", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+
+# The environment of every rank that slurm/common.sh exports (with these defaults) and the
+# Kubernetes pods get (tests/test_k8s.py checks that the two agree).
+RANK_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective ends the rank
+    "NCCL_DEBUG": "WARN",
+    "PYTHONFAULTHANDLER": "1",  # Python stacks of every thread on a crash or a fatal signal
+    "PYTHONUNBUFFERED": "1",
+}
 
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 
@@ -244,16 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--ranks-per-node", type=int, required=True, metavar="N")
     n.add_argument("--min-nodes", type=int, required=True)
     n.add_argument("--max-nodes", type=int, required=True)
-    p = sub.add_parser("preflight", help="pretrain plan for the job's ranks, then record the "
-                                         "resolved config, DeepSpeed JSON and git commit")
-    plan_command.add_arguments(p, search=False)  # --config / --set / --world-size / cluster
-    p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, "
-                                                 "git_commit.txt and plan.txt here")
-    p.add_argument("--ranks-per-node", type=int, metavar="N",
-                   help="ranks per node, for the usable node counts it prints (default: "
-                        "--world-size, one node)")
-    p.add_argument("--no-build", action="store_true",
-                   help="skip building every distinct rank on the meta device (plan --build)")
+    add_preflight_arguments(sub.add_parser(
+        "preflight", help="pretrain plan for the job's ranks, then record the resolved config, "
+                          "DeepSpeed JSON and git commit"))
     b = sub.add_parser("build-ops", help="build the compiled DeepSpeed ops a config needs "
                                           "(CPU Adam, async I/O) before any rank starts")
     which = b.add_mutually_exclusive_group(required=True)
@@ -263,6 +268,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--dir", type=Path, help="build here (default $TORCH_EXTENSIONS_DIR)")
     b.add_argument("--seed", type=Path, help="copy builds made for this CPU model from here "
                                              "instead of compiling (the set-up's .build)")
+    launch_k8s.add_k8s_arguments(sub)
+
+
+def add_preflight_arguments(p: argparse.ArgumentParser) -> None:
+    plan_command.add_arguments(p, search=False)  # --config / --set / --world-size / cluster
+    p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, "
+                                                 "git_commit.txt and plan.txt here")
+    p.add_argument("--ranks-per-node", type=int, metavar="N",
+                   help="ranks per node, for the usable node counts it prints (default: "
+                        "--world-size, one node)")
+    p.add_argument("--no-build", action="store_true",
+                   help="skip building every distinct rank on the meta device (plan --build)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -277,6 +294,10 @@ def run(args: argparse.Namespace) -> None:
         build_ops(args)
     elif args.launch_command == "nodes":
         print(elastic_min_nodes(args))
+    elif args.launch_command == "k8s":
+        launch_k8s.run_k8s(args)
+    elif args.launch_command == "torchrun":
+        launch_k8s.run_torchrun(args)
     else:
         sys.stdout.write(preflight(args, log_dir=args.log_dir))
 
