@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,13 +19,14 @@ import pytest
 import yaml
 
 from pretrain import k8s
-from pretrain.commands.launch import RANK_ENV
-from pretrain.commands.launch_k8s import ranks_exit_status
+from pretrain.commands.launch import RANK_ENV, pod_env
+from pretrain.cli import build_parser
+from pretrain.commands.launch_k8s import ranks_exit_status, spec_of
 
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "tests" / "k8s" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 K8S_VERSIONS = ("1.31", "1.37")  # podFailurePolicy is GA from 1.31; the newest schemas shipped
-ENV = {**RANK_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+ENV = pod_env()
 TRAIN = ["--config", "configs/tiny.yaml", "--set", "train.steps=3"]
 
 
@@ -152,6 +154,28 @@ def test_pods_get_the_environment_the_slurm_scripts_set():
             f"slurm/common.sh no longer exports {name}={value}: update RANK_ENV with it"
     job, = k8s.manifests(_spec(pvc="x"), rank_env=ENV)
     assert k8s.env_of(job).items() >= RANK_ENV.items()
+
+
+# launch/k8s/: the shipped examples and the arguments they were generated with
+EXAMPLES = {
+    "pytorchjob.yaml": ["--config", "configs/llama_125m.yaml", "--nodes", "2", "--gpus-per-node",
+                        "8", "--min-nodes", "1", "--image", "ghcr.io/example/pretrain:latest"],
+    "indexed-job-kueue.yaml": ["--config", "configs/llama_125m.yaml", "--nodes", "2",
+                               "--gpus-per-node", "8", "--min-nodes", "1", "--image",
+                               "ghcr.io/example/pretrain:latest", "--kind", "indexed-job",
+                               "--scheduler", "kueue", "--queue", "team-a"],
+}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_shipped_examples_are_what_the_generator_prints(name, pytorchjob_schema):
+    shipped = (REPO / "launch" / "k8s" / name).read_text()
+    assert shlex.join(EXAMPLES[name]) in (REPO / "launch" / "k8s" / "README.md").read_text()
+    spec = spec_of(build_parser().parse_args(["launch", "k8s", *EXAMPLES[name]]))
+    assert k8s.to_yaml(k8s.manifests(spec, rank_env=ENV)) == shipped, \
+        f"regenerate launch/k8s/{name} with the command in launch/k8s/README.md"
+    for doc in yaml.safe_load_all(shipped):
+        _validate(doc, pytorchjob_schema)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -295,11 +295,50 @@ def run(args: argparse.Namespace) -> None:
     elif args.launch_command == "nodes":
         print(elastic_min_nodes(args))
     elif args.launch_command == "k8s":
-        launch_k8s.run_k8s(args)
+        k8s_manifests(args)
     elif args.launch_command == "torchrun":
         launch_k8s.run_torchrun(args)
     else:
         sys.stdout.write(preflight(args, log_dir=args.log_dir))
+
+
+def k8s_manifests(args: argparse.Namespace) -> None:
+    """`pretrain launch k8s`: the pre-flight for the job's world (its plan on stderr), then the
+    manifests on stdout."""
+    from pretrain import k8s
+
+    spec = launch_k8s.spec_of(args)
+    spec.check()
+    _preflight_for_manifests(spec, gpu_memory_gb=args.gpu_memory_gb)
+    sys.stdout.write(k8s.to_yaml(k8s.manifests(spec, rank_env=pod_env())))
+
+
+def pod_env() -> dict[str, str]:
+    """The environment of every Kubernetes pod's ranks: RANK_ENV, and a rendezvous store per
+    round (torch 2.13's shared store deadlocks when an agent that was alone is joined; see
+    launch/elastic.sh)."""
+    return {**RANK_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _preflight_for_manifests(spec, *, gpu_memory_gb: float | None) -> None:
+    """`preflight` with the pods' arguments, for --nodes, and a check that --min-nodes hold one
+    model replica; ConfigError (exit 2, no manifest) otherwise."""
+    from pretrain import k8s, world_fit
+
+    parser = argparse.ArgumentParser(prog="pretrain launch preflight")
+    add_preflight_arguments(parser)
+    argv = k8s.preflight_argv(spec)
+    if gpu_memory_gb:
+        argv += ["--gpu-memory-gb", str(gpu_memory_gb)]
+    args = parser.parse_args(argv)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the manifests
+            sys.stderr.write(preflight(args, log_dir=None))
+        cfg = load_config(args.config, config_overrides(args))
+        world_fit.fit_of_config(cfg, spec.min_nodes * spec.procs_per_node)
+    except world_fit.WorldTooSmall as exc:
+        raise ConfigError(f"--min-nodes {spec.min_nodes} x {spec.procs_per_node} ranks: {exc}") \
+            from None
 
 
 def build_ops(args: argparse.Namespace) -> None:

@@ -93,42 +93,6 @@ def _relative(run_dir) -> str:
     return str(path)
 
 
-def run_k8s(args: argparse.Namespace) -> None:
-    """The pre-flight for the job's world (its plan on stderr), then the manifests on stdout."""
-    from pretrain import k8s
-    from pretrain.commands.launch import RANK_ENV
-
-    spec = spec_of(args)
-    spec.check()
-    _preflight(spec, gpu_memory_gb=args.gpu_memory_gb)
-    # torch 2.13's shared rendezvous store deadlocks when an agent alone is joined (launch/elastic.sh)
-    env = {**RANK_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    sys.stdout.write(k8s.to_yaml(k8s.manifests(spec, rank_env=env)))
-
-
-def _preflight(spec, *, gpu_memory_gb: float | None) -> None:
-    """`pretrain launch preflight` with the pods' arguments, for MAX nodes, and a check that
-    MIN nodes hold one model replica; ConfigError (exit 2, no manifest) otherwise."""
-    from pretrain import k8s, world_fit
-    from pretrain.commands import launch
-    from pretrain.config import config_overrides, load_config
-
-    parser = argparse.ArgumentParser(prog="pretrain launch preflight")
-    launch.add_preflight_arguments(parser)
-    argv = k8s.preflight_argv(spec)
-    if gpu_memory_gb:
-        argv += ["--gpu-memory-gb", str(gpu_memory_gb)]
-    args = parser.parse_args(argv)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # stdout is the manifests
-            sys.stderr.write(launch.preflight(args, log_dir=None))
-        cfg = load_config(args.config, config_overrides(args))
-        world_fit.fit_of_config(cfg, spec.min_nodes * spec.procs_per_node)
-    except world_fit.WorldTooSmall as exc:
-        raise ConfigError(f"--min-nodes {spec.min_nodes} x {spec.procs_per_node} ranks: {exc}") \
-            from None
-
-
 def ranks_exit_status(codes: list[int]) -> int:
     """One status for the failed ranks: bad input wins (a restart cannot cure it), then a saved
     requeue; anything else (a crash, a signal, a timeout) is a fault."""
