@@ -269,6 +269,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=Path, help="copy builds made for this CPU model from here "
                                              "instead of compiling (the set-up's .build)")
     launch_k8s.add_k8s_arguments(sub)
+    r = sub.add_parser("ray", help="run `pretrain train` as a Ray Train job (TorchTrainer), one "
+                                   "rank a worker, failed groups restarted and resumed")
+    r.add_argument("--num-workers", type=int, required=True, help="ranks (Ray Train workers)")
+    per = r.add_mutually_exclusive_group()
+    per.add_argument("--cpus-per-worker", type=float, help="CPU ranks: cores each (default 1)")
+    per.add_argument("--gpus-per-worker", type=float, help="GPU ranks: GPUs each (1)")
+    r.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local "
+                                     "Ray started for the job)")
+    r.add_argument("--max-failures", type=int, default=3,
+                   help="worker-group restarts after a failure (-1: no limit); each resumes "
+                        "from the newest complete checkpoint")
+    r.add_argument("train_args", nargs="*", help="after --: `pretrain train` arguments")
 
 
 def add_preflight_arguments(p: argparse.ArgumentParser) -> None:
@@ -296,6 +308,8 @@ def run(args: argparse.Namespace) -> None:
         print(elastic_min_nodes(args))
     elif args.launch_command == "k8s":
         k8s_manifests(args)
+    elif args.launch_command == "ray":
+        sys.exit(train_on_ray(args))
     elif args.launch_command == "torchrun":
         launch_k8s.run_torchrun(args)
     else:
@@ -311,6 +325,23 @@ def k8s_manifests(args: argparse.Namespace) -> None:
     spec.check()
     _preflight_for_manifests(spec, gpu_memory_gb=args.gpu_memory_gb)
     sys.stdout.write(k8s.to_yaml(k8s.manifests(spec, rank_env=pod_env())))
+
+
+def train_on_ray(args: argparse.Namespace) -> int:
+    """`pretrain launch ray`: the run config checked here (bad input: exit 2 before Ray starts),
+    then the Ray Train job; its exit status."""
+    from pretrain import ray_train
+
+    train = argparse.ArgumentParser(prog="pretrain train")
+    add_config_arguments(train)
+    known, _ = train.parse_known_args(args.train_args)
+    cfg = load_config(known.config, config_overrides(known))
+    job = ray_train.RayJob(train_args=args.train_args, num_workers=args.num_workers,
+                           cpus_per_worker=args.cpus_per_worker or (
+                               None if args.gpus_per_worker else 1.0),
+                           gpus_per_worker=args.gpus_per_worker, address=args.address,
+                           max_failures=args.max_failures)
+    return ray_train.fit(job, run_dir=Path(cfg.run_dir))
 
 
 def pod_env() -> dict[str, str]:
