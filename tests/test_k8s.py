@@ -56,7 +56,8 @@ def _strict(schema: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def pytorchjob_schema() -> dict:
-    crd = next(doc for doc in yaml.safe_load_all(CRD.read_text()) if doc)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # 600 kB: seconds in pure Python
+    crd = next(doc for doc in yaml.load_all(CRD.read_text(), Loader=loader) if doc)
     assert crd["metadata"]["name"] == "pytorchjobs.kubeflow.org"
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return _strict(version["schema"]["openAPIV3Schema"])
@@ -200,6 +201,7 @@ def _pretrain(*args: str, env: dict | None = None, timeout: int = 300):
                           env={**os.environ, **(env or {})}, capture_output=True, text=True)
 
 
+@pytest.mark.slow  # starts torchrun (seconds each): the quick tier has no launcher
 @pytest.mark.parametrize("rank_status, pod_status", [(75, 203), (2, 2)])
 def test_torchrun_wrapper_keeps_the_ranks_status(rank_status, pod_status):
     proc = _pretrain("launch", "torchrun", "--retry-offset", "128", "--", "--standalone",
@@ -208,6 +210,7 @@ def test_torchrun_wrapper_keeps_the_ranks_status(rank_status, pod_status):
     assert proc.returncode == pod_status, proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # two `pretrain launch k8s` processes, each planning and building the model
 def test_generation_runs_the_preflight():
     ok = _pretrain("launch", "k8s", *TRAIN, "--nodes", "2", "--gpus-per-node", "0",
                    "--image", "img", "--kind", "indexed-job")

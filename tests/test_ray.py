@@ -148,3 +148,12 @@ def _rank_process(run_dir: Path, *, rank: int) -> int:
                 and f"RANK={rank}".encode() in environ):
             return int(proc.name)
     raise AssertionError(f"no pretrain train process of rank {rank} for {run_dir}")
+
+
+def test_bad_input_in_a_rank_is_not_retried(ray_address, tiny_data, tmp_path):
+    data = ["--set", f"data.tokenizer={tiny_data['tokenizer']}",
+            "--set", f"data.dataset={tmp_path / 'missing'}"]  # found missing by the ranks: exit 2
+    run = _ray_run(ray_address, data, tmp_path / "bad", max_failures=2)
+    assert run.wait(timeout=600) == 2
+    log = (tmp_path / "bad.log").read_text()
+    assert "[FailurePolicy] RETRY" not in log and "missing" in log, log[-3000:]
