@@ -72,7 +72,7 @@ def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
     mixtral = is_mixtral(hf)
     if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in (hf.get("architectures") or []) \
             and not mixtral:
-        raise CheckpointError(f"{source} is not a Llama or Mixtral checkpoint (model_type="
+        raise CheckpointError(f"{source} is not a Llama checkpoint, nor a Mixtral one (model_type="
                               f"{hf.get('model_type')!r}, architectures={hf.get('architectures')}): "
                               "give a directory saved from transformers' LlamaForCausalLM or "
                               "MixtralForCausalLM")
