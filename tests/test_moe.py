@@ -257,6 +257,11 @@ def test_mixtral_import_gives_transformers_logits_and_export_gives_back_its_tens
         expected = hf(ids).logits
         # one fp32 model against another: rounding only (the dense model's bound)
         assert ((ours.eval()(ids) - expected).abs().max() / expected.abs().max()) < 1e-5
+        # greedy generation with the KV cache: transformers' tokens
+        prompt = ids[:, :8]
+        theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                             attention_mask=torch.ones_like(prompt), pad_token_id=0)
+        assert torch.equal(ours.generate(prompt, max_new_tokens=8), theirs)
 
     main(["export-hf", str(tmp_path / "init"), "--output", str(tmp_path / "back"),
           "--dtype", "fp32", "--tokenizer", tiny_data["tokenizer"]])
