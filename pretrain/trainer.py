@@ -366,6 +366,7 @@ class Trainer:
         self.stragglers.begin_step(self.step + 1)
         if self.cfg.model.num_experts:
             moe.set_aux_loss_grad_scale(moe.aux_loss_grad_scale(self.engine))
+            moe.reset_stats(self.engine.module)  # nothing of an abandoned step's forwards
         loss, wait = self.train_step(batches)
         if loss is None:  # stopped inside the step (`RunControl.stop_agreed`)
             return None

@@ -227,6 +227,12 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+def reset_stats(module: nn.Module) -> None:
+    """Forget the router statistics of `module`'s MoE layers (a step abandoned part way)."""
+    for layer in moe_layers(module):
+        layer.reset_stats()
+
+
 def collect_stats(module: nn.Module, *, device, group=None) -> dict[str, float]:
     """The step's mean balance loss and z-loss per layer forward, and the fraction of
     assignments dropped, over every rank of `group` (collective); resets the sums.
