@@ -32,7 +32,7 @@ from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
 from pretrain.hardware import PrecisionChoice
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
-from pretrain.model import ModelForm, compile_report
+from pretrain.model import ModelForm, compile_report, moe
 from pretrain.run import ResolvedRun
 from pretrain.terminal import show_progress_bar
 from pretrain.topology import ProcessGroups
@@ -385,6 +385,9 @@ class Trainer:
         lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
         skipped_before = self.engine.skipped_steps
         self.stragglers.begin_step(self.step + 1)
+        if self.cfg.model.num_experts:
+            moe.set_aux_loss_grad_scale(moe.aux_loss_grad_scale(self.engine))
+            moe.reset_stats(self.engine.module)  # nothing of an abandoned step's forwards
         loss, wait = self.train_step(batches)
         if loss is None:  # stopped inside the step (`RunControl.stop_agreed`)
             return None
@@ -409,6 +412,8 @@ class Trainer:
         self.spikes.counts.skipped += self._spike_skipped
         record.update(self.spikes.counts.fields())
         record.update(self.stragglers.end_step(step=self.step, elapsed=elapsed, data_wait=wait))
+        if self.cfg.model.num_experts:  # every rank: the sums are all-reduced
+            record.update(moe.collect_stats(self.engine.module, device=self.device))
         self.metrics.write(record)
         return record
 

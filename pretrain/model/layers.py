@@ -54,16 +54,19 @@ class RMSNorm(nn.Module):
 
 
 def defer_sequence_parallel_grads(module: nn.Module, *, micro_batches: int) -> int:
-    """Reduce the sequence-parallel norms' gradients of `module` once per step of
-    `micro_batches` backward passes (the engine's gradient accumulation); returns how many
-    norms that concerns (0 without sequence parallelism)."""
+    """Reduce the sequence-parallel norms' gradients of `module` (and the tensor-parallel
+    routers' of a mixture of experts) once per step of `micro_batches` backward passes (the
+    engine's gradient accumulation); returns how many weights that concerns."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: a step has at least one")
-    norms = [m for m in module.modules()
-             if isinstance(m, RMSNorm) and tp_world_size(m.sequence_parallel_group) > 1]
-    for norm in norms:
-        norm.weight_grad.micro_batches = micro_batches
-    return len(norms)
+    # RMSNorms under sequence parallelism, and mixture-of-experts routers under tensor
+    # parallelism (`pretrain.model.moe`): weights whose gradient is summed over the group
+    hooks = [m.weight_grad for m in module.modules()
+             if isinstance(getattr(m, "weight_grad", None), SequenceShardedWeightGrad)
+             and tp_world_size(m.weight_grad.group) > 1]
+    for hook in hooks:
+        hook.micro_batches = micro_batches
+    return len(hooks)
 
 
 class RotaryEmbedding(nn.Module):

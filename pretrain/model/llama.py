@@ -66,6 +66,7 @@ from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, colum
                                    row_linear, vocab_embedding)
 # the loss of whole logits lives with the chunked one; imported here for both model forms
 from pretrain.model.loss import LMHead, causal_lm_loss, lm_loss  # noqa: F401
+from pretrain.model.moe import MoE
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
                                             gather_from_sequence, gather_from_tp, tp_rank,
                                             tp_world_size)
@@ -276,7 +277,11 @@ class DecoderLayer(nn.Module):
                                    cp_group=cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                                 sequence_parallel_group=norm_group)
-        self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        if cfg.num_experts:  # a routed mixture of SwiGLU experts (`pretrain.model.moe`)
+            self.mlp = MoE(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                           project=fused_projections)
+        else:
+            self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None,
@@ -492,6 +497,7 @@ _VOCAB_MATRIX = (EMBED, LM_HEAD)
 # input columns of row-parallel ones
 _PARTITION_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
                   "o_proj": 1, "down_proj": 1}
+ROUTER = "gate"  # a mixture-of-experts layer's router, mlp.gate.weight (E, h): replicated
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -512,7 +518,8 @@ def full_parameter_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
         return (h,)
     shapes = {"q_proj": (cfg.num_heads * hd, h), "k_proj": (cfg.num_kv_heads * hd, h),
               "v_proj": (cfg.num_kv_heads * hd, h), "o_proj": (h, cfg.num_heads * hd),
-              "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+              "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+              ROUTER: (cfg.num_experts, h)}
     projection = name.rsplit(".", 2)[-2]
     if projection not in shapes:
         raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
@@ -624,6 +631,8 @@ def tensor_partition_dim(name: str) -> int | None:
     if name.endswith("norm.weight"):
         return None
     projection = name.rsplit(".", 2)[-2]
+    if projection == ROUTER:
+        return None
     if projection not in _PARTITION_DIM:
         raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
     return _PARTITION_DIM[projection]
