@@ -39,6 +39,11 @@ setup(
         "alembic>=1.11",
         "optuna>=4",  # `pretrain tune`: the study, its samplers, pruners, storage and plots
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
+    # kubernetes-validate: tests/test_k8s.py checks the generated manifests against the
+    # Kubernetes OpenAPI schemas it ships (offline)
+    # ray: `pretrain launch ray` (Ray Train's TorchTrainer), also what tests/test_ray.py runs
+    extras_require={"ray": ["ray[train]>=2.50"],
+                    "test": ["pytest>=8", "pytest-xdist>=3.5", "kubernetes-validate>=1.31",
+                             "ray[train]>=2.50"]},
     entry_points={"console_scripts": ["pretrain=pretrain.cli:main"]},
 )

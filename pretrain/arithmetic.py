@@ -5,6 +5,11 @@ the telemetry's MFU / HFU. FLOPs follow the Megatron / PaLM convention: 2 per we
 forward, causal attention's QK^T and AV counted whole (4 * seq * hidden per layer forward),
 training = 3 x forward; recomputed layers run their forward once more, which only hardware
 FLOPs count.
+
+Mixture of experts (`model.num_experts` > 0): a layer holds num_experts SwiGLU experts and a
+router (num_experts x hidden, replicated over tensor parallelism), but a token runs through
+`experts_per_token` of them: parameter counts and memory use the total, FLOPs the active
+parameters (router included).
 """
 from __future__ import annotations
 
@@ -16,10 +21,24 @@ from pretrain.layout import Layout
 
 def layer_parameters(m: ModelConfig) -> tuple[int, int]:
     """(tensor-parallel-sharded, replicated) parameters of one decoder layer: q, o, k, v and
-    SwiGLU's three projections are sharded; the two RMSNorms are replicated."""
-    kv = m.num_kv_heads * m.head_dim
+    SwiGLU's three projections (each expert's) are sharded; the two RMSNorms (and a mixture of
+    experts' router) are replicated."""
     h = m.hidden_size
-    return 2 * h ** 2 + 2 * h * kv + 3 * h * m.ffn_hidden_size, 2 * h
+    return _attention_parameters(m) + max(m.num_experts, 1) * 3 * h * m.ffn_hidden_size, \
+        2 * h + m.num_experts * h
+
+
+def _attention_parameters(m: ModelConfig) -> int:
+    kv = m.num_kv_heads * m.head_dim
+    return 2 * m.hidden_size ** 2 + 2 * m.hidden_size * kv
+
+
+def layer_active_matmul_parameters(m: ModelConfig) -> int:
+    """The matrix parameters of one decoder layer a token is multiplied with: attention, the
+    SwiGLU MLP or its experts_per_token experts, and the router."""
+    h = m.hidden_size
+    experts = m.experts_per_token if m.num_experts else 1
+    return _attention_parameters(m) + experts * 3 * h * m.ffn_hidden_size + m.num_experts * h
 
 
 def num_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
@@ -30,16 +49,26 @@ def num_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
     return n
 
 
+def num_active_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
+    """Parameters one token uses (`num_parameters` for a dense model): a mixture of experts
+    counts experts_per_token experts per layer, and its router."""
+    layer = layer_active_matmul_parameters(m) + 2 * m.hidden_size  # + the two norms
+    n = m.num_layers * layer + m.hidden_size
+    if include_embeddings:
+        n += m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+    return n
+
+
 def layer_forward_flops_per_token(m: ModelConfig) -> float:
-    """Forward matmul FLOPs of one decoder layer per token."""
-    return 2.0 * layer_parameters(m)[0] + 4.0 * m.seq_length * m.hidden_size
+    """Forward matmul FLOPs of one decoder layer per token (active parameters under MoE)."""
+    return 2.0 * layer_active_matmul_parameters(m) + 4.0 * m.seq_length * m.hidden_size
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), without recomputation:
     6 per non-embedding weight and output-projection weight, plus attention's QK^T and AV
     (12 * seq * hidden per layer for forward and backward; causality's halving not applied)."""
-    n = num_parameters(m, include_embeddings=False) + m.vocab_size * m.hidden_size
+    n = num_active_parameters(m, include_embeddings=False) + m.vocab_size * m.hidden_size
     return 6.0 * n + 12.0 * m.num_layers * m.hidden_size * m.seq_length
 
 

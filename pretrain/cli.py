@@ -51,7 +51,7 @@ COMMANDS = {
                   import_hf.add_arguments, import_hf.run),
     "convert-checkpoint": ("consolidated fp32 weights (--to fp32) or a universal checkpoint",
                            convert.add_arguments, convert.run),
-    "launch": ("helpers of launch/ and slurm/: hostfile, .deepspeed_env, preflight",
+    "launch": ("helpers of launch/ and slurm/: hostfile, .deepspeed_env, preflight; k8s manifests; ray",
                launch.add_arguments, launch.run),
     "plan": ("dry-run a config for N ranks; per-GPU memory, step time and MFU; --search",
              plan.add_arguments, plan.run),

@@ -159,6 +159,13 @@ class ModelConfig(_Freezable):
     mup_base_width: int = 256  # mup: the hidden_size init_std and train.lr were tuned at
     mup_base_head_dim: int = 0  # mup: the head_dim of that proxy (attention scale
     # sqrt(mup_base_head_dim) / head_dim); 0: mup_base_width // num_heads
+    num_experts: int = 0  # > 0: each layer's MLP is a routed mixture of this many SwiGLU experts
+    # of ffn_hidden_size each (Mixtral; pretrain/model/moe.py); 0: the dense MLP
+    experts_per_token: int = 2  # top-k: the experts each token goes to (1..num_experts)
+    moe_aux_loss_coeff: float = 0.01  # load-balancing loss weight (1.0 unweighted when balanced)
+    moe_z_loss_coeff: float = 0.0  # router z-loss weight (mean logsumexp(router logits)^2)
+    moe_capacity_factor: float = 0.0  # > 0: an expert takes at most ceil(factor * tokens * k /
+    # num_experts) tokens of a forward, the rest are dropped and counted; 0: dropless
 
     def __post_init__(self) -> None:
         if self.vocab_size != VOCAB_AUTO and (isinstance(self.vocab_size, str)
@@ -186,6 +193,7 @@ class ModelConfig(_Freezable):
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             _fail("model", "rope_theta/norm_eps/init_std",
                   (self.rope_theta, self.norm_eps, self.init_std), "must be positive")
+        self._check_experts()
         if self.mup_base_width < 1:
             _fail("model", "mup_base_width", self.mup_base_width,
                   "must be a positive integer: the hidden_size the hyper-parameters were tuned at")
@@ -197,6 +205,17 @@ class ModelConfig(_Freezable):
             _fail("model", "mup_base_width", self.mup_base_width,
                   f"is smaller than model.num_heads={self.num_heads}: set "
                   "model.mup_base_head_dim to the proxy's head dimension")
+
+    def _check_experts(self) -> None:
+        if self.num_experts < 0:
+            _fail("model", "num_experts", self.num_experts,
+                  "must be 0 (a dense MLP) or the number of experts per layer")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            _fail("model", "experts_per_token", self.experts_per_token,
+                  f"must be between 1 and model.num_experts={self.num_experts}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor"):
+            if getattr(self, name) < 0:
+                _fail("model", name, getattr(self, name), "must be 0 (off) or positive")
 
     @property
     def head_dim(self) -> int:
@@ -322,6 +341,9 @@ class DataConfig(_Freezable):
     test_fraction: float = 0.0  # documents held out for testing (never trained or validated on)
     seed: int = 1234  # document and sample shuffle seed
     num_workers: int = 1  # DataLoader workers per rank
+    # attention and rotary positions restart at each end-of-document token of a packed sample
+    # (`pretrain.model.documents`); false: a sample is one sequence, across its documents
+    document_mask: bool = False
     # Global sample numbers (positions in the run's sample stream, counted from 0 as
     # consumed_samples counts) never trained on; a rollback adds to the checkpoint's own list.
     exclude_samples: list = field(default_factory=list)

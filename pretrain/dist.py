@@ -57,7 +57,9 @@ def discover_world() -> World:
     """Read the launcher's environment and export the torch.distributed variables."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:  # deepspeed launcher or torchrun (or set by hand)
-        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
+        # `pretrain launch ray` names itself; the deepspeed launcher sets nothing to tell it by
+        launcher = ("torchrun" if "TORCHELASTIC_RUN_ID" in env
+                    else env.get("PRETRAIN_LAUNCHER", "deepspeed"))
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, one task per device
         launcher = "slurm"
         env["RANK"] = env["SLURM_PROCID"]

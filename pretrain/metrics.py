@@ -209,6 +209,10 @@ def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
              f"gnorm {gn:.3f}" if gn is not None else "gnorm -",
              f"{rec['tokens_per_s']:,.0f} tok/s", utilisation,
              f"mem {rec['peak_mem_gb']:.2f}GB", f"data {1000 * rec['data_wait_s']:.0f}ms"]
+    if "moe_aux_loss" in rec:  # a mixture of experts (pretrain/model/moe.py)
+        parts.append(f"aux {rec['moe_aux_loss']:.3f}")
+        if rec["moe_dropped_fraction"]:
+            parts.append(f"dropped {100 * rec['moe_dropped_fraction']:.1f}%")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     for slow in rec.get("stragglers", ()):  # pretrain.stragglers

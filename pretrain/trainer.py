@@ -32,7 +32,7 @@ from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
 from pretrain.hardware import PrecisionChoice
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
-from pretrain.model import ModelForm, compile_report
+from pretrain.model import ModelForm, compile_report, moe
 from pretrain.run import ResolvedRun
 from pretrain.terminal import show_progress_bar
 from pretrain.topology import ProcessGroups
@@ -42,8 +42,9 @@ PIPELINE_EVAL_CHUNK = 4
 
 
 class _TimedBatches:
-    """(input_ids, labels) pairs from a loader's batches (the tuple DeepSpeed's pipeline engine
-    takes), adding up the time spent waiting for them in `wait`."""
+    """(inputs, labels) pairs from a loader's batches (the tuple DeepSpeed's pipeline engine
+    takes: inputs are input_ids, or (input_ids, document_ids) under data.document_mask),
+    adding up the time spent waiting for them in `wait`."""
 
     def __init__(self, batches: Iterator[dict[str, torch.Tensor]]):
         self.batches, self.wait = batches, 0.0
@@ -55,7 +56,19 @@ class _TimedBatches:
         start = time.perf_counter()
         batch = next(self.batches)
         self.wait += time.perf_counter() - start
+        if "document_ids" in batch:
+            return (batch["input_ids"], batch["document_ids"]), batch["labels"]
         return batch["input_ids"], batch["labels"]
+
+
+def _forward(engine, inputs, labels: torch.Tensor, device: str, *,
+             non_blocking: bool = False) -> torch.Tensor:
+    """The flat engine's loss of one (inputs, labels) pair of `_TimedBatches`."""
+    labels = labels.to(device, non_blocking=non_blocking)
+    if isinstance(inputs, torch.Tensor):
+        return engine(inputs.to(device, non_blocking=non_blocking), labels=labels)
+    input_ids, document_ids = (t.to(device, non_blocking=non_blocking) for t in inputs)
+    return engine(input_ids, labels=labels, document_ids=document_ids)
 
 
 @dataclass
@@ -181,7 +194,17 @@ class Trainer:
                              consumed_samples=consumed, workers=workers,
                              pin_memory=self.device.startswith("cuda"),
                              context_rank=self.context_rank, context_size=self.context_size,
-                             skip=skip)
+                             skip=skip, document_eod=self._document_eod())
+
+    def _document_eod(self) -> int | None:
+        """The end-of-document id the loader marks documents by (data.document_mask)."""
+        if not self.cfg.data.document_mask:
+            return None
+        if self.tokenizer.eos_id < 0:
+            raise ConfigError(f"data.document_mask needs the tokenizer's end-of-document token, "
+                              f"and {self.cfg.data.tokenizer!r} has none: use the tokenizer the "
+                              "dataset was preprocessed with, or set data.document_mask=false")
+        return self.tokenizer.eos_id
 
     def _resume(self, point: checkpoint.ResumePoint) -> None:
         start = time.perf_counter()
@@ -243,11 +266,10 @@ class Trainer:
             # so that a signal or time limit during start-up still saves a step
             if micro and self._steps_run and self.control.stop_agreed():
                 return None, timed.wait
-            input_ids, labels = next(timed)
+            inputs, labels = next(timed)
             self.control.micro_batch_started("step", step=self.step + 1, micro=micro,
                                       rank=self.world.rank)
-            loss = engine(input_ids.to(self.device, non_blocking=True),
-                          labels=labels.to(self.device, non_blocking=True))
+            loss = _forward(engine, inputs, labels, self.device, non_blocking=True)
             loss = self.guard.corrupt_loss(loss, step=self.step + 1, micro=micro)
             total += loss.detach().float()
             if self.spikes.skips and micro == self.grad_accum - 1:
@@ -294,9 +316,8 @@ class Trainer:
                 loss = self.engine.eval_batch(pairs, num_micro_batches=size)  # shape [1]
                 total += loss.float().reshape(()) * size
             else:
-                input_ids, labels = next(pairs)
-                total += self.engine(input_ids.to(self.device),
-                                     labels=labels.to(self.device)).float()
+                inputs, labels = next(pairs)
+                total += _forward(self.engine, inputs, labels, self.device).float()
             done += size
             self.control.micro_batch_done()
             self.watchdog.beat()
@@ -364,6 +385,9 @@ class Trainer:
         lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
         skipped_before = self.engine.skipped_steps
         self.stragglers.begin_step(self.step + 1)
+        if self.cfg.model.num_experts:
+            moe.set_aux_loss_grad_scale(moe.aux_loss_grad_scale(self.engine))
+            moe.reset_stats(self.engine.module)  # nothing of an abandoned step's forwards
         loss, wait = self.train_step(batches)
         if loss is None:  # stopped inside the step (`RunControl.stop_agreed`)
             return None
@@ -388,6 +412,8 @@ class Trainer:
         self.spikes.counts.skipped += self._spike_skipped
         record.update(self.spikes.counts.fields())
         record.update(self.stragglers.end_step(step=self.step, elapsed=elapsed, data_wait=wait))
+        if self.cfg.model.num_experts:  # every rank: the sums are all-reduced
+            record.update(moe.collect_stats(self.engine.module, device=self.device))
         self.metrics.write(record)
         return record
 

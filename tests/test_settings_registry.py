@@ -22,6 +22,8 @@ T_MODEL_HF = "tests/test_model.py::test_logits_and_loss_match_hugging_face"
 T_ZERO_FP32 = "tests/test_train_zero.py::test_zero_stage_matches_single_process_fp32"
 T_TP_ZERO1 = "tests/test_tensor_parallel.py::test_deepspeed_zero1_tp2_dp2_matches_single_rank"
 T_BF16_FP32_SUMS = "tests/test_train_zero.py::test_bf16_sums_128_micro_batch_gradients_in_fp32"
+T_MOE_LAYER = ("tests/test_moe.py::"
+               "test_moe_layer_matches_a_per_token_reference_in_output_losses_and_gradients")
 T_E2E = "tests/test_e2e.py::test_deepspeed_launcher_zero2_trains_checkpoints_and_generates"
 
 REGISTRY: dict[str, str] = {
@@ -55,6 +57,13 @@ REGISTRY: dict[str, str] = {
     "model.parametrization": "tests/test_mup.py::test_coordinate_check",
     "model.mup_base_width": "tests/test_mup.py::test_m1_is_the_standard_model",
     "model.mup_base_head_dim": "tests/test_mup.py::test_attention_and_output_multipliers",
+    "model.num_experts":
+        "tests/test_moe.py::test_moe_model_parameters_and_init_follow_the_dense_rules",
+    "model.experts_per_token": T_MOE_LAYER,
+    "model.moe_aux_loss_coeff": T_MOE_LAYER,
+    "model.moe_z_loss_coeff": T_MOE_LAYER,
+    "model.moe_capacity_factor":
+        "tests/test_moe.py::test_capacity_factor_drops_and_counts_the_assignments_over_capacity",
     # parallel.*
     "parallel.tensor": "tests/test_tensor_parallel.py::test_model_tp2_matches_tp1",
     "parallel.pipeline": "tests/test_pipeline.py::test_pp2_matches_single_process",
@@ -67,6 +76,7 @@ REGISTRY: dict[str, str] = {
     "data.test_fraction": "tests/test_data_blend.py::test_test_split_through_the_config",
     "data.seed": "tests/test_data.py::test_samples_are_served_in_a_seeded_shuffled_order",
     "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
+    "data.document_mask": "tests/test_document_mask.py::test_training_uses_the_document_mask",
     # train.*
     "train.steps": T_ZERO_FP32,
     "train.micro_batch_size": T_TP_ZERO1,

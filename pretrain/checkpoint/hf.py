@@ -33,6 +33,7 @@ from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
 from pretrain.model import DTYPES
 from pretrain.model.hf import to_hf_config
+from pretrain.model.mixtral import MixtralExport
 from pretrain.model.mup import check_exportable, fold_for_export
 
 # Encoded by both tokenizers after conversion: code, indentation, digits, a newline run, bytes.
@@ -102,9 +103,16 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
         check_exportable(weights.model)
     except ValueError as e:
         raise CheckpointError(f"{weights.source}: {e}") from None
+    model = weights.model
+    if model.num_experts and model.moe_capacity_factor:
+        print(f"[export-hf] note: model.moe_capacity_factor={model.moe_capacity_factor} drops "
+              "tokens over an expert's capacity; transformers' Mixtral is dropless, so its "
+              "logits differ wherever a token was dropped here")
     ours = OurTokenizer.load(weights.tokenizer)
     torch_dtype = DTYPES[Precision(dtype)]
-    shapes = {name: tensor_shape(weights.state, name) for name in sorted(weights.state)}
+    # a mixture of experts is written with Mixtral's stacked expert tensors
+    state = MixtralExport(weights.state, model) if model.num_experts else weights.state
+    shapes = {name: tensor_shape(state, name) for name in sorted(state)}
     shards = _shards(shapes, itemsize=torch_dtype.itemsize, max_bytes=parse_size(max_shard_size))
     with atomic_directory(out) as tmp:
         weight_map = {}
@@ -114,7 +122,7 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
             with SafetensorsWriter(tmp / filename, {n: shapes[n] for n in names},
                                    dtype=torch_dtype, metadata={"format": "pt"}) as writer:
                 for name in names:  # one tensor in memory at a time (lazy sources)
-                    writer.write(name, fold_for_export(name, weights.state[name], weights.model))
+                    writer.write(name, fold_for_export(name, state[name], model))
             weight_map.update(dict.fromkeys(names, filename))
         if len(shards) > 1:
             total = sum(math.prod(shape) for shape in shapes.values()) * torch_dtype.itemsize
@@ -122,7 +130,8 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         ids = {k: (v if v >= 0 else None) for k, v in
                (("bos_token_id", ours.bos_id), ("eos_token_id", ours.eos_id))}
-        config = to_hf_config(weights.model, architectures=["LlamaForCausalLM"],
+        architecture = "MixtralForCausalLM" if model.num_experts else "LlamaForCausalLM"
+        config = to_hf_config(model, architectures=[architecture],
                               dtype=str(torch_dtype).removeprefix("torch."), **ids)
         config.save_pretrained(tmp)
         _export_tokenizer(weights.tokenizer, ours, tmp)

@@ -43,6 +43,7 @@ from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_confi
 from pretrain.data.tokenizer import copy_tokenizer
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
+from pretrain.model.mixtral import MixtralImport
 from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
                                expected_hf_keys, model_fields_from_hf_config)
 from pretrain.model.form import copy_full_weights, copy_shards
@@ -151,6 +152,8 @@ def read_hf_dir(path: Path) -> Weights:
     state = _lazy_tensors([path / f for f in _hf_weight_files(path)],
                           skip=lambda k: k.endswith("rotary_emb.inv_freq")
                           or (cfg.tie_embeddings and k == LM_HEAD))
+    if cfg.num_experts:  # Mixtral's stacked experts under our per-expert names
+        state = MixtralImport(state, cfg)
     check_shapes(state, cfg, source=str(path))
     tokenizer = path / "tokenizer.model" if (path / "tokenizer.model").is_file() else (
         path if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))

@@ -16,7 +16,9 @@ launcher call. What needs logic lives here, where it is unit tested:
   config, the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory;
   a config whose compiled DeepSpeed ops cannot load here is refused (`compiled_ops`);
 - `build-ops`: those ops built (or copied from the set-up's builds) before the ranks start:
-  `launch/setup_env.sh --ops` into `.build/`, a Slurm job once per node into node-local scratch.
+  `launch/setup_env.sh --ops` into `.build/`, a Slurm job once per node into node-local scratch;
+- `k8s`: the Kubernetes manifests of a run (`pretrain.k8s`), after the pre-flight for its world;
+- `torchrun`: torchrun, exiting with the ranks' status (the command of every Kubernetes pod).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import sys
 from pathlib import Path
 
 from pretrain import compiled_ops
+from pretrain.commands import launch_k8s
 from pretrain.commands import plan as plan_command
 from pretrain.config import add_config_arguments, config_overrides, load_config
 from pretrain.errors import ConfigError
@@ -41,6 +44,15 @@ from pretrain.files import git_commit
 # exports PYTHON*, NCCL_* (CUDA accelerator), UCX*, MV2*; the rest are ours or PyTorch's.
 ENV_PREFIXES = ("PYTHON", "NCCL_", "TORCH_", "CUDA_DEVICE_MAX", "WANDB_", "HF_", "PRETRAIN_")
 ENV_NAMES = ("OMP_NUM_THREADS", "DS_ACCELERATOR", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+
+# The environment of every rank that slurm/common.sh exports (with these defaults) and the
+# Kubernetes pods get (tests/test_k8s.py checks that the two agree).
+RANK_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective ends the rank
+    "NCCL_DEBUG": "WARN",
+    "PYTHONFAULTHANDLER": "1",  # Python stacks of every thread on a crash or a fatal signal
+    "PYTHONUNBUFFERED": "1",
+}
 
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 
@@ -244,16 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--ranks-per-node", type=int, required=True, metavar="N")
     n.add_argument("--min-nodes", type=int, required=True)
     n.add_argument("--max-nodes", type=int, required=True)
-    p = sub.add_parser("preflight", help="pretrain plan for the job's ranks, then record the "
-                                         "resolved config, DeepSpeed JSON and git commit")
-    plan_command.add_arguments(p, search=False)  # --config / --set / --world-size / cluster
-    p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, "
-                                                 "git_commit.txt and plan.txt here")
-    p.add_argument("--ranks-per-node", type=int, metavar="N",
-                   help="ranks per node, for the usable node counts it prints (default: "
-                        "--world-size, one node)")
-    p.add_argument("--no-build", action="store_true",
-                   help="skip building every distinct rank on the meta device (plan --build)")
+    add_preflight_arguments(sub.add_parser(
+        "preflight", help="pretrain plan for the job's ranks, then record the resolved config, "
+                          "DeepSpeed JSON and git commit"))
     b = sub.add_parser("build-ops", help="build the compiled DeepSpeed ops a config needs "
                                           "(CPU Adam, async I/O) before any rank starts")
     which = b.add_mutually_exclusive_group(required=True)
@@ -263,6 +268,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--dir", type=Path, help="build here (default $TORCH_EXTENSIONS_DIR)")
     b.add_argument("--seed", type=Path, help="copy builds made for this CPU model from here "
                                              "instead of compiling (the set-up's .build)")
+    launch_k8s.add_k8s_arguments(sub)
+    r = sub.add_parser("ray", help="run `pretrain train` as a Ray Train job (TorchTrainer), one "
+                                   "rank a worker, failed groups restarted and resumed")
+    r.add_argument("--num-workers", type=int, required=True, help="ranks (Ray Train workers)")
+    per = r.add_mutually_exclusive_group()
+    per.add_argument("--cpus-per-worker", type=float, help="CPU ranks: cores each (default 1)")
+    per.add_argument("--gpus-per-worker", type=float, help="GPU ranks: GPUs each (1)")
+    r.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local "
+                                     "Ray started for the job)")
+    r.add_argument("--max-failures", type=int, default=3,
+                   help="worker-group restarts after a failure (-1: no limit); each resumes "
+                        "from the newest complete checkpoint")
+    r.add_argument("train_args", nargs="*", help="after --: `pretrain train` arguments")
+
+
+def add_preflight_arguments(p: argparse.ArgumentParser) -> None:
+    plan_command.add_arguments(p, search=False)  # --config / --set / --world-size / cluster
+    p.add_argument("--log-dir", type=Path, help="write config.yaml, ds_config.json, "
+                                                 "git_commit.txt and plan.txt here")
+    p.add_argument("--ranks-per-node", type=int, metavar="N",
+                   help="ranks per node, for the usable node counts it prints (default: "
+                        "--world-size, one node)")
+    p.add_argument("--no-build", action="store_true",
+                   help="skip building every distinct rank on the meta device (plan --build)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -277,8 +306,70 @@ def run(args: argparse.Namespace) -> None:
         build_ops(args)
     elif args.launch_command == "nodes":
         print(elastic_min_nodes(args))
+    elif args.launch_command == "k8s":
+        k8s_manifests(args)
+    elif args.launch_command == "ray":
+        sys.exit(train_on_ray(args))
+    elif args.launch_command == "torchrun":
+        launch_k8s.run_torchrun(args)
     else:
         sys.stdout.write(preflight(args, log_dir=args.log_dir))
+
+
+def k8s_manifests(args: argparse.Namespace) -> None:
+    """`pretrain launch k8s`: the pre-flight for the job's world (its plan on stderr), then the
+    manifests on stdout."""
+    from pretrain import k8s
+
+    spec = launch_k8s.spec_of(args)
+    spec.check()
+    _preflight_for_manifests(spec, gpu_memory_gb=args.gpu_memory_gb)
+    sys.stdout.write(k8s.to_yaml(k8s.manifests(spec, rank_env=pod_env())))
+
+
+def train_on_ray(args: argparse.Namespace) -> int:
+    """`pretrain launch ray`: the run config checked here (bad input: exit 2 before Ray starts),
+    then the Ray Train job; its exit status."""
+    from pretrain import ray_train
+
+    train = argparse.ArgumentParser(prog="pretrain train")
+    add_config_arguments(train)
+    known, _ = train.parse_known_args(args.train_args)
+    cfg = load_config(known.config, config_overrides(known))
+    job = ray_train.RayJob(train_args=args.train_args, num_workers=args.num_workers,
+                           cpus_per_worker=args.cpus_per_worker or (
+                               None if args.gpus_per_worker else 1.0),
+                           gpus_per_worker=args.gpus_per_worker, address=args.address,
+                           max_failures=args.max_failures)
+    return ray_train.fit(job, run_dir=Path(cfg.run_dir))
+
+
+def pod_env() -> dict[str, str]:
+    """The environment of every Kubernetes pod's ranks: RANK_ENV, and a rendezvous store per
+    round (torch 2.13's shared store deadlocks when an agent that was alone is joined; see
+    launch/elastic.sh)."""
+    return {**RANK_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _preflight_for_manifests(spec, *, gpu_memory_gb: float | None) -> None:
+    """`preflight` with the pods' arguments, for --nodes, and a check that --min-nodes hold one
+    model replica; ConfigError (exit 2, no manifest) otherwise."""
+    from pretrain import k8s, world_fit
+
+    parser = argparse.ArgumentParser(prog="pretrain launch preflight")
+    add_preflight_arguments(parser)
+    argv = k8s.preflight_argv(spec)
+    if gpu_memory_gb:
+        argv += ["--gpu-memory-gb", str(gpu_memory_gb)]
+    args = parser.parse_args(argv)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the manifests
+            sys.stderr.write(preflight(args, log_dir=None))
+        cfg = load_config(args.config, config_overrides(args))
+        world_fit.fit_of_config(cfg, spec.min_nodes * spec.procs_per_node)
+    except world_fit.WorldTooSmall as exc:
+        raise ConfigError(f"--min-nodes {spec.min_nodes} x {spec.procs_per_node} ranks: {exc}") \
+            from None
 
 
 def build_ops(args: argparse.Namespace) -> None:

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace):
 
 def plan_run(args: argparse.Namespace):
     """(the plan, the resolved run it plans) of `run`, printed; (None, None) with --search."""
-    from pretrain.arithmetic import model_flops_per_token, num_parameters
+    from pretrain.arithmetic import model_flops_per_token, num_active_parameters, num_parameters
     from pretrain.plan.dry_run import data_warnings, dry_run, settle_for_plan
     from pretrain.plan.report import format_run
     from pretrain.plan.search import estimate
@@ -201,6 +201,7 @@ def plan_run(args: argparse.Namespace):
         print(json.dumps({"ok": plan.fits, "config": args.config, "world_size": world,
                           "accelerator": args.accelerator, "warnings": warnings,
                           "parameters": num_parameters(cfg.model),
+                          "active_parameters": num_active_parameters(cfg.model),
                           "flops_per_token": model_flops_per_token(cfg.model),
                           "deepspeed": resolved.ds_config, **plan.to_dict(),
                           **({"builds": [b.to_dict() for b in builds]} if builds else {})}))

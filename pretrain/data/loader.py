@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pretrain.data.samples import DistributedPackedSampler, inputs_and_labels
+from pretrain.data.samples import DistributedPackedSampler, document_ids, inputs_and_labels
 
 
 class TokenSamples(Protocol):
@@ -45,21 +45,38 @@ class _MicroBatches:
     """Maps a group of micro-batches of sample indices to an int64 array
     [micro-batches, micro_batch_size, seq_length + 1]; with context parallelism
     [..., seq_length / context + 1]: context rank c's chunk of each sample's inputs and the one
-    token after it (the label of its last input)."""
+    token after it (the label of its last input). With `document_eod` (document masking) each
+    row goes on with the document ids of the whole sample's inputs (seq_length more)."""
 
     def __init__(self, samples: TokenSamples, *, context_rank: int = 0,
-                 context_size: int = 1) -> None:
+                 context_size: int = 1, document_eod: int | None = None) -> None:
         self.samples = samples
         self.context_rank, self.context_size = context_rank, context_size
+        self.document_eod = document_eod
 
     def _tokens(self, index: int) -> np.ndarray:
         tokens = self.samples.tokens(index)
         inputs = context_chunk(len(tokens) - 1, rank=self.context_rank, size=self.context_size)
-        return tokens[inputs.start:inputs.stop + 1]  # and the label of its last input
+        chunk = tokens[inputs.start:inputs.stop + 1]  # and the label of its last input
+        if self.document_eod is None:
+            return chunk
+        return np.concatenate((chunk, document_ids(tokens, eod=self.document_eod)))
 
     def __getitem__(self, group: Sequence[Sequence[int]]) -> np.ndarray:
         return np.stack([[self._tokens(index) for index in indices]
                          for indices in group]).astype(np.int64)
+
+
+def _split_row(micro_batch: torch.Tensor, *, masked: bool,
+               context_size: int) -> dict[str, torch.Tensor]:
+    """A fetched micro-batch's inputs and labels; `masked`: and its document ids, the last
+    seq_length columns, after a chunk of seq_length / context_size + 1 tokens."""
+    if not masked:
+        return inputs_and_labels(micro_batch)
+    width = micro_batch.shape[-1]  # chunk + 1 + seq_length, where seq_length = context x chunk
+    seq_length = (width - 1) // (context_size + 1) * context_size
+    return {**inputs_and_labels(micro_batch[..., :width - seq_length]),
+            "document_ids": micro_batch[..., width - seq_length:]}
 
 
 def _grouped(batches: Iterable[list[int]], size: int) -> Iterator[list[list[int]]]:
@@ -76,14 +93,17 @@ def _keep(batch: np.ndarray) -> np.ndarray:
 def micro_batches(samples: TokenSamples, *, micro_batch_size: int, dp_rank: int, dp_size: int,
                   consumed_samples: int = 0, workers: int = 0, pin_memory: bool = False,
                   prefetch_factor: int = 4, context_rank: int = 0,
-                  context_size: int = 1,
-                  skip: list[int] | tuple[int, ...] = ()) -> Iterator[dict[str, torch.Tensor]]:
+                  context_size: int = 1, skip: list[int] | tuple[int, ...] = (),
+                  document_eod: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Endless ``{"input_ids", "labels"}`` micro-batches of `dp_rank`, from `consumed_samples`
     on, in the global order of `DistributedPackedSampler` (the same for every dp size). With
     `context_size` > 1 the context ranks of a data-parallel rank read the same samples and each
     keeps its contiguous chunk of their tokens: inputs T/context, labels shifted before the
     split (a chunk's last label is the next chunk's first input). The global sample numbers in
-    `skip` are left out of the stream."""
+    `skip` are left out of the stream. With `document_eod` (the tokenizer's end-of-document
+    id, ``data.document_mask``) each micro-batch also has "document_ids": each input position's
+    document (`samples.document_ids`) over the whole sample, also under context parallelism,
+    where attention sees the whole sequence."""
     sampler = DistributedPackedSampler(len(samples), micro_batch_size=micro_batch_size,
                                        dp_rank=dp_rank, dp_size=dp_size,
                                        consumed_samples=consumed_samples, skip=skip)
@@ -91,7 +111,8 @@ def micro_batches(samples: TokenSamples, *, micro_batch_size: int, dp_rank: int,
     group = math.ceil(_SAMPLES_PER_FETCH / micro_batch_size) if workers > 0 else 1
     # batch_size=None: each item of the sampler (a group of micro-batches) is one fetch.
     loader = torch.utils.data.DataLoader(
-        _MicroBatches(samples, context_rank=context_rank, context_size=context_size),
+        _MicroBatches(samples, context_rank=context_rank, context_size=context_size,
+                      document_eod=document_eod),
         sampler=_grouped(sampler, group), batch_size=None,
         collate_fn=_keep, num_workers=workers, persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None)
@@ -99,6 +120,7 @@ def micro_batches(samples: TokenSamples, *, micro_batch_size: int, dp_rank: int,
         for micro_batch in torch.from_numpy(chunk):
             # Contiguous copies, as the default collate gave: engines may view or send them.
             batch = {name: tensor.contiguous()
-                     for name, tensor in inputs_and_labels(micro_batch).items()}
+                     for name, tensor in _split_row(micro_batch, masked=document_eod is not None,
+                                                  context_size=context_size).items()}
             yield {name: tensor.pin_memory() for name, tensor in batch.items()} if pin_memory \
                 else batch

@@ -190,6 +190,16 @@ def inputs_and_labels(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"input_ids": tokens[..., :-1], "labels": tokens[..., 1:]}
 
 
+def document_ids(tokens: np.ndarray, *, eod: int) -> np.ndarray:
+    """The document id of each input position of samples of ``seq_length + 1`` tokens (last
+    axis): the number of `eod` tokens before it in the sample, so an eod belongs to the
+    document it ends and the next one starts after it (``data.document_mask``). Shape: the
+    tokens' with the last axis one shorter (the inputs'); int64."""
+    inputs = tokens[..., :-1]
+    ends = np.cumsum(inputs == eod, axis=-1, dtype=np.int64)
+    return np.concatenate((np.zeros_like(ends[..., :1]), ends[..., :-1]), axis=-1)
+
+
 def _sequences_of(document_indices: np.ndarray, documents: np.ndarray) -> np.ndarray:
     """The sequence ids of `documents`, in order (each document spans a run of sequences)."""
     starts = document_indices[documents].astype(np.int64)

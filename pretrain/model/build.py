@@ -116,8 +116,9 @@ def compile_blocks(module: nn.Module, *, cache_dir: Path) -> int:
     partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
     for layer in layers:
         if partitioned:
-            for part in (layer.self_attn, layer.mlp):
-                part.project = eager_fused_projections()
+            for part in layer.modules():  # attention, the MLP or each expert
+                if hasattr(part, "project"):
+                    part.project = eager_fused_projections()
         layer.compile()
     return len(layers)
 

@@ -21,9 +21,12 @@ LM_HEAD = "lm_head.weight"
 
 
 def to_hf_config(cfg: ModelConfig, **overrides) -> "transformers.LlamaConfig":  # noqa: F821
-    """A `transformers.LlamaConfig` of the same architecture; `overrides` set extra fields
-    (e.g. bos_token_id / eos_token_id from the tokenizer)."""
+    """A `transformers.LlamaConfig` of the same architecture (a `MixtralConfig` for a mixture
+    of experts); `overrides` set extra fields (e.g. bos_token_id / eos_token_id from the
+    tokenizer)."""
     import transformers
+
+    from pretrain.model.mixtral import mixtral_config_fields
 
     fields = dict(
         vocab_size=cfg.vocab_size,
@@ -42,6 +45,11 @@ def to_hf_config(cfg: ModelConfig, **overrides) -> "transformers.LlamaConfig":  
         attention_bias=False,
         mlp_bias=False,
     )
+    if cfg.num_experts:
+        for llama_only in ("attention_bias", "mlp_bias"):
+            del fields[llama_only]
+        fields.update(mixtral_config_fields(cfg), **overrides)
+        return transformers.MixtralConfig(**fields)
     fields.update(overrides)
     return transformers.LlamaConfig(**fields)
 
@@ -49,7 +57,8 @@ def to_hf_config(cfg: ModelConfig, **overrides) -> "transformers.LlamaConfig":  
 # LlamaConfig fields that change the function but that our model does not implement.
 _UNSUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                       "ffn_hidden_size", "tie_embeddings", "rope_theta", "norm_eps")
+                       "ffn_hidden_size", "tie_embeddings", "rope_theta", "norm_eps",
+                       "num_experts", "experts_per_token")
 
 
 def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
@@ -58,10 +67,18 @@ def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
     `CheckpointError` when it is not a Llama, or uses something our model lacks (biases, another
     activation, rope scaling, a head_dim other than hidden_size / num_heads).
     """
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in (hf.get("architectures") or []):
-        raise CheckpointError(f"{source} is not a Llama checkpoint (model_type="
+    from pretrain.model.mixtral import is_mixtral, moe_fields_from_hf_config
+
+    mixtral = is_mixtral(hf)
+    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in (hf.get("architectures") or []) \
+            and not mixtral:
+        raise CheckpointError(f"{source} is not a Llama checkpoint, nor a Mixtral one (model_type="
                               f"{hf.get('model_type')!r}, architectures={hf.get('architectures')}): "
-                              "give a directory saved from transformers' LlamaForCausalLM")
+                              "give a directory saved from transformers' LlamaForCausalLM or "
+                              "MixtralForCausalLM")
+    if mixtral and hf.get("sliding_window"):
+        raise CheckpointError(f"{source} uses sliding-window attention (sliding_window="
+                              f"{hf['sliding_window']}); this model attends to the whole sequence")
     for key, value in _UNSUPPORTED.items():
         if hf.get(key, value) != value:
             raise CheckpointError(f"{source} has {key}={hf[key]!r}; this model supports only "
@@ -81,8 +98,10 @@ def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_std=float(hf.get("initializer_range", 0.02)))
+        if mixtral:
+            fields.update(moe_fields_from_hf_config(hf))
     except KeyError as exc:
-        raise CheckpointError(f"{source} lacks the Llama config field {exc.args[0]!r}") from None
+        raise CheckpointError(f"{source} lacks the config field {exc.args[0]!r}") from None
     head_dim = hf.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
     if head_dim * fields["num_heads"] != fields["hidden_size"]:
         raise CheckpointError(f"{source} has head_dim={head_dim} x num_attention_heads="
@@ -102,17 +121,23 @@ def check_same_architecture(found: ModelConfig, expected: ModelConfig, *, source
 
 
 def expected_hf_keys(cfg: ModelConfig) -> set[str]:
-    """The keys of a Hugging Face Llama checkpoint of this config (tied: no lm_head.weight)."""
+    """The parameter names of this config (tied: no lm_head.weight): those of a Hugging Face
+    Llama checkpoint. A mixture of experts has its router, `mlp.gate.weight`, and 2-D experts
+    `mlp.experts.M.{gate,up,down}_proj.weight` (`mixtral_from_ours` stacks them)."""
     keys = {EMBED, "model.norm.weight"}
     if not cfg.tie_embeddings:
         keys.add(LM_HEAD)
+    mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    if cfg.num_experts:
+        mlp = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{name}_proj.weight"
+                                     for e in range(cfg.num_experts)
+                                     for name in ("gate", "up", "down")]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         keys.update(p + s for s in (
             "input_layernorm.weight", "post_attention_layernorm.weight",
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-            "mlp.down_proj.weight"))
+            "self_attn.o_proj.weight", *mlp))
     return keys
 
 

@@ -54,16 +54,19 @@ class RMSNorm(nn.Module):
 
 
 def defer_sequence_parallel_grads(module: nn.Module, *, micro_batches: int) -> int:
-    """Reduce the sequence-parallel norms' gradients of `module` once per step of
-    `micro_batches` backward passes (the engine's gradient accumulation); returns how many
-    norms that concerns (0 without sequence parallelism)."""
+    """Reduce the sequence-parallel norms' gradients of `module` (and the tensor-parallel
+    routers' of a mixture of experts) once per step of `micro_batches` backward passes (the
+    engine's gradient accumulation); returns how many weights that concerns."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: a step has at least one")
-    norms = [m for m in module.modules()
-             if isinstance(m, RMSNorm) and tp_world_size(m.sequence_parallel_group) > 1]
-    for norm in norms:
-        norm.weight_grad.micro_batches = micro_batches
-    return len(norms)
+    # RMSNorms under sequence parallelism, and mixture-of-experts routers under tensor
+    # parallelism (`pretrain.model.moe`): weights whose gradient is summed over the group
+    hooks = [m.weight_grad for m in module.modules()
+             if isinstance(getattr(m, "weight_grad", None), SequenceShardedWeightGrad)
+             and tp_world_size(m.weight_grad.group) > 1]
+    for hook in hooks:
+        hook.micro_batches = micro_batches
+    return len(hooks)
 
 
 class RotaryEmbedding(nn.Module):
@@ -99,15 +102,21 @@ class RotaryEmbedding(nn.Module):
                              f"({self.cos.shape[0]} = model.seq_length): truncate the input")
         return self.cos[:seq_len].to(dtype), self.sin_signed[:seq_len].to(dtype)
 
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed (B, T, hd) of per-token positions (B, T), e.g. each token's position
+        inside its document (`pretrain.model.documents`), in `dtype`."""
+        return self.cos[positions].to(dtype), self.sin_signed[positions].to(dtype)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate each head of x (B, T, nh, hd) by its position's angle; tables are (T, hd).
+    """Rotate each head of x (B, T, nh, hd) by its position's angle; tables are (T, hd), or
+    (B, T, hd) for per-sample positions (document masking).
 
     Equals Hugging Face's ``x * cos + rotate_half(x) * sin`` bit for bit (see RotaryEmbedding).
     """
     # .to: a no-op normally; under autocast q/k are bf16 while the tables are fp32
-    cos = cos.to(x.dtype).unsqueeze(1)  # (T, 1, hd): broadcast over heads
-    sin_signed = sin_signed.to(x.dtype).unsqueeze(1)
+    cos = cos.to(x.dtype).unsqueeze(-2)  # (T, 1, hd) or (B, T, 1, hd): broadcast over heads
+    sin_signed = sin_signed.to(x.dtype).unsqueeze(-2)
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 

@@ -60,11 +60,13 @@ from pretrain.layout import check_tensor_split
 import pretrain.model.mup as mup
 from pretrain.model.context_parallel import (chunk_loss_scale, chunk_offset, cp_world_size,
                                              heads_to_sequence, sequence_to_heads)
+from pretrain.model.documents import document_attention, document_positions
 from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
                                    row_linear, vocab_embedding)
 # the loss of whole logits lives with the chunked one; imported here for both model forms
 from pretrain.model.loss import LMHead, causal_lm_loss, lm_loss  # noqa: F401
+from pretrain.model.moe import MoE
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
                                             gather_from_sequence, gather_from_tp, tp_rank,
                                             tp_world_size)
@@ -159,9 +161,11 @@ class Attention(nn.Module):
         self.qkv_sizes = [cfg.num_heads * hd // tp, *[cfg.num_kv_heads * hd // tp] * 2]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`cache` (generation only): keys and values of the positions before x's, extended
-        here; x is then the whole prompt (empty cache) or one new token."""
+        here; x is then the whole prompt (empty cache) or one new token. `document_ids` (B, T)
+        of the whole sequence: attention stays inside each document (`documents`)."""
         # (B, T, C) on every TP rank; under sequence parallelism gathered from (B, T/tp, C)
         x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         B, T, _ = x.shape
@@ -181,6 +185,11 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)  # (B, nh, T, hd)
         k = k.transpose(1, 2)  # (B, nkv, T, hd)
         v = v.transpose(1, 2)  # (B, nkv, T, hd)
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("document masking is for training: a prompt is one document")
+            y = document_attention(q, k, v, document_ids, scale=self.softmax_scale)
+            return self._output(y, B, T)
         causal = True
         if cache is not None:
             k, v, causal = cache.extend(k, v)  # (B, nkv, past + T, hd)
@@ -189,6 +198,10 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                enable_gqa=q.shape[1] != k.shape[1],
                                                scale=self.softmax_scale)  # (B, nh, T, hd)
+        return self._output(y, B, T)
+
+    def _output(self, y: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """o_proj of the attention's output y (B, nh, T, hd), back in x's sequence layout."""
         y = y.transpose(1, 2)  # (B, T, nh, hd)
         if self.cp_group is not None:  # (B, T, heads/N, hd) -> this chunk's (B, T/N, heads, hd)
             y = heads_to_sequence(y.contiguous(), self.cp_group)
@@ -264,11 +277,16 @@ class DecoderLayer(nn.Module):
                                    cp_group=cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                                 sequence_parallel_group=norm_group)
-        self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        if cfg.num_experts:  # a routed mixture of SwiGLU experts (`pretrain.model.moe`)
+            self.mlp = MoE(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                           project=fused_projections)
+        else:
+            self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+                cache: LayerCache | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, document_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -349,10 +367,12 @@ class LlamaModel(nn.Module):
         return False
 
     def hidden_states(self, input_ids: torch.Tensor,
-                      cache: list[LayerCache] | None = None) -> torch.Tensor:
+                      cache: list[LayerCache] | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states (B, T, C) of token ids (B, T); under sequence parallelism
         this rank's shard (B, T/tp, C) of them. With `cache` (generation, one per layer) the ids
-        continue the cached positions."""
+        continue the cached positions. `document_ids` (B, whole sequence; `documents`): positions
+        restart and attention stays inside each document."""
         T = input_ids.shape[1]
         if self.sequence_parallel and T % self.tensor_parallel:
             raise ValueError(f"sequence parallelism splits each sequence over the "
@@ -362,14 +382,19 @@ class LlamaModel(nn.Module):
         past = 0 if cache is None or cache[0].keys is None else cache[0].keys.shape[2]
         if self.cp_group is not None:  # T is this rank's chunk: global positions from its start
             past = chunk_offset(T, self.cp_group)
-        cos, sin = self.model.rotary_emb(past + T, x.dtype)  # (past + T, hd) each
-        cos, sin = cos[past:], sin[past:]
+        if document_ids is None:
+            cos, sin = self.model.rotary_emb(past + T, x.dtype)  # (past + T, hd) each
+            cos, sin = cos[past:], sin[past:]
+        else:  # this rank's tokens' positions inside their documents: (B, T, hd) each
+            positions = document_positions(document_ids)[:, past:past + T]
+            cos, sin = self.model.rotary_emb.at(positions, x.dtype)
         checkpointing = torch.is_grad_enabled()  # nothing to save for backward otherwise
+        masked = () if document_ids is None else (None, document_ids)  # (no cache, the ids)
         for i, layer in enumerate(self.model.layers):
             if checkpointing and self.recomputes_layer(i):
-                x = self.checkpoint_fn(layer, x, cos, sin)
+                x = self.checkpoint_fn(layer, x, cos, sin, *masked)
             else:
-                x = layer(x, cos, sin, None if cache is None else cache[i])
+                x = layer(x, cos, sin, None if cache is None else cache[i], document_ids)
         return self.model.norm(x)
 
     def _last_hidden_recomputed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -390,8 +415,11 @@ class LlamaModel(nn.Module):
                                        sequence_parallel=self.sequence_parallel)  # (B, T, C)
         return self.lm_head(hidden)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss with labels, else the logits; `document_ids` (B, T of the whole sequence,
+        `data.document_mask`) keep attention and positions inside each document."""
+        hidden = self.hidden_states(input_ids, document_ids=document_ids)
         if labels is None:  # evaluation / generation: gather the vocabulary shards
             logits = self.vocab_logits(hidden)  # (B, T, V_padded/tp)
             return gather_from_tp(logits, self.tp_group)[..., :self.cfg.vocab_size]  # (B, T, V)
@@ -469,6 +497,7 @@ _VOCAB_MATRIX = (EMBED, LM_HEAD)
 # input columns of row-parallel ones
 _PARTITION_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
                   "o_proj": 1, "down_proj": 1}
+ROUTER = "gate"  # a mixture-of-experts layer's router, mlp.gate.weight (E, h): replicated
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -489,7 +518,8 @@ def full_parameter_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
         return (h,)
     shapes = {"q_proj": (cfg.num_heads * hd, h), "k_proj": (cfg.num_kv_heads * hd, h),
               "v_proj": (cfg.num_kv_heads * hd, h), "o_proj": (h, cfg.num_heads * hd),
-              "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+              "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+              ROUTER: (cfg.num_experts, h)}
     projection = name.rsplit(".", 2)[-2]
     if projection not in shapes:
         raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
@@ -601,6 +631,8 @@ def tensor_partition_dim(name: str) -> int | None:
     if name.endswith("norm.weight"):
         return None
     projection = name.rsplit(".", 2)[-2]
+    if projection == ROUTER:
+        return None
     if projection not in _PARTITION_DIM:
         raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
     return _PARTITION_DIM[projection]

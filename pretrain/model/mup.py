@@ -13,6 +13,7 @@ m = hidden_size / mup_base_width. For Adam (muTransfer, Table 3 in its output-mu
     model.layers.N.mlp.{gate,up}_proj      init_std / sqrt(m)    lr / m    wd
     model.layers.N.mlp.down_proj           init_std / sqrt(m)    lr / m    wd
                                            / sqrt(2 num_layers)
+    mixture of experts: mlp.gate (router), mlp.experts.M.{gate,up,down}_proj as the MLP's rows
     model.embed_tokens.weight              init_std              lr        wd
     lm_head.weight (tied: the embedding)   init_std              lr        wd            logits x 1/m
     *norm.weight (RMSNorm gains)           1                     lr        0
@@ -47,7 +48,9 @@ EMBEDDING = "embedding"  # model.embed_tokens.weight (a tied lm_head is this one
 OUTPUT = "output"  # lm_head.weight
 NORM = "norm"  # RMSNorm gains (vectors)
 
-_HIDDEN_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a mixture-of-experts layer's experts use the MLP's names; its router is mlp.gate.weight
+_HIDDEN_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                    "gate")
 
 
 @dataclass(frozen=True)

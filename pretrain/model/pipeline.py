@@ -18,7 +18,9 @@
   `from_tuple()`, and the field order is the dataclass's, defined once. Rotary cos/sin are not
   sent: each stage holds one `RotaryEmbedding` table shared by its decoder layers. Labels reach
   the last stage through DeepSpeed's `(input_ids, labels)` batch tuple (first stage reads
-  element 0, last stage element 1).
+  element 0, last stage element 1). With `data.document_mask` element 0 is the pair
+  `(input_ids, document_ids)` and the ids travel with the activations to every stage (an
+  int64 tensor: DeepSpeed sends it forward and no gradient back).
 - Tied embeddings (`cfg.tie_embeddings`): the embedding and the head are `TiedLayerSpec`s with
   the key "embed"; the head runs `EmbeddingPipe.project_to_vocab` on the embedding module.
   DeepSpeed broadcasts the tied weight at start-up and all-reduces its gradient across the
@@ -100,6 +102,7 @@ from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.layout import check_pipeline_split, check_tensor_split
 from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
+from pretrain.model.documents import document_positions
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
 from pretrain.model.llama import DecoderLayer, torch_checkpoint
 from pretrain.model.loss import LMHead, lm_head_loss, scaled_head_input
@@ -116,10 +119,14 @@ class StageActivations:
     """The tensors one stage hands to the next, by name; the field order is the wire order."""
 
     hidden: torch.Tensor  # residual stream (B, T, C); (B, T/tp, C) under sequence parallelism
+    # data.document_mask: each position's document (B, whole sequence), int64, no gradient
+    document_ids: torch.Tensor | None = None
 
     def to_tuple(self) -> tuple[torch.Tensor, ...]:
-        """The tuple DeepSpeed sends: the fields in declaration order."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        """The tuple DeepSpeed sends: the fields in declaration order, absent ones left out
+        (they can only be the last: a run sends the same fields at every boundary)."""
+        return tuple(value for f in dataclasses.fields(self)
+                     if (value := getattr(self, f.name)) is not None)
 
     @classmethod
     def from_tuple(cls, values: torch.Tensor | tuple[torch.Tensor, ...]) -> "StageActivations":
@@ -129,9 +136,12 @@ class StageActivations:
         if isinstance(values, torch.Tensor):
             values = (values,)
         names = [f.name for f in dataclasses.fields(cls)]
-        if len(values) != len(names):
-            raise ValueError(f"a stage received {len(values)} tensors, expected {len(names)} "
-                             f"({', '.join(names)}): stages built from different code?")
+        # the ids are integers: a second floating tensor is another stage's idea of the wire
+        if not 1 <= len(values) <= len(names) or any(v.is_floating_point() for v in values[1:]):
+            raise ValueError(f"a stage received {len(values)} tensors "
+                             f"({', '.join(str(v.dtype) for v in values)}), expected 1 (hidden), "
+                             f"or {len(names)} ({', '.join(names)}; the ids an integer tensor) "
+                             "under data.document_mask: stages built from different code?")
         return cls(*values)
 
 
@@ -153,13 +163,16 @@ class EmbeddingPipe(nn.Module):
                                             sequence_parallel=sequence_parallel)
         self.output_multiplier = output_multiplier(cfg)  # muP's 1/m on the tied head's logits
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, inputs) -> tuple[torch.Tensor, ...]:
+        """`inputs`: input_ids (B, T), or (input_ids, document_ids of the whole sequence)."""
+        input_ids, document_ids = (inputs, None) if isinstance(inputs, torch.Tensor) else inputs
         shards, T = _sequence_shards(self.tp_group, self.sequence_parallel), input_ids.shape[1]
         if T % shards:
             raise ValueError(f"sequence parallelism splits each sequence over the {shards} "
                              f"tensor-parallel ranks, but it has {T} tokens: use a sequence "
                              f"length divisible by {shards}")
-        return StageActivations(hidden=self.embed_tokens(input_ids)).to_tuple()
+        return StageActivations(hidden=self.embed_tokens(input_ids),
+                                document_ids=document_ids).to_tuple()
 
     def project_to_vocab(self, activations) -> tuple[torch.Tensor, torch.Tensor]:
         """The tied lm_head: (hidden (B, T, C), embedding weight) for `PipelineLoss`, whose
@@ -185,10 +198,15 @@ class DecoderLayerPipe(DecoderLayer):
     def forward(self, activations) -> tuple[torch.Tensor, ...]:
         state = StageActivations.from_tuple(activations)
         T = state.hidden.shape[1] * self.sequence_shards  # full sequence length (or chunk)
+        first = 0 if self.cp_group is None else chunk_offset(T, self.cp_group)
+        if state.document_ids is not None:  # positions inside each document (B, T, hd)
+            positions = document_positions(state.document_ids)[:, first:first + T]
+            cos, sin = self.rotary_emb.at(positions, state.hidden.dtype)
+            hidden = super().forward(state.hidden, cos, sin, None, state.document_ids)
+            return dataclasses.replace(state, hidden=hidden).to_tuple()
         if self.cp_group is None:
             cos, sin = self.rotary_emb(T, state.hidden.dtype)  # (T, hd) each
         else:  # this context rank's chunk: its global positions
-            first = chunk_offset(T, self.cp_group)
             cos, sin = (t[first:] for t in self.rotary_emb(first + T, state.hidden.dtype))
         hidden = super().forward(state.hidden, cos, sin)
         return dataclasses.replace(state, hidden=hidden).to_tuple()
@@ -428,9 +446,10 @@ class SequentialPipeline(nn.Module):
                 self.add_module(str(index), module)
                 self.forward_funcs.append(module)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Like `LlamaModel.forward`: the loss with labels, else the logits (B, T, vocab_size)."""
-        x: Any = input_ids
+        x: Any = input_ids if document_ids is None else (input_ids, document_ids)
         for function in self.forward_funcs:
             x = function(x)
         if labels is not None:

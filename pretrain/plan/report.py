@@ -1,7 +1,7 @@
 """The text `pretrain plan` prints: one planned layout, or the ranking of a search."""
 from __future__ import annotations
 
-from pretrain.arithmetic import model_flops_per_token, num_parameters
+from pretrain.arithmetic import model_flops_per_token, num_active_parameters, num_parameters
 from pretrain.config import ModelConfig, RunConfig
 from pretrain.ds_config import shipped_ds_configs
 from pretrain.hardware import format_flops
@@ -26,11 +26,19 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         f"param={layout.offload_param} | {layout.precision.value} | recompute "
         f"{layout.recompute.value} | sequence parallel "
         f"{'on' if layout.sequence_parallel else 'off'} | partition {layout.partition}",
-        f"model   {_count(num_parameters(m))} parameters, "
+        f"model   {_count(num_parameters(m))} parameters{_active(m)}, "
         f"{model_flops_per_token(m):.3g} FLOPs/token, seq {m.seq_length}",
         format_plan(plan),
     ]
     return "\n".join(lines)
+
+
+def _active(m) -> str:
+    """" (12.9B active: 8 experts, top 2)" for a mixture of experts; "" for a dense model."""
+    if not m.num_experts:
+        return ""
+    return (f" ({_count(num_active_parameters(m))} active: {m.num_experts} experts, "
+            f"top {m.experts_per_token})")
 
 
 def _count(n: int) -> str:

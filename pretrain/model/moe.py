@@ -1,0 +1,255 @@
+"""A routed mixture of SwiGLU experts (Mixtral's form; `model.num_experts` > 0).
+
+Each decoder layer's MLP becomes `MoE`: a router (`gate`, a bias-free h -> E linear) gives every
+token softmax probabilities over the E experts in fp32; the token goes to its
+`experts_per_token` (k) most likely experts, whose outputs are summed with the k probabilities
+renormalised to sum to 1 (Mixtral; with k = 1 the weight is 1 and the router learns from the
+auxiliary losses only). Each expert is a SwiGLU MLP, down(silu(gate(x)) * up(x)).
+
+Parameter names (Hugging Face `MixtralForCausalLM` keeps the router as `mlp.gate.weight`; its
+experts are stacked 3-D tensors, which `pretrain.model.hf` splits and stacks):
+
+    model.layers.N.mlp.gate.weight                         (E, h)  router, replicated over tp
+    model.layers.N.mlp.experts.M.{gate_proj,up_proj}.weight  (f, h)  column-parallel
+    model.layers.N.mlp.experts.M.down_proj.weight            (h, f)  row-parallel
+
+so every expert matrix is a 2-D parameter with the dense MLP's projection names: seeded block
+init, tensor-parallel sharding, muP groups, ZeRO partitioning and checkpoint resharding treat it
+like the dense model's.
+
+Compute: the (token, expert) assignments are sorted by expert (a stable argsort), the tokens of
+each expert gathered with one `index_select`, each expert runs one matmul (gate/up fused) over
+its tokens, and the weighted outputs go back with one `index_add`; the Python loop is over
+experts, never tokens. Every expert runs on every call, with zero tokens too: under ZeRO-3 each
+rank must gather the same parameters in the same order.
+
+Tensor parallelism: tokens are routed on the whole (gathered) sequence, the same on every rank
+of the group. Each rank's experts hold f/tp inner features, so its output is a partial sum,
+reduced ONCE after the combine (all-reduce, or reduce-scatter under sequence parallelism), as
+the dense MLP does. The combine weights then get partial gradients on each rank: the router's
+weight gradient is summed over the group once per step (`SequenceShardedWeightGrad`), and the
+auxiliary losses, the same on every rank, add 1/tp of their gradient on each.
+
+Auxiliary losses (per layer, summed over the layers into the back-propagated loss):
+
+- load balancing (Switch Transformer; Megatron-Core's normalisation):
+  E * sum_i f_i * P_i, f_i the fraction of the N*k assignments given to expert i (before any
+  drop), P_i the mean router probability of expert i: 1.0 when perfectly balanced;
+  x `model.moe_aux_loss_coeff`,
+- router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2;
+  x `model.moe_z_loss_coeff`.
+
+They are added by `AuxLossGradient`, which passes the layer's output through and hands the
+auxiliary loss its gradient in backward: the flat model and a pipeline stage (whose loss lives
+on the last stage) alike, and the loss the model returns stays the language-model loss. Both are
+computed over the tokens of one forward (a micro-batch on one data rank; under context
+parallelism one chunk of it), so layouts that split a micro-batch's tokens differently (context
+parallelism) give other auxiliary losses than one process.
+
+Capacity (`model.moe_capacity_factor` > 0): each expert takes at most
+ceil(factor * N * k / E) of a forward's N tokens, first come (token order, then choice order);
+the assignments over it are dropped (they add nothing; the residual carries the token) and
+counted. 0 is dropless.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pretrain.config import ModelConfig
+from pretrain.model.layers import column_linear, row_linear
+from pretrain.model.tensor_parallel import (SequenceShardedWeightGrad, column_parallel_input,
+                                            reduce_from_tp, reduce_scatter_to_sequence,
+                                            tp_world_size)
+
+
+class AuxLossGradient(torch.autograd.Function):
+    """Identity on `output`; in backward, `aux_loss` gets gradient `scale` (a float).
+
+    `scale` is d(back-propagated loss)/d(aux_loss): the engine divides the loss by the
+    gradient-accumulation steps (and multiplies it by an fp16 loss scale) before backward, so
+    the trainer sets the same factor with `set_aux_loss_grad_scale` before each step.
+    """
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, scale):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+_AUX_GRAD_SCALE = [1.0]
+
+
+def set_aux_loss_grad_scale(scale: float) -> None:
+    """The factor the engine applies to the loss before backward (1 / gradient-accumulation
+    steps, times an fp16 loss scale), for the auxiliary losses' gradients."""
+    _AUX_GRAD_SCALE[0] = float(scale)
+
+
+def aux_loss_grad_scale(engine) -> float:
+    """`set_aux_loss_grad_scale`'s factor for a DeepSpeed engine (flat or pipeline): it divides
+    the loss by its gradient-accumulation steps, and under fp16 multiplies it by the optimizer's
+    current loss scale."""
+    scale = 1.0 / engine.gradient_accumulation_steps()
+    if engine.fp16_enabled():
+        scale *= float(getattr(engine.optimizer, "cur_scale", 1.0))
+    return scale
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert; its forward is this rank's partial sum under tensor parallelism (the
+    down projection's input features are sharded, and `MoE` reduces once for all experts)."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, project: Callable) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        self.gate_proj = column_linear(h, f, tp_group=tp_group)
+        self.up_proj = column_linear(h, f, tp_group=tp_group)
+        # row-parallel weight (h, f/tp); read directly so that no all-reduce runs per expert
+        self.down_proj = row_linear(f, h, tp_group=tp_group)
+        self.fused = cfg.fused_projections
+        self.project = project  # `compile_blocks` swaps in an eager one at ZeRO-3
+        self.gate_up_sizes = [f // tp_world_size(tp_group)] * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = self.project(x, [self.gate_proj, self.up_proj], self.gate_up_sizes)
+        else:
+            gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+class Routing:
+    """The router's decisions for N tokens: which expert each kept assignment goes to."""
+
+    def __init__(self, logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> None:
+        N, E = logits.shape
+        self.probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
+        top_p, top_e = torch.topk(self.probs, top_k, dim=-1)  # (N, k)
+        self.top_experts = top_e
+        weights = top_p / top_p.sum(dim=-1, keepdim=True)  # renormalised over the k (Mixtral)
+        expert_of = top_e.reshape(-1)  # (N*k,) token-major: token 0's choices first
+        self.selected = torch.bincount(expert_of, minlength=E)  # (E,) before any drop
+        order = torch.argsort(expert_of, stable=True)  # grouped by expert, token order inside
+        if capacity_factor > 0:
+            capacity = math.ceil(capacity_factor * N * top_k / E)
+            starts = torch.cumsum(self.selected, 0) - self.selected
+            sorted_experts = expert_of[order]
+            rank_in_expert = torch.arange(order.numel(), device=order.device) \
+                - starts[sorted_experts]
+            order = order[rank_in_expert < capacity]
+            self.kept = torch.clamp(self.selected, max=capacity)
+        else:
+            self.kept = self.selected
+        self.assignments = N * top_k
+        self.dropped = self.assignments - order.numel()
+        self.token = order // top_k  # (M,) token of each kept assignment, grouped by expert
+        self.weight = weights.reshape(-1)[order]  # (M,) fp32 combine weight
+
+    def balance_loss(self) -> torch.Tensor:
+        """E * sum_i f_i * P_i (1.0 when balanced); differentiable through P."""
+        E = self.probs.shape[1]
+        fraction = self.selected.float() / self.assignments  # f_i, sums to 1
+        return E * torch.sum(fraction * self.probs.mean(dim=0))
+
+
+class MoE(nn.Module):
+    """A routed mixture of SwiGLU experts in place of a decoder layer's MLP (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 project: Callable) -> None:
+        """`project`: `llama.fused_projections`, gate and up of an expert as one matmul."""
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tensor_parallel = tp_world_size(tp_group)
+        self.top_k = cfg.experts_per_token
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated
+        # each rank's router gradient is a partial sum (see the module docstring)
+        self.weight_grad = SequenceShardedWeightGrad(tp_group)
+        self.weight_grad.attach(self.gate.weight)
+        self.experts = nn.ModuleList(Expert(cfg, tp_group=tp_group, project=project)
+                                     for _ in range(cfg.num_experts))
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the sums `stats` reports (the trainer calls it once per step)."""
+        # forwards, balance loss, z-loss, dropped assignments, assignments
+        self.stats = torch.zeros(5, dtype=torch.float64)
+
+    def route(self, flat: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
+        """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
+        logits = self.gate(flat).float()
+        routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor)
+        balance = routing.balance_loss()
+        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        if self.training and torch._C._current_graph_task_id() == -1:  # not a recompute
+            self.stats += torch.stack([torch.ones((), dtype=torch.float64),
+                                       balance.detach().double().cpu(),
+                                       z_loss.detach().double().cpu(),
+                                       torch.tensor(float(routing.dropped)),
+                                       torch.tensor(float(routing.assignments))])
+        return routing, logits, self.aux_coeff * balance + self.z_coeff * z_loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        routing, _, aux_loss = self.route(flat)
+        tokens = flat.index_select(0, routing.token)  # (M, C) grouped by expert
+        sizes = routing.kept.tolist()
+        outputs = [expert(part) for expert, part in zip(self.experts, tokens.split(sizes))]
+        weighted = (torch.cat(outputs) * routing.weight[:, None]).to(x.dtype)  # (M, C)
+        out = torch.zeros_like(flat).index_add(0, routing.token, weighted).view(B, T, C)
+        if self.sequence_parallel:  # partial sums -> this rank's (B, T/tp, C) of the total
+            out = reduce_scatter_to_sequence(out, self.tp_group)
+        else:
+            out = reduce_from_tp(out, self.tp_group)
+        if out.requires_grad and (self.aux_coeff or self.z_coeff):
+            # identical on every tp rank, and the input/router gradients are summed over them
+            scale = _AUX_GRAD_SCALE[0] / self.tensor_parallel
+            out = AuxLossGradient.apply(out, aux_loss, scale)
+        return out
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def reset_stats(module: nn.Module) -> None:
+    """Forget the router statistics of `module`'s MoE layers (a step abandoned part way)."""
+    for layer in moe_layers(module):
+        layer.reset_stats()
+
+
+def collect_stats(module: nn.Module, *, device, group=None) -> dict[str, float]:
+    """The step's mean balance loss and z-loss per layer forward, and the fraction of
+    assignments dropped, over every rank of `group` (collective); resets the sums.
+
+    Every rank calls it (a pipeline stage may hold no MoE layer: it adds zeros). Tensor-parallel
+    ranks count the same forwards each: the ratios are unchanged."""
+    import torch.distributed as dist
+
+    layers = moe_layers(module)
+    total = torch.zeros(5, dtype=torch.float64)
+    for layer in layers:
+        total += layer.stats
+        layer.reset_stats()
+    if dist.is_initialized():
+        total = total.to(device)
+        dist.all_reduce(total, group=group)
+        total = total.cpu()
+    forwards, balance, z_loss, dropped, assignments = total.tolist()
+    return {"moe_aux_loss": balance / max(forwards, 1.0), "moe_z_loss": z_loss / max(forwards, 1.0),
+            "moe_dropped_fraction": dropped / max(assignments, 1.0)}

@@ -1,0 +1,342 @@
+"""Mixture of experts (`pretrain/model/moe.py`): the layer against a per-token reference, the
+auxiliary losses in training, and every layout against one process.
+
+The layer tests are in-process and tiny (hidden 64, 4 experts, top-2, 64 tokens). The layout
+tests share one single-process run of `configs/tiny_moe.yaml` (6 fp32 steps, auxiliary loss
+coefficients raised so their gradients move the losses visibly) as the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.config import MODEL_PRESETS, ModelConfig
+from pretrain.errors import ConfigError
+from pretrain.model.build import build_model
+from pretrain.model.llama import fused_projections
+from pretrain.model.moe import MoE
+
+CFG = ModelConfig(**{**MODEL_PRESETS["tiny"], "seq_length": 32, "ffn_hidden_size": 96,
+                     "num_experts": 4, "experts_per_token": 2, "moe_aux_loss_coeff": 0.1,
+                     "moe_z_loss_coeff": 0.01})
+
+
+def _layer(cfg: ModelConfig = CFG, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    layer = MoE(cfg, project=fused_projections)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.2)
+    return layer
+
+
+def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """Equal up to fp32 rounding of sums of a few hundred terms: 1e-5 of the largest element."""
+    scale = b.abs().max().item()
+    assert (a - b).abs().max().item() <= 1e-5 * scale, (what, (a - b).abs().max().item(), scale)
+
+
+def _expert_reference(layer: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
+    expert = layer.experts[e]
+    return expert.down_proj.weight @ (F.silu(expert.gate_proj.weight @ x)
+                                      * (expert.up_proj.weight @ x))
+
+
+def _reference(layer: MoE, x: torch.Tensor, *, k: int, capacity: int | None = None):
+    """Token by token, top-`k`: (output (N, C), balance loss, z-loss, dropped assignments)."""
+    flat = x.reshape(-1, x.shape[-1])
+    N, E = flat.shape[0], len(layer.experts)
+    taken = [0] * E
+    rows, dropped, probs_all, counts, z = [], 0, [], torch.zeros(E), []
+    for n in range(N):
+        logits = (layer.gate.weight @ flat[n]).float()
+        probs = torch.softmax(logits, dim=0)
+        probs_all.append(probs)
+        z.append(torch.logsumexp(logits, dim=0) ** 2)
+        top = torch.topk(probs, k)
+        weights = top.values / top.values.sum()
+        out = torch.zeros(x.shape[-1])
+        for w, e in zip(weights, top.indices.tolist()):
+            counts[e] += 1
+            if capacity is not None and taken[e] >= capacity:
+                dropped += 1
+                continue
+            taken[e] += 1
+            out = out + w * _expert_reference(layer, e, flat[n])
+        rows.append(out)
+    mean_probs = torch.stack(probs_all).mean(dim=0)
+    balance = E * torch.sum(counts / (N * k) * mean_probs)
+    return torch.stack(rows).view_as(x), balance, torch.stack(z).mean(), dropped
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_moe_layer_matches_a_per_token_reference_in_output_losses_and_gradients(top_k):
+    cfg = dataclasses.replace(CFG, experts_per_token=top_k)
+    layer = _layer(cfg)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    out = layer(x)
+    routing, _, aux = layer.route(x.detach().reshape(-1, 64))
+    ref_layer = _layer(cfg)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref_out, balance, z_loss, dropped = _reference(ref_layer, x_ref, k=top_k)
+    assert dropped == 0 and routing.dropped == 0
+    _assert_close(out, ref_out, "output")
+    torch.testing.assert_close(aux, 0.1 * balance + 0.01 * z_loss, rtol=1e-5, atol=1e-6)
+    # the gradient of out . g + the auxiliary losses (which the layer adds in backward)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    ((ref_out * g).sum() + 0.1 * balance + 0.01 * z_loss).backward()
+    _assert_close(x.grad, x_ref.grad, "input")
+    for (name, p), q in zip(layer.named_parameters(), ref_layer.parameters()):
+        _assert_close(p.grad, q.grad, name)
+    # the router's gradient has an auxiliary part: without it the reference differs
+    assert layer.gate.weight.grad.abs().max() > 0
+
+
+def test_capacity_factor_drops_and_counts_the_assignments_over_capacity():
+    cfg = dataclasses.replace(CFG, moe_capacity_factor=0.5)
+    layer, x = _layer(cfg, seed=3), torch.randn(1, 32, 64)
+    capacity = math.ceil(0.5 * 32 * 2 / 4)  # 8 of the 64 assignments per expert
+    with torch.no_grad():
+        out = layer(x)
+        ref_out, _, _, dropped = _reference(layer, x, k=2, capacity=capacity)
+    assert dropped > 0  # the 0.5 factor cannot hold 64 assignments in 4 x 8 places
+    _assert_close(out, ref_out, "output")
+    forwards, _, _, counted, assignments = layer.stats.tolist()
+    assert (forwards, counted, assignments) == (1, dropped, 64)
+
+
+def test_dropless_routing_keeps_every_assignment_however_unbalanced():
+    layer = _layer(dataclasses.replace(CFG, moe_capacity_factor=0.0))
+    with torch.no_grad():
+        layer.gate.weight.zero_()
+        layer.gate.weight[0] = 1.0  # every token prefers expert 0
+        layer(torch.ones(1, 32, 64))
+    assert layer.stats[3] == 0 and layer.stats[4] == 64
+
+
+def test_moe_fields_are_checked():
+    with pytest.raises(ConfigError, match="experts_per_token=5: must be between 1 and"):
+        dataclasses.replace(CFG, experts_per_token=5)
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        dataclasses.replace(CFG, moe_capacity_factor=-1.0)
+    with pytest.raises(ConfigError, match="num_experts"):
+        dataclasses.replace(CFG, num_experts=-2)
+
+
+def test_moe_model_parameters_and_init_follow_the_dense_rules():
+    from pretrain.arithmetic import num_parameters
+
+    model = build_model(CFG, seed=5)
+    names = [n for n, _ in model.named_parameters()]
+    assert "model.layers.1.mlp.gate.weight" in names
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert model.num_parameters() == num_parameters(CFG)
+    params = dict(model.named_parameters())
+    # experts are drawn from their own seeds; output projections at the scaled std
+    a = params["model.layers.0.mlp.experts.0.gate_proj.weight"]
+    b = params["model.layers.0.mlp.experts.1.gate_proj.weight"]
+    assert not torch.equal(a, b)
+    down = params["model.layers.0.mlp.experts.2.down_proj.weight"]
+    assert abs(down.std().item() - 0.02 / math.sqrt(4)) < 2e-3
+    # a dense config builds the dense model, names and values unchanged by the MoE code
+    dense = build_model(dataclasses.replace(CFG, num_experts=0), seed=5)
+    assert "model.layers.0.mlp.gate_proj.weight" in dict(dense.named_parameters())
+
+
+# ---- training through `pretrain train`: every layout against one process ----------------------
+
+STEPS, SAVE_AT = 6, 3
+TRAIN = [f"train.steps={STEPS}", "model.moe_aux_loss_coeff=1.0", "model.moe_z_loss_coeff=0.1"]
+
+
+def _moe_train(tmp_path, tiny_data, *, name, overrides=(), nprocs=1):
+    from pretrain.testing.runs import train
+
+    return train(tmp_path, tiny_data, nprocs=nprocs, name=name, config="configs/tiny_moe.yaml",
+                 overrides=[*TRAIN, *overrides])
+
+
+def _train_records(run) -> list[dict]:
+    return [r for r in run.records if r["kind"] == "train"]
+
+
+def _assert_same_steps(run, reference, *, first_step: int = 1) -> None:
+    """Losses, gradient norms and the routers' statistics of each step within 1e-5."""
+    from pretrain.testing.runs import rel_diff
+
+    ours, ref = _train_records(run), _train_records(reference)[first_step - 1:]
+    assert [r["step"] for r in ours] == [r["step"] for r in ref]
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+        assert rel_diff([r[key] for r in ours], [r[key] for r in ref]) < 1e-5, \
+            (key, [r[key] for r in ours], [r[key] for r in ref])
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tiny_data, tmp_path_factory):
+    return _moe_train(tmp_path_factory.mktemp("moe_ref"), tiny_data, name="single")
+
+
+@pytest.mark.slow
+def test_single_process_moe_run_reports_router_statistics(moe_reference):
+    records = _train_records(moe_reference)
+    assert len(records) == STEPS
+    for r in records:
+        assert r["moe_dropped_fraction"] == 0.0  # dropless
+        assert 1.0 <= r["moe_aux_loss"] < 4.0  # 1 when balanced, at most num_experts
+        assert r["moe_z_loss"] > 0
+    assert "aux " in moe_reference.stdout  # the step line
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_moe_under_zero3_equals_one_process_and_resumes(
+        moe_reference, tiny_data, tmp_path):
+    run = _moe_train(tmp_path, tiny_data, name="tp2sp", nprocs=2, overrides=[
+        "parallel.tensor=2", "parallel.sequence_parallel=true", "deepspeed=ds_configs/zero3.json",
+        f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=1",
+        f"checkpoint.keep_every={SAVE_AT}"])
+    _assert_same_steps(run, moe_reference)
+    # its step-3 checkpoint continues on two data ranks (ZeRO-1) like the uninterrupted run;
+    # one micro-batch per rank where one process accumulates two: the auxiliary losses'
+    # gradients must follow the engine's 1/accumulation scaling of the loss
+    saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    resumed = _moe_train(tmp_path, tiny_data, name="resumed", nprocs=2)
+    assert "resharded" in resumed.stdout
+    _assert_same_steps(resumed, moe_reference, first_step=SAVE_AT + 1)
+
+
+@pytest.mark.slow
+def test_pipelined_moe_equals_one_process(moe_reference, tiny_data, tmp_path):
+    run = _moe_train(tmp_path, tiny_data, name="pp2", nprocs=2,
+                     overrides=["parallel.pipeline=2"])
+    _assert_same_steps(run, moe_reference)
+
+
+# ---- Hugging Face Mixtral ------------------------------------------------------------------------
+
+def test_mixtral_import_gives_transformers_logits_and_export_gives_back_its_tensors(
+        tiny_data, tmp_path):
+    import transformers
+    from safetensors.torch import load_file
+
+    from pretrain.checkpoint.weights import load_weights
+    from pretrain.cli import main
+    from pretrain.model import LlamaModel
+    from pretrain.model.hf import from_hf_state_dict, to_hf_config
+    from pretrain.model.mixtral import MixtralImport
+
+    torch.manual_seed(11)
+    hf = transformers.MixtralForCausalLM(to_hf_config(CFG, bos_token_id=1, eos_token_id=2,
+                                                      attn_implementation="eager")).eval()
+    with torch.no_grad():  # non-trivial norms and decisive routers: a swap would show
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path / "src")
+    main(["import-hf", str(tmp_path / "src"), "--output", str(tmp_path / "init")])
+    weights = load_weights(tmp_path / "init")
+    assert (weights.model.num_experts, weights.model.experts_per_token) == (4, 2)
+    ours = LlamaModel(weights.model)
+    ours.load_state_dict(from_hf_state_dict(dict(weights.state.items()), weights.model))
+    # transformers' own (stacked) state dict reads as the same tensors
+    stacked = MixtralImport(hf.state_dict(), weights.model)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in hf.state_dict()
+    assert sorted(stacked) == sorted(weights.state)
+    for name in weights.state:
+        assert torch.equal(stacked[name], weights.state[name]), name
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        # one fp32 model against another: rounding only (the dense model's bound)
+        assert ((ours.eval()(ids) - expected).abs().max() / expected.abs().max()) < 1e-5
+        # greedy generation with the KV cache: transformers' tokens
+        prompt = ids[:, :8]
+        theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                             attention_mask=torch.ones_like(prompt), pad_token_id=0)
+        assert torch.equal(ours.generate(prompt, max_new_tokens=8), theirs)
+
+    main(["export-hf", str(tmp_path / "init"), "--output", str(tmp_path / "back"),
+          "--dtype", "fp32", "--tokenizer", tiny_data["tokenizer"]])
+    original, back = (load_file(str(p / "model.safetensors"))
+                      for p in (tmp_path / "src", tmp_path / "back"))
+    assert back.keys() == original.keys()
+    for name, tensor in back.items():
+        assert torch.equal(tensor, original[name]), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager").eval()
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, expected)
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+
+MIXTRAL_8X7B = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                           num_kv_heads=8, ffn_hidden_size=14336, seq_length=4096,
+                           num_experts=8, experts_per_token=2)
+
+
+def test_parameter_and_flop_counts_of_mixtral_8x7b_by_hand():
+    from pretrain.arithmetic import (model_flops_per_token, num_active_parameters,
+                                     num_parameters, stage_parameters)
+    from pretrain.layout import Layout
+
+    attention = 2 * 4096 * 4096 + 2 * 4096 * 1024  # q, o; k, v (8 kv heads of 128)
+    expert = 3 * 4096 * 14336  # gate, up, down
+    router, norms, embeddings = 8 * 4096, 2 * 4096, 2 * 32000 * 4096
+    total = 32 * (attention + 8 * expert + router + norms) + 4096 + embeddings
+    active = 32 * (attention + 2 * expert + router + norms) + 4096 + embeddings
+    assert (total, active) == (46_702_792_704, 12_879_925_248)  # Mixtral's 46.7B / 12.9B
+    assert num_parameters(MIXTRAL_8X7B) == total
+    assert num_active_parameters(MIXTRAL_8X7B) == active
+    # 6 per active weight (the lm_head once, not the input embedding) + attention's 12 s h
+    assert model_flops_per_token(MIXTRAL_8X7B) == \
+        6.0 * (active - 32000 * 4096) + 12.0 * 32 * 4096 * 4096
+    # memory holds every expert: one rank of tp 2 holds half of each expert and all routers
+    layout = Layout(tensor=2, pipeline=1, data=1)
+    layer_on_rank = (attention + 8 * expert) // 2 + router + norms
+    expected = 32 * layer_on_rank + 4096 + 2 * (32000 * 4096 // 2)  # final norm, vocab shards
+    assert stage_parameters(MIXTRAL_8X7B, layout, ["embed", *["layer"] * 32, "head"]) == expected
+    # a dense config counts as before: active = total
+    dense = dataclasses.replace(MIXTRAL_8X7B, num_experts=0)
+    assert num_active_parameters(dense) == num_parameters(dense)
+
+
+def test_plan_of_the_tiny_moe_recipe_reports_total_and_active_parameters(capsys):
+    import json
+
+    from pretrain.arithmetic import model_flops_per_token, num_active_parameters, num_parameters
+    from pretrain.cli import main
+    from pretrain.config import load_config
+
+    cfg = load_config("configs/tiny_moe.yaml").model
+    main(["plan", "--config", "configs/tiny_moe.yaml", "--cluster", "cpu", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parameters"] == num_parameters(cfg) > plan["active_parameters"] \
+        == num_active_parameters(cfg)
+    assert plan["flops_per_token"] == model_flops_per_token(cfg)
+
+
+def test_recomputed_moe_layers_give_the_same_gradients_and_count_each_forward_once():
+    from pretrain.config import Recompute
+    from pretrain.model.moe import moe_layers
+
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads, stats = [], []
+    for mode in (Recompute.NONE, Recompute.FULL):
+        model = build_model(dataclasses.replace(CFG, activation_checkpointing=mode), seed=2)
+        model(ids, labels=ids).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        stats.append(torch.stack([layer.stats for layer in moe_layers(model)]))
+    for name, grad in grads[0].items():
+        _assert_close(grads[1][name], grad, name)
+    assert stats[1][:, 0].tolist() == [1.0, 1.0]  # a recomputed forward is not counted again
+    torch.testing.assert_close(stats[1], stats[0])
