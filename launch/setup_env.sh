@@ -32,9 +32,11 @@ build_ops() {  # compiled DeepSpeed ops of ds_configs/*.json, into TORCH_EXTENSI
     || echo "[setup] warning: not every op could be built here (above); configs that need it are refused by the pre-flight" >&2
 }
 
-if [[ ! -x "$VENV/bin/python" ]]; then
+# `bin/activate` is written last: without it a venv's creation was cut short (the launch scripts
+# activate it, and would run the system's python), so it is made again
+if [[ ! -x "$VENV/bin/python" || ! -f "$VENV/bin/activate" ]]; then
   echo "[setup] creating virtual environment $VENV"
-  "$PY" -m venv "$VENV"
+  "$PY" -m venv --clear "$VENV"
 fi
 # The stamp records the constraints file it was installed from: edit it and the next run reinstalls.
 want="$(cat "$ROOT/launch/constraints.txt" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"

@@ -11,7 +11,9 @@ the test or the next call:
 - `run_cli`: one `pretrain ...` process;
 - `run_ranks`: `pretrain train ...` on N local ranks with the environment the `deepspeed`
   launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CROSS_*), one thread
-  each; the first rank to fail ends the others, as the launchers do, and its status is the run's.
+  each; when a rank fails the others get a grace period to end by themselves (a check that
+  fails on every rank lets rank 0 print its error line; torchrun and the `deepspeed` launcher
+  end them at once), then are ended; the first failure's status is the run's.
 
 Tests of what a fresh interpreter or a launcher does (start-up, imports, torchrun's restarts,
 signals through `deepspeed` or srun) name their launcher and keep using subprocesses.
@@ -118,7 +120,7 @@ def run_ranks(args: list[str], *, nprocs: int, cwd: str | Path, env: dict[str, s
               timeout: float = 900.0, grace_s: float = 30.0) -> subprocess.CompletedProcess:
     """`pretrain *args` on `nprocs` local ranks; their interleaved output (as a launcher passes
     it on) and the run's status: 0, or the status of the first rank that failed (the others
-    get SIGTERM, and SIGKILL after `grace_s`)."""
+    get `grace_s` to end, then SIGTERM, and SIGKILL after another `grace_s`)."""
     from pretrain.dist import free_port
 
     port = free_port()
@@ -155,6 +157,10 @@ def _wait_for_ranks(procs, *, timeout: float, grace_s: float) -> int | None:
             proc.join()
             running.remove(proc)
             if proc.exitcode != 0:
+                # the others first get `grace_s` to end by themselves: a check that fails on
+                # every rank (bad input) lets rank 0 print its error line before it is ended
+                for other in running:
+                    other.join(max(0.0, min(grace_s, deadline - time.monotonic())))
                 _end(running, signal.SIGTERM)
                 for other in running:
                     other.join(grace_s)
