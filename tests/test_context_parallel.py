@@ -180,7 +180,7 @@ def test_all_to_all_backward_matches_autograd_of_the_unsplit_computation(tmp_pat
 
 def _model_run(rank, world_size, tensor, fields, sequence_parallel):
     from pretrain.model import build_model
-    from pretrain.testing.numerics import full_grads
+    from pretrain.testing.numerics import replica_mean_loss_and_grads
 
     torch.manual_seed(0)
     context = world_size // tensor
@@ -197,16 +197,7 @@ def _model_run(rank, world_size, tensor, fields, sequence_parallel):
     c, T = topo.my_coords.context, cfg.seq_length // context
     loss = model(inputs[:, c * T:(c + 1) * T], labels[:, c * T:(c + 1) * T])
     loss.backward()
-    grads = full_grads(model) if tensor > 1 else {
-        name: p.grad.clone() for name, p in model.named_parameters()}
-    if groups is not None:  # DeepSpeed's average over data x context replicas
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=groups.data)
-        loss = mean / topo.replicas
-        for g in grads.values():
-            dist.all_reduce(g, group=groups.data)
-            g /= topo.replicas
-    return {"loss": float(loss.detach()), "grads": grads}
+    return replica_mean_loss_and_grads(model, loss, topology=topo, groups=groups)
 
 
 def _assert_model_matches(tmp_path, world_size, tensor, fields, sequence_parallel=False):

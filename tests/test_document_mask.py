@@ -183,9 +183,7 @@ def test_generation_refuses_document_ids_with_a_cache(model):
 def _masked_model_run(rank, world_size, tensor):
     """Loss and gradients (fp64) of the packed sample with its document ids, on `world_size`
     gloo ranks: tensor x context = world_size, sequence parallel under tensor 2."""
-    import torch.distributed as dist
-
-    from pretrain.testing.numerics import full_grads
+    from pretrain.testing.numerics import replica_mean_loss_and_grads
     from pretrain.topology import Topology
 
     context = world_size // tensor
@@ -200,16 +198,7 @@ def _masked_model_run(rank, world_size, tensor):
     chunk = slice(c * T, (c + 1) * T)  # the loader's chunk; every rank gets the whole ids
     loss = model(tokens[:, :-1][:, chunk], tokens[:, 1:][:, chunk], document_ids=ids)
     loss.backward()
-    grads = full_grads(model) if tensor > 1 else {
-        name: p.grad.clone() for name, p in model.named_parameters()}
-    if groups is not None:  # DeepSpeed's average over data x context replicas
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=groups.data)
-        loss = mean / topo.replicas
-        for g in grads.values():
-            dist.all_reduce(g, group=groups.data)
-            g /= topo.replicas
-    return {"loss": float(loss.detach()), "grads": grads}
+    return replica_mean_loss_and_grads(model, loss, topology=topo, groups=groups)
 
 
 @pytest.mark.parametrize("tensor", [1, 2], ids=["context2", "tensor2_sequence_parallel"])

@@ -61,3 +61,21 @@ def full_grads(model) -> dict[str, torch.Tensor]:
             g = g[:model.cfg.vocab_size]
         grads[name] = g
     return grads
+
+
+def replica_mean_loss_and_grads(model, loss: torch.Tensor, *, topology, groups) -> dict:
+    """After `loss.backward()` on this rank: the loss and the whole gradients (`full_grads` under
+    tensor parallelism) averaged over the data x context replicas as DeepSpeed averages them
+    (`groups` None: one process, taken as they are), to compare with one process's."""
+    import torch.distributed as dist
+
+    grads = full_grads(model) if model.tp_group is not None else {
+        name: p.grad.clone() for name, p in model.named_parameters()}
+    if groups is not None:
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=groups.data)
+        loss = mean / topology.replicas
+        for g in grads.values():
+            dist.all_reduce(g, group=groups.data)
+            g /= topology.replicas
+    return {"loss": float(loss.detach()), "grads": grads}
