@@ -138,7 +138,7 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict:
         dist.barrier()
         resume.append(time.perf_counter() - start)
     return {"bytes": nbytes, "times": times, "steps_during": steps_during, "resume": resume,
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in engine.module.parameters())}
 
 
 def main() -> None:
