@@ -8,11 +8,15 @@
 #   CONFIG=configs/llama_1b.yaml sbatch --nodes=4 slurm/ray_cluster.sh --set train.steps=1000
 #
 # Overrides (besides slurm/common.sh's): CONFIG (default configs/llama_1b.yaml), RAY_PORT (the
-# head's port, default 6379 + job id % 1000), MAX_FAILURES (default 3). run_dir must be on a file
-# system every node sees. The pre-flight of slurm/common.sh runs first; the Ray job's exit
-# status is the job's (0 done, 2 bad input; Ray's own failure after MAX_FAILURES restarts: 1).
-# Tested here: the script is parsed (`bash -n`); the Ray job itself on a local Ray cluster
-# (tests/test_ray.py). Not tested: this script on a Slurm cluster.
+# head's port, default 6379 + job id % 1000), MAX_FAILURES (default 3), RAY_AUTH_TOKEN (the
+# cluster's token; default a new random one per job). run_dir must be on a file system every node
+# sees. The pre-flight of slurm/common.sh runs first; the Ray job's exit status is the job's
+# (0 done, 2 bad input; Ray's own failure after MAX_FAILURES restarts: 1; a Ray node that could
+# not start or join: 3).
+# Ray (2.5x and later) requires a token from every process that joins or talks to a cluster started
+# by `ray start`: the script makes one per job and srun hands it to every node in the environment.
+# Tested on a local two-node Slurm cluster (tests/test_slurm.py): the Ray job's losses equal the
+# `deepspeed` launcher's on the same allocation.
 #SBATCH --job-name=pretrain-ray
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -32,6 +36,8 @@ RAY_RESOURCES=(--num-gpus "$GPUS_PER_NODE")
 (( GPUS_PER_NODE > 0 )) || RAY_RESOURCES=(--num-gpus 0 --num-cpus "$TASKS_PER_NODE")
 
 preflight || { JOB_RC=$?; finish_job; }
+export RAY_AUTH_MODE=token RAY_DISABLE_USAGE_STATS=1
+export RAY_AUTH_TOKEN="${RAY_AUTH_TOKEN:-$(python -c 'import secrets; print(secrets.token_hex(32))')}"
 echo "[slurm] Ray head on ${NODES[0]} ($HEAD_ADDR:$RAY_PORT), $NNODES nodes x $TASKS_PER_NODE ranks"
 srun --nodes=1 --ntasks=1 -w "${NODES[0]}" ray start --head --block --port="$RAY_PORT" \
   --node-ip-address="$HEAD_ADDR" --include-dashboard=false "${RAY_RESOURCES[@]}" &
@@ -41,14 +47,20 @@ if (( NNODES > 1 )); then
     ray start --block --address="$HEAD_ADDR:$RAY_PORT" "${RAY_RESOURCES[@]}" &
   WORKERS_PID=$!
 fi
-# the cluster is up when every node has joined (a state, not a delay: `ray status` lists them)
+# the cluster is up when every node has joined (a state, not a delay: `ray status` lists them);
+# a head or worker srun that ended has failed (`--block` keeps them running), so stop waiting then
+starting="" up=0
 for _ in $(seq 300); do
   up=$(ray status --address="$HEAD_ADDR:$RAY_PORT" 2>/dev/null | grep -c "node_" || true)
   (( up >= NNODES )) && break
+  for pid in "$HEAD_PID" ${WORKERS_PID:+"$WORKERS_PID"}; do
+    kill -0 "$pid" 2>/dev/null || starting="a Ray node failed to start (its error is above)"
+  done
+  [[ -n $starting ]] && break
   sleep 1
 done
 if (( ${up:-0} < NNODES )); then
-  echo "[slurm] Ray: only ${up:-0} of $NNODES nodes joined in 300 s"; JOB_RC=3
+  echo "[slurm] Ray: ${up:-0} of $NNODES nodes joined: ${starting:-timed out after 300 s}"; JOB_RC=3
 else
   JOB_RC=0
   python -m pretrain launch ray --num-workers "$WORLD_SIZE" --address "$HEAD_ADDR:$RAY_PORT" \
@@ -57,6 +69,7 @@ else
     -- "${RUN_ARGS[@]}" || JOB_RC=$?
 fi
 kill "$HEAD_PID" ${WORKERS_PID:+"$WORKERS_PID"} 2>/dev/null || true
-wait || true
+# by name: a bare `wait` also waits for the job log's `tee` (a process substitution), forever
+wait "$HEAD_PID" ${WORKERS_PID:+"$WORKERS_PID"} || true
 echo "attempt=$ATTEMPT exit=$JOB_RC" >> "$LOG_DIR/attempts.txt"
 finish_job

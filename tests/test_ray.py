@@ -1,6 +1,7 @@
-"""`pretrain launch ray`: a tiny run as a Ray Train job on a local Ray cluster (one head, 2 CPU
-workers, shared by the tests) equals the deepspeed launcher's run loss for loss; a rank killed
-mid-run is restarted by Ray and the run finishes with no step lost or repeated."""
+"""`pretrain launch ray` on a local Ray cluster (one head, 2 CPU workers, shared by the tests): a
+rank killed mid-run is restarted by Ray and the run finishes with no step lost or repeated; bad
+input ends the job with 2 and no retry. That a Ray job's losses equal the deepspeed launcher's is
+tested where the Ray cluster is started by slurm/ray_cluster.sh (tests/test_slurm.py)."""
 from __future__ import annotations
 
 import json
@@ -87,23 +88,6 @@ def _records(run_dir: Path) -> list[dict]:
 def _data(tiny_data) -> list[str]:
     return ["--set", f"data.tokenizer={tiny_data['tokenizer']}",
             "--set", f"data.dataset={tiny_data['dataset']}"]
-
-
-def test_ray_run_equals_the_deepspeed_launcher(ray_address, tiny_data, tmp_path):
-    steps = ["--set", "train.steps=3"]
-    run = _ray_run(ray_address, _data(tiny_data), tmp_path / "ray", *steps)
-    assert run.wait(timeout=600) == 0, (tmp_path / "ray.log").read_text()[-4000:]
-    ref = subprocess.run(["bash", "launch/single_node.sh", *TINY, *_data(tiny_data), *steps,
-                          "--set", f"run_dir={tmp_path / 'ds'}"], cwd=REPO, timeout=600,
-                         env={**_env(), "LAUNCHER": "deepspeed", "NPROC": "2"},
-                         capture_output=True, text=True)
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    ray_records, ds_records = _records(tmp_path / "ray"), _records(tmp_path / "ds")
-    assert [(r["launcher"], r["world_size"]) for r in ray_records if r["kind"] == "run"] == \
-        [("ray", 2)]
-    losses = [[r["loss"] for r in records if r["kind"] == "train"]
-              for records in (ray_records, ds_records)]
-    assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
 def test_ray_restarts_a_killed_rank_and_resumes(ray_address, tiny_data, tmp_path):

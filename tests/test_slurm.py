@@ -244,28 +244,79 @@ def test_bad_config_fails_fast_with_message_in_log(cluster, tiny_data, tmp_path)
     assert not run_dir.exists()  # no rank ever started
 
 
-# LAUNCHER=no_ssh (srun starting one `deepspeed --no_ssh` per node) passed the same test once;
-# it is left out of the suite for its minute of CPU time.
-@pytest.mark.parametrize("mode", ["slurm"])
-def test_multi_node_deepspeed_launcher_in_an_allocation(mode, cluster, tiny_data, tmp_path):
-    """launch/multi_node.sh on 2 nodes: DeepSpeed's Slurm backend (it runs srun), or one
-    `deepspeed --no_ssh` per node started by srun; hostfile and .deepspeed_env from the job."""
-    run_dir, launch_dir = tmp_path / "run", tmp_path / "launch"
+@pytest.fixture(scope="module")
+def deepspeed_multi_node_run(cluster, tiny_data, tmp_path_factory):
+    """launch/multi_node.sh on 2 nodes with DeepSpeed's Slurm backend (it runs srun): 3 steps of
+    the tiny config; (job info, log, run dir, launch dir). Also the reference of the Ray job."""
+    tmp = tmp_path_factory.mktemp("multi_node")
+    run_dir, launch_dir = tmp / "run", tmp / "launch"
     train_args = " ".join(["--config configs/tiny.yaml", *(f"--set {o}" for o in (
         "train.steps=3", "data.num_workers=0", f"run_dir={run_dir}",
         f"data.tokenizer={tiny_data['tokenizer']}", f"data.dataset={tiny_data['dataset']}"))])
-    script = f"LAUNCHER={mode} LAUNCH_DIR={launch_dir} bash launch/multi_node.sh {train_args}"
-    if mode == "no_ssh":
-        script = f"srun --ntasks-per-node 1 env {script}"
+    script = f"LAUNCHER=slurm LAUNCH_DIR={launch_dir} bash launch/multi_node.sh {train_args}"
     job = cluster.sbatch(None, cwd=REPO, options=["--nodes", "2", "--ntasks-per-node", "1",
-                                                  "--output", f"{tmp_path}/%x-%j.out",
+                                                  "--output", f"{tmp}/%x-%j.out",
                                                   "--wrap", script])
-    (info,), log = _done(cluster, job, tmp_path)
+    (info,), log = _done(cluster, job, tmp)
+    return info, log, run_dir, launch_dir
+
+
+# LAUNCHER=no_ssh (srun starting one `deepspeed --no_ssh` per node, DeepSpeed's other multi-node
+# mode in an allocation) passed the same test once; it is left out of the suite for its minute of
+# CPU time.
+def test_multi_node_deepspeed_launcher_in_an_allocation(deepspeed_multi_node_run):
+    """launch/multi_node.sh on 2 nodes: hostfile and .deepspeed_env from the job, DeepSpeed's
+    Slurm backend starts one rank per node."""
+    info, log, run_dir, launch_dir = deepspeed_multi_node_run
     assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
     assert (launch_dir / "hostfile").read_text() == "pretrain-node1 slots=1\npretrain-node2 slots=1\n"
     assert "DS_ACCELERATOR=cpu\n" in (launch_dir / "deepspeed_env").read_text()
-    assert f"deepspeed_env file = {launch_dir}/deepspeed_env" in log or mode == "no_ssh"
+    assert f"deepspeed_env file = {launch_dir}/deepspeed_env" in log
     run = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     # DeepSpeed's Slurm backend leaves rank discovery to SLURM_PROCID (discover_world).
-    assert (run["world_size"], run["launcher"]) == (2, {"slurm": "slurm", "no_ssh": "deepspeed"}[mode])
+    assert (run["world_size"], run["launcher"]) == (2, "slurm")
     assert _train_steps(run_dir) == [1, 2, 3]
+
+
+def test_ray_cluster_script_trains_like_the_deepspeed_launcher(deepspeed_multi_node_run, cluster,
+                                                               tiny_data, tmp_path):
+    """slurm/ray_cluster.sh on 2 nodes: a Ray head on the first, a Ray node on the second (both
+    with the token the script made for the job), `pretrain launch ray` with one rank per node;
+    the run's losses equal the deepspeed launcher's on the same allocation shape, the job ends 0
+    and leaves no Ray process behind. (Both Ray nodes run on this one host and tail the same log files, so each
+    worker line appears twice in the job log; on a cluster it appears once.)"""
+    run_dir, log_dir = tmp_path / "run", tmp_path / "job"
+    job = _submit(cluster, "ray_cluster.sh", tmp_path,
+                  sbatch_args=["--nodes", "2", "--ntasks-per-node", "1", "--gpus-per-node", "0",
+                               "--cpus-per-task", "1", "--time", "60"],
+                  env={"CONFIG": "configs/tiny.yaml", "RUN_DIR": str(run_dir),
+                       "LOG_DIR": str(log_dir)},
+                  script_args=_sets("train.steps=3", "data.num_workers=0",
+                                    f"data.tokenizer={tiny_data['tokenizer']}",
+                                    f"data.dataset={tiny_data['dataset']}"))
+    (info,), log = _done(cluster, job, tmp_path)
+    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
+    assert "[slurm] Ray head on pretrain-node1" in log and "2 nodes x 1 ranks" in log
+    assert "Authentication token is missing" not in log
+    assert (log_dir / "attempts.txt").read_text() == "attempt=0 exit=0\n"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["launcher"], r["world_size"]) for r in records if r["kind"] == "run"] == [("ray", 2)]
+    reference = deepspeed_multi_node_run[2] / "metrics.jsonl"
+    expected = [r["loss"] for r in map(json.loads, reference.read_text().splitlines())
+                if r["kind"] == "train"]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses) == 3 and losses == expected
+    # every process srun started, and what they started (Ray's daemons, its workers), has the id
+    assert not _processes_with(f"SLURM_JOB_ID={job}"), "Ray processes outlived the job"
+
+
+def _processes_with(variable: str) -> list[int]:
+    """Pids of the processes whose environment holds `variable` (NAME=value)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and variable.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            pass
+    return found
