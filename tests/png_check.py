@@ -35,3 +35,22 @@ def pixels_near(path: Path, colour: str, *, tolerance: float = 0.08) -> int:
 
     rgb = _coloured_mask(path, 0.0)[1]
     return int((np.abs(rgb - np.array(to_rgb(colour))) < tolerance).all(axis=-1).sum())
+
+
+def bar_heights(path: Path, colour: str, *, tolerance: float = 0.08) -> list[int]:
+    """Heights in pixels of the bars drawn in `colour`, left to right: each run of adjacent
+    columns holding that colour is one bar, its height the most pixels of the colour in one of
+    its columns."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    rgb = _coloured_mask(path, 0.0)[1]
+    per_column = (np.abs(rgb - np.array(to_rgb(colour))) < tolerance).all(axis=-1).sum(axis=0)
+    heights, current = [], 0
+    for count in [*per_column.tolist(), 0]:
+        if count:
+            current = max(current, count)
+        elif current:
+            heights.append(current)
+            current = 0
+    return heights

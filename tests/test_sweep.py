@@ -81,6 +81,25 @@ def test_sweep_two_zero_configs_on_two_ranks(tmp_path, tiny_data):
     assert (agg / "sweep.png").is_file()
 
 
+def test_sweep_picture_draws_each_finished_runs_speed_and_memory_to_scale(tmp_path):
+    """sweep.png: one blue bar per finished run for tokens/s and one orange bar for peak memory,
+    heights in the runs' proportions; a failed run has no bar."""
+    from png_check import bar_heights
+
+    from pretrain.sweep_results import COLUMNS, write_results
+
+    def row(name, tokens, memory, status="ok"):
+        return {**dict.fromkeys(COLUMNS, ""), "name": name, "tokens_per_s": tokens,
+                "peak_mem_gb_max": memory, "status": status}
+
+    rows = [row("zero1", 1200.0, 2.0), row("zero3", 400.0, 6.0), row("offload", "", "", "failed")]
+    png = write_results(rows, tmp_path)["png"]
+    speed, memory = bar_heights(png, "tab:blue"), bar_heights(png, "tab:orange")
+    assert len(speed) == 2 and len(memory) == 2, (speed, memory)
+    assert speed[0] / speed[1] == pytest.approx(3.0, rel=0.03)
+    assert memory[1] / memory[0] == pytest.approx(3.0, rel=0.03)
+
+
 def test_sweep_refuses_missing_configs_and_empty_directories(tmp_path):
     bad = _sweep("--deepspeed-configs", "ds_configs/zero9.json", "--list")
     assert bad.returncode == 2 and "error: --deepspeed-configs: 'ds_configs/zero9.json'" in bad.stderr
