@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pretrain.config import load_config
+from pretrain.engine import warmup_cosine
 from pretrain.errors import ConfigError
 from pretrain.model import build_model, build_flat_pipeline, canonical_parameters
 from pretrain.model import mup
@@ -284,8 +285,12 @@ def _first_update_by_kind(rank: int, world_size: int, ds_json: str, precision: s
         if name == "model.embed_tokens.weight":  # rows of tokens in the batch only
             delta = delta[torch.unique(inputs)]
         change.setdefault(mup.parameter_kind(name), []).append(float(delta.mean()))
-    return {"change": {k: sum(v) / len(v) for k, v in change.items()},
-            "lrs": sorted(g["lr"] for g in engine.optimizer.param_groups),
+    lrs = sorted(g["lr"] for g in engine.optimizer.param_groups)
+    decay = []  # the groups' lrs at updates 3..train.steps: the cosine decay after the warmup
+    for _ in range(3, cfg.train.steps + 1):
+        engine.lr_scheduler.step()
+        decay.append(sorted(g["lr"] for g in engine.optimizer.param_groups))
+    return {"change": {k: sum(v) / len(v) for k, v in change.items()}, "lrs": lrs, "decay": decay,
             "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__}
 
 
@@ -318,6 +323,11 @@ def test_deepspeed_applies_each_groups_lr(ds_json, precision, tmp_path):
                            args=(ds_json, precision), timeout_s=300)
     # after the step the schedule is at update 2 of a 2-step warmup: the peak lr, ratio kept
     assert result["lrs"] == pytest.approx([1e-2 / 4, 1e-2, 1e-2]), result
+    # and through the decay to min_lr (tiny.yaml: 10 steps, min_lr 1e-4): every group follows
+    # the schedule, the hidden matrices' lr stays 1/m of the others'
+    expected = [warmup_cosine(u, lr=1e-2, min_lr=1e-4, warmup=2, total=10) for u in range(3, 11)]
+    assert expected[-1] == pytest.approx(1e-4) and expected == sorted(expected, reverse=True)
+    assert result["decay"] == [pytest.approx([e / 4, e, e]) for e in expected], result["decay"]
     lr = 1e-2 / 2  # the update just taken: warmup step 1 of 2
     change = result["change"]
     tolerance = 0.1 if precision == "fp32" else 0.3  # bf16 weights round the update
