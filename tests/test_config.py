@@ -244,6 +244,56 @@ def test_the_engines_schedule_follows_the_run_config():
     assert lrs[19] == pytest.approx(0.5) and lrs[24] == pytest.approx(0.5)
 
 
+def _engine_against_torch_adamw(rank: int, world_size: int, ds_json: str) -> float:
+    """The largest difference between the parameters of a DeepSpeed engine built from the run
+    config (train.beta1/beta2/eps through the resolver) and of torch's AdamW given those values
+    directly, after 3 steps on the same batches."""
+    import copy
+
+    import deepspeed
+    import torch
+
+    from pretrain.engine import _lr_schedule, param_groups
+    from pretrain.model import build_model
+
+    cfg = load_config(REPO / "configs/tiny.yaml", [
+        f"deepspeed={ds_json}", "train.precision=fp32", "train.micro_batch_size=2",
+        "train.global_batch_size=2", "train.weight_decay=0", "train.grad_clip=0",
+        "train.beta1=0.5", "train.beta2=0.75", "train.eps=0.01", f"run_dir={REPO}/runs/unused"])
+    model = build_model(cfg.model, seed=1)
+    reference = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(
+        model=model, config=resolve_ds_config(cfg, world_size=world_size, accelerator="cpu"),
+        lr_scheduler=_lr_schedule(cfg.train), model_parameters=param_groups(model, 0.0))
+    adamw = torch.optim.AdamW(reference.parameters(), lr=cfg.train.lr, betas=(0.5, 0.75),
+                              eps=0.01, weight_decay=0.0)
+    schedule = _lr_schedule(cfg.train)(adamw)
+    for seed in range(3):
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1),
+                               generator=torch.Generator().manual_seed(seed))
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        engine.step()
+        reference(tokens[:, :-1], tokens[:, 1:]).backward()
+        adamw.step()
+        adamw.zero_grad()
+        schedule.step()
+    return max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(engine.module.parameters(), reference.parameters()))
+
+
+@pytest.mark.slow  # a DeepSpeed engine per case
+@pytest.mark.parametrize("ds_json", ["ds_configs/zero0.json", "ds_configs/zero1.json"])
+def test_adams_betas_and_eps_reach_the_optimizer(ds_json, tmp_path):
+    """train.beta1/beta2/eps (far from the defaults) move the engine's parameters exactly as
+    torch's AdamW given them: the resolver writes them into the DeepSpeed JSON's optimizer and
+    DeepSpeed's optimizer (a plain torch one at ZeRO-0, ZeRO-1's wrapper) uses them."""
+    from pretrain.testing.ranks import run_on_ranks
+
+    difference, = run_on_ranks(_engine_against_torch_adamw, world_size=1, tmp_path=tmp_path,
+                               args=(ds_json,), timeout_s=300)
+    assert difference < 1e-6
+
+
 @pytest.mark.parametrize("overrides, world, message", [
     (["parallel.tensor=3"], 6, "parallel.tensor=3: must divide model.num_heads=4"),
     (["parallel.tensor=4", "model.num_kv_heads=2"], 4, "parallel.tensor=4: must divide model.num_kv_heads=2"),

@@ -18,6 +18,7 @@ from pretrain import config as run_config
 ROOT = Path(__file__).resolve().parent.parent
 DS = "deepspeed:"  # prefix of DeepSpeed key paths, e.g. "deepspeed:zero_optimization.stage"
 
+T_ADAM = "tests/test_config.py::test_adams_betas_and_eps_reach_the_optimizer"
 T_MODEL_HF = "tests/test_model.py::test_logits_and_loss_match_hugging_face"
 T_ZERO_FP32 = "tests/test_train_zero.py::test_zero_stage_matches_single_process_fp32"
 T_TP_ZERO1 = "tests/test_tensor_parallel.py::test_deepspeed_zero1_tp2_dp2_matches_single_rank"
@@ -82,6 +83,8 @@ REGISTRY: dict[str, str] = {
     "train.micro_batch_size": T_TP_ZERO1,
     "train.global_batch_size": T_BF16_FP32_SUMS,
     "train.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
+    "train.beta1": T_ADAM, "train.beta2": T_ADAM, "train.eps": T_ADAM,
+    DS + "optimizer.params.betas": T_ADAM, DS + "optimizer.params.eps": T_ADAM,
     "train.min_lr": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
     "train.warmup_steps": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
     "train.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
@@ -151,9 +154,6 @@ _FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (CPU has no fp16 ke
 GAPS: dict[str, str] = {
     "logging.log_interval": "only the printed cadence; no test counts the step lines",
     "logging.mlflow_experiment": "the MLflow test reads the default experiment only",
-    "train.beta1": "resolver fills betas; no test reads the built optimizer's betas back",
-    "train.beta2": "resolver fills betas; no test reads the built optimizer's betas back",
-    "train.eps": "resolver fills eps; no test reads the built optimizer's eps back",
     "train.loss_spike_factor": "a logged note only; no test provokes a spike",
     "parallel.pipeline_partition": "the tests' models split alike under every method (equal layers)",
     "parallel.sequence_parallel": ("a run built without it matches the reference too; no test counts "
@@ -161,8 +161,6 @@ GAPS: dict[str, str] = {
     "train.hang_timeout_minutes": ("the hang tests pass with the default (half the collective "
                                    "timeout) too: nothing asserts when the hang was called"),
     "data.num_workers": "DataLoader workers: same samples either way, nothing to observe cheaply",
-    DS + "optimizer.params.betas": "no test reads the built optimizer's betas back",
-    DS + "optimizer.params.eps": "no test reads the built optimizer's eps back",
     DS + "optimizer.params.fused": "set on GPUs only; the CPU suite cannot run it",
     DS + "fp16.enabled": "no fp16 training test on CPU",
     DS + "fp16.loss_scale": _FP16_SCALER,
@@ -203,8 +201,7 @@ FROZEN_GAPS = frozenset([
     "aio.thread_count", "data.num_workers", "fp16.enabled", "fp16.hysteresis",
     "fp16.initial_scale_power", "fp16.loss_scale", "fp16.loss_scale_window", "fp16.min_loss_scale",
     "logging.log_interval", "logging.mlflow_experiment", "logging.peak_tflops",
-    "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.fused", "steps_per_print",
-    "train.beta1", "train.beta2", "train.eps", "train.loss_spike_factor", "wall_clock_breakdown",
+    "optimizer.params.fused", "steps_per_print", "train.loss_spike_factor", "wall_clock_breakdown",
     "zero_optimization.allgather_bucket_size", "zero_optimization.contiguous_gradients",
     "zero_optimization.offload_optimizer.buffer_count",
     "zero_optimization.offload_optimizer.pin_memory",
