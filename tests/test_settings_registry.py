@@ -83,6 +83,8 @@ REGISTRY: dict[str, str] = {
     "train.micro_batch_size": T_TP_ZERO1,
     "train.global_batch_size": T_BF16_FP32_SUMS,
     "train.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
+    "train.loss_spike_factor":
+        "tests/test_spikes.py::test_a_loss_under_the_configured_factor_is_no_spike",
     "train.beta1": T_ADAM, "train.beta2": T_ADAM, "train.eps": T_ADAM,
     DS + "optimizer.params.betas": T_ADAM, DS + "optimizer.params.eps": T_ADAM,
     "train.min_lr": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
@@ -154,7 +156,6 @@ _FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (CPU has no fp16 ke
 GAPS: dict[str, str] = {
     "logging.log_interval": "only the printed cadence; no test counts the step lines",
     "logging.mlflow_experiment": "the MLflow test reads the default experiment only",
-    "train.loss_spike_factor": "a logged note only; no test provokes a spike",
     "parallel.pipeline_partition": "the tests' models split alike under every method (equal layers)",
     "parallel.sequence_parallel": ("a run built without it matches the reference too; no test counts "
                                    "its sequence-sharded activations or collectives"),
@@ -201,7 +202,7 @@ FROZEN_GAPS = frozenset([
     "aio.thread_count", "data.num_workers", "fp16.enabled", "fp16.hysteresis",
     "fp16.initial_scale_power", "fp16.loss_scale", "fp16.loss_scale_window", "fp16.min_loss_scale",
     "logging.log_interval", "logging.mlflow_experiment", "logging.peak_tflops",
-    "optimizer.params.fused", "steps_per_print", "train.loss_spike_factor", "wall_clock_breakdown",
+    "optimizer.params.fused", "steps_per_print", "wall_clock_breakdown",
     "zero_optimization.allgather_bucket_size", "zero_optimization.contiguous_gradients",
     "zero_optimization.offload_optimizer.buffer_count",
     "zero_optimization.offload_optimizer.pin_memory",

@@ -16,7 +16,7 @@ from pretrain.errors import ConfigError
 from pretrain.data import DistributedPackedSampler
 from pretrain.data.samples import stream_numbers
 from pretrain.run import resolve_layout
-from pretrain.testing.faults import spike_environment
+from pretrain.testing.faults import SPIKE_FACTOR, spike_environment
 from pretrain.testing.runs import REPO, run_pretrain, train, train_args
 from pretrain.topology import Topology
 
@@ -111,6 +111,22 @@ def test_skip_drops_the_spiking_update(tiny_data, tmp_path):
     assert [r["lr"] for r in kept] == [r["lr"] for r in _train_records(clean)][:4]
     after = _tensors(run_dir / "checkpoints" / "step5")
     assert _changed(after, _tensors(clean.run_dir / "checkpoints" / "step4")) == []
+
+
+@pytest.mark.slow
+def test_a_loss_under_the_configured_factor_is_no_spike(tiny_data, tmp_path):
+    """train.loss_spike_factor above the injected factor: the loss that the default factor calls
+    a spike (step 3's samples, as in the test above) stays under it: no spike, nothing skipped."""
+    run_dir = tmp_path / "high"
+    run = run_pretrain(
+        train_args(run_dir, tiny_data, overrides=[
+            "train.steps=3", "train.on_loss_spike=skip",
+            f"train.loss_spike_factor={1.5 * SPIKE_FACTOR}"]),
+        run_dir=run_dir, env=spike_environment(data=[9], directory=tmp_path)).check()
+    records = _train_records(run)
+    assert records[2]["loss"] > SPIKE_FACTOR / 2 * records[1]["loss"]  # the loss was raised
+    assert [r["loss_spike"] for r in records] == [False, False, False]
+    assert [r["update_skipped"] for r in records] == [False, False, False]
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ def inject_nan_losses(steps: Iterable[int]) -> None:
     NonFiniteGuard.corrupt_loss = corrupt_loss
 
 
-SPIKE_FACTOR = 100.0  # far above any train.loss_spike_factor a test sets
+SPIKE_FACTOR = 100.0  # far above train.loss_spike_factor's default (one test sets it higher)
 
 
 def inject_loss_spikes(*, data: Iterable[int] = (), transient: Iterable[int] = ()) -> None:
