@@ -18,6 +18,7 @@ from pretrain import config as run_config
 ROOT = Path(__file__).resolve().parent.parent
 DS = "deepspeed:"  # prefix of DeepSpeed key paths, e.g. "deepspeed:zero_optimization.stage"
 
+T_SPIKE_FACTOR = "tests/test_spikes.py::test_a_loss_under_the_configured_factor_is_no_spike"
 T_ADAM = "tests/test_config.py::test_adams_betas_and_eps_reach_the_optimizer"
 T_MODEL_HF = "tests/test_model.py::test_logits_and_loss_match_hugging_face"
 T_ZERO_FP32 = "tests/test_train_zero.py::test_zero_stage_matches_single_process_fp32"
@@ -83,8 +84,7 @@ REGISTRY: dict[str, str] = {
     "train.micro_batch_size": T_TP_ZERO1,
     "train.global_batch_size": T_BF16_FP32_SUMS,
     "train.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
-    "train.loss_spike_factor":
-        "tests/test_spikes.py::test_a_loss_under_the_configured_factor_is_no_spike",
+    "train.loss_spike_factor": T_SPIKE_FACTOR, "logging.log_interval": T_SPIKE_FACTOR,
     "train.beta1": T_ADAM, "train.beta2": T_ADAM, "train.eps": T_ADAM,
     DS + "optimizer.params.betas": T_ADAM, DS + "optimizer.params.eps": T_ADAM,
     "train.min_lr": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
@@ -154,7 +154,6 @@ _UNTESTED_DS_TUNING = ("DeepSpeed performance knob: a wrong value changes speed 
                        "nothing a CPU test can observe within the suite budget")
 _FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (CPU has no fp16 kernels worth it)"
 GAPS: dict[str, str] = {
-    "logging.log_interval": "only the printed cadence; no test counts the step lines",
     "logging.mlflow_experiment": "the MLflow test reads the default experiment only",
     "parallel.pipeline_partition": "the tests' models split alike under every method (equal layers)",
     "parallel.sequence_parallel": ("a run built without it matches the reference too; no test counts "
@@ -201,7 +200,7 @@ FROZEN_GAPS = frozenset([
     "aio.block_size", "aio.overlap_events", "aio.queue_depth", "aio.single_submit",
     "aio.thread_count", "data.num_workers", "fp16.enabled", "fp16.hysteresis",
     "fp16.initial_scale_power", "fp16.loss_scale", "fp16.loss_scale_window", "fp16.min_loss_scale",
-    "logging.log_interval", "logging.mlflow_experiment", "logging.peak_tflops",
+    "logging.mlflow_experiment", "logging.peak_tflops",
     "optimizer.params.fused", "steps_per_print", "wall_clock_breakdown",
     "zero_optimization.allgather_bucket_size", "zero_optimization.contiguous_gradients",
     "zero_optimization.offload_optimizer.buffer_count",

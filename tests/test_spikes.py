@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -121,12 +122,15 @@ def test_a_loss_under_the_configured_factor_is_no_spike(tiny_data, tmp_path):
     run = run_pretrain(
         train_args(run_dir, tiny_data, overrides=[
             "train.steps=3", "train.on_loss_spike=skip",
-            f"train.loss_spike_factor={1.5 * SPIKE_FACTOR}"]),
+            f"train.loss_spike_factor={1.5 * SPIKE_FACTOR}", "logging.log_interval=2"]),
         run_dir=run_dir, env=spike_environment(data=[9], directory=tmp_path)).check()
     records = _train_records(run)
     assert records[2]["loss"] > SPIKE_FACTOR / 2 * records[1]["loss"]  # the loss was raised
     assert [r["loss_spike"] for r in records] == [False, False, False]
     assert [r["update_skipped"] for r in records] == [False, False, False]
+    # (and logging.log_interval=2: step lines every second step and at the end; metrics.jsonl
+    # has every step)
+    assert re.findall(r"step (\d+)/3 \|", run.stdout) == ["2", "3"], run.stdout
 
 
 @pytest.mark.slow
