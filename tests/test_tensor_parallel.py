@@ -356,6 +356,36 @@ def test_model_tp2_matches_tp1(tmp_path, sequence_parallel):
     run_on_ranks(_model_on_ranks, world_size=2, tmp_path=tmp_path, args=(variants,))
 
 
+def _decoder_layer_inputs(rank, world_size):
+    """The shape of the first decoder layer's input in the model a run builds for its layout
+    (`construct_for_layout`), with parallel.sequence_parallel off and on."""
+    from pretrain.model.build import construct_for_layout
+    from pretrain.topology import Topology
+
+    shapes = {}
+    for sequence_parallel in (False, True):
+        cfg = load_config(None, ["model.preset=tiny", "model.seq_length=16", "parallel.tensor=2",
+                                 f"parallel.sequence_parallel={sequence_parallel}"])
+        groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
+                                               rank=rank).create_groups()
+        model = construct_for_layout(cfg, groups)
+        seen = []
+        model.model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+        with torch.no_grad():
+            model(torch.zeros(2, 16, dtype=torch.long))
+        shapes[sequence_parallel] = tuple(seen[0])
+    return shapes
+
+
+def test_sequence_parallel_setting_shards_the_activations_between_layers(tmp_path):
+    """parallel.sequence_parallel reaches the model a run builds: with it, each tensor rank
+    holds half the sequence of the activations between decoder layers (the memory it saves);
+    without it, all of it."""
+    for shapes in run_on_ranks(_decoder_layer_inputs, world_size=2, tmp_path=tmp_path):
+        hidden = load_config(None, ["model.preset=tiny"]).model.hidden_size
+        assert shapes == {False: (2, 16, hidden), True: (2, 8, hidden)}, shapes
+
+
 def test_model_tp4_splits_kv_heads(tmp_path):
     # 8 query heads, 4 kv heads: one kv head and its two query heads per rank; vocab 300 in
     # 512 padded rows leaves rank 3's vocabulary shard all padding
