@@ -86,6 +86,8 @@ REGISTRY: dict[str, str] = {
     "train.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
     "parallel.sequence_parallel": ("tests/test_tensor_parallel.py::"
                                    "test_sequence_parallel_setting_shards_the_activations_between_layers"),
+    "logging.mlflow_experiment": ("tests/test_telemetry.py::"
+                                  "test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run"),
     "train.loss_spike_factor": T_SPIKE_FACTOR, "logging.log_interval": T_SPIKE_FACTOR,
     "train.beta1": T_ADAM, "train.beta2": T_ADAM, "train.eps": T_ADAM,
     DS + "optimizer.params.betas": T_ADAM, DS + "optimizer.params.eps": T_ADAM,
@@ -156,7 +158,6 @@ _UNTESTED_DS_TUNING = ("DeepSpeed performance knob: a wrong value changes speed 
                        "nothing a CPU test can observe within the suite budget")
 _FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (CPU has no fp16 kernels worth it)"
 GAPS: dict[str, str] = {
-    "logging.mlflow_experiment": "the MLflow test reads the default experiment only",
     "parallel.pipeline_partition": "the tests' models split alike under every method (equal layers)",
     "train.hang_timeout_minutes": ("the hang tests pass with the default (half the collective "
                                    "timeout) too: nothing asserts when the hang was called"),
@@ -199,7 +200,7 @@ FROZEN_GAPS = frozenset([
     "aio.block_size", "aio.overlap_events", "aio.queue_depth", "aio.single_submit",
     "aio.thread_count", "data.num_workers", "fp16.enabled", "fp16.hysteresis",
     "fp16.initial_scale_power", "fp16.loss_scale", "fp16.loss_scale_window", "fp16.min_loss_scale",
-    "logging.mlflow_experiment", "logging.peak_tflops",
+    "logging.peak_tflops",
     "optimizer.params.fused", "steps_per_print", "wall_clock_breakdown",
     "zero_optimization.allgather_bucket_size", "zero_optimization.contiguous_gradients",
     "zero_optimization.offload_optimizer.buffer_count",

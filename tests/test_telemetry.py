@@ -240,11 +240,11 @@ def test_train_takes_a_log_level_option():
         build_parser().parse_args(["train", "--log-level", "loud"])
 
 
-def _mlflow_runs(uri: str):
+def _mlflow_runs(uri: str, experiment: str = "pretrain"):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name("pretrain")
+    experiment = client.get_experiment_by_name(experiment)
     return client, client.search_runs([experiment.experiment_id])
 
 
@@ -256,6 +256,7 @@ def test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run(tmp_path):
     run_dir.mkdir()
     cfg = RunConfig(run_dir=str(run_dir))
     cfg.logging.report_to = ["mlflow"]
+    cfg.logging.mlflow_experiment = "ablations"  # not the default: the runs must be there
     sink = MetricsSink(run_dir, enabled=True, settings=cfg.logging, run_config=cfg.to_dict())
     sink.write({"kind": "run", "world_size": 1})
     sink.write({"kind": "train", "step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": None,
@@ -269,7 +270,8 @@ def test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run(tmp_path):
     again = MetricsSink(run_dir, enabled=True, settings=cfg.logging, run_config=cfg.to_dict())
     again.write({"kind": "train", "step": 3, "loss": 2.0})
     again.close(status="FAILED")
-    client, runs = _mlflow_runs(mlflow_local_uri(run_dir))
+    client, runs = _mlflow_runs(mlflow_local_uri(run_dir), "ablations")
+    assert client.get_experiment_by_name("pretrain") is None
     assert sorted((r.info.run_name, r.info.status) for r in runs) == [("mlrun", "FAILED"),
                                                                       ("mlrun", "KILLED")]
     first, second = ({r.info.status: r for r in runs}[status] for status in ("KILLED", "FAILED"))
