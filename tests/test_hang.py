@@ -39,6 +39,8 @@ def _check_blocked_rank_named(run_dir: Path, records: list[dict]) -> None:
     line = files["verdict.txt"].strip()
     assert line.startswith(f"[hang] rank 1 ({HOST}) did not reach "), line
     assert "rank 0 waits in" in line and "rank 0 (" not in line, line  # only rank 1 is named
+    # the rank that called the hang did so for the configured timeout (not the default's 1 min)
+    assert any("(train.hang_timeout_minutes=0.2)" in files[f] for f in ("rank0.txt", "rank1.txt"))
     assert "blocked_forever" in files["rank1.txt"]  # the stuck frame
     assert "micro_batch_started" in files["rank1.txt"]
     assert "waiting" in files["rank0.txt"].split("last collectives")[1]  # rank 0's wait
