@@ -13,6 +13,7 @@ parameters (router included).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from pretrain.config import ModelConfig, Recompute
@@ -93,45 +94,66 @@ def hardware_flops_per_token(m: ModelConfig) -> float:
 # ---- per pipeline stage ---------------------------------------------------------------------
 
 def stage_items(m: ModelConfig, layout: Layout) -> list[list[str]]:
-    """The pipeline stages as lists of 'embed' / 'layer' / 'head' items, cut like DeepSpeed:
-    'uniform' splits decoder layers evenly; 'parameters' (and 'type:...') balance parameters,
-    so stages holding the embedding or the output projection get fewer layers."""
-    pp = layout.pipeline
-    if pp == 1:
-        return [["embed"] + ["layer"] * m.num_layers + ["head"]]
+    """The pipeline stages as lists of 'embed' / 'layer' / 'norm' / 'head' items: the specs of
+    `pretrain.model.pipeline` (embedding, decoder layers, final norm, output projection), cut
+    as DeepSpeed's `PipelineModule` cuts them for `parallel.pipeline_partition`: 'uniform' gives
+    every stage the same number of specs, 'parameters' balances the specs' parameters on one
+    GPU, 'type:DecoderLayerPipe' balances decoder layers only."""
+    items = ["embed"] + ["layer"] * m.num_layers + ["norm", "head"]
+    if layout.pipeline == 1:
+        return [items]
     if layout.partition == "uniform":
-        sizes = [m.num_layers // pp + (1 if s < m.num_layers % pp else 0) for s in range(pp)]
-        stages = [["layer"] * n for n in sizes]
-        stages[0].insert(0, "embed")
-        stages[-1].append("head")
-        return stages
-    vocab_weight = m.padded_vocab_size(layout.tensor) * m.hidden_size
-    weights = {"embed": vocab_weight, "layer": sum(layer_parameters(m)), "head": vocab_weight}
-    items = ["embed"] + ["layer"] * m.num_layers + ["head"]
-    limit = _smallest_stage_limit([weights[i] for i in items], pp)
-    stages, load = [[]], 0
-    for i, item in enumerate(items):
-        remaining_items, remaining_stages = len(items) - i, pp - len(stages)
-        if stages[-1] and (load + weights[item] > limit or remaining_items <= remaining_stages):
-            stages.append([])
-            load = 0
-        stages[-1].append(item)
-        load += weights[item]
-    return stages
+        parts = partition_uniform(len(items), layout.pipeline)
+    else:
+        if layout.partition == "parameters":
+            sharded, replicated = layer_parameters(m)
+            vocab = m.padded_vocab_size(layout.tensor) * m.hidden_size // layout.tensor
+            weights = {"embed": vocab, "layer": sharded // layout.tensor + replicated,
+                       "norm": m.hidden_size, "head": vocab}
+        else:  # type:DecoderLayerPipe
+            weights = {"embed": 0, "layer": 1, "norm": 0, "head": 0}
+        parts = partition_balanced(tuple(weights[i] for i in items), layout.pipeline)
+    return [items[parts[s]:parts[s + 1]] for s in range(layout.pipeline)]
 
 
-def _smallest_stage_limit(weights: list[int], stages: int) -> int:
-    """The smallest maximum stage weight that cuts `weights` into <= `stages` contiguous runs."""
-    lo, hi = max(weights), sum(weights)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        count, load = 1, 0
-        for weight in weights:
-            if load + weight > mid:
-                count, load = count + 1, 0
-            load += weight
-        lo, hi = (mid + 1, hi) if count > stages else (lo, mid)
-    return lo
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """Stage boundaries of `num_items` specs cut into `num_parts` runs of equal count, the
+    first ones one longer (DeepSpeed's `runtime.utils.partition_uniform`)."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
+@functools.lru_cache(maxsize=256)
+def partition_balanced(weights: tuple[int, ...], num_parts: int) -> tuple[int, ...]:
+    """Stage boundaries that cut `weights` into `num_parts` contiguous runs with the smallest
+    spread (heaviest - lightest run), ties to the latest cut: DeepSpeed's
+    `runtime.utils.partition_balanced` (a linear-partition dynamic programme), without NumPy."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return tuple(partition_uniform(n, m))
+    inf = math.inf
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    dp_max[0][0] = dp_cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                run = prefix[i] - prefix[k]
+                max_sum, min_sum = max(dp_max[k][j - 1], run), min(dp_min[k][j - 1], run)
+                if dp_cost[i][j] >= max_sum - min_sum:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j] = max_sum - min_sum, max_sum, min_sum
+                    position[i][j] = k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(position[parts[-1]][j])
+    return tuple(parts[::-1])
 
 
 def stage_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
@@ -140,10 +162,9 @@ def stage_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
     sharded, replicated = layer_parameters(m)
     vocab = m.padded_vocab_size(layout.tensor) * m.hidden_size // layout.tensor
     n = items.count("layer") * (sharded // layout.tensor + replicated)
-    n += vocab * items.count("embed")
-    if "head" in items:  # final norm + output projection (its own copy unless tied in one stage)
-        tied_here = m.tie_embeddings and "embed" in items
-        n += m.hidden_size + (0 if tied_here else vocab)
+    n += vocab * items.count("embed") + m.hidden_size * items.count("norm")
+    if "head" in items:  # the output projection: its own copy unless tied in the same stage
+        n += 0 if m.tie_embeddings and "embed" in items else vocab
     return n
 
 

@@ -304,7 +304,7 @@ def test_parameter_and_flop_counts_of_mixtral_8x7b_by_hand():
     layout = Layout(tensor=2, pipeline=1, data=1)
     layer_on_rank = (attention + 8 * expert) // 2 + router + norms
     expected = 32 * layer_on_rank + 4096 + 2 * (32000 * 4096 // 2)  # final norm, vocab shards
-    assert stage_parameters(MIXTRAL_8X7B, layout, ["embed", *["layer"] * 32, "head"]) == expected
+    assert stage_parameters(MIXTRAL_8X7B, layout, ["embed", *["layer"] * 32, "norm", "head"]) == expected
     # a dense config counts as before: active = total
     dense = dataclasses.replace(MIXTRAL_8X7B, num_experts=0)
     assert num_active_parameters(dense) == num_parameters(dense)

@@ -282,3 +282,39 @@ def test_search_rows_carry_the_arguments_that_select_them_and_rank_the_config():
     assert (current["rank"], result["count"]) == (1, 184)
     assert "(`this config: ... #1 of 184` for the 70B recipe on 16 H100 nodes)" in \
         _doc(PLANNING_DOC)
+
+
+def test_stage_cuts_are_deepspeeds_for_any_weights():
+    """partition_uniform / partition_balanced (the planner's, without NumPy) cut exactly as
+    DeepSpeed's PipelineModule does, ties included: random spec weights and stage counts."""
+    import random
+
+    from deepspeed.runtime import utils as ds_utils
+
+    from pretrain.arithmetic import partition_balanced, partition_uniform
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n, parts = rng.randint(1, 24), rng.randint(1, 9)
+        weights = tuple(rng.choice([0, 1, 1, 2, 5, rng.randint(0, 10**6)]) for _ in range(n))
+        assert partition_uniform(n, parts) == ds_utils.partition_uniform(n, parts), (n, parts)
+        assert list(partition_balanced(weights, parts)) == \
+            [int(x) for x in ds_utils.partition_balanced(list(weights), parts)], (weights, parts)
+
+
+@pytest.mark.parametrize("method, layers", [
+    # 7 specs (embedding, 4 decoder layers, final norm, head) on 3 stages
+    ("uniform", [2, 2, 0]),  # 3, 2, 2 specs
+    ("parameters", [1, 2, 1]),  # the embedding and the head weigh a layer or more each
+    ("type:DecoderLayerPipe", [2, 1, 1]),
+])
+def test_pipeline_partition_setting_cuts_the_stages_the_run_builds(method, layers):
+    """parallel.pipeline_partition: the meta-device build of every stage (DeepSpeed's own cut)
+    equals the planner's, and the decoder layers per stage follow the method."""
+    run = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "3", "--build", "--json",
+                "--set", "parallel.pipeline=3", "--set", "model.num_layers=4",
+                "--set", f"parallel.pipeline_partition={method}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    plan = json.loads(run.stdout)
+    assert all(b["built"] == b["planned"] for b in plan["builds"])
+    assert [s["layers"] for s in plan["stages"]] == layers

@@ -10,12 +10,13 @@ from pretrain.plan.clusters import make_cluster
 
 # Megatron-Core's 70B GPT benchmark: TP 8, PP 2, DP 48, vocab 131072, seq 4096, global batch 384
 # on 768 H100: about 42% MFU, 420 TFLOP/s per GPU. Llama-3-70B shape, SP, distributed optimizer
-# (ZeRO-1), no recomputation.
+# (ZeRO-1), no recomputation. Megatron splits the decoder layers evenly over the stages (40 and
+# 40, the embedding on the first, the head on the last): here "type:DecoderLayerPipe".
 MEGATRON_70B = dict(
     model=ModelConfig(vocab_size=131072, hidden_size=8192, num_layers=80, num_heads=64,
                       num_kv_heads=8, ffn_hidden_size=28672, seq_length=4096),
     layout=Layout(tensor=8, pipeline=2, data=48, micro_batch=1, global_batch=384, zero_stage=1,
-                  sequence_parallel=True, partition="uniform"),
+                  sequence_parallel=True, partition="type:DecoderLayerPipe"),
     cluster=make_cluster("h100-80gb", nodes=96), published_mfu=0.42, published_tflops=420.0)
 # BLOOM-176B: 70 layers, hidden 14336, 112 heads, vocab 250880, seq 2048, global batch 2048, TP 4,
 # PP 12, DP 8 on 384 A100-80GB, micro-batch 2, full recomputation, ZeRO-1: about 150 TFLOP/s per
