@@ -98,14 +98,26 @@ DP = ["train.micro_batch_size=1", "train.global_batch_size=4", f"train.steps={ST
       "train.precision=fp32", "checkpoint.save_final=false"]
 
 
+@pytest.fixture(scope="module")
+def four_rank_run(tiny_data, tmp_path_factory):
+    """A 4-rank data-parallel run (deepspeed launcher) checkpointed at step SAVE_AT."""
+    return train(tmp_path_factory.mktemp("four"), tiny_data, nprocs=4, launcher="deepspeed",
+                 name="full", overrides=DP)
+
+
 @pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
-def test_four_rank_checkpoint_resumes_on_two_of_three_deepspeed_ranks(tiny_data, tmp_path):
-    full = train(tmp_path, tiny_data, nprocs=4, launcher="deepspeed", name="full", overrides=DP)
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_four_rank_checkpoint_resumes_on_two_of_three_ranks(launcher, four_rank_run, tiny_data,
+                                                             tmp_path):
+    """3 ranks cannot share a global batch of 4: ranks 0-1 resume the 4-rank checkpoint at dp 2
+    with the same global batch (and losses), rank 2 waits idle and exits 0 with them, under
+    either launcher (torchrun's rendezvous and its own exit-status rules)."""
+    full = four_rank_run
     saved = full.run_dir / "checkpoints" / f"step{SAVE_AT}"
     shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
 
     resumed = run_pretrain(train_args(tmp_path / "resumed", tiny_data, overrides=DP),
-                           run_dir=tmp_path / "resumed", launcher="deepspeed", nprocs=3)
+                           run_dir=tmp_path / "resumed", launcher=launcher, nprocs=3)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     out = resumed.stdout + resumed.stderr
     assert ("training on ranks 0-1 of 3; rank 2 sits idle until the job ends: data parallel 3 "
