@@ -39,6 +39,15 @@ def require_root(what: str) -> None:
 
 
 @pytest.fixture(scope="session")
+def moe_reference(tiny_data, tmp_path_factory):
+    """One process training `configs/tiny_moe.yaml` (tests/test_moe.py's `_moe_train`): the
+    reference of every mixture-of-experts layout."""
+    from tests.test_moe import _moe_train
+
+    return _moe_train(tmp_path_factory.mktemp("moe_ref"), tiny_data, name="single")
+
+
+@pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> dict[str, str]:
     """A 512-token sentencepiece model and a .bin/.idx dataset of a few stdlib packages."""
     from pretrain.data import preprocess, train_tokenizer

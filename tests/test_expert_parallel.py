@@ -1,0 +1,130 @@
+"""Expert parallelism (`parallel.expert`, `pretrain/model/expert_parallel.py`): the all-to-all
+dispatch against the single-process layer, training against one process, resuming on another
+expert layout, and the refusals.
+
+The layer test runs one MoE layer (hidden 64, 4 experts, top-2, 64 tokens) on 2 gloo ranks
+against `tests/test_moe.py`'s single-process layer; the training tests share that file's
+single-process run of `configs/tiny_moe.yaml` as the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pretrain.config import ModelConfig, Precision
+from pretrain.errors import ConfigError
+from pretrain.layout import Layout, check_layout
+from pretrain.model.llama import fused_projections
+from pretrain.model.moe import MoE
+from pretrain.testing.ranks import run_on_ranks
+from pretrain.topology import Topology
+from tests.test_moe import CFG, _assert_close, _layer
+
+
+def _expert_parallel_layer(cfg: ModelConfig, group, reference: MoE, *,
+                           sequence_parallel: bool) -> MoE:
+    """An expert-parallel copy of `reference` over `group`: the router, and this rank's experts
+    under the same names."""
+    layer = MoE(cfg, tp_group=group, sequence_parallel=sequence_parallel,
+                project=fused_projections, expert_parallel=True)
+    ours = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(ours[name])
+    return layer
+
+
+def _layer_on_ranks(rank: int, world_size: int, sequence_parallel: bool) -> list[str]:
+    import torch.distributed as dist
+
+    from pretrain import collective_log
+
+    log = collective_log.CollectiveLog()
+    collective_log.install(log)
+    group = dist.new_group(list(range(world_size)))
+    reference = _layer(CFG, seed=4)  # the same on every rank
+    layer = _expert_parallel_layer(CFG, group, reference, sequence_parallel=sequence_parallel)
+    names = sorted({n.split(".")[1] for n, _ in layer.named_parameters() if "experts" in n})
+    assert names == [str(2 * rank), str(2 * rank + 1)]  # whole experts, global names
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 32, 64, generator=generator)
+    g = torch.randn(2, 32, 64, generator=generator)
+    x_ref = x.clone().requires_grad_(True)
+    ref_out = reference(x_ref)
+    (ref_out * g).sum().backward()  # the layer adds its auxiliary losses' gradient (scale 1)
+
+    chunk = slice(16 * rank, 16 * (rank + 1))
+    mine = (x[:, chunk] if sequence_parallel else x).clone().requires_grad_(True)
+    out = layer(mine)
+    (out * (g[:, chunk] if sequence_parallel else g)).sum().backward()
+    expected_out = ref_out[:, chunk] if sequence_parallel else ref_out
+    expected_grad = x_ref.grad[:, chunk] if sequence_parallel else x_ref.grad
+    _assert_close(out, expected_out.detach(), "output")
+    _assert_close(mine.grad, expected_grad, "input gradient")
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, p in layer.named_parameters():
+        _assert_close(p.grad, ref_grads[name], name)  # router summed over ranks; experts whole
+    ops = [entry[1] for entry in log.recent()]
+    # counts, rows out, rows back; and the reverse two in backward: seen by the collective log
+    assert ops.count("all_to_all_single") == 5, ops
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_all_to_all_dispatch_gives_the_single_process_layer_output_and_gradients(
+        tmp_path, sequence_parallel):
+    names = run_on_ranks(_layer_on_ranks, world_size=2, tmp_path=tmp_path,
+                         args=(sequence_parallel,))
+    assert names == [["0", "1"], ["2", "3"]]
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+def _layout(**fields) -> Layout:
+    return Layout(**{"tensor": 2, "expert": 2, "micro_batch": 1, "global_batch": 1,
+                     "precision": Precision.FP32, **fields})
+
+
+def test_expert_layouts_the_stack_cannot_run_are_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="parallel.expert=2: must divide model.num_experts=3"):
+        check_layout(dataclasses.replace(CFG, num_experts=3), _layout())
+    with pytest.raises(ConfigError, match="the model has no experts"):
+        check_layout(dataclasses.replace(CFG, num_experts=0), _layout())
+    with pytest.raises(ConfigError, match="expert ranks are the tensor-parallel ranks"):
+        check_layout(CFG, _layout(tensor=1, expert=2))
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        check_layout(dataclasses.replace(CFG, moe_capacity_factor=1.0), _layout())
+    with pytest.raises(ConfigError, match="parallel.pipeline=2: not supported"):
+        check_layout(CFG, _layout(pipeline=2))
+    with pytest.raises(ConfigError, match="experts_per_token=5: must be between 1 and"):
+        dataclasses.replace(CFG, experts_per_token=5)  # top-k above the expert count
+    # a world that cannot hold the expert layout: expert ranks without a tensor group of them
+    with pytest.raises(ConfigError, match="parallel.expert=2 with parallel.tensor=1"):
+        Topology(tensor=1, pipeline=1, world_size=2, expert=2)
+    check_layout(CFG, _layout())  # tp 2 = ep 2: 2 whole experts per rank
+
+
+def test_topology_draws_the_expert_groups():
+    topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2)
+    assert topo.expert_groups() == topo.tensor_groups() == [[0, 1], [2, 3]]
+    assert "expert=2: each tensor group is an expert group" in topo.describe()
+    assert Topology(tensor=2, pipeline=1, world_size=2).expert_groups() == [[0], [1]]
+
+
+# ---- training through `pretrain train`: expert layouts against one process ------------------------
+
+@pytest.mark.slow
+def test_expert2_and_expert2_with_zero3_equal_one_process(moe_reference, tiny_data, tmp_path):
+    from tests.test_moe import _assert_same_steps, _moe_train
+
+    run = _moe_train(tmp_path, tiny_data, name="ep2", nprocs=2,
+                     overrides=["parallel.tensor=2", "parallel.expert=2"])
+    assert "ep2" in run.stdout
+    _assert_same_steps(run, moe_reference)
+    zero3 = _moe_train(tmp_path, tiny_data, name="ep2_zero3", nprocs=2, overrides=[
+        "parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true",
+        "deepspeed=ds_configs/zero3.json"])
+    _assert_same_steps(zero3, moe_reference)
