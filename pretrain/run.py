@@ -57,7 +57,7 @@ class ResolvedRun:
         """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`)."""
         lay = self.layout
         return {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
-                "context": lay.context, "world_size": lay.world_size,
+                "context": lay.context, "expert": lay.expert, "world_size": lay.world_size,
                 "zero_stage": lay.zero_stage, "offload": lay.offload_optimizer,
                 "precision": self.cfg.train.precision.value}
 

@@ -117,14 +117,25 @@ def test_topology_draws_the_expert_groups():
 # ---- training through `pretrain train`: expert layouts against one process ------------------------
 
 @pytest.mark.slow
-def test_expert2_and_expert2_with_zero3_equal_one_process(moe_reference, tiny_data, tmp_path):
-    from tests.test_moe import _assert_same_steps, _moe_train
+def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
+        moe_reference, tiny_data, tmp_path):
+    import shutil
 
-    run = _moe_train(tmp_path, tiny_data, name="ep2", nprocs=2,
-                     overrides=["parallel.tensor=2", "parallel.expert=2"])
+    from tests.test_moe import SAVE_AT, _assert_same_steps, _moe_train
+
+    run = _moe_train(tmp_path, tiny_data, name="ep2", nprocs=2, overrides=[
+        "parallel.tensor=2", "parallel.expert=2", f"checkpoint.save_interval={SAVE_AT}",
+        "checkpoint.keep_last=1", f"checkpoint.keep_every={SAVE_AT}"])
     assert "ep2" in run.stdout
     _assert_same_steps(run, moe_reference)
     zero3 = _moe_train(tmp_path, tiny_data, name="ep2_zero3", nprocs=2, overrides=[
         "parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true",
         "deepspeed=ds_configs/zero3.json"])
     _assert_same_steps(zero3, moe_reference)
+    # expert 2's step-3 checkpoint (experts whole on the rank that held them) continues on one
+    # process, which holds all four, as the uninterrupted run does
+    saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    resumed = _moe_train(tmp_path, tiny_data, name="resumed")
+    assert "tp2 pp1 ep2 dp1 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in resumed.stdout
+    _assert_same_steps(resumed, moe_reference, first_step=SAVE_AT + 1)

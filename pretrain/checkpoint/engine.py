@@ -349,7 +349,7 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
                               "model_states files are missing")
     saved = point.meta["layout"]
     same_roles = all(saved.get(k, 1) == layout.get(k, 1)
-                     for k in ("tensor", "pipeline", "data", "context"))
+                     for k in ("tensor", "pipeline", "data", "context", "expert"))
     rng = point.path / f"rng_rank{rank:05d}.pt"
     if same_roles and rng.is_file():
         _set_rng_state(safe_load.load(rng))
@@ -396,7 +396,7 @@ def _check_convertible(tag_dir: Path, meta: dict[str, Any]) -> None:
             f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "
             "checkpoint (it is built from ZeRO optimizer partitions); to resume it on another "
             "layout no conversion is needed: pass it to `pretrain train --resume-from`")
-    if meta["layout"]["tensor"] > 1:
+    if meta["layout"]["tensor"] > 1:  # expert parallelism is over the tensor ranks too
         raise CheckpointError(
             f"{str(tag_dir)!r} has tensor parallel {meta['layout']['tensor']}: our tensor-parallel "
             "layers do not declare DeepSpeed's merge patterns, so the universal conversion would "
