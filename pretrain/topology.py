@@ -1,4 +1,4 @@
-"""The rank grid TP x CP x DP x PP, its process groups, and the `mpu` adapter DeepSpeed queries.
+"""The rank grid TP x CP x DP x PP (experts over TP), its process groups, and the `mpu` adapter.
 
 `Topology(tensor=, pipeline=, world_size=, context=)` is built once at start-up and passed
 down; there is no module-level parallel state. Its methods are pure arithmetic (usable without
@@ -63,6 +63,19 @@ tensor=2 x context=2 x data=2 x pipeline=1 = 8 ranks; each cell is the tensor gr
 [[0, 2, 4, 6], [1, 3, 5, 7]]
 >>> topo.coords(6)
 RankCoords(tensor=0, data=1, pipeline=0, context=1)
+
+Expert parallelism (`parallel.expert`, 1 or the tensor size) takes the tensor ranks: each holds
+n/expert of a MoE layer's n experts whole, and tokens go to them by all-to-all:
+
+>>> topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2)
+>>> print(topo.describe())
+tensor=2 x data=2 x pipeline=1 = 4 ranks; each cell is the tensor group of (data index, stage)
+            stage 0
+    dp 0    [0, 1]
+    dp 1    [2, 3]
+expert=2: expert groups = tensor groups; rank i of each holds experts [i*n/2, (i+1)*n/2) whole
+>>> topo.expert_groups()  # all-to-all of the routed tokens every MoE layer: inside a node
+[[0, 1], [2, 3]]
 """
 from __future__ import annotations
 
@@ -230,9 +243,8 @@ class Topology:
         for name, row in zip(names, cells):
             lines.append(name.ljust(margin) + "".join(c.ljust(width) for c in row))
         if self.expert > 1:
-            lines.append(f"expert={self.expert}: each tensor group is an expert group (rank i of "
-                         f"it holds experts [i*n/{self.expert}, (i+1)*n/{self.expert}) of each "
-                         "MoE layer whole; tokens go to them by all-to-all)")
+            lines.append(f"expert={self.expert}: expert groups = tensor groups; rank i of each "
+                         f"holds experts [i*n/{self.expert}, (i+1)*n/{self.expert}) whole")
         return "\n".join(line.rstrip() for line in lines)
 
     def deepspeed_topology(self):

@@ -110,7 +110,7 @@ def test_expert_layouts_the_stack_cannot_run_are_refused_with_the_reason():
 def test_topology_draws_the_expert_groups():
     topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2)
     assert topo.expert_groups() == topo.tensor_groups() == [[0, 1], [2, 3]]
-    assert "expert=2: each tensor group is an expert group" in topo.describe()
+    assert "expert=2: expert groups = tensor groups" in topo.describe()
     assert Topology(tensor=2, pipeline=1, world_size=2).expert_groups() == [[0], [1]]
 
 
@@ -132,6 +132,14 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
         "parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true",
         "deepspeed=ds_configs/zero3.json"])
     _assert_same_steps(zero3, moe_reference)
+    # rank 1 of the tensor group held experts 2 and 3 whole, under their global names
+    from pretrain.checkpoint.zero_shards import load_checkpoint_file
+
+    held = load_checkpoint_file(run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+                                / "mp_rank_01_model_states.pt")["module"]
+    experts = {n: tuple(t.shape) for n, t in held.items() if ".mlp.experts." in n}
+    assert sorted({n.split(".")[4] for n in experts}) == ["2", "3"]
+    assert experts["model.layers.0.mlp.experts.2.down_proj.weight"] == (64, 96)
     # expert 2's step-3 checkpoint (experts whole on the rank that held them) continues on one
     # process, which holds all four, as the uninterrupted run does
     saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
@@ -139,3 +147,33 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
     resumed = _moe_train(tmp_path, tiny_data, name="resumed")
     assert "tp2 pp1 ep2 dp1 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in resumed.stdout
     _assert_same_steps(resumed, moe_reference, first_step=SAVE_AT + 1)
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+
+def test_planned_expert_memory_and_all_to_all_time_of_mixtral_8x7b_by_hand():
+    from pretrain.arithmetic import expert_parameters_per_rank, stage_items
+    from pretrain.plan.clusters import make_cluster
+    from pretrain.plan.step_time import estimate_time
+    from tests.test_moe import MIXTRAL_8X7B as m
+
+    h100 = make_cluster("h100-80gb", nodes=1)  # NVLink 450 GB/s per GPU, 80% of it reached
+    ep2 = Layout(tensor=2, expert=2, micro_batch=1, global_batch=8, precision=Precision.BF16)
+    tp2 = dataclasses.replace(ep2, expert=1)
+    # 4 of the 8 experts whole (3 matrices of 4096 x 14336) in each of 32 layers: 22.5B
+    assert expert_parameters_per_rank(m, ep2, layers=32) == 32 * 4 * 3 * 4096 * 14336 \
+        == expert_parameters_per_rank(m, tp2, layers=32) == 22_548_578_304
+    ep_time = estimate_time(m, ep2, h100, stage_items(m, ep2))[0]
+    tp_time = estimate_time(m, tp2, h100, stage_items(m, tp2))[0]
+    # a micro-batch: 4096 tokens, 2048 per rank, 2 rows each (top-2) of 4096 bf16 values sent by
+    # 4 all-to-alls per layer (dispatch, combine; backward both), half of them to the other rank
+    link = 450e9 * 0.8
+    per_micro_batch = 32 * 4 * 0.5 * (2048 * 2 * 4096 * 2) / link
+    assert ep_time.expert_comm == pytest.approx(8 * per_micro_batch, rel=1e-12)  # 0.0477 s
+    assert ep_time.expert_comm == pytest.approx(0.047721858, rel=1e-6)
+    # tensor parallelism: an all-reduce of 4096 x 4096 bf16 activations costs 1/2 x 2 x 32 MiB
+    # over the link; attention 2 per layer, the tp MLP 2, the expert MLP's all-gathers 1
+    all_reduce = 4096 * 4096 * 2 / link
+    assert tp_time.tensor_comm == pytest.approx(8 * 32 * 4 * all_reduce, rel=1e-12)
+    assert ep_time.tensor_comm == pytest.approx(8 * 32 * 3 * all_reduce + ep_time.expert_comm,
+                                                rel=1e-12)
