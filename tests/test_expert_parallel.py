@@ -107,6 +107,20 @@ def test_expert_layouts_the_stack_cannot_run_are_refused_with_the_reason():
     check_layout(CFG, _layout())  # tp 2 = ep 2: 2 whole experts per rank
 
 
+def test_the_pre_flight_refuses_an_expert_layout_with_its_reason_and_exit_2():
+    from pretrain.testing.cli import run_cli
+    from pretrain.testing.runs import REPO
+
+    base = ["plan", "--config", "configs/tiny_moe.yaml", "--world-size", "2",
+            "--set", "parallel.tensor=2", "--set", "parallel.expert=2"]
+    bad = run_cli([*base, "--set", "model.num_experts=3"], cwd=REPO)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "error: parallel.expert=2: must divide model.num_experts=3" in bad.stderr
+    good = run_cli(base, cwd=REPO)
+    assert good.returncode == 0, good.stderr
+    assert "experts 2 of 4 experts whole per GPU" in good.stdout
+
+
 def test_topology_draws_the_expert_groups():
     topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2)
     assert topo.expert_groups() == topo.tensor_groups() == [[0, 1], [2, 3]]
@@ -177,3 +191,22 @@ def test_planned_expert_memory_and_all_to_all_time_of_mixtral_8x7b_by_hand():
     assert tp_time.tensor_comm == pytest.approx(8 * 32 * 4 * all_reduce, rel=1e-12)
     assert ep_time.tensor_comm == pytest.approx(8 * 32 * 3 * all_reduce + ep_time.expert_comm,
                                                 rel=1e-12)
+
+
+def test_every_rank_of_the_mixtral_8x7b_recipe_builds_as_planned():
+    """tp 8 = ep 8 x dp 16 on 128 GPUs: each of the 8 distinct ranks built on the meta device holds
+    1/8 of attention and the vocabulary, one whole expert of each layer, the routers and norms."""
+    import json
+
+    from tests.test_plan_build import _pretrain
+
+    run = _pretrain(["plan", "--config", "configs/mixtral_8x7b.yaml", "--world-size", "128",
+                     "--build", "--json"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    builds = json.loads(run.stdout)["builds"]
+    assert sorted(b["tensor_rank"] for b in builds) == list(range(8))
+    attention = (2 * 4096 * 4096 + 2 * 4096 * 1024) // 8
+    layer = attention + 3 * 4096 * 14336 + 8 * 4096 + 2 * 4096  # one expert, router, norms
+    vocab = 32768 * 4096 // 8  # 32000 padded to a multiple of 128 x 8, untied embedding and head
+    assert all(b["built"] == b["planned"] == 32 * layer + 4096 + 2 * vocab == 5_839_785_984
+               for b in builds)
