@@ -66,9 +66,16 @@ def _layer_on_ranks(rank: int, world_size: int, sequence_parallel: bool) -> list
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     for name, p in layer.named_parameters():
         _assert_close(p.grad, ref_grads[name], name)  # router summed over ranks; experts whole
+    # dropless: each of this rank's tokens goes to the experts one process gives it
+    with torch.no_grad():
+        ours = layer.route(x[:, chunk].reshape(-1, 64))[0].top_experts
+        theirs = reference.route(x.reshape(-1, 64))[0].top_experts
+    torch.testing.assert_close(ours, theirs.view(2, 32, -1)[:, chunk].reshape(ours.shape),
+                               rtol=0, atol=0)
     ops = [entry[1] for entry in log.recent()]
     # counts, rows out, rows back; and the reverse two in backward: seen by the collective log
     assert ops.count("all_to_all_single") == 5, ops
+    assert all(entry[5] == "done" for entry in log.recent())
     return names
 
 
@@ -139,20 +146,34 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
 
     run = _moe_train(tmp_path, tiny_data, name="ep2", nprocs=2, overrides=[
         "parallel.tensor=2", "parallel.expert=2", f"checkpoint.save_interval={SAVE_AT}",
-        "checkpoint.keep_last=1", f"checkpoint.keep_every={SAVE_AT}"])
+        "checkpoint.keep_last=1", f"checkpoint.keep_every={SAVE_AT}", "checkpoint.save_final=true"])
     assert "ep2" in run.stdout
     _assert_same_steps(run, moe_reference)
+    # final/ holds every expert once, each from the rank that held it: the last checkpoint's
+    from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
+
+    final = load_weights(run.run_dir / "final").state
+    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{2 * SAVE_AT}").state
+    assert sorted(final) == sorted(last)
+    for name in last:
+        assert torch.equal(final[name], last[name]), name
     zero3 = _moe_train(tmp_path, tiny_data, name="ep2_zero3", nprocs=2, overrides=[
         "parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true",
-        "deepspeed=ds_configs/zero3.json"])
+        "deepspeed=ds_configs/zero3.json", "checkpoint.save_final=true"])
     _assert_same_steps(zero3, moe_reference)
+    # ZeRO-3's final/: each expert gathered over its data ranks, sent by its tensor rank; the
+    # same weights as ZeRO-1's up to the layouts' rounding
+    final3 = load_weights(zero3.run_dir / "final").state
+    assert sorted(final3) == sorted(final)
+    for name in final:
+        torch.testing.assert_close(final3[name], final[name], rtol=0, atol=1e-5)
     # rank 1 of the tensor group held experts 2 and 3 whole, under their global names
     from pretrain.checkpoint.zero_shards import load_checkpoint_file
 
     held = load_checkpoint_file(run.run_dir / "checkpoints" / f"step{SAVE_AT}"
                                 / "mp_rank_01_model_states.pt")["module"]
     experts = {n: tuple(t.shape) for n, t in held.items() if ".mlp.experts." in n}
-    assert sorted({n.split(".")[4] for n in experts}) == ["2", "3"]
+    assert sorted({n.split(".")[5] for n in experts}) == ["2", "3"]
     assert experts["model.layers.0.mlp.experts.2.down_proj.weight"] == (64, 96)
     # expert 2's step-3 checkpoint (experts whole on the rank that held them) continues on one
     # process, which holds all four, as the uninterrupted run does

@@ -24,10 +24,20 @@ the tokens' owners and each expert's weight gradient sums over every token route
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
 SEQUENCE_DIM = 1
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def expert_owner(name: str, cfg, *, expert: int) -> int | None:
+    """The rank of the expert group holding parameter `name` whole under parallel.expert =
+    `expert` (None: not an expert's, or no expert parallelism)."""
+    match = _EXPERT.match(name) if expert > 1 else None
+    return None if match is None else int(match[1]) // (cfg.num_experts // expert)
 
 
 def _exchange(x: torch.Tensor, *, send: list[int], receive: list[int], group) -> torch.Tensor:

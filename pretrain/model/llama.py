@@ -676,6 +676,10 @@ def gather_full_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     it inside `deepspeed.zero.GatheredParameters`.
     """
     cfg = model.cfg
+    if any(getattr(p, "expert_parallel", False) for p in model.parameters()):
+        raise ValueError("gather_full_state_dict: the tensor ranks hold different experts "
+                         "(expert parallelism); read the weights from `final/` or an engine "
+                         "checkpoint (`pretrain.checkpoint.weights.load_weights`)")
     state = model.state_dict()
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
