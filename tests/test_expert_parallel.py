@@ -182,6 +182,13 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
     resumed = _moe_train(tmp_path, tiny_data, name="resumed")
     assert "tp2 pp1 ep2 dp1 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in resumed.stdout
     _assert_same_steps(resumed, moe_reference, first_step=SAVE_AT + 1)
+    # and one process's step-3 checkpoint continues on expert 2, each rank taking its experts
+    saved = moe_reference.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    shutil.copytree(saved, tmp_path / "onto_ep2" / "checkpoints" / saved.name)
+    onto_ep2 = _moe_train(tmp_path, tiny_data, name="onto_ep2", nprocs=2,
+                          overrides=["parallel.tensor=2", "parallel.expert=2"])
+    assert "tp1 pp1 dp1 ZeRO-1 -> tp2 pp1 ep2 dp1 ZeRO-1" in onto_ep2.stdout
+    _assert_same_steps(onto_ep2, moe_reference, first_step=SAVE_AT + 1)
 
 
 # ---- the planner ---------------------------------------------------------------------------------
