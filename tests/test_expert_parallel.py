@@ -135,7 +135,7 @@ def test_topology_draws_the_expert_groups():
     assert Topology(tensor=2, pipeline=1, world_size=2).expert_groups() == [[0], [1]]
 
 
-# ---- training through `pretrain train`: expert layouts against one process ------------------------
+# ---- training through `pretrain train`: expert layouts against one process ----------------------
 
 @pytest.mark.slow
 def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(

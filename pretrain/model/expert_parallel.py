@@ -56,7 +56,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, send=ctx.receive, receive=ctx.send, group=ctx.group), None, None, None
+        back = _exchange(grad, send=ctx.receive, receive=ctx.send, group=ctx.group)
+        return back, None, None, None
 
 
 def all_to_all(x: torch.Tensor, *, send: list[int], receive: list[int], group) -> torch.Tensor:

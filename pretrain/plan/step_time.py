@@ -1,12 +1,12 @@
 """The planner's model of time: seconds per optimizer step of a layout on a cluster.
 
 The step splits into compute (hardware FLOPs of the slowest stage at the sustained matmul rate),
-tensor-parallel communication, context-parallel all-to-alls (four per attention layer forward:
-q, k, v and the output; four backward; on the intra-node link while tensor x context fits a
-node; expert parallelism's all-to-alls, the dispatch and combine of each MoE layer forward and
-backward, count in it: they run on the tensor group), the 1F1B pipeline bubble, pipeline point-to-point transfers,
-exposed data-parallel communication and the offloaded optimizer step; the efficiency
-assumptions are those of `pretrain.plan.clusters`.
+tensor-parallel communication (with expert parallelism's all-to-alls, the dispatch and combine
+of each MoE layer forward and backward, which run on the tensor group; `expert_comm` shows
+them apart), context-parallel all-to-alls (four per attention layer forward: q, k, v and the
+output; four backward; on the intra-node link while tensor x context fits a node), the 1F1B
+pipeline bubble, pipeline point-to-point transfers, exposed data-parallel communication and the
+offloaded optimizer step; the efficiency assumptions are those of `pretrain.plan.clusters`.
 """
 from __future__ import annotations
 
