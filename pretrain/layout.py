@@ -150,6 +150,10 @@ def check_experts(model: ModelConfig, layout: Layout) -> None:
     if model.seq_length % ep:
         raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by "
                           f"parallel.expert={ep} (each expert rank routes an equal chunk)")
+    if layout.context > 1:
+        raise ConfigError(f"parallel.expert={ep} with parallel.context={layout.context}: not "
+                          "supported yet (untested: each expert rank would route a chunk of a "
+                          "context chunk); set parallel.expert=1 or parallel.context=1")
     if layout.pipeline > 1:
         raise ConfigError(f"parallel.expert={ep} with parallel.pipeline={layout.pipeline}: not "
                           "supported yet (the pipeline stages do not build expert-parallel "

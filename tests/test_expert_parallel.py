@@ -106,6 +106,8 @@ def test_expert_layouts_the_stack_cannot_run_are_refused_with_the_reason():
         check_layout(dataclasses.replace(CFG, moe_capacity_factor=1.0), _layout())
     with pytest.raises(ConfigError, match="parallel.pipeline=2: not supported"):
         check_layout(CFG, _layout(pipeline=2))
+    with pytest.raises(ConfigError, match="parallel.context=2: not supported"):
+        check_layout(dataclasses.replace(CFG, num_kv_heads=4), _layout(context=2))
     with pytest.raises(ConfigError, match="experts_per_token=5: must be between 1 and"):
         dataclasses.replace(CFG, experts_per_token=5)  # top-k above the expert count
     # a world that cannot hold the expert layout: expert ranks without a tensor group of them
