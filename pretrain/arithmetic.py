@@ -168,6 +168,18 @@ def stage_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
     return n
 
 
+def expert_parameters_per_rank(m: ModelConfig, layout: Layout, *, layers: int) -> int:
+    """Expert weights one GPU holds for `layers` MoE layers, before ZeRO sharding: a 1/tp slice
+    of every expert, or under expert parallelism (the tensor ranks) num_experts / ep whole
+    experts; the same count either way, as each rank holds 1/tp of them."""
+    if not m.num_experts:
+        return 0
+    expert = 3 * m.hidden_size * m.ffn_hidden_size
+    if layout.expert > 1:
+        return layers * (m.num_experts // layout.expert) * expert
+    return layers * m.num_experts * expert // layout.tensor
+
+
 def layout_recomputed_layers(layout: Layout, layers: int) -> int:
     """`recomputed_layers` of `layers` decoder layers under the layout's recompute mode."""
     return recomputed_layers(layout.recompute, interval=layout.recompute_interval, layers=layers)

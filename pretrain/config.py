@@ -270,9 +270,11 @@ class ParallelConfig(_Freezable):
     # all-to-all per layer (inside a node, next to tensor)
     sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tensor > 1)
     pipeline_partition: str = "parameters"  # one of PARTITION_METHODS
+    expert: int = 1  # expert parallelism: each MoE layer's experts split over this many ranks,
+    # which are the tensor-parallel ranks (1, or equal to tensor): each holds whole experts
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "context"):
+        for name in ("tensor", "pipeline", "context", "expert"):
             if getattr(self, name) < 1:
                 _fail("parallel", name, getattr(self, name), "must be a positive integer")
         if self.pipeline_partition not in PARTITION_METHODS:

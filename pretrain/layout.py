@@ -38,6 +38,7 @@ class Layout:
     allgather_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2), prefetch (ZeRO 3)
     max_live_parameters: int = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters
     context: int = 1  # context-parallel ranks per sequence (parallel.context, Ulysses)
+    expert: int = 1  # expert-parallel ranks (parallel.expert): 1 or the tensor group
 
     @property
     def world_size(self) -> int:
@@ -57,6 +58,7 @@ class Layout:
         off = [f"opt={self.offload_optimizer}"] if self.offload_optimizer != "none" else []
         off += [f"param={self.offload_param}"] if self.offload_param != "none" else []
         cp = f" cp{self.context}" if self.context > 1 else ""
+        cp += f" ep{self.expert}" if self.expert > 1 else ""
         return (f"tp{self.tensor} pp{self.pipeline}{cp} dp{self.data} mbs{self.micro_batch} "
                 f"ZeRO-{self.zero_stage}{' offload ' + ','.join(off) if off else ''} "
                 f"recompute={self.recompute.value}{' sp' if self.sequence_parallel else ''}")
@@ -75,6 +77,7 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
     check_pipeline_split(model, lay.pipeline, partition_method=lay.partition)
     check_batch(lay)
     check_context(model, lay)
+    check_experts(model, lay)
     if lay.sequence_parallel and lay.tensor == 1:
         raise ConfigError("parallel.sequence_parallel=True: needs parallel.tensor > 1 (set "
                           "parallel.sequence_parallel=false or raise parallel.tensor)")
@@ -122,6 +125,43 @@ def check_context(model: ModelConfig, layout: Layout) -> None:
         raise ConfigError(f"model.compile=true with parallel.context={cp}: not supported yet "
                           "(the compiled decoder layers would hold the all-to-all of attention, "
                           "untested); set model.compile=false or parallel.context=1")
+
+
+def check_experts(model: ModelConfig, layout: Layout) -> None:
+    """Expert parallelism: the tensor-parallel ranks hold whole experts, an equal number each,
+    and exchange the tokens of their sequence chunks by all-to-all (dropless routing only)."""
+    ep, tp = layout.expert, layout.tensor
+    if ep == 1:
+        return
+    if not model.num_experts:
+        raise ConfigError(f"parallel.expert={ep}: the model has no experts (model.num_experts=0); "
+                          "set parallel.expert=1 or model.num_experts")
+    if ep != tp:
+        raise ConfigError(f"parallel.expert={ep} with parallel.tensor={tp}: the expert ranks are "
+                          f"the tensor-parallel ranks; set parallel.expert to 1 or {tp}")
+    if model.num_experts % ep:
+        raise ConfigError(f"parallel.expert={ep}: must divide model.num_experts="
+                          f"{model.num_experts} (each rank holds the same number of whole experts)")
+    if model.moe_capacity_factor > 0:
+        raise ConfigError(f"model.moe_capacity_factor={model.moe_capacity_factor} with "
+                          f"parallel.expert={ep}: capacity is first come first served over the "
+                          "whole micro-batch, which no rank sees; use the dropless router "
+                          "(model.moe_capacity_factor=0) or parallel.expert=1")
+    if model.seq_length % ep:
+        raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by "
+                          f"parallel.expert={ep} (each expert rank routes an equal chunk)")
+    if layout.context > 1:
+        raise ConfigError(f"parallel.expert={ep} with parallel.context={layout.context}: not "
+                          "supported yet (untested: each expert rank would route a chunk of a "
+                          "context chunk); set parallel.expert=1 or parallel.context=1")
+    if layout.pipeline > 1:
+        raise ConfigError(f"parallel.expert={ep} with parallel.pipeline={layout.pipeline}: not "
+                          "supported yet (the pipeline stages do not build expert-parallel "
+                          "layers); set parallel.expert=1 or parallel.pipeline=1")
+    if model.compile:
+        raise ConfigError(f"model.compile=true with parallel.expert={ep}: not supported yet (the "
+                          "token counts of the all-to-all are data-dependent: every step would "
+                          "recompile); set model.compile=false or parallel.expert=1")
 
 
 def check_pipeline_split(model: ModelConfig, pipeline: int, *, partition_method: str) -> None:

@@ -57,7 +57,7 @@ class ResolvedRun:
         """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`)."""
         lay = self.layout
         return {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
-                "context": lay.context, "world_size": lay.world_size,
+                "context": lay.context, "expert": lay.expert, "world_size": lay.world_size,
                 "zero_stage": lay.zero_stage, "offload": lay.offload_optimizer,
                 "precision": self.cfg.train.precision.value}
 
@@ -133,7 +133,8 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     recompute_interval=m.activation_checkpointing_interval,
                     sequence_parallel=p.sequence_parallel,
                     precision=planned_precision(t.precision),
-                    partition=p.pipeline_partition, context=p.context)
+                    partition=p.pipeline_partition, context=p.context,
+                    expert=p.expert)
     check_layout(m, layout)
     if t.on_loss_spike is SpikeAction.SKIP and p.pipeline > 1:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""The rank grid TP x CP x DP x PP, its process groups, and the `mpu` adapter DeepSpeed queries.
+"""The rank grid TP x CP x DP x PP (experts over TP), its process groups, and the `mpu` adapter.
 
 `Topology(tensor=, pipeline=, world_size=, context=)` is built once at start-up and passed
 down; there is no module-level parallel state. Its methods are pure arithmetic (usable without
@@ -63,6 +63,19 @@ tensor=2 x context=2 x data=2 x pipeline=1 = 8 ranks; each cell is the tensor gr
 [[0, 2, 4, 6], [1, 3, 5, 7]]
 >>> topo.coords(6)
 RankCoords(tensor=0, data=1, pipeline=0, context=1)
+
+Expert parallelism (`parallel.expert`, 1 or the tensor size) takes the tensor ranks: each holds
+n/expert of a MoE layer's n experts whole, and tokens go to them by all-to-all:
+
+>>> topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2)
+>>> print(topo.describe())
+tensor=2 x data=2 x pipeline=1 = 4 ranks; each cell is the tensor group of (data index, stage)
+            stage 0
+    dp 0    [0, 1]
+    dp 1    [2, 3]
+expert=2: expert groups = tensor groups; rank i of each holds experts [i*n/2, (i+1)*n/2) whole
+>>> topo.expert_groups()  # all-to-all of the routed tokens every MoE layer: inside a node
+[[0, 1], [2, 3]]
 """
 from __future__ import annotations
 
@@ -97,9 +110,10 @@ class Topology:
     world_size: int
     rank: int = 0
     context: int = 1
+    expert: int = 1  # expert-parallel ranks: 1, or the tensor group (each holds whole experts)
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "world_size", "context"):
+        for name in ("tensor", "pipeline", "world_size", "context", "expert"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"topology {name}={value!r}: must be a positive integer")
@@ -115,12 +129,19 @@ class Topology:
                 f"of {model_parallel} ranks or change parallel.{'/'.join(sizes)}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
+        if self.expert not in (1, self.tensor):
+            raise ConfigError(
+                f"parallel.expert={self.expert} with parallel.tensor={self.tensor}: the expert "
+                "ranks are the tensor-parallel ranks (each holds whole experts instead of a "
+                f"1/tensor slice of every expert); set parallel.expert to 1 or {self.tensor}, or "
+                f"parallel.tensor={self.expert}")
 
     @classmethod
     def from_parallel_config(cls, parallel: Any, *, world_size: int, rank: int = 0) -> "Topology":
         """From `RunConfig.parallel` (a `ParallelConfig`)."""
         return cls(tensor=parallel.tensor, pipeline=parallel.pipeline, world_size=world_size,
-                   rank=rank, context=getattr(parallel, "context", 1))
+                   rank=rank, context=getattr(parallel, "context", 1),
+                   expert=getattr(parallel, "expert", 1))
 
     # ---- arithmetic ------------------------------------------------------------------------
     @property
@@ -178,6 +199,13 @@ class Topology:
                  for d, c in self._replica_coords()]
                 for p in range(self.pipeline) for t in range(self.tensor)]
 
+    def expert_groups(self) -> list[list[int]]:
+        """Ranks that split one layer's experts between them and swap tokens by all-to-all:
+        the tensor groups when parallel.expert > 1 (one rank each otherwise)."""
+        if self.expert == 1:
+            return [[rank] for rank in range(self.world_size)]
+        return self.tensor_groups()
+
     def pipeline_groups(self) -> list[list[int]]:
         """The stages of one pipeline (same tensor, context and data index)."""
         return [[self.rank_of(tensor=t, data=d, pipeline=p, context=c)
@@ -214,6 +242,9 @@ class Topology:
                                               for p in range(self.pipeline))]
         for name, row in zip(names, cells):
             lines.append(name.ljust(margin) + "".join(c.ljust(width) for c in row))
+        if self.expert > 1:
+            lines.append(f"expert={self.expert}: expert groups = tensor groups; rank i of each "
+                         f"holds experts [i*n/{self.expert}, (i+1)*n/{self.expert}) whole")
         return "\n".join(line.rstrip() for line in lines)
 
     def deepspeed_topology(self):

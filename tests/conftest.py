@@ -39,6 +39,18 @@ def require_root(what: str) -> None:
 
 
 @pytest.fixture(scope="session")
+def moe_reference(tiny_data, tmp_path_factory):
+    """One process training `configs/tiny_moe.yaml` (tests/test_moe.py's `_moe_train`): the
+    reference of every mixture-of-experts layout; its step-3 checkpoint is kept for resuming on
+    other layouts."""
+    from tests.test_moe import SAVE_AT, _moe_train
+
+    return _moe_train(tmp_path_factory.mktemp("moe_ref"), tiny_data, name="single", overrides=[
+        f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=1",
+        f"checkpoint.keep_every={SAVE_AT}"])
+
+
+@pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> dict[str, str]:
     """A 512-token sentencepiece model and a .bin/.idx dataset of a few stdlib packages."""
     from pretrain.data import preprocess, train_tokenizer

@@ -3,7 +3,8 @@ auxiliary losses in training, and every layout against one process.
 
 The layer tests are in-process and tiny (hidden 64, 4 experts, top-2, 64 tokens). The layout
 tests share one single-process run of `configs/tiny_moe.yaml` (6 fp32 steps, auxiliary loss
-coefficients raised so their gradients move the losses visibly) as the reference.
+coefficients raised so their gradients move the losses visibly) as the reference
+(`moe_reference`, in conftest.py: tests/test_expert_parallel.py compares with it too).
 """
 from __future__ import annotations
 
@@ -175,11 +176,6 @@ def _assert_same_steps(run, reference, *, first_step: int = 1) -> None:
     for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
         assert rel_diff([r[key] for r in ours], [r[key] for r in ref]) < 1e-5, \
             (key, [r[key] for r in ours], [r[key] for r in ref])
-
-
-@pytest.fixture(scope="module")
-def moe_reference(tiny_data, tmp_path_factory):
-    return _moe_train(tmp_path_factory.mktemp("moe_ref"), tiny_data, name="single")
 
 
 @pytest.mark.slow

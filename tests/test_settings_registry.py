@@ -70,6 +70,8 @@ REGISTRY: dict[str, str] = {
     "parallel.tensor": "tests/test_tensor_parallel.py::test_model_tp2_matches_tp1",
     "parallel.pipeline": "tests/test_pipeline.py::test_pp2_matches_single_process",
     "parallel.context": "tests/test_context_parallel.py::test_model_context2_loss_and_grads_equal_one_process",
+    "parallel.expert": ("tests/test_expert_parallel.py::"
+                        "test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1"),
     # data.*
     "data.dataset": "tests/test_data_blend.py::test_blend_through_a_config_override_and_with_dataset",
     "data.blend": "tests/test_data_blend.py::test_blend_through_a_config_override_and_with_dataset",

@@ -53,6 +53,7 @@ from pretrain.faults import TrainingFault
 from pretrain.model import canonical_parameters, tensor_parallel_group
 from pretrain.model.hf import EMBED, LM_HEAD, expected_hf_keys
 from pretrain.model.mup import comparable_model_fields
+from pretrain.model.expert_parallel import expert_owner
 from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
 
 # DeepSpeed's ds_to_universal refuses a checkpoint whose client state lacks this entry.
@@ -349,7 +350,7 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
                               "model_states files are missing")
     saved = point.meta["layout"]
     same_roles = all(saved.get(k, 1) == layout.get(k, 1)
-                     for k in ("tensor", "pipeline", "data", "context"))
+                     for k in ("tensor", "pipeline", "data", "context", "expert"))
     rng = point.path / f"rng_rank{rank:05d}.pt"
     if same_roles and rng.is_file():
         _set_rng_state(safe_load.load(rng))
@@ -396,7 +397,7 @@ def _check_convertible(tag_dir: Path, meta: dict[str, Any]) -> None:
             f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "
             "checkpoint (it is built from ZeRO optimizer partitions); to resume it on another "
             "layout no conversion is needed: pass it to `pretrain train --resume-from`")
-    if meta["layout"]["tensor"] > 1:
+    if meta["layout"]["tensor"] > 1:  # expert parallelism is over the tensor ranks too
         raise CheckpointError(
             f"{str(tag_dir)!r} has tensor parallel {meta['layout']['tensor']}: our tensor-parallel "
             "layers do not declare DeepSpeed's merge patterns, so the universal conversion would "
@@ -426,8 +427,9 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
     m = cfg.model
     local = dict(canonical_parameters(engine.module, m))
     names = export_order(expected_hf_keys(m))
-    holder = _holding_stages(local, names, groups)
     coords, topology = groups.topology.my_coords, groups.topology
+    holder = _holding_stages(local, [n for n in names if expert_owner(
+        n, m, expert=topology.expert) is None], groups)  # experts: on their tensor rank
     zero3 = hasattr(next(iter(local.values())), "ds_id")
     dtype = next(iter(local.values())).dtype
     device = torch.device(get_accelerator().current_device_name())
@@ -437,7 +439,11 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
     with writing as writer:
         for name in names:
             wait_for_io()  # rank 0 is done with the previous tensor
-            if coords.pipeline == holder[name]:
+            owner = expert_owner(name, m, expert=topology.expert)
+            if owner is not None:  # whole on one tensor rank (no pipeline with experts)
+                _final_expert(local.get(name), name, m, owner=owner, groups=groups, zero3=zero3,
+                              writer=writer if main else None, dtype=dtype, device=device)
+            elif coords.pipeline == holder[name]:
                 full = _whole_tensor(local[name], name, m, groups=groups, zero3=zero3,
                                      first_replica=coords.data == 0 and coords.context == 0)
                 if main:
@@ -466,6 +472,26 @@ def export_order(names) -> list[str]:
             return 1, int(layer[1]), name
         return {EMBED: 0, LM_HEAD: 3}.get(name, 2), 0, name
     return sorted(names, key=position)
+
+
+def _final_expert(param, name: str, m, *, owner: int, groups, zero3: bool, writer, dtype,
+                  device) -> None:
+    """Rank 0 writes expert `name`, held whole by tensor rank `owner` of each replica (gathered
+    over data parallel under ZeRO-3), from which the first replica sends it."""
+    coords, topology = groups.topology.my_coords, groups.topology
+    full = None
+    if coords.tensor == owner:
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None) if zero3 \
+                else contextlib.nullcontext():
+            full = param.detach().clone()
+    if writer is not None and owner == 0:
+        writer.write(name, full)
+    elif writer is not None:
+        received = torch.empty(full_parameter_shape(name, m), dtype=dtype, device=device)
+        torch_dist.recv(received, src=topology.rank_of(tensor=owner, data=0, pipeline=0))
+        writer.write(name, received)
+    elif full is not None and coords.data == 0 and coords.context == 0:
+        torch_dist.send(full.to(device), dst=0)
 
 
 def _holding_stages(local: dict[str, torch.Tensor], names: list[str], groups) -> dict[str, int]:

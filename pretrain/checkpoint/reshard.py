@@ -40,19 +40,22 @@ from pretrain.checkpoint.zero_shards import load_checkpoint_file
 from pretrain.config import RunConfig
 from pretrain.errors import CheckpointError
 from pretrain.model import canonical_parameters, tensor_parallel_group
+from pretrain.model.form import shard_of_rank
 from pretrain.model.llama import ShardRange, full_parameter_shape, shard_range
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # What makes two layouts the same for a checkpoint: every rank's files mean the same thing.
-LAYOUT_KEYS = ("tensor", "pipeline", "data", "context", "zero_stage", "offload", "precision")
+LAYOUT_KEYS = ("tensor", "pipeline", "data", "context", "expert", "zero_stage", "offload",
+               "precision")
 
 
 def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> str:
     """`tp2 pp2 dp1 ZeRO-1`, with offload and precision when set (and, given `other`, when
     they differ from it)."""
-    cp = layout.get("context", 1)
-    text = (f"tp{layout['tensor']} pp{layout['pipeline']}{f' cp{cp}' if cp > 1 else ''} "
+    cp, ep = layout.get("context", 1), layout.get("expert", 1)
+    text = (f"tp{layout['tensor']} pp{layout['pipeline']}{f' cp{cp}' if cp > 1 else ''}"
+            f"{f' ep{ep}' if ep > 1 else ''} "
             f"dp{layout['data']} ZeRO-{layout['zero_stage']}")
     if layout.get("offload", "none") != "none":
         text += f" offload {layout['offload']}"
@@ -64,7 +67,8 @@ def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> 
 def layout_change(saved: dict[str, Any], run: dict[str, Any]) -> str | None:
     """`tp2 pp2 dp1 ZeRO-1 -> tp1 pp1 dp2 ZeRO-3` when the layouts differ (keys saved by older
     versions, absent from `saved`, count as equal), else None."""
-    saved = {"context": 1, **saved}  # saved before context parallelism: context 1
+    # saved before context / expert parallelism: 1
+    saved = {"context": 1, "expert": 1, **saved}
     if all(saved[k] == run[k] for k in LAYOUT_KEYS if k in saved and k in run):
         return None
     return f"{describe(saved, other=run)} -> {describe(run, other=saved)}"
@@ -146,7 +150,7 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
         flat_range = targets.needed(param)
         if flat_range is None:  # ZeRO-1/2: outside this rank's partition
             continue
-        where = shard_range(name, m, tp_rank=my_tp, tp_size=tp_size)
+        where = shard_range(name, m, **shard_of_rank(param, tp_rank=my_tp, tp_size=tp_size))
         for what, source in sources.items():
             try:
                 piece = read_shard_piece(source, name, where, flat_range, cfg=m)

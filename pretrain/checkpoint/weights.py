@@ -46,7 +46,8 @@ from pretrain.files import atomic_directory
 from pretrain.model.mixtral import MixtralImport
 from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
                                expected_hf_keys, model_fields_from_hf_config)
-from pretrain.model.form import copy_full_weights, copy_shards
+from pretrain.model.form import (canonical_parameters, copy_full_weights, copy_shards,
+                                 shard_of_rank)
 from pretrain.model.mup import parametrization_mismatch
 from pretrain.model.llama import (ShardRange, full_parameter_shape, shard_range,
                                   tensor_partition_dim)
@@ -248,7 +249,8 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
             if canonical is not None:  # a tied weight is on two stages: both copies are equal
                 shards.setdefault(canonical, {}).setdefault(tp_index, (local, name))
     what = str(step_dir) if key is None else f"{step_dir} ({key})"
-    return MergedShards(shards, cfg=cfg, tp=tp, source=what)
+    return MergedShards(shards, cfg=cfg, tp=tp, source=what,
+                        whole_experts=run_cfg.parallel.expert > 1)
 
 
 def _zero0_optimizer_tensors(step_dir: Path, *, mp_rank: int, key: str | None,
@@ -314,22 +316,40 @@ class MergedShards(Mapping):
     """{Hugging Face name: whole fp32 tensor} over the model-parallel ranks of an engine
     checkpoint: an item is read (from every tensor-parallel rank's source), concatenated along
     `tensor_partition_dim`, stripped of padded vocabulary rows, when asked for, so a reader
-    going tensor by tensor holds one whole tensor at a time. No lm_head when tied."""
+    going tensor by tensor holds one whole tensor at a time. No lm_head when tied.
+
+    `whole_experts` (saved with parallel.expert > 1): each expert is whole on the one
+    tensor-parallel rank that held it, under its global name."""
 
     def __init__(self, shards: dict[str, dict[int, tuple[Mapping[str, torch.Tensor], str]]], *,
-                 cfg: ModelConfig, tp: int, source: str) -> None:
+                 cfg: ModelConfig, tp: int, source: str, whole_experts: bool = False) -> None:
         check_keys(set(shards), expected_hf_keys(cfg), f"checkpoint {source}")
+        self._whole = {name for name in shards if whole_experts and ".mlp.experts." in name}
         for name, by_rank in shards.items():
+            if name in self._whole:
+                if len(by_rank) != 1:
+                    raise CheckpointError(f"{source}: expert {name} is held by tensor-parallel "
+                                          f"ranks {sorted(by_rank)}; expected one")
+                continue
             if sorted(by_rank) != list(range(tp)):
                 raise CheckpointError(f"{source}: {name} has tensor-parallel shards "
                                       f"{sorted(by_rank)} of {tp}: a rank's files are missing")
         self._shards, self._cfg, self._tp = shards, cfg, tp
         self.bytes_read = 0  # by read_box
 
+    def _split_dim(self, name: str) -> int | None:
+        """The dimension `name` is split along over the saved ranks (None: one holds it whole)."""
+        return None if name in self._whole or self._tp == 1 else tensor_partition_dim(name)
+
+    def _holder(self, name: str) -> tuple[Mapping[str, torch.Tensor], str]:
+        """(tensors, local name) of a rank holding `name` whole (the first, when replicated)."""
+        by_rank = self._shards[name]
+        return by_rank[min(by_rank)]
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        dim = tensor_partition_dim(name)
-        if dim is None or self._tp == 1:
-            source, local = self._shards[name][0]
+        dim = self._split_dim(name)
+        if dim is None:
+            source, local = self._holder(name)
             tensor = source[local]
         else:  # each shard copied into its place as it is read: the whole tensor and one shard
             shape = list(full_parameter_shape(name, self._cfg))
@@ -356,9 +376,9 @@ class MergedShards(Mapping):
         in fp32, read from the shards that hold it and, within a shard, only its elements (the
         ZeRO partitions through `ZeroMasters.read_runs`; other files are memory-mapped, so a
         slice reads its pages). `bytes_read` counts the tensor bytes copied out."""
-        dim = tensor_partition_dim(name)
-        if dim is None or self._tp == 1:
-            blocks = [(self._shards[name][0], box)]
+        dim = self._split_dim(name)
+        if dim is None:
+            blocks = [(self._holder(name), box)]
         else:
             size = shard_range(name, self._cfg, tp_rank=0, tp_size=self._tp).shape[dim]
             blocks = []
@@ -425,8 +445,9 @@ def load_initial_weights(model: torch.nn.Module, *, cfg: ModelConfig, tp_group=N
     check_shapes(weights.state, cfg, source=weights.source)
     if isinstance(weights.state, LazyTensors):  # read only this rank's rows or columns
         tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
-        copy_shards(model, cfg, lambda name: _read_shard(
-            weights.state, name, shard_range(name, cfg, tp_rank=rank, tp_size=tp_size)))
+        params = dict(canonical_parameters(model, cfg))  # an expert-parallel expert is whole
+        copy_shards(model, cfg, lambda name: _read_shard(weights.state, name, shard_range(
+            name, cfg, **shard_of_rank(params[name], tp_rank=rank, tp_size=tp_size))))
     else:
         copy_full_weights(model, cfg, lambda name: weights.state[name].float(),
                           tp_group=tp_group)

@@ -27,11 +27,12 @@ from pretrain.topology import ProcessGroups
 
 
 def build_model(cfg: ModelConfig, *, seed: int, tp_group=None,
-                sequence_parallel: bool = False, cp_group=None) -> LlamaModel:
+                sequence_parallel: bool = False, cp_group=None,
+                expert_parallel: bool = False) -> LlamaModel:
     """A `LlamaModel` initialised from `seed`: every tensor-parallel layout of the same seed
     holds shards of bitwise the same model (`cp_group`: context parallelism, same weights)."""
     model = LlamaModel(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                       cp_group=cp_group)
+                       cp_group=cp_group, expert_parallel=expert_parallel)
     init_weights(model, cfg, seed=seed, tp_group=tp_group)
     return model
 
@@ -72,7 +73,8 @@ def construct_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
                 cfg.model.activation_checkpointing == Recompute.FULL),
             groups_by_ranks=groups.by_ranks, cp_group=groups.context)
     return LlamaModel(cfg.model, tp_group=tp_group, sequence_parallel=p.sequence_parallel,
-                      cp_group=groups.context)  # None at parallel.context 1
+                      cp_group=groups.context,  # None at parallel.context 1
+                      expert_parallel=p.expert > 1)
 
 
 def build_for_layout(cfg: RunConfig, groups: ProcessGroups, *,

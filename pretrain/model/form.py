@@ -71,8 +71,10 @@ def copy_full_weights(module: nn.Module, cfg: ModelConfig,
     """Set every parameter of `module` to this rank's tensor-parallel shard (`shard_of`) of
     `full_tensor(canonical name)`, a whole tensor of the unsharded model."""
     tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
-    copy_shards(module, cfg, lambda name: shard_of(full_tensor(name), name, cfg=cfg,
-                                                    tp_rank=rank, tp_size=tp_size))
+    params = dict(canonical_parameters(module, cfg))
+    copy_shards(module, cfg, lambda name: shard_of(
+        full_tensor(name), name, cfg=cfg,
+        **shard_of_rank(params[name], tp_rank=rank, tp_size=tp_size)))
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig, *, seed: int, tp_group=None) -> None:
@@ -89,7 +91,14 @@ def init_weights(module: nn.Module, cfg: ModelConfig, *, seed: int, tp_group=Non
     """
     tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
     _each_parameter(module, cfg, lambda name, param: shard_init(
-        name, cfg, seed=seed, tp_rank=rank, tp_size=tp_size, out=param))
+        name, cfg, seed=seed, out=param, **shard_of_rank(param, tp_rank=rank, tp_size=tp_size)))
+
+
+def shard_of_rank(param: torch.Tensor, *, tp_rank: int, tp_size: int) -> dict[str, int]:
+    """The (tp_rank, tp_size) whose shard `param` holds: an expert-parallel expert is whole."""
+    if getattr(param, "expert_parallel", False):
+        return {"tp_rank": 0, "tp_size": 1}
+    return {"tp_rank": tp_rank, "tp_size": tp_size}
 
 
 def copy_shards(module: nn.Module, cfg: ModelConfig,

@@ -268,7 +268,7 @@ class DecoderLayer(nn.Module):
     """One pre-norm transformer block; attribute names follow Hugging Face's LlamaDecoderLayer."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None) -> None:
+                 cp_group=None, expert_parallel: bool = False) -> None:
         super().__init__()
         norm_group = tp_group if sequence_parallel else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
@@ -279,7 +279,7 @@ class DecoderLayer(nn.Module):
                                                 sequence_parallel_group=norm_group)
         if cfg.num_experts:  # a routed mixture of SwiGLU experts (`pretrain.model.moe`)
             self.mlp = MoE(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                           project=fused_projections)
+                           project=fused_projections, expert_parallel=expert_parallel)
         else:
             self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
@@ -297,13 +297,14 @@ class LlamaBackbone(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
-                 sequence_parallel: bool = False, cp_group=None) -> None:
+                 sequence_parallel: bool = False, cp_group=None,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
                                             sequence_parallel=sequence_parallel)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                         cp_group=cp_group)
+                         cp_group=cp_group, expert_parallel=expert_parallel)
             for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                             sequence_parallel_group=tp_group if sequence_parallel else None)
@@ -322,6 +323,9 @@ class LlamaModel(nn.Module):
     every rank of it gets the same input_ids and labels. `sequence_parallel` needs tp > 1 and
     sequence lengths divisible by tp.
 
+    `expert_parallel`: the tp ranks hold whole experts of each MoE layer, an equal share each,
+    and swap tokens by all-to-all (`pretrain.model.expert_parallel`; parallel.expert = tp).
+
     `cp_group`: the context-parallel group (`pretrain.model.context_parallel`; None: none).
     Context rank c gets chunk c of every sequence (inputs and their labels, T/N tokens each);
     attention exchanges heads for the whole sequence, and the loss is the chunk's share of the
@@ -329,7 +333,7 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None) -> None:
+                 cp_group=None, expert_parallel: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
@@ -345,7 +349,7 @@ class LlamaModel(nn.Module):
         self.padded_vocab_size = cfg.padded_vocab_size(self.tensor_parallel)
         self.model = LlamaBackbone(cfg, padded_vocab_size=self.padded_vocab_size,
                                    tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                   cp_group=self.cp_group)
+                                   cp_group=self.cp_group, expert_parallel=expert_parallel)
         # column-parallel rows of the vocabulary, like `column_linear`; its forward also gives the
         # loss, chunked by cfg.loss_chunk_tokens (ZeRO-3 gathers the weight for that forward)
         self.lm_head = LMHead(cfg.hidden_size, self.padded_vocab_size, vocab_size=cfg.vocab_size,
@@ -672,6 +676,10 @@ def gather_full_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     it inside `deepspeed.zero.GatheredParameters`.
     """
     cfg = model.cfg
+    if any(getattr(p, "expert_parallel", False) for p in model.parameters()):
+        raise ValueError("gather_full_state_dict: the tensor ranks hold different experts "
+                         "(expert parallelism); read the weights from `final/` or an engine "
+                         "checkpoint (`pretrain.checkpoint.weights.load_weights`)")
     state = model.state_dict()
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)

@@ -61,10 +61,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
+from pretrain.model.expert_parallel import gather_tokens, run_experts, scatter_tokens
 from pretrain.model.layers import column_linear, row_linear
 from pretrain.model.tensor_parallel import (SequenceShardedWeightGrad, column_parallel_input,
                                             reduce_from_tp, reduce_scatter_to_sequence,
-                                            tp_world_size)
+                                            tp_rank, tp_world_size)
 
 
 class AuxLossGradient(torch.autograd.Function):
@@ -167,8 +168,10 @@ class MoE(nn.Module):
     """A routed mixture of SwiGLU experts in place of a decoder layer's MLP (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 project: Callable) -> None:
-        """`project`: `llama.fused_projections`, gate and up of an expert as one matmul."""
+                 project: Callable, expert_parallel: bool = False) -> None:
+        """`project`: `llama.fused_projections`, gate and up of an expert as one matmul.
+        `expert_parallel`: the tensor-parallel ranks hold whole experts, an equal share each
+        (`pretrain.model.expert_parallel`), instead of 1/tp of every expert."""
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tensor_parallel = tp_world_size(tp_group)
@@ -179,8 +182,12 @@ class MoE(nn.Module):
         # each rank's router gradient is a partial sum (see the module docstring)
         self.weight_grad = SequenceShardedWeightGrad(tp_group)
         self.weight_grad.attach(self.gate.weight)
-        self.experts = nn.ModuleList(Expert(cfg, tp_group=tp_group, project=project)
-                                     for _ in range(cfg.num_experts))
+        self.expert_group = tp_group if expert_parallel and self.tensor_parallel > 1 else None
+        if self.expert_group is None:
+            self.experts = nn.ModuleList(Expert(cfg, tp_group=tp_group, project=project)
+                                         for _ in range(cfg.num_experts))
+        else:
+            self.experts = _local_experts(cfg, group=self.expert_group, project=project)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -192,8 +199,11 @@ class MoE(nn.Module):
         """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
         logits = self.gate(flat).float()
         routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor)
-        balance = routing.balance_loss()
-        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        if self.expert_group is None:
+            balance = routing.balance_loss()
+            z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        else:  # over the tokens of every expert rank: the micro-batch one process sees
+            balance, z_loss = _group_aux_losses(routing, logits, self.expert_group)
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recompute
             self.stats += torch.stack([torch.ones((), dtype=torch.float64),
                                        balance.detach().double().cpu(),
@@ -203,6 +213,8 @@ class MoE(nn.Module):
         return routing, logits, self.aux_coeff * balance + self.z_coeff * z_loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.expert_group is not None:
+            return self._forward_expert_parallel(x)
         x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         B, T, C = x.shape
         flat = x.reshape(-1, C)
@@ -221,6 +233,51 @@ class MoE(nn.Module):
             scale = _AUX_GRAD_SCALE[0] / self.tensor_parallel
             out = AuxLossGradient.apply(out, aux_loss, scale)
         return out
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Route this rank's token chunk, send each assignment to the rank holding its expert
+        and combine what comes back (`pretrain.model.expert_parallel`)."""
+        group = self.expert_group
+        chunk = x if self.sequence_parallel else scatter_tokens(x, group)
+        B, T, C = chunk.shape
+        flat = chunk.reshape(-1, C)
+        routing, _, aux_loss = self.route(flat)
+        tokens = flat.index_select(0, routing.token)  # (M, C) grouped by expert
+        outputs = run_experts(list(self.experts.values()), tokens, routing.kept, group)
+        weighted = (outputs * routing.weight[:, None]).to(x.dtype)
+        out = torch.zeros_like(flat).index_add(0, routing.token, weighted).view(B, T, C)
+        if out.requires_grad and (self.aux_coeff or self.z_coeff):
+            # the same global value on every rank, each differentiating it through its own
+            # tokens' probabilities only: no share to divide
+            out = AuxLossGradient.apply(out, aux_loss, _AUX_GRAD_SCALE[0])
+        return out if self.sequence_parallel else gather_tokens(out, group)
+
+
+def _local_experts(cfg: ModelConfig, *, group, project: Callable) -> nn.ModuleDict:
+    """This rank's whole experts under their global indices (`experts.M.*`), tagged so the
+    initialisation, gradient norm and checkpoints treat them as this rank's own shard."""
+    ep, rank = tp_world_size(group), tp_rank(group)
+    local = cfg.num_experts // ep
+    experts = nn.ModuleDict({str(rank * local + j): Expert(cfg, project=project)
+                             for j in range(local)})
+    for param in experts.parameters():
+        param.expert_parallel = True  # whole, on one rank of the group
+        param.tensor_model_parallel = True  # DeepSpeed's grad norm counts it on its rank
+    return experts
+
+
+def _group_aux_losses(routing: Routing, logits: torch.Tensor,
+                      group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The balance loss and z-loss over the tokens of every rank of `group`, the same on each:
+    the local sums are all-reduced (backward: identity, each rank's tokens get their own part)."""
+    E = logits.shape[1]
+    local = torch.cat([routing.probs.sum(dim=0), torch.logsumexp(logits, dim=-1).pow(2).sum()[None],
+                       routing.selected.to(logits.dtype),
+                       torch.tensor([float(logits.shape[0])], device=logits.device)])
+    total = reduce_from_tp(local, group)
+    probs_sum, z_sum, selected, tokens = total[:E], total[E], total[E + 1:2 * E + 1], total[-1]
+    fraction = selected / selected.sum()
+    return E * torch.sum(fraction * probs_sum / tokens), z_sum / tokens
 
 
 def moe_layers(module: nn.Module) -> list[MoE]:

@@ -1,7 +1,8 @@
 """The text `pretrain plan` prints: one planned layout, or the ranking of a search."""
 from __future__ import annotations
 
-from pretrain.arithmetic import model_flops_per_token, num_active_parameters, num_parameters
+from pretrain.arithmetic import (expert_parameters_per_rank, model_flops_per_token,
+                                 num_active_parameters, num_parameters)
 from pretrain.config import ModelConfig, RunConfig
 from pretrain.ds_config import shipped_ds_configs
 from pretrain.hardware import format_flops
@@ -18,7 +19,9 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         f"[plan] {config_path or '(defaults)'} on {world} ranks ({accelerator}): the config "
         "resolves; nothing was launched",
         f"layout  tp {layout.tensor} x pp {layout.pipeline}"
-        f"{f' x cp {layout.context}' if layout.context > 1 else ''} x dp {layout.data} = "
+        f"{f' x cp {layout.context}' if layout.context > 1 else ''}"
+        f"{f' (ep {layout.expert}: the tp ranks)' if layout.expert > 1 else ''} "
+        f"x dp {layout.data} = "
         f"{world} ranks | "
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum "
         f"{layout.grad_accum} x dp {layout.data} ({layout.global_batch * m.seq_length:,} tokens)",
@@ -28,6 +31,7 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         f"{'on' if layout.sequence_parallel else 'off'} | partition {layout.partition}",
         f"model   {_count(num_parameters(m))} parameters{_active(m)}, "
         f"{model_flops_per_token(m):.3g} FLOPs/token, seq {m.seq_length}",
+        *([_experts_line(m, layout)] if m.num_experts else []),
         format_plan(plan),
     ]
     return "\n".join(lines)
@@ -39,6 +43,15 @@ def _active(m) -> str:
         return ""
     return (f" ({_count(num_active_parameters(m))} active: {m.num_experts} experts, "
             f"top {m.experts_per_token})")
+
+
+def _experts_line(m: ModelConfig, layout: Layout) -> str:
+    """How the experts lie on a GPU and what they weigh there (before ZeRO sharding)."""
+    held = (f"{m.num_experts // layout.expert} of {m.num_experts} experts whole"
+            if layout.expert > 1 else f"1/{layout.tensor} of each of {m.num_experts} experts")
+    layers = -(-m.num_layers // layout.pipeline)  # the heaviest stage's
+    n = expert_parameters_per_rank(m, layout, layers=layers)
+    return f"experts {held} per GPU: {_count(n)} expert parameters ({layers} layers)"
 
 
 def _count(n: int) -> str:
@@ -62,6 +75,8 @@ def format_plan(plan: Plan) -> str:
           ("compute", "tensor_comm", "bubble", "pipeline_comm", "data_comm", "offload")),
         *([f"  {'context_comm':<14}{t.context_comm:9.3f} s {pct(t.context_comm)}"]
           if lay.context > 1 else []),
+        *([f"  (tensor_comm: expert all-to-alls {t.expert_comm:.3f} s, "
+           f"{pct(t.expert_comm).strip()} of the step)"] if lay.expert > 1 else []),
         f"throughput {plan.tokens_per_s:,.0f} tokens/s | model "
         f"{format_flops(plan.model_tflops_per_gpu)}/GPU (MFU {100 * plan.mfu:.1f}%) | hardware "
         f"{format_flops(plan.hardware_tflops_per_gpu)}/GPU (HFU {100 * plan.hfu:.1f}%)",
@@ -74,6 +89,7 @@ def selecting_arguments(layout: Layout, ds_config: str) -> str:
     JSON of its ZeRO stage and offload)."""
     sets = [f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
             *([f"parallel.context={layout.context}"] if layout.context > 1 else []),
+            *([f"parallel.expert={layout.expert}"] if layout.expert > 1 else []),
             f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
             f"train.micro_batch_size={layout.micro_batch}",
             f"model.activation_checkpointing={layout.recompute.value}",

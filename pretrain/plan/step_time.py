@@ -1,15 +1,17 @@
 """The planner's model of time: seconds per optimizer step of a layout on a cluster.
 
 The step splits into compute (hardware FLOPs of the slowest stage at the sustained matmul rate),
-tensor-parallel communication, context-parallel all-to-alls (four per attention layer forward:
-q, k, v and the output; four backward; on the intra-node link while tensor x context fits a
-node), the 1F1B pipeline bubble, pipeline point-to-point transfers,
-exposed data-parallel communication and the offloaded optimizer step; the efficiency
-assumptions are those of `pretrain.plan.clusters`.
+tensor-parallel communication (with expert parallelism's all-to-alls, the dispatch and combine
+of each MoE layer forward and backward, which run on the tensor group; `expert_comm` shows
+them apart), context-parallel all-to-alls (four per attention layer forward: q, k, v and the
+output; four backward; on the intra-node link while tensor x context fits a node), the 1F1B
+pipeline bubble, pipeline point-to-point transfers, exposed data-parallel communication and the
+offloaded optimizer step; the efficiency assumptions are those of `pretrain.plan.clusters`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pretrain.arithmetic import (layout_recomputed_layers, model_flops_per_token,
                                  stage_flops_per_token, stage_parameters)
@@ -31,6 +33,9 @@ class TimeBreakdown:
     data_comm: float  # exposed data-parallel gradient / parameter communication
     offload: float  # host <-> device copies and the CPU optimizer step
     context_comm: float = 0.0  # context parallelism's all-to-alls of attention (Ulysses)
+    # of tensor_comm, expert parallelism's token dispatch and combine: all-to-alls over the
+    # tensor group, on its links (a part, shown on its own; not a field: not added again)
+    expert_comm: ClassVar[float] = 0.0
 
     @property
     def step(self) -> float:
@@ -62,8 +67,12 @@ def _link_gbps(cluster: Cluster, ranks: int) -> float:
 
 def _tensor_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> float:
     """Seconds of one micro-batch's tensor-parallel collectives: 2 of the layer's activations
-    forward, 2 backward, 2 more per recomputed layer."""
-    collectives = 4 * mb.layers + 2 * layout_recomputed_layers(layout, mb.layers)
+    forward (attention's and the MLP's), 2 backward, 2 more per recomputed layer. An
+    expert-parallel MoE layer replaces the MLP's: without sequence parallelism an all-gather of
+    its output (forward and backward: half an all-reduce each), with it none."""
+    mlp = 1.0 if layout.expert == 1 else (0.0 if layout.sequence_parallel else 0.5)
+    collectives = (2 + 2 * mlp) * mb.layers \
+        + (1 + mlp) * layout_recomputed_layers(layout, mb.layers)
     activations = mb.tokens * model.hidden_size * mb.act_bytes
     return collectives * _ring_seconds(activations, layout.tensor,
                                        _link_gbps(cluster, layout.tensor), passes=2)
@@ -81,6 +90,21 @@ def _context_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
     all_to_alls = 2 * mb.layers + layout_recomputed_layers(layout, mb.layers)
     return all_to_alls * (layout.context - 1) / layout.context \
         * exchanged / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+
+
+def _expert_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> float:
+    """Seconds of one micro-batch's expert-parallel all-to-alls: per MoE layer, each rank of the
+    tensor group sends its chunk's k rows per token (tokens / ep x k x hidden) to the experts'
+    ranks and gets them back (dispatch, combine); the reverse two in backward; once more per
+    recomputed layer. A balanced router keeps 1/ep of the rows on the rank."""
+    ep = layout.expert
+    if ep == 1:
+        return 0.0
+    rows = mb.tokens / ep * model.experts_per_token
+    exchanged = rows * model.hidden_size * mb.act_bytes
+    all_to_alls = 4 * mb.layers + 2 * layout_recomputed_layers(layout, mb.layers)
+    return all_to_alls * (ep - 1) / ep * exchanged \
+        / (_link_gbps(cluster, layout.tensor) * 1e9 * COLLECTIVE_EFFICIENCY)
 
 
 def _pipeline_p2p(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> float:
@@ -150,15 +174,17 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
                      compute=slow_hw * tokens / (cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY))
     tensor_mb = _tensor_comm(model, layout, cluster, mb)
     context_mb = _context_comm(model, layout, cluster, mb)
+    expert_mb = _expert_comm(model, layout, cluster, mb)
     stage_params = max(stage_parameters(model, layout, items) for items in stages)
     micro_batches = layout.grad_accum
     times = TimeBreakdown(
-        compute=micro_batches * mb.compute, tensor_comm=micro_batches * tensor_mb,
-        bubble=(layout.pipeline - 1) * (mb.compute + tensor_mb + context_mb),
+        compute=micro_batches * mb.compute, tensor_comm=micro_batches * (tensor_mb + expert_mb),
+        bubble=(layout.pipeline - 1) * (mb.compute + tensor_mb + context_mb + expert_mb),
         pipeline_comm=_pipeline_p2p(model, layout, cluster, mb),
         data_comm=_data_comm(layout, cluster, mb, stage_params=stage_params),
         offload=_offload(layout, cluster, stage_params=stage_params),
         context_comm=micro_batches * context_mb)
+    times.expert_comm = micro_batches * expert_mb
     model_flops = model_flops_per_token(model) * layout.global_batch * model.seq_length \
         / layout.world_size
     hardware_flops = model_flops * slow_hw / slow_model if slow_model else model_flops

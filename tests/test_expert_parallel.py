@@ -1,0 +1,242 @@
+"""Expert parallelism (`parallel.expert`, `pretrain/model/expert_parallel.py`): the all-to-all
+dispatch against the single-process layer, training against one process, resuming on another
+expert layout, and the refusals.
+
+The layer test runs one MoE layer (hidden 64, 4 experts, top-2, 64 tokens) on 2 gloo ranks
+against `tests/test_moe.py`'s single-process layer; the training tests share that file's
+single-process run of `configs/tiny_moe.yaml` as the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pretrain.config import ModelConfig, Precision
+from pretrain.errors import ConfigError
+from pretrain.layout import Layout, check_layout
+from pretrain.model.llama import fused_projections
+from pretrain.model.moe import MoE
+from pretrain.testing.ranks import run_on_ranks
+from pretrain.topology import Topology
+from tests.test_moe import CFG, _assert_close, _layer
+
+
+def _expert_parallel_layer(cfg: ModelConfig, group, reference: MoE, *,
+                           sequence_parallel: bool) -> MoE:
+    """An expert-parallel copy of `reference` over `group`: the router, and this rank's experts
+    under the same names."""
+    layer = MoE(cfg, tp_group=group, sequence_parallel=sequence_parallel,
+                project=fused_projections, expert_parallel=True)
+    ours = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(ours[name])
+    return layer
+
+
+def _layer_on_ranks(rank: int, world_size: int, sequence_parallel: bool) -> list[str]:
+    import torch.distributed as dist
+
+    from pretrain import collective_log
+
+    log = collective_log.CollectiveLog()
+    collective_log.install(log)
+    group = dist.new_group(list(range(world_size)))
+    reference = _layer(CFG, seed=4)  # the same on every rank
+    layer = _expert_parallel_layer(CFG, group, reference, sequence_parallel=sequence_parallel)
+    names = sorted({n.split(".")[1] for n, _ in layer.named_parameters() if "experts" in n})
+    assert names == [str(2 * rank), str(2 * rank + 1)]  # whole experts, global names
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 32, 64, generator=generator)
+    g = torch.randn(2, 32, 64, generator=generator)
+    x_ref = x.clone().requires_grad_(True)
+    ref_out = reference(x_ref)
+    (ref_out * g).sum().backward()  # the layer adds its auxiliary losses' gradient (scale 1)
+
+    chunk = slice(16 * rank, 16 * (rank + 1))
+    mine = (x[:, chunk] if sequence_parallel else x).clone().requires_grad_(True)
+    out = layer(mine)
+    (out * (g[:, chunk] if sequence_parallel else g)).sum().backward()
+    expected_out = ref_out[:, chunk] if sequence_parallel else ref_out
+    expected_grad = x_ref.grad[:, chunk] if sequence_parallel else x_ref.grad
+    _assert_close(out, expected_out.detach(), "output")
+    _assert_close(mine.grad, expected_grad, "input gradient")
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, p in layer.named_parameters():
+        _assert_close(p.grad, ref_grads[name], name)  # router summed over ranks; experts whole
+    # dropless: each of this rank's tokens goes to the experts one process gives it
+    with torch.no_grad():
+        ours = layer.route(x[:, chunk].reshape(-1, 64))[0].top_experts
+        theirs = reference.route(x.reshape(-1, 64))[0].top_experts
+    torch.testing.assert_close(ours, theirs.view(2, 32, -1)[:, chunk].reshape(ours.shape),
+                               rtol=0, atol=0)
+    ops = [entry[1] for entry in log.recent()]
+    # counts, rows out, rows back; and the reverse two in backward: seen by the collective log
+    assert ops.count("all_to_all_single") == 5, ops
+    assert all(entry[5] == "done" for entry in log.recent())
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_all_to_all_dispatch_gives_the_single_process_layer_output_and_gradients(
+        tmp_path, sequence_parallel):
+    names = run_on_ranks(_layer_on_ranks, world_size=2, tmp_path=tmp_path,
+                         args=(sequence_parallel,))
+    assert names == [["0", "1"], ["2", "3"]]
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+def _layout(**fields) -> Layout:
+    return Layout(**{"tensor": 2, "expert": 2, "micro_batch": 1, "global_batch": 1,
+                     "precision": Precision.FP32, **fields})
+
+
+def test_expert_layouts_the_stack_cannot_run_are_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="parallel.expert=2: must divide model.num_experts=3"):
+        check_layout(dataclasses.replace(CFG, num_experts=3), _layout())
+    with pytest.raises(ConfigError, match="the model has no experts"):
+        check_layout(dataclasses.replace(CFG, num_experts=0), _layout())
+    with pytest.raises(ConfigError, match="expert ranks are the tensor-parallel ranks"):
+        check_layout(CFG, _layout(tensor=1, expert=2))
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        check_layout(dataclasses.replace(CFG, moe_capacity_factor=1.0), _layout())
+    with pytest.raises(ConfigError, match="parallel.pipeline=2: not supported"):
+        check_layout(CFG, _layout(pipeline=2))
+    with pytest.raises(ConfigError, match="parallel.context=2: not supported"):
+        check_layout(dataclasses.replace(CFG, num_kv_heads=4), _layout(context=2))
+    with pytest.raises(ConfigError, match="experts_per_token=5: must be between 1 and"):
+        dataclasses.replace(CFG, experts_per_token=5)  # top-k above the expert count
+    # a world that cannot hold the expert layout: expert ranks without a tensor group of them
+    with pytest.raises(ConfigError, match="parallel.expert=2 with parallel.tensor=1"):
+        Topology(tensor=1, pipeline=1, world_size=2, expert=2)
+    check_layout(CFG, _layout())  # tp 2 = ep 2: 2 whole experts per rank
+
+
+def test_the_pre_flight_refuses_an_expert_layout_with_its_reason_and_exit_2():
+    from pretrain.testing.cli import run_cli
+    from pretrain.testing.runs import REPO
+
+    base = ["plan", "--config", "configs/tiny_moe.yaml", "--world-size", "2",
+            "--set", "parallel.tensor=2", "--set", "parallel.expert=2"]
+    bad = run_cli([*base, "--set", "model.num_experts=3"], cwd=REPO)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "error: parallel.expert=2: must divide model.num_experts=3" in bad.stderr
+    good = run_cli(base, cwd=REPO)
+    assert good.returncode == 0, good.stderr
+    assert "experts 2 of 4 experts whole per GPU" in good.stdout
+
+
+def test_topology_draws_the_expert_groups():
+    topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2)
+    assert topo.expert_groups() == topo.tensor_groups() == [[0, 1], [2, 3]]
+    assert "expert=2: expert groups = tensor groups" in topo.describe()
+    assert Topology(tensor=2, pipeline=1, world_size=2).expert_groups() == [[0], [1]]
+
+
+# ---- training through `pretrain train`: expert layouts against one process ----------------------
+
+@pytest.mark.slow
+def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
+        moe_reference, tiny_data, tmp_path):
+    import shutil
+
+    from tests.test_moe import SAVE_AT, _assert_same_steps, _moe_train
+
+    run = _moe_train(tmp_path, tiny_data, name="ep2", nprocs=2, overrides=[
+        "parallel.tensor=2", "parallel.expert=2", f"checkpoint.save_interval={SAVE_AT}",
+        "checkpoint.keep_last=1", f"checkpoint.keep_every={SAVE_AT}", "checkpoint.save_final=true"])
+    assert "ep2" in run.stdout
+    _assert_same_steps(run, moe_reference)
+    # final/ holds every expert once, each from the rank that held it: the last checkpoint's
+    from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
+
+    final = load_weights(run.run_dir / "final").state
+    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{2 * SAVE_AT}").state
+    assert sorted(final) == sorted(last)
+    for name in last:
+        assert torch.equal(final[name], last[name]), name
+    zero3 = _moe_train(tmp_path, tiny_data, name="ep2_zero3", nprocs=2, overrides=[
+        "parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true",
+        "deepspeed=ds_configs/zero3.json", "checkpoint.save_final=true"])
+    _assert_same_steps(zero3, moe_reference)
+    # ZeRO-3's final/: each expert gathered over its data ranks, sent by its tensor rank; the
+    # same weights as ZeRO-1's up to the layouts' rounding
+    final3 = load_weights(zero3.run_dir / "final").state
+    assert sorted(final3) == sorted(final)
+    for name in final:
+        torch.testing.assert_close(final3[name], final[name], rtol=0, atol=1e-5)
+    # rank 1 of the tensor group held experts 2 and 3 whole, under their global names
+    from pretrain.checkpoint.zero_shards import load_checkpoint_file
+
+    held = load_checkpoint_file(run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+                                / "mp_rank_01_model_states.pt")["module"]
+    experts = {n: tuple(t.shape) for n, t in held.items() if ".mlp.experts." in n}
+    assert sorted({n.split(".")[5] for n in experts}) == ["2", "3"]
+    assert experts["model.layers.0.mlp.experts.2.down_proj.weight"] == (64, 96)
+    # expert 2's step-3 checkpoint (experts whole on the rank that held them) continues on one
+    # process, which holds all four, as the uninterrupted run does
+    saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    resumed = _moe_train(tmp_path, tiny_data, name="resumed")
+    assert "tp2 pp1 ep2 dp1 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in resumed.stdout
+    _assert_same_steps(resumed, moe_reference, first_step=SAVE_AT + 1)
+    # and one process's step-3 checkpoint continues on expert 2, each rank taking its experts
+    saved = moe_reference.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    shutil.copytree(saved, tmp_path / "onto_ep2" / "checkpoints" / saved.name)
+    onto_ep2 = _moe_train(tmp_path, tiny_data, name="onto_ep2", nprocs=2,
+                          overrides=["parallel.tensor=2", "parallel.expert=2"])
+    assert "tp1 pp1 dp1 ZeRO-1 -> tp2 pp1 ep2 dp1 ZeRO-1" in onto_ep2.stdout
+    _assert_same_steps(onto_ep2, moe_reference, first_step=SAVE_AT + 1)
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+
+def test_planned_expert_memory_and_all_to_all_time_of_mixtral_8x7b_by_hand():
+    from pretrain.arithmetic import expert_parameters_per_rank, stage_items
+    from pretrain.plan.clusters import make_cluster
+    from pretrain.plan.step_time import estimate_time
+    from tests.test_moe import MIXTRAL_8X7B as m
+
+    h100 = make_cluster("h100-80gb", nodes=1)  # NVLink 450 GB/s per GPU, 80% of it reached
+    ep2 = Layout(tensor=2, expert=2, micro_batch=1, global_batch=8, precision=Precision.BF16)
+    tp2 = dataclasses.replace(ep2, expert=1)
+    # 4 of the 8 experts whole (3 matrices of 4096 x 14336) in each of 32 layers: 22.5B
+    assert expert_parameters_per_rank(m, ep2, layers=32) == 32 * 4 * 3 * 4096 * 14336 \
+        == expert_parameters_per_rank(m, tp2, layers=32) == 22_548_578_304
+    ep_time = estimate_time(m, ep2, h100, stage_items(m, ep2))[0]
+    tp_time = estimate_time(m, tp2, h100, stage_items(m, tp2))[0]
+    # a micro-batch: 4096 tokens, 2048 per rank, 2 rows each (top-2) of 4096 bf16 values sent by
+    # 4 all-to-alls per layer (dispatch, combine; backward both), half of them to the other rank
+    link = 450e9 * 0.8
+    per_micro_batch = 32 * 4 * 0.5 * (2048 * 2 * 4096 * 2) / link
+    assert ep_time.expert_comm == pytest.approx(8 * per_micro_batch, rel=1e-12)  # 0.0477 s
+    assert ep_time.expert_comm == pytest.approx(0.047721858, rel=1e-6)
+    # tensor parallelism: an all-reduce of 4096 x 4096 bf16 activations costs 1/2 x 2 x 32 MiB
+    # over the link; attention 2 per layer, the tp MLP 2, the expert MLP's all-gathers 1
+    all_reduce = 4096 * 4096 * 2 / link
+    assert tp_time.tensor_comm == pytest.approx(8 * 32 * 4 * all_reduce, rel=1e-12)
+    assert ep_time.tensor_comm == pytest.approx(8 * 32 * 3 * all_reduce + ep_time.expert_comm,
+                                                rel=1e-12)
+
+
+def test_every_rank_of_the_mixtral_8x7b_recipe_builds_as_planned():
+    """tp 8 = ep 8 x dp 16 on 128 GPUs: each of the 8 distinct ranks built on the meta device holds
+    1/8 of attention and the vocabulary, one whole expert of each layer, the routers and norms."""
+    import json
+
+    from tests.test_plan_build import _pretrain
+
+    run = _pretrain(["plan", "--config", "configs/mixtral_8x7b.yaml", "--world-size", "128",
+                     "--build", "--json"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    builds = json.loads(run.stdout)["builds"]
+    assert sorted(b["tensor_rank"] for b in builds) == list(range(8))
+    attention = (2 * 4096 * 4096 + 2 * 4096 * 1024) // 8
+    layer = attention + 3 * 4096 * 14336 + 8 * 4096 + 2 * 4096  # one expert, router, norms
+    vocab = 32768 * 4096 // 8  # 32000 padded to a multiple of 128 x 8, untied embedding and head
+    assert all(b["built"] == b["planned"] == 32 * layer + 4096 + 2 * vocab == 5_839_785_984
+               for b in builds)
