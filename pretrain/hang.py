@@ -91,13 +91,17 @@ class Watchdog:
                  store: Any = None, control: Any = None, log: Callable[[str], None] = print,
                  on_verdict: Callable[[dict[str, Any]], None] | None = None,
                  exit: Callable[[int], None] = os._exit,
-                 collectives: collective_log.CollectiveLog = collective_log.LOG):
+                 collectives: collective_log.CollectiveLog = collective_log.LOG,
+                 saver: Any = None):
         """`store` the rendezvous store (a `torch.distributed.Store`; None in a world of one);
         `control` the `faults.RunControl` whose SIGTERM flag counts; `on_verdict` called on rank
-        0 with the metrics record before the exit; `exit` ends the process."""
+        0 with the metrics record before the exit; `exit` ends the process; `saver` the run's
+        `checkpoint.Saver`, whose background save in flight is completed before the exit when
+        every rank has written its files."""
         self.timeout_s, self.rank, self.world_size = timeout_minutes * 60.0, rank, world_size
         self.dir, self.store, self.control = Path(run_dir) / "hang", store, control
         self.log, self.on_verdict, self.exit, self.collectives = log, on_verdict, exit, collectives
+        self.saver = saver
         self.interval, self.window = intervals(self.timeout_s)
         self.host, self.step = socket.gethostname(), 0
         self.last_progress = time.monotonic()
@@ -189,6 +193,7 @@ class Watchdog:
         self._set(f"answer/{self.rank}", json.dumps(self.status(answered=True)))
         statuses = self._gather_answers()
         answered = [r for r, s in statuses.items() if s and s["answered"]]
+        self._complete_save(first=self.rank == min(answered))
         if self._get("verdict") is None:
             if self.rank == min(answered) or self._wait_for("verdict", self.window) is None:
                 self._judge(statuses)  # the lowest rank that answered, or the next if it died
@@ -201,6 +206,27 @@ class Watchdog:
             from pretrain.world_fit import publish_exit  # ranks left idle exit with this code
 
             publish_exit(EXIT_REQUEUE, rank=0)
+
+    def _complete_save(self, *, first: bool) -> None:
+        """A background save in flight whose files every rank has written is completed here
+        (the training threads cannot meet to do it), so the requeued job resumes from it: each
+        answering rank publishes its written files, the lowest one writes the manifest."""
+        tag = self.saver.pending() if self.saver is not None else None
+        if tag is None:
+            return
+        written = self.saver.written_without_collectives(timeout_s=self.window)
+        if written is not None:
+            self._set(f"save/{tag}/{self.rank}", json.dumps(written))
+        if not first:
+            return
+        keys = [f"save/{tag}/{r}" for r in range(self.world_size)]
+        if not self._wait_for_all(keys, self.window):
+            self.log(f"[hang] checkpoint {tag} left incomplete: not every rank has written its "
+                     "files; resuming starts from the previous checkpoint")
+            return
+        path = self.saver.complete_from([json.loads(self._get(key)) for key in keys])
+        self.log(f"[hang] checkpoint {path} completed before the exit (every rank had written "
+                 "its files): the requeued job resumes from it")
 
     def _dump(self, reason: str) -> None:
         now = time.time()

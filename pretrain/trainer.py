@@ -139,7 +139,7 @@ class Trainer:
             timeout_minutes=cfg.train.hang_timeout, rank=world.rank, world_size=world.world_size,
             run_dir=self.run_dir, store=hang.default_store() if world.world_size > 1 else None,
             control=control, log=lambda line: telemetry.log(line, level="warning"),
-            on_verdict=self._record_hang)
+            on_verdict=self._record_hang, saver=self.saver)
         self.guard = faults.NonFiniteGuard(
             self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
             spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,

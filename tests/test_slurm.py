@@ -19,6 +19,8 @@ import pytest
 from conftest import require_root
 from slurm_cluster import SlurmCluster
 
+from pretrain.testing.faults import hang_environment
+
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,11 +73,12 @@ def _train_steps(run_dir: Path) -> list[int]:
 
 
 def _submit_tiny_70b(cluster: SlurmCluster, data: dict[str, str], tmp: Path,
-                     *overrides: str) -> tuple[str, Path, Path]:
-    """slurm/pretrain_70b.sh on 2 nodes x 1 CPU rank with TINY_70B + overrides; (job, run, log dir)."""
+                     *overrides: str, env: dict[str, str] | None = None) -> tuple[str, Path, Path]:
+    """slurm/pretrain_70b.sh on 2 nodes x 1 CPU rank with TINY_70B + overrides (and `env` for
+    the job); (job, run, log dir)."""
     run_dir, log_dir = tmp / "run", tmp / "job"
     job = _submit(cluster, "pretrain_70b.sh", tmp, sbatch_args=TWO_CPU_NODES,
-                  env={"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir)},
+                  env={"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir), **(env or {})},
                   script_args=_sets(*TINY_70B, *overrides, f"data.tokenizer={data['tokenizer']}",
                                     f"data.dataset={data['dataset']}"))
     return job, run_dir, log_dir
@@ -174,6 +177,30 @@ def test_requeued_job_on_fewer_nodes_resumes_resharded(cluster, tiny_data, tmp_p
     assert starts == [(3, 3, 6), (2, 2, 6)], starts
     assert "resharded tp1 pp1 dp3 ZeRO-1 -> tp1 pp1 dp2 ZeRO-1" in log
     assert _train_steps(run_dir) == list(range(1, 41))
+
+
+def test_a_hung_rank_is_named_and_the_requeued_job_finishes(cluster, tiny_data, tmp_path):
+    """Rank 1 (node 2) blocks inside step 2 in the job's first attempt: the watchdog names it in
+    hang/verdict.txt and the job log, every rank exits 75, Slurm requeues the job, and the second
+    attempt resumes from step 1's checkpoint and finishes, every step once."""
+    job, run_dir, log_dir = _submit_tiny_70b(
+        # data parallel over the 2 nodes: the hang is injected where a flat model's step starts
+        # a micro-batch (a pipeline's micro-batches are DeepSpeed's)
+        cluster, tiny_data, tmp_path, "parallel.pipeline=1", "train.steps=4",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2", "checkpoint.save_interval=1",
+        "train.hang_timeout_minutes=0.1", "train.collective_timeout_minutes=1",
+        env=hang_environment(2, 1, "block", directory=tmp_path, first_attempt_only=True))
+    (info,), log = _done(cluster, job, tmp_path, timeout=600)
+    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
+    attempts = (log_dir / "attempts.txt").read_text().splitlines()
+    assert attempts == ["attempt=0 exit=75", "attempt=1 exit=0"], log
+    verdict = (run_dir / "hang" / "verdict.txt").read_text().strip()
+    assert verdict.startswith("[hang] rank 1 (") and "rank 0 waits in" in verdict, verdict
+    assert verdict in log
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ranks"] for r in records if r["kind"] == "hang"] == [[1]]
+    assert _train_steps(run_dir) == [1, 2, 3, 4]
 
 
 def test_zero_sweep_array_leaves_result_table(cluster, tiny_data, tmp_path):

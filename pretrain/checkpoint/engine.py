@@ -127,6 +127,7 @@ class Saver:
         live = background and host_resident_state(engine)
         self.writer = ShardWriter(background=background, live_host_state=live)
         self.in_flight: tuple[Path, dict[str, Any]] | None = None  # (step dir, its meta)
+        self._written: dict[str, tuple[int, int]] | str | None = None  # this rank's, once known
         self._live_files = False  # the writer reads the live host state: steps must wait
         if live:
             self._hold_steps_while_writing()
@@ -175,20 +176,60 @@ class Saver:
         """Whether this rank is still writing files of the save in flight (no collective)."""
         return self.writer.writing()
 
+    def _files_written(self, tag_dir: Path) -> dict[str, tuple[int, int]] | str:
+        """This rank's files of the save, {name in the step directory: (size, CRC32)}, once
+        written; the writer's error as text if it failed."""
+        try:
+            return {str(Path(path).relative_to(tag_dir)): size_crc
+                    for path, size_crc in self.writer.wait().items()}
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by `finish`
+            return f"{type(exc).__name__}: {exc}"
+
+    # ---- completing a save without collectives (`pretrain.hang`, a rank stuck in training) ---
+    def pending(self) -> str | None:
+        """The step directory name of the save in flight, None when there is none."""
+        return self.in_flight[0].name if self.in_flight else None
+
+    def written_without_collectives(self, *, timeout_s: float) -> dict[str, Any] | None:
+        """This rank's written files of the save in flight (as `finish` gathers them), waiting
+        up to `timeout_s` for the writer thread; None when it is still writing or failed."""
+        if self.in_flight is None:
+            return None
+        if self._written is None:
+            deadline = time.monotonic() + timeout_s
+            while self.writer.writing() and time.monotonic() < deadline:
+                time.sleep(0.1)  # polling the writer thread from the watchdog's
+            if self.writer.writing():
+                return None
+            self._written = self._files_written(self.in_flight[0])
+        return self._written if isinstance(self._written, dict) else None
+
+    def complete_from(self, reports: list[dict[str, Any]]) -> Path:
+        """Complete the save in flight from every rank's `written_without_collectives` (the
+        manifest, `latest`, pruning), as `finish` does on rank 0: its directory."""
+        tag_dir, meta = self.in_flight
+        self._write_completion(tag_dir, meta, reports)
+        return tag_dir
+
+    def _write_completion(self, tag_dir: Path, meta: dict[str, Any],
+                          reports: list[dict[str, Any]]) -> None:
+        write_manifest(tag_dir, meta, {name: tuple(size_crc) for report in reports
+                                       for name, size_crc in report.items()})
+        write_latest(self.ckpt_dir, tag_dir.name)
+        _prune(self.ckpt_dir, keep_last=self.keep_last, keep_every=self.keep_every)
+
     def finish(self) -> Path | None:
         """Complete the save in flight (collective): its directory, None when there is none.
         Raises `TrainingFault` on every rank when a rank could not write its files."""
         if self.in_flight is None:
             return None
         tag_dir, meta = self.in_flight
-        self.in_flight, self._live_files = None, False  # every rank waits for the files here
+        self._live_files = False  # every rank waits for the files here
         try:
-            written: dict[str, tuple[int, int]] | str = {
-                str(Path(path).relative_to(tag_dir)): size_crc
-                for path, size_crc in self.writer.wait().items()}
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, raised below
-            written = f"{type(exc).__name__}: {exc}"
-        reports = gather_for_io(written)  # every rank's files are on disk
+            self._written = self._files_written(tag_dir)
+            reports = gather_for_io(self._written)  # every rank's files are on disk
+        finally:  # (kept until here for a hang watchdog that completes the save instead)
+            self.in_flight = self._written = None
         failed = [(rank, report) for rank, report in enumerate(reports) if isinstance(report, str)]
         if failed:
             rank, error = failed[0]
@@ -196,10 +237,7 @@ class Saver:
                                 f"write its files ({error}); the previous complete checkpoint "
                                 "is still the one resuming starts from")
         if self.rank == 0:
-            write_manifest(tag_dir, meta, {name: size_crc for report in reports
-                                           for name, size_crc in report.items()})
-            write_latest(self.ckpt_dir, tag_dir.name)
-            _prune(self.ckpt_dir, keep_last=self.keep_last, keep_every=self.keep_every)
+            self._write_completion(tag_dir, meta, reports)
         wait_for_io()
         return tag_dir
 

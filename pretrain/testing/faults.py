@@ -114,10 +114,15 @@ def hang_inside(step: int, rank: int, how: str) -> None:
     RunControl.micro_batch_started = micro_batch_started
 
 
-def hang_environment(step: int, rank: int, how: str, *, directory: Path) -> dict[str, str]:
-    """The environment (PYTHONPATH) under which a spawned process calls `hang_inside`."""
-    return _environment("hang_inside", f"hang_inside({int(step)}, {int(rank)}, {how!r})",
-                        directory=directory)
+def hang_environment(step: int, rank: int, how: str, *, directory: Path,
+                     first_attempt_only: bool = False) -> dict[str, str]:
+    """The environment (PYTHONPATH) under which a spawned process calls `hang_inside`; with
+    `first_attempt_only`, only in a Slurm job's first attempt (SLURM_RESTART_COUNT unset or 0),
+    so that the requeued job runs clean."""
+    call = f"hang_inside({int(step)}, {int(rank)}, {how!r})"
+    if first_attempt_only:
+        call = f"import os\nif os.environ.get('SLURM_RESTART_COUNT', '0') == '0':\n    {call}"
+    return _environment("hang_inside", call, directory=directory)
 
 
 def nan_loss_environment(steps: Iterable[int], *, directory: Path) -> dict[str, str]:
