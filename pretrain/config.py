@@ -66,6 +66,13 @@ class Precision(str, enum.Enum):
     FP16 = "fp16"  # dynamic loss scaling
 
 
+class Engine(str, enum.Enum):
+    """What shards, reduces and steps the model (`pretrain.engine.build_engine`)."""
+
+    DEEPSPEED = "deepspeed"  # DeepSpeed's engine: ZeRO 0-3 from the DeepSpeed JSON, pipelines
+    FSDP2 = "fsdp2"  # PyTorch's fully_shard (`pretrain.fsdp2`): ZeRO-3-like, no pipeline
+
+
 class SpikeAction(str, enum.Enum):
     """What a loss spike (train.loss_spike_factor x the running mean) does (`pretrain.spikes`)."""
 
@@ -388,6 +395,10 @@ class TrainConfig(_Freezable):
     eps: float = 1e-8  # AdamW
     grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
     precision: Precision = Precision.AUTO  # auto | bf16 | fp32 | fp16; auto: pretrain/hardware.py
+    # deepspeed | fsdp2: DeepSpeed's engine, or PyTorch's fully_shard over the same model, data,
+    # schedule and checkpoints directory (pretrain/fsdp2.py; the DeepSpeed JSON still says the
+    # ZeRO stage and offload, and settings fsdp2 cannot honour are refused before launch)
+    engine: Engine = Engine.DEEPSPEED
     seed: int = 1234  # model init and dropout
     eval_interval: int = 100  # steps between validation passes; 0 disables
     eval_batches: int = 10  # global batches per validation pass (capped by the validation set)

@@ -17,9 +17,10 @@ import deepspeed
 import torch
 
 from pretrain import lean_imports
-from pretrain.config import ModelConfig, RunConfig, TrainConfig
+from pretrain.config import Engine, ModelConfig, RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.ds_config import zero_stage
+from pretrain.fsdp2 import build_fsdp2_engine
 from pretrain.log import log
 from pretrain.metrics import global_grad_norm
 from pretrain.model import (ModelForm, build_for_layout, compile_blocks,
@@ -141,11 +142,24 @@ def bf16_pipelines_sum_gradients_in_fp32() -> Iterator[None]:
 def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
                  main: bool) -> deepspeed.DeepSpeedEngine:
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
-    `model.init_from` when set. `ds_config` is the resolved DeepSpeed config. Collective."""
-    model = build_for_layout(cfg, groups, ds_config=ds_config)
+    `model.init_from` when set. `ds_config` is the resolved DeepSpeed config. Collective.
+    With `train.engine: fsdp2` it is `pretrain.fsdp2.FSDP2Engine`, which answers the same calls."""
+    fsdp2 = cfg.train.engine is Engine.FSDP2
+    # fsdp2 shards the whole model once it is built: no deepspeed.zero.Init
+    model = build_for_layout(cfg, groups, ds_config=None if fsdp2 else ds_config)
     if cfg.model.init_from:  # one parameter at a time (gathered under ZeRO-3), before the engine
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         log(f"[init] weights from {source}", main=main)
+    if fsdp2:
+        if is_mup(cfg.model):
+            log(f"[mup] parametrization {describe(cfg.model)}", main=main)
+        t = cfg.train
+        return build_fsdp2_engine(
+            cfg, ds_config, groups, model=model,
+            optimizer_groups=lambda sharded: param_groups(sharded, t.weight_decay,
+                                                          cfg=cfg.model, lr=t.lr),
+            lr_factor=lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
+                                              warmup=t.warmup_steps, total=t.steps))
     flat = ModelForm.of(model) is ModelForm.FLAT
     if is_mup(cfg.model):
         log(f"[mup] parametrization {describe(cfg.model)}", main=main)

@@ -260,10 +260,12 @@ def engine_facts(engine: deepspeed.DeepSpeedEngine) -> dict[str, Any]:
     model splits sequences over the tensor-parallel ranks."""
     wrapper = engine.optimizer
     inner = getattr(wrapper, "optimizer", wrapper)
-    offload_state, offload_params = _offload_targets(wrapper)
+    offload_state, offload_params = (engine.offload_targets() if hasattr(engine, "offload_targets")
+                                     else _offload_targets(wrapper))  # fsdp2: its policy
     flags = {m.sequence_parallel for m in engine.module.modules()
              if isinstance(getattr(m, "sequence_parallel", None), bool)}
-    return {"zero_stage": engine.zero_optimization_stage(),
+    return {"engine": getattr(engine, "name", "deepspeed"),  # train.engine as built
+            "zero_stage": engine.zero_optimization_stage(),
             "zero_optimizer": type(wrapper).__name__, "optimizer": type(inner).__name__,
             "param_dtypes": _dtype_names(engine.module.parameters()),
             "master_dtypes": _dtype_names(_stepped_tensors(wrapper, inner)),

@@ -21,10 +21,11 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from pretrain.config import Precision, RunConfig, SpikeAction, freeze
+from pretrain.config import Engine, Precision, RunConfig, SpikeAction, freeze
 from pretrain.data.build import check_run_data
 from pretrain.ds_config import check_top_level_keys, engine_fields, fill_ds_config, load_ds_json
 from pretrain.errors import ConfigError
+from pretrain.fsdp2_rules import check_fsdp2
 from pretrain.hardware import PrecisionChoice, choose_precision
 from pretrain.layout import Layout, check_engine, check_layout, planned_precision
 from pretrain.topology import Topology
@@ -59,7 +60,9 @@ class ResolvedRun:
         return {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
                 "context": lay.context, "expert": lay.expert, "world_size": lay.world_size,
                 "zero_stage": lay.zero_stage, "offload": lay.offload_optimizer,
-                "precision": self.cfg.train.precision.value}
+                "precision": self.cfg.train.precision.value,
+                # only fsdp2 names itself: DeepSpeed's layouts stay as they were recorded
+                **({"engine": "fsdp2"} if self.cfg.train.engine is Engine.FSDP2 else {})}
 
 
 def resolve_run(cfg: RunConfig, *, world_size: int, rank: int = 0, device_type: str = "cpu",
@@ -148,6 +151,8 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
         check_engine(layout)
     except ConfigError as error:
         raise ConfigError(f"{where}: {error}") from None
+    if t.engine is Engine.FSDP2:
+        check_fsdp2(cfg, ds_json, where=where or "the DeepSpeed config")
     return layout
 
 

@@ -34,6 +34,7 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+from torch.distributed.tensor import DTensor
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint import ds_to_universal
 
@@ -41,7 +42,8 @@ import pretrain.checkpoint.safe_load as safe_load
 from pretrain.checkpoint.paths import (FINAL, MANIFEST, read_meta, step_dirs, tag_step, verify,
                                        write_latest, write_manifest)
 from pretrain.checkpoint.reshard import (OPTIMIZER_NAMES, derived_rng_seed, layout_change,
-                                         load_resharded, optimizer_parameter_names,
+                                         load_into_fsdp2, load_resharded,
+                                         optimizer_parameter_names,
                                          seed_generators)
 from pretrain.checkpoint.weights import writing_final
 from pretrain.checkpoint.writer import ShardWriter
@@ -372,7 +374,10 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
     """
     change = None if point.universal else layout_change(point.meta["layout"], layout)
     try:
-        if change:
+        if getattr(engine, "name", None) == "fsdp2":  # its own files or DeepSpeed's, any layout
+            volume = load_into_fsdp2(engine, point.path, point.meta, cfg=cfg, groups=groups)
+            change, path = (f"{change}, {volume}" if change else None), point.path
+        elif change:
             volume = load_resharded(engine, point.path, point.meta, cfg=cfg, groups=groups,
                                     rank=rank)
             change, path = f"{change}, {volume}", point.path
@@ -469,7 +474,7 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
     holder = _holding_stages(local, [n for n in names if expert_owner(
         n, m, expert=topology.expert) is None], groups)  # experts: on their tensor rank
     zero3 = hasattr(next(iter(local.values())), "ds_id")
-    dtype = next(iter(local.values())).dtype
+    dtype = next(iter(local.values())).dtype  # fsdp2 under bf16: its fp32 shards
     device = torch.device(get_accelerator().current_device_name())
     writing = writing_final(run_dir / FINAL, shapes={n: full_parameter_shape(n, m) for n in names},
                             run_config=cfg, tokenizer=Path(tokenizer.path), step=step,
@@ -558,6 +563,8 @@ def _whole_tensor(param: torch.Tensor, name: str, m, *, groups, zero3: bool,
     if zero3:
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             shard = param.detach().clone()
+    elif isinstance(param, DTensor):  # fsdp2: all-gathered over the data group (every replica)
+        shard = param.detach().full_tensor().cpu()
     else:
         shard = param.detach()
     if not first_replica:

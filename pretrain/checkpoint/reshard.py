@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pretrain.checkpoint.fsdp2_state import fsdp2_counters, is_fsdp2_checkpoint
 from pretrain.checkpoint.weights import OPTIMIZER_NAMES, engine_tensors
 from pretrain.checkpoint.zero_shards import load_checkpoint_file
 from pretrain.config import RunConfig
@@ -47,7 +48,7 @@ from pretrain.model.tensor_parallel import tp_rank, tp_world_size
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # What makes two layouts the same for a checkpoint: every rank's files mean the same thing.
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "context", "expert", "zero_stage", "offload",
-               "precision")
+               "precision", "engine")
 
 
 def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> str:
@@ -61,6 +62,8 @@ def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> 
         text += f" offload {layout['offload']}"
     if layout.get("precision") and (other is None or other.get("precision") != layout["precision"]):
         text += f" {layout['precision']}"
+    if layout.get("engine", "deepspeed") != "deepspeed":
+        text += f" {layout['engine']}"
     return text
 
 
@@ -69,6 +72,8 @@ def layout_change(saved: dict[str, Any], run: dict[str, Any]) -> str | None:
     versions, absent from `saved`, count as equal), else None."""
     # saved before context / expert parallelism: 1
     saved = {"context": 1, "expert": 1, **saved}
+    # a layout without an engine is DeepSpeed's (every checkpoint before fsdp2, and DeepSpeed's)
+    saved, run = {"engine": "deepspeed", **saved}, {"engine": "deepspeed", **run}
     if all(saved[k] == run[k] for k in LAYOUT_KEYS if k in saved and k in run):
         return None
     return f"{describe(saved, other=run)} -> {describe(run, other=saved)}"
@@ -91,6 +96,8 @@ def optimizer_parameter_names(engine) -> list[list[str]] | None:
 def saved_optimizer_step(step_dir: Path, *, default: int) -> int:
     """Adam's step count in a checkpoint (the same for every parameter; `default` when the
     optimizer had not stepped)."""
+    if is_fsdp2_checkpoint(step_dir):
+        return fsdp2_counters(step_dir)["adam_step"] or default
     for file in sorted(step_dir.glob("*optim_states.pt")):
         saved = load_checkpoint_file(file)["optimizer_state_dict"]
         state = saved.get("base_optimizer_state", saved.get("optimizer_state_dict", {}))
@@ -160,6 +167,45 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
             del piece
     targets.finish()
     _set_schedule(engine, step_dir, meta)
+    return ReadVolume(bytes_read=sum(source.bytes_read for source in sources.values()),
+                      checkpoint_bytes=sum(f.stat().st_size for f in step_dir.rglob("*")
+                                           if f.is_file()))
+
+
+@torch.no_grad()
+def load_into_fsdp2(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConfig,
+                    groups) -> ReadVolume:
+    """Set an fsdp2 engine (`pretrain.fsdp2.FSDP2Engine`) to the state of `step_dir`, saved
+    by fsdp2 or DeepSpeed on any layout: each rank copies out its FSDP2 rows of its
+    tensor-parallel shard of every master and Adam moment (`engine.load_state`); Adam's step,
+    the schedule's position and the counters are the saved ones."""
+    m = cfg.model
+    sources = {"master": engine_tensors(step_dir),
+               **{key: engine_tensors(step_dir, key) for key in ADAM_MOMENTS}}
+    if is_fsdp2_checkpoint(step_dir):
+        counters = fsdp2_counters(step_dir)
+    else:
+        saved = load_checkpoint_file(sorted(step_dir.glob("*mp_rank_*_model_states.pt"))[0])
+        counters = {"adam_step": saved_optimizer_step(step_dir, default=int(meta["step"])),
+                    "lr_scheduler": saved.get("lr_scheduler"),
+                    "global_steps": int(saved.get("global_steps", meta["step"])),
+                    "global_samples": int(saved.get("global_samples", meta["consumed_samples"])),
+                    "skipped_steps": int(saved.get("skipped_steps", 0))}
+    coords, tp_size = groups.topology.my_coords, groups.topology.tensor
+
+    def read(name: str, what: str, rows: tuple[int, int]) -> torch.Tensor:
+        where = shard_range(name, m, tp_rank=coords.tensor, tp_size=tp_size)
+        width = math.prod(where.shape[1:])
+        if rows[1] <= rows[0]:  # an FSDP2 shard without rows (more ranks than rows)
+            return torch.zeros(0)
+        try:
+            return read_shard_piece(sources[what], name, where, (rows[0] * width,
+                                                                 rows[1] * width), cfg=m)
+        except KeyError:
+            raise CheckpointError(f"{step_dir} holds no {what} of {name}") from None
+
+    engine.load_state(read, adam_step=counters["adam_step"], schedule=counters["lr_scheduler"],
+                      counters=counters)
     return ReadVolume(bytes_read=sum(source.bytes_read for source in sources.values()),
                       checkpoint_bytes=sum(f.stat().st_size for f in step_dir.rglob("*")
                                            if f.is_file()))
@@ -320,8 +366,10 @@ def adam_step_tensor(step: int, *, param: torch.Tensor, group: dict) -> torch.Te
 def _set_schedule(engine, step_dir: Path, meta: dict[str, Any]) -> None:
     """The learning-rate schedule where it was (and the optimizer's lr with it), and the
     engine's counters."""
-    model_files = sorted(step_dir.glob("*mp_rank_*_model_states.pt"))
-    saved = load_checkpoint_file(model_files[0])
+    if is_fsdp2_checkpoint(step_dir):  # the same entries, from fsdp2's first rank file
+        saved = fsdp2_counters(step_dir)
+    else:
+        saved = load_checkpoint_file(sorted(step_dir.glob("*mp_rank_*_model_states.pt"))[0])
     if engine.lr_scheduler is not None and saved.get("lr_scheduler"):
         _resume_schedule(engine.lr_scheduler, saved["lr_scheduler"],
                          engine.optimizer.param_groups)

@@ -35,6 +35,7 @@ from typing import Iterator
 
 import torch
 
+from pretrain.checkpoint.fsdp2_state import fsdp2_client_state, fsdp2_shards, is_fsdp2_checkpoint
 from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FINAL_TOKENIZER_DIR,
                                        FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
 from pretrain.checkpoint.safetensors_stream import LazyTensors, SafetensorsWriter
@@ -207,6 +208,9 @@ def consolidate_engine_checkpoint(step_dir: Path) -> Weights:
 
 def _engine_checkpoint_config(step_dir: Path) -> tuple[dict, RunConfig]:
     """(the first model-states file's contents, memory-mapped; the run config it holds)."""
+    if is_fsdp2_checkpoint(step_dir):  # rank 0's file carries the run's client state
+        meta = fsdp2_client_state(step_dir)
+        return meta, config_from_dict(meta["config"])
     model_files = sorted(step_dir.glob("*mp_rank_*_model_states.pt"))
     if not model_files:
         raise CheckpointError(f"{str(step_dir)!r} holds no *_model_states.pt files: not a "
@@ -221,8 +225,12 @@ def _engine_checkpoint_config(step_dir: Path) -> tuple[dict, RunConfig]:
 def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
     """{Hugging Face name: whole fp32 tensor} of an engine checkpoint, read lazily: the fp32
     master weights (`key` None), or the optimizer state `key` ("exp_avg", "exp_avg_sq") of each
-    parameter, whatever the layout that saved it."""
+    parameter, whatever the layout that saved it (and whichever engine: `fsdp2_state`)."""
     meta, run_cfg = _engine_checkpoint_config(step_dir)
+    if is_fsdp2_checkpoint(step_dir):  # rows of each tensor rank's shard, in every rank's file
+        shards = fsdp2_shards(step_dir, key)
+        return MergedShards(shards, cfg=run_cfg.model, tp=run_cfg.parallel.tensor,
+                            source=str(step_dir) if key is None else f"{step_dir} ({key})")
     cfg, tp, pp = run_cfg.model, run_cfg.parallel.tensor, run_cfg.parallel.pipeline
     zero = int(meta.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
     if meta.get("mp_world_size", tp * pp) != tp * pp:

@@ -1,0 +1,275 @@
+"""`train.engine: fsdp2`: the run's model sharded by PyTorch's `fully_shard` (FSDP2) instead of
+DeepSpeed's ZeRO, behind the methods the trainer calls on DeepSpeed's engine.
+
+Each decoder layer is one `fully_shard` unit, and the root unit holds the embedding, the final
+norm and the head (one unit: a tied head is the embedding's parameter). Units shard over the
+data-parallel group - every replica of a tensor-parallel shard, data x context ranks, as ZeRO
+partitions - so the stack's own tensor parallelism (plain tensors, sharded by name) composes
+with it: each tensor-parallel rank's FSDP2 mesh is its data group, and the two form the 2-D
+(tensor x data) grid. `pretrain.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
+offload mean here and what is refused.
+
+What a step does matches DeepSpeed's engine: the loss of each micro-batch is divided by the
+gradient accumulation before backward, FSDP2 reduce-scatters the gradients (averaged over the
+replicas, in fp32 under bf16's `MixedPrecisionPolicy`), and at the last micro-batch the
+whole model's gradient norm (each element once across the grid) clips them; a non-finite norm
+skips the update and the schedule, counted in `skipped_steps`. The optimizer is torch's AdamW
+over `engine.param_groups` (muP's groups included), stepped on the fp32 shards; the schedule
+`engine.warmup_cosine`.
+
+Checkpoints (`save_checkpoint`/`load_checkpoint`, the `Saver`'s interface): every rank writes
+one file, `fsdp2_rank<RANK>.pt`, of its pieces of each parameter and of Adam's moments by
+Hugging Face name (rows of the tensor-parallel shard), with the schedule and counters.
+`weights.engine_tensors` reads them back as whole tensors by name, which is what resuming on any
+layout reads (`pretrain.checkpoint.fsdp2_state`, `reshard.load_into_fsdp2`).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as torch_dist
+from deepspeed.accelerator import get_accelerator
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from pretrain.config import Precision, RunConfig
+from pretrain.ds_config import zero_stage
+from pretrain.fsdp2_rules import offloads_to_cpu, reshards_after_forward
+from pretrain.model import canonical_parameters
+from pretrain.model.llama import DecoderLayer
+from pretrain.topology import ProcessGroups
+
+FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
+                bf16: bool, offload: bool) -> torch.nn.Module:
+    """`fully_shard` each decoder layer of `model`, then the model itself (embedding, final norm
+    and head: the root unit), in place; returns it."""
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if bf16:  # bf16 compute, fp32 reduce-scatter; the sharded fp32 parameters are the masters
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                    reduce_dtype=torch.float32)
+    if offload:  # pinned host memory for the copies to the accelerator (none on CPU ranks)
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    for layer in (m for m in model.modules() if isinstance(m, DecoderLayer)):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+class FSDP2Engine:
+    """The trainer's engine under `train.engine: fsdp2` (see the module docstring). The names
+    are DeepSpeed's engine's, where the trainer, the step records, the non-finite guard and the
+    checkpoint code call them."""
+
+    name = "fsdp2"
+
+    def __init__(self, cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups,
+                 model: torch.nn.Module, *, param_groups: list[dict[str, Any]],
+                 lr_factor: Callable[[int], float]) -> None:
+        """`param_groups`: the optimizer's groups over the sharded parameters; `lr_factor(i)`:
+        the schedule's factor of each group's lr after `i` updates."""
+        t = cfg.train
+        self.cfg, self.groups, self.ds_config = cfg, groups, ds_config
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.module = model
+        self._micro_batches = int(ds_config["gradient_accumulation_steps"])
+        self._clip = float(t.grad_clip)
+        self.offload = offloads_to_cpu(ds_config)
+        self.optimizer = torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
+                                           eps=t.eps, weight_decay=t.weight_decay)
+        self.optimizer.overflow = False  # DeepSpeed's protocol: the guard reads, never wraps
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        self.global_steps = self.global_samples = self.skipped_steps = 0
+        self._micro = 0  # backward passes of the step being accumulated
+        self._norm: float | None = None
+        self.checkpoint_engine = None  # the Saver's writer, set before save_checkpoint
+        self._tensor_parallel: set[str] = set()  # names of tensor-parallel shards
+
+    # ---- what DeepSpeed's engine answers ----------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self) -> None:
+        self.module.train()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._micro_batches
+
+    def zero_optimization_stage(self) -> int:
+        """ZeRO-3-like whatever the JSON said (parameters, gradients and state sharded)."""
+        return 3
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        return self.offload
+
+    def zero_offload_param(self):
+        return None  # `host_resident_state` reads `zero_use_cpu_optimizer` under offload
+
+    def offload_targets(self) -> tuple[str, str]:
+        """(optimizer state, parameters) outside accelerator memory, as `metrics` reports
+        DeepSpeed's: CPUOffloadPolicy keeps both (and the gradients) in host memory."""
+        return ("cpu", "cpu") if self.offload else ("none", "none")
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The whole model's gradient norm of the last step, before clipping."""
+        return self._norm
+
+    # ---- a step -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self._micro_batches).backward()
+        self._micro += 1
+
+    def step(self) -> None:
+        """At the step's last micro-batch: norm, clip, update (or skip), schedule, zero grads."""
+        if self._micro < self._micro_batches:
+            return
+        self._micro = 0
+        self._norm = self.grad_norm()
+        if math.isfinite(self._norm):
+            if self._clip > 0 and self._norm > self._clip:
+                scale = self._clip / (self._norm + 1e-6)
+                for p in self._grads():
+                    p.grad.mul_(scale)
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        else:  # the same verdict on every rank: the norm is reduced over the whole grid
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+        self.global_samples += int(self.ds_config["train_batch_size"])
+
+    def _grads(self):
+        return [p for p in self.module.parameters() if p.grad is not None]
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """L2 norm of the whole model's gradient, each element counted once: this rank's FSDP2
+        shard of each gradient summed over the data group; tensor-parallel shards on every
+        tensor rank, replicated weights (norms) on tensor rank 0 only, summed over the tensor
+        group (`metrics.global_grad_norm`'s rule)."""
+        tp_rank0 = self.groups.topology.my_coords.tensor == 0
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for name, p in canonical_parameters(self.module, self.cfg.model):
+            if p.grad is None or not (name in self._tensor_parallel or tp_rank0):
+                continue
+            total += _local(p.grad).float().pow(2).sum().to(self.device)
+        if self.groups.topology.replicas > 1:
+            torch_dist.all_reduce(total, group=self.groups.data)
+        if self.groups.topology.tensor > 1:
+            torch_dist.all_reduce(total, group=self.groups.tensor)
+        return total.sqrt().item()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def state_pieces(self) -> dict[str, Any]:
+        """This rank's file of a checkpoint: by Hugging Face name, its rows of the tensor-parallel
+        shard of each parameter ("master", fp32) and Adam's moments, where they start, and the
+        shard's shape; Adam's step, the schedule and the counters."""
+        pieces: dict[str, dict[str, Any]] = {}
+        adam_step = 0
+        for name, p in canonical_parameters(self.module, self.cfg.model):
+            state = self.optimizer.state.get(p, {})
+            entry = {"master": _local(p.detach()), "row": _first_row(p),
+                     "shape": tuple(p.shape)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    entry[key] = _local(state[key])
+            if "step" in state:
+                adam_step = int(state["step"])
+            pieces[name] = entry
+        return {"engine": self.name, "tensor_rank": self.groups.topology.my_coords.tensor,
+                "tensors": pieces, "adam_step": adam_step,
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "global_steps": self.global_steps, "global_samples": self.global_samples,
+                "skipped_steps": self.skipped_steps}
+
+    def save_checkpoint(self, save_dir: str, *, tag: str, save_latest: bool = False,
+                        client_state: dict[str, Any] | None = None) -> None:
+        """This rank's file into `save_dir/tag` through `checkpoint_engine` (the Saver's
+        writer: now or in the background); rank 0's carries `client_state`."""
+        del save_latest  # the Saver writes `latest` once every rank's files are on disk
+        step_dir = Path(save_dir) / tag
+        rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
+        if rank == 0:
+            step_dir.mkdir(parents=True, exist_ok=True)
+        if torch_dist.is_initialized():
+            torch_dist.barrier()
+        state = self.state_pieces()
+        if rank == 0:
+            state["client_state"] = client_state or {}
+        self.checkpoint_engine.save(state, str(step_dir / FILE.format(rank=rank)))
+
+    @torch.no_grad()
+    def load_state(self, read, *, adam_step: int, schedule: dict[str, Any] | None,
+                   counters: dict[str, int]) -> None:
+        """Set every parameter's fp32 shard and Adam's moments from `read(name, what, rows)`
+        (`what`: "master", "exp_avg", "exp_avg_sq"; `rows`: [start, stop) of the
+        tensor-parallel shard, from `_first_row`), then Adam's step, the schedule's position
+        (`schedule`: a saved LambdaLR state) and the counters."""
+        for name, p in canonical_parameters(self.module, self.cfg.model):
+            local = _local(p.data)
+            rows = (_first_row(p), _first_row(p) + (local.shape[0] if local.dim() else 1))
+            local.copy_(read(name, "master", rows).view_as(local))
+            state = self.optimizer.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                _local(state[key]).copy_(read(name, key, rows).view_as(local))
+            state["step"] = torch.tensor(float(adam_step))
+        self.global_steps = int(counters["global_steps"])
+        self.global_samples = int(counters["global_samples"])
+        self.skipped_steps = int(counters["skipped_steps"])
+        if schedule:  # the position only: the groups' base rates are this engine's
+            from pretrain.checkpoint.reshard import _resume_schedule
+
+            _resume_schedule(self.lr_scheduler, schedule, self.optimizer.param_groups)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _first_row(param: torch.Tensor) -> int:
+    """The row of the tensor-parallel shard this rank's FSDP2 shard starts at (`Shard(0)`:
+    torch.chunk's split, the last ranks' pieces shorter or empty)."""
+    if not isinstance(param, DTensor) or param.dim() == 0:
+        return 0
+    mesh = param.device_mesh
+    rows, ranks = param.shape[0], mesh.size()
+    chunk = -(-rows // ranks)
+    return min(chunk * mesh.get_local_rank(), rows)
+
+
+def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
+                       model: torch.nn.Module,
+                       optimizer_groups: Callable[[torch.nn.Module], list[dict[str, Any]]],
+                       lr_factor: Callable[[int], float]) -> FSDP2Engine:
+    """This rank's FSDP2 engine over `model` (`build_for_layout`'s, not partitioned by ZeRO,
+    initial weights in it), sharded in place; `optimizer_groups(model)` gives the optimizer's
+    groups once it is sharded. Collective."""
+    offload = offloads_to_cpu(ds_config)
+    device = get_accelerator().current_device_name()
+    if not offload:  # under CPUOffloadPolicy the shards stay in host memory
+        model.to(device)
+    mesh = DeviceMesh.from_group(groups.data, device_type=torch.device(device).type)
+    tensor_parallel = {name for name, p in canonical_parameters(model, cfg.model)
+                       if getattr(p, "tensor_model_parallel", False)}
+    shard_model(model, mesh, reshard_after_forward=reshards_after_forward(zero_stage(ds_config)),
+                bf16=cfg.train.precision is Precision.BF16, offload=offload)
+    engine = FSDP2Engine(cfg, ds_config, groups, model, param_groups=optimizer_groups(model),
+                         lr_factor=lr_factor)
+    engine._tensor_parallel = tensor_parallel  # fully_shard's parameters carry no attributes
+    return engine

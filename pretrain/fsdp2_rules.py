@@ -1,0 +1,77 @@
+"""What `train.engine: fsdp2` honours of a run config and its DeepSpeed JSON, checked before
+launch (no torch import: the planner and the launchers' pre-flight run it).
+
+The DeepSpeed JSON stays the one place that chooses sharding and offload, read this way:
+
+- ZeRO-3: `fully_shard` with parameters freed after each block's forward and gathered again
+  for its backward (`reshard_after_forward=True`), as ZeRO-3 does;
+- ZeRO-1 and ZeRO-2: parameters kept gathered from a block's forward to its backward
+  (`reshard_after_forward=False`); gradients and optimizer state are sharded either way, so
+  both mean ZeRO-2 (FSDP2 has no replicated-gradient mode);
+- ZeRO-0 (no sharding) is refused: that is plain data parallelism, DeepSpeed's engine's job;
+- `offload_optimizer` or `offload_param` on "cpu": `CPUOffloadPolicy` (parameters, gradients
+  and optimizer state in host memory, the optimizer step on the CPU); "nvme" is refused.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pretrain.errors import ConfigError
+
+
+def reshards_after_forward(zero_stage: int) -> bool:
+    """FSDP2's `reshard_after_forward` for the JSON's ZeRO stage (1 and 2: ZeRO-2-like)."""
+    return zero_stage == 3
+
+
+def offloads_to_cpu(ds: dict[str, Any]) -> bool:
+    """Whether the JSON offloads the optimizer or the parameters to host memory."""
+    zero = ds.get("zero_optimization", {})
+    return any(zero.get(key, {}).get("device") == "cpu"
+               for key in ("offload_optimizer", "offload_param"))
+
+
+def check_fsdp2(cfg, ds: dict[str, Any], *, where: str) -> None:
+    """ConfigError (exit 2 before launch) when `cfg` with the DeepSpeed JSON `ds` (named by
+    `where`) asks fsdp2 for something it does not do."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    refusals = []
+    if p.pipeline > 1:
+        refusals.append(f"parallel.pipeline={p.pipeline}: pipelines are DeepSpeed's (its 1F1B "
+                        "schedule); use train.engine=deepspeed or parallel.pipeline=1")
+    if p.sequence_parallel:
+        refusals.append("parallel.sequence_parallel=true: its norm-gradient hooks sit on the "
+                        "weights fully_shard replaces; use train.engine=deepspeed")
+    if m.num_experts:
+        refusals.append(f"model.num_experts={m.num_experts}: the mixture of experts is not "
+                        "sharded by fsdp2 yet; use train.engine=deepspeed")
+    if m.compile:
+        refusals.append("model.compile=true: compiled blocks under fully_shard are not "
+                        "verified here; set model.compile=false or use train.engine=deepspeed")
+    if t.precision.value == "fp16":  # `auto` is settled before a run lays out
+        refusals.append("train.precision=fp16: fsdp2 has no loss scaling; use bf16 or fp32")
+    refusals += _json_refusals(ds, where=where)
+    if refusals:
+        raise ConfigError("train.engine=fsdp2 cannot run this config: " + "; ".join(refusals))
+
+
+def _json_refusals(ds: dict[str, Any], *, where: str) -> list[str]:
+    zero = ds.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    refusals = []
+    if stage == 0:
+        refusals.append(f"{where} has ZeRO stage 0: fsdp2 always shards (ZeRO-3 as FSDP2, "
+                        "ZeRO-1/2 as FSDP2 without resharding after forward); plain data "
+                        "parallelism is train.engine=deepspeed")
+    for key in ("offload_optimizer", "offload_param"):
+        device = zero.get(key, {}).get("device", "none")
+        if device not in ("none", "cpu"):
+            refusals.append(f"{where} zero_optimization.{key}.device={device!r}: fsdp2 "
+                            "offloads to cpu only (CPUOffloadPolicy)")
+    fp16 = ds.get("fp16", {})
+    if fp16.get("enabled") is True:
+        refusals.append(f"{where} enables fp16 (loss scaling): fsdp2 has none; use bf16")
+    optimizer = ds.get("optimizer", {}).get("type", "AdamW")
+    if str(optimizer).lower() != "adamw":
+        refusals.append(f"{where} optimizer {optimizer!r}: fsdp2 steps torch's AdamW")
+    return refusals

@@ -1,0 +1,153 @@
+"""`train.engine: fsdp2` (pretrain/fsdp2.py) trains like one process, resumes exactly (its own
+checkpoints and DeepSpeed's, in both directions), and refuses what it cannot do before launch.
+
+The reference is one process of the tiny fp32 model (hidden 64, 2 layers, seq 32): 6 steps of a
+global batch of 4, saved at step 3. Every fsdp2 run must give its losses and whole-model
+gradient norms within 1e-5 relative: only the reduction order differs, while a gradient
+averaged with a wrong scale or a shard counted twice moves the norm by far more (and the clip at
+1.0 acts at most steps, so the norm also steers the update).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pretrain.config import load_config
+from pretrain.errors import ConfigError
+from pretrain.run import lay_out_as_loaded
+from pretrain.testing.runs import rel_diff, run_pretrain, train, train_args
+
+STEPS, SAVE_AT = 6, 3
+SAVES = [f"train.steps={STEPS}", f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=5"]
+FSDP2 = ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]
+TOLERANCE = 1e-5
+
+
+def _train_records(run) -> list[dict]:
+    return [r for r in run.records if r["kind"] == "train"]
+
+
+def _grad_norms(run) -> list[float]:
+    return [r["grad_norm"] for r in _train_records(run)]
+
+
+def _assert_trains_like(run, reference, *, first_step: int = 1) -> None:
+    """`run`'s steps from `first_step` on, against the reference's same steps."""
+    losses, norms = run.losses[-(STEPS - first_step + 1):], _grad_norms(run)[-(STEPS - first_step + 1):]
+    ref_losses, ref_norms = reference.losses[first_step - 1:], _grad_norms(reference)[first_step - 1:]
+    assert rel_diff(losses, ref_losses) < TOLERANCE, (losses, ref_losses)
+    assert rel_diff(norms, ref_norms) < TOLERANCE, (norms, ref_norms)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    """One process under DeepSpeed (ZeRO-1 at dp 1: the plain fp32 AdamW step), final/ kept."""
+    return train(tmp_path_factory.mktemp("ref"), tiny_data, name="single",
+                 overrides=[*SAVES, "checkpoint.save_final=true"])
+
+
+@pytest.fixture(scope="module")
+def fsdp2_dp2(tiny_data, tmp_path_factory):
+    return train(tmp_path_factory.mktemp("fsdp2"), tiny_data, nprocs=2, name="dp2",
+                 overrides=[*SAVES, *FSDP2, "checkpoint.save_final=true"])
+
+
+def _resume(tmp_path, tiny_data, source, *, nprocs: int, overrides: list[str]):
+    """A new run directory holding `source`'s step-3 checkpoint, trained to step 6."""
+    saved = source.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    run = train(tmp_path, tiny_data, nprocs=nprocs, name="resumed",
+                overrides=[f"train.steps={STEPS}", *overrides])
+    assert f"[resume] from {tmp_path / 'resumed' / 'checkpoints' / saved.name}" in run.stdout
+    assert [r["step"] for r in _train_records(run)] == list(range(SAVE_AT + 1, STEPS + 1))
+    return run
+
+
+@pytest.mark.slow
+def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, reference):
+    from safetensors.torch import load_file
+
+    head = fsdp2_dp2.records[0]
+    assert (head["engine"], head["data_parallel"]) == ("fsdp2", 2)
+    assert head["param_dtypes"] == ["float32"] and head["zero_stage"] == 3
+    _assert_trains_like(fsdp2_dp2, reference)
+    saved = fsdp2_dp2.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    assert json.loads((saved / "meta.json").read_text())["layout"]["engine"] == "fsdp2"
+    assert sorted(p.name for p in saved.glob("fsdp2_rank*.pt")) == \
+        ["fsdp2_rank00000.pt", "fsdp2_rank00001.pt"]
+    ours = load_file(str(fsdp2_dp2.run_dir / "final" / "model.safetensors"))
+    ref = load_file(str(reference.run_dir / "final" / "model.safetensors"))
+    assert sorted(ours) == sorted(ref)
+    for name, tensor in ref.items():  # 6 Adam steps of lr 1e-3; reduction order only
+        assert torch.allclose(ours[name], tensor, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_tp2_dp2_with_recompute_and_cpu_offload_trains_like_one_process(tiny_data, tmp_path,
+                                                                       reference):
+    """4 ranks: fully_shard over each tensor rank's data group; every layer recomputed; the
+    ZeRO-3 JSON's CPU offload as CPUOffloadPolicy (the optimizer steps the host shards)."""
+    run = train(tmp_path, tiny_data, nprocs=4, name="tp2dp2", overrides=[
+        f"train.steps={STEPS}", "train.engine=fsdp2", "parallel.tensor=2",
+        "deepspeed=ds_configs/zero3_offload_cpu.json", "model.activation_checkpointing=full"])
+    head = run.records[0]
+    assert (head["engine"], head["tensor"], head["data_parallel"]) == ("fsdp2", 2, 2)
+    assert (head["offload_optimizer"], head["offload_param"]) == ("cpu", "cpu")
+    _assert_trains_like(run, reference)
+
+
+@pytest.mark.slow
+def test_resume_in_its_run_dir_gives_bitwise_the_same_steps(fsdp2_dp2, tiny_data, tmp_path):
+    resumed = _resume(tmp_path, tiny_data, fsdp2_dp2, nprocs=2, overrides=FSDP2)
+    after, before = _train_records(resumed), _train_records(fsdp2_dp2)[SAVE_AT:]
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in after] == [r[key] for r in before], key
+
+
+@pytest.mark.slow
+def test_a_deepspeed_checkpoint_resumes_under_fsdp2_and_back(fsdp2_dp2, reference, tiny_data,
+                                                           tmp_path):
+    """DeepSpeed (one process) -> fsdp2 on 2 ranks, and fsdp2's dp-2 checkpoint -> DeepSpeed
+    on one process: each continues the reference's steps 4-6."""
+    into_fsdp2 = _resume(tmp_path / "a", tiny_data, reference, nprocs=2, overrides=FSDP2)
+    _assert_trains_like(into_fsdp2, reference, first_step=SAVE_AT + 1)
+    into_deepspeed = _resume(tmp_path / "b", tiny_data, fsdp2_dp2, nprocs=1, overrides=[])
+    assert "resharded" in into_deepspeed.stdout
+    _assert_trains_like(into_deepspeed, reference, first_step=SAVE_AT + 1)
+
+
+def _refusal(overrides: list[str], *, world_size: int = 2) -> str:
+    cfg = load_config("configs/tiny.yaml", overrides=["train.engine=fsdp2", *overrides])
+    with pytest.raises(ConfigError) as error:
+        lay_out_as_loaded(cfg, world_size=world_size)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["parallel.pipeline=2"], "pipelines are DeepSpeed's"),
+    (["deepspeed=ds_configs/zero3_offload_nvme.json"], "offloads to cpu only"),
+    (["deepspeed=ds_configs/zero0.json"], "ZeRO stage 0"),
+    (["train.precision=fp16", "deepspeed=ds_configs/zero3.json"], "no loss scaling"),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true",
+      "deepspeed=ds_configs/zero3.json"], "sequence_parallel"),
+])
+def test_settings_fsdp2_cannot_honour_are_refused(overrides, reason):
+    assert reason in _refusal(overrides)
+
+
+def test_the_default_engine_is_deepspeed_and_its_layout_is_unchanged():
+    cfg = load_config("configs/tiny.yaml")
+    run = lay_out_as_loaded(cfg, world_size=1)
+    assert cfg.train.engine.value == "deepspeed" and "engine" not in run.checkpoint_layout
+
+
+@pytest.mark.slow
+def test_pretrain_train_refuses_a_pipeline_before_launch(tiny_data, tmp_path):
+    run = run_pretrain(train_args(tmp_path / "run", tiny_data, overrides=[
+        "train.engine=fsdp2", "parallel.pipeline=2"]), run_dir=tmp_path / "run", nprocs=2)
+    assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-2000:])
+    assert "pipelines are DeepSpeed's" in run.stdout + run.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
