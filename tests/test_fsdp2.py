@@ -10,6 +10,7 @@ averaged with a wrong scale or a shard counted twice moves the norm by far more 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -18,10 +19,12 @@ import torch
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
 from pretrain.run import lay_out_as_loaded
+from pretrain.testing.faults import nan_loss_environment
 from pretrain.testing.runs import rel_diff, run_pretrain, train, train_args
 
 STEPS, SAVE_AT = 6, 3
-SAVES = [f"train.steps={STEPS}", f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=5"]
+SAVES = [f"train.steps={STEPS}", f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=5",
+         f"train.eval_interval={STEPS}", "train.eval_batches=1"]  # one validation, at the end
 FSDP2 = ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]
 TOLERANCE = 1e-5
 
@@ -36,8 +39,9 @@ def _grad_norms(run) -> list[float]:
 
 def _assert_trains_like(run, reference, *, first_step: int = 1) -> None:
     """`run`'s steps from `first_step` on, against the reference's same steps."""
-    losses, norms = run.losses[-(STEPS - first_step + 1):], _grad_norms(run)[-(STEPS - first_step + 1):]
-    ref_losses, ref_norms = reference.losses[first_step - 1:], _grad_norms(reference)[first_step - 1:]
+    count = STEPS - first_step + 1
+    losses, norms = run.losses[-count:], _grad_norms(run)[-count:]
+    ref_losses, ref_norms = reference.losses[-count:], _grad_norms(reference)[-count:]
     assert rel_diff(losses, ref_losses) < TOLERANCE, (losses, ref_losses)
     assert rel_diff(norms, ref_norms) < TOLERANCE, (norms, ref_norms)
 
@@ -70,10 +74,15 @@ def _resume(tmp_path, tiny_data, source, *, nprocs: int, overrides: list[str]):
 def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, reference):
     from safetensors.torch import load_file
 
+    from pretrain.checkpoint.weights import load_weights
+
     head = fsdp2_dp2.records[0]
     assert (head["engine"], head["data_parallel"]) == ("fsdp2", 2)
     assert head["param_dtypes"] == ["float32"] and head["zero_stage"] == 3
     _assert_trains_like(fsdp2_dp2, reference)
+    evals = [[r["loss"] for r in run.records if r["kind"] == "eval"]
+             for run in (fsdp2_dp2, reference)]
+    assert len(evals[1]) == 1 and rel_diff(*evals) < TOLERANCE, evals
     saved = fsdp2_dp2.run_dir / "checkpoints" / f"step{SAVE_AT}"
     assert json.loads((saved / "meta.json").read_text())["layout"]["engine"] == "fsdp2"
     assert sorted(p.name for p in saved.glob("fsdp2_rank*.pt")) == \
@@ -83,6 +92,11 @@ def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, refere
     assert sorted(ours) == sorted(ref)
     for name, tensor in ref.items():  # 6 Adam steps of lr 1e-3; reduction order only
         assert torch.allclose(ours[name], tensor, rtol=1e-4, atol=1e-6), name
+    # the readers of engine checkpoints (export-hf, convert) see the last checkpoint's masters
+    last = load_weights(fsdp2_dp2.run_dir)
+    assert last.step == STEPS and sorted(last.state) == sorted(ours)
+    for name, tensor in ours.items():
+        assert torch.equal(last.state[name], tensor), name
 
 
 @pytest.mark.slow
@@ -100,6 +114,37 @@ def test_tp2_dp2_with_recompute_and_cpu_offload_trains_like_one_process(tiny_dat
 
 
 @pytest.mark.slow
+def test_context_parallel_trains_like_one_process(tiny_data, tmp_path, reference):
+    """Context 2: both ranks hold the same weights (FSDP2 shards over data x context, as
+    ZeRO partitions) and each gives its chunk's share of the loss."""
+    run = train(tmp_path, tiny_data, nprocs=2, name="cp2",
+                overrides=[f"train.steps={STEPS}", *FSDP2, "parallel.context=2"])
+    assert (run.records[0]["context"], run.records[0]["data_parallel"]) == (2, 1)
+    _assert_trains_like(run, reference)
+
+
+@pytest.mark.slow
+def test_a_nonfinite_step_is_skipped_with_its_schedule(tiny_data, tmp_path):
+    """A NaN loss on rank 0 at step 2: every rank skips the update (the norm is the whole
+    grid's), the schedule stays, and the weights and Adam's state saved at steps 1 and 2 are
+    bitwise the same on both ranks' files."""
+    run_dir = tmp_path / "nan"
+    run = run_pretrain(train_args(run_dir, tiny_data, overrides=[
+        "train.steps=3", *FSDP2, "checkpoint.save_interval=1", "checkpoint.keep_last=5"]),
+        run_dir=run_dir, nprocs=2, env=nan_loss_environment({2}, directory=tmp_path)).check()
+    records = _train_records(run)
+    assert [r["update_skipped"] for r in records] == [False, True, False]
+    assert records[2]["lr"] == records[1]["lr"] and records[-1]["skipped_steps"] == 1
+    assert math.isfinite(records[2]["loss"])
+    for rank in (0, 1):
+        one, two = (torch.load(run_dir / "checkpoints" / f"step{step}" / f"fsdp2_rank{rank:05d}.pt",
+                               weights_only=True)["tensors"] for step in (1, 2))
+        for name, entry in one.items():
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(entry[key], two[name][key]), (rank, name, key)
+
+
+@pytest.mark.slow
 def test_resume_in_its_run_dir_gives_bitwise_the_same_steps(fsdp2_dp2, tiny_data, tmp_path):
     resumed = _resume(tmp_path, tiny_data, fsdp2_dp2, nprocs=2, overrides=FSDP2)
     after, before = _train_records(resumed), _train_records(fsdp2_dp2)[SAVE_AT:]
@@ -110,9 +155,12 @@ def test_resume_in_its_run_dir_gives_bitwise_the_same_steps(fsdp2_dp2, tiny_data
 @pytest.mark.slow
 def test_a_deepspeed_checkpoint_resumes_under_fsdp2_and_back(fsdp2_dp2, reference, tiny_data,
                                                            tmp_path):
-    """DeepSpeed (one process) -> fsdp2 on 2 ranks, and fsdp2's dp-2 checkpoint -> DeepSpeed
-    on one process: each continues the reference's steps 4-6."""
-    into_fsdp2 = _resume(tmp_path / "a", tiny_data, reference, nprocs=2, overrides=FSDP2)
+    """DeepSpeed (one process) -> fsdp2 at tp 2 (each rank reads its tensor shard's rows), and
+    fsdp2's dp-2 checkpoint -> DeepSpeed on one process: each continues the reference's steps
+    4-6. (Resuming fsdp2 on its own layout reads its files the same way.)"""
+    into_fsdp2 = _resume(tmp_path / "a", tiny_data, reference, nprocs=2,
+                         overrides=[*FSDP2, "parallel.tensor=2"])
+    assert "resharded" in into_fsdp2.stdout
     _assert_trains_like(into_fsdp2, reference, first_step=SAVE_AT + 1)
     into_deepspeed = _resume(tmp_path / "b", tiny_data, fsdp2_dp2, nprocs=1, overrides=[])
     assert "resharded" in into_deepspeed.stdout

@@ -564,7 +564,7 @@ def _whole_tensor(param: torch.Tensor, name: str, m, *, groups, zero3: bool,
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             shard = param.detach().clone()
     elif isinstance(param, DTensor):  # fsdp2: all-gathered over the data group (every replica)
-        shard = param.detach().full_tensor().cpu()
+        shard = param.detach().full_tensor()
     else:
         shard = param.detach()
     if not first_replica:

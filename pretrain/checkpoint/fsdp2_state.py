@@ -54,10 +54,10 @@ class _RowPieces(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         entries = sorted((f["tensors"][name] for f in self._files), key=lambda e: e["row"])
         parts = [e.get(self._key, torch.zeros_like(e["master"])) for e in entries]
-        whole = torch.cat(parts) if entries[0]["master"].dim() else parts[0]
+        whole = torch.cat(parts)
         if tuple(whole.shape) != tuple(entries[0]["shape"]):
-            raise CheckpointError(f"{name}: the fsdp2 files hold {tuple(whole.shape)} of its "
-                                  f"shard of {tuple(entries[0]['shape'])}: a rank's file is missing")
+            raise CheckpointError(f"{name}: the fsdp2 files hold {tuple(whole.shape)} of its shard "
+                                  f"of {tuple(entries[0]['shape'])}: a rank's file is missing")
         return whole
 
     def __iter__(self) -> Iterator[str]:

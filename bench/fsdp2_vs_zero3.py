@@ -1,0 +1,64 @@
+"""Step time and per-rank peak memory of `train.engine: fsdp2` against DeepSpeed's ZeRO-3, same
+model, layout and data, measured in the same run.
+
+Both engines train the same fp32 model (hidden 256, 4 layers, seq 256, vocab 8192: ~7M
+parameters) with `ds_configs/zero3.json` on 2 data-parallel ranks forked as `pretrain train`'s
+tests fork them (gloo), ROUNDS times each, alternating (fsdp2, ZeRO-3, fsdp2, ...) so that a
+change in the machine's load falls on both. Step time: the median `step_time_s` of the steps
+after WARMUP; memory: each rank's peak (the process's peak RSS on CPU ranks, the allocator's
+peak on GPUs: `metrics.peak_memory_gb`), the largest over ranks. Ratios are fsdp2 / ZeRO-3.
+
+    .venv/bin/python bench/fsdp2_vs_zero3.py            # ~3 minutes on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from common import machine, median, stdlib_dataset
+from pretrain.testing.runs import train
+
+MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4",
+         "model.num_kv_heads=4", "model.ffn_hidden_size=704", "model.seq_length=256",
+         "model.vocab_size=auto"]
+ENGINES = {"fsdp2": ["train.engine=fsdp2"], "zero3": []}
+WARMUP = 2  # steps left out of the step time (first gathers, allocator growth)
+
+
+def _measure(engine: str, data: dict[str, str], *, steps: int, out: Path) -> tuple[float, float]:
+    """(median step seconds, max over ranks of the peak memory in GB) of one run."""
+    run = train(out, data, nprocs=2, name=engine, overrides=[
+        *MODEL, *ENGINES[engine], "deepspeed=ds_configs/zero3.json", f"train.steps={steps}",
+        "train.precision=fp32", "train.micro_batch_size=2", "train.global_batch_size=4",
+        "train.warmup_steps=2"])
+    records = [r for r in run.records if r["kind"] == "train"]
+    return (median([r["step_time_s"] for r in records[WARMUP:]]),
+            max(records[-1]["peak_mem_gb_ranks"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    data = stdlib_dataset()
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in ENGINES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for engine in ENGINES:
+                results[engine].append(_measure(engine, data, steps=args.steps,
+                                                out=Path(tmp) / f"round{round_}"))
+    print(f"machine: {machine()}; 2 gloo ranks, fp32, ZeRO-3 JSON; "
+          f"{args.rounds} rounds of {args.steps} steps (first {WARMUP} left out)")
+    print(f"{'engine':>7} {'step s (median of rounds)':>26} {'peak GB/rank (max)':>19}")
+    summary = {}
+    for engine, rows in results.items():
+        summary[engine] = (median([r[0] for r in rows]), max(r[1] for r in rows))
+        print(f"{engine:>7} {summary[engine][0]:>26.3f} {summary[engine][1]:>19.3f}")
+    print(f"fsdp2 / zero3: step time {summary['fsdp2'][0] / summary['zero3'][0]:.2f}x, "
+          f"peak memory per rank {summary['fsdp2'][1] / summary['zero3'][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
