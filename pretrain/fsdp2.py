@@ -116,6 +116,12 @@ class FSDP2Engine:
     def zero_offload_param(self):
         return None  # `host_resident_state` reads `zero_use_cpu_optimizer` under offload
 
+    def compute_dtypes(self) -> list[str]:
+        """What forward computes in: the policy's bf16 (the shards stay fp32), else theirs."""
+        if self.cfg.train.precision is Precision.BF16:
+            return ["bfloat16"]
+        return sorted({str(p.dtype).removeprefix("torch.") for p in self.module.parameters()})
+
     def offload_targets(self) -> tuple[str, str]:
         """(optimizer state, parameters) outside accelerator memory, as `metrics` reports
         DeepSpeed's: CPUOffloadPolicy keeps both (and the gradients) in host memory."""

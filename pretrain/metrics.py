@@ -267,7 +267,8 @@ def engine_facts(engine: deepspeed.DeepSpeedEngine) -> dict[str, Any]:
     return {"engine": getattr(engine, "name", "deepspeed"),  # train.engine as built
             "zero_stage": engine.zero_optimization_stage(),
             "zero_optimizer": type(wrapper).__name__, "optimizer": type(inner).__name__,
-            "param_dtypes": _dtype_names(engine.module.parameters()),
+            "param_dtypes": (engine.compute_dtypes() if hasattr(engine, "compute_dtypes")
+                             else _dtype_names(engine.module.parameters())),
             "master_dtypes": _dtype_names(_stepped_tensors(wrapper, inner)),
             "offload_optimizer": offload_state, "offload_param": offload_params,
             "sequence_parallel": flags == {True}}

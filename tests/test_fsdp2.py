@@ -113,6 +113,42 @@ def test_tp2_dp2_with_recompute_and_cpu_offload_trains_like_one_process(tiny_dat
     _assert_trains_like(run, reference)
 
 
+def _bf16_step(rank: int, world_size: int) -> dict:
+    """One forward and backward of the tiny model sharded with bf16's policy: the dtype a
+    decoder layer's weight has inside its forward, and the shards' and gradients' dtypes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pretrain.fsdp2 import shard_model
+    from pretrain.model import build_model
+
+    cfg = load_config("configs/tiny.yaml", overrides=["model.vocab_size=512"])
+    model = build_model(cfg.model, seed=0)
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(world_size))), device_type="cpu")
+    shard_model(model, mesh, reshard_after_forward=True, bf16=True, offload=False)
+    seen = []
+    norm = model.model.layers[0].post_attention_layernorm  # inside the layer's FSDP2 unit
+    norm.register_forward_hook(lambda module, *_: seen.append(module.weight.dtype))
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(rank))
+    model(ids, labels=ids).backward()
+    return {"in_forward": str(seen[0]), "shards": sorted({str(p.dtype) for p in model.parameters()}),
+            "grads": sorted({str(p.grad.dtype) for p in model.parameters()})}
+
+
+@pytest.mark.slow
+def test_bf16_computes_in_bf16_over_fp32_shards_and_fp32_gradients(tmp_path):
+    """MixedPrecisionPolicy as `shard_model` sets it for train.precision=bf16: a layer's
+    gathered weights are bf16 inside its forward; the shards the optimizer steps (the masters)
+    and their gradients stay fp32. (2 ranks in-process, one step, no training run. FSDP2 hands
+    fp32 gradients to the shards whatever the reduce dtype: that it reduces in fp32 is not
+    observable here.)"""
+    from pretrain.testing.ranks import run_on_ranks
+
+    for result in run_on_ranks(_bf16_step, world_size=2, tmp_path=tmp_path):
+        assert result == {"in_forward": "torch.bfloat16", "shards": ["torch.float32"],
+                          "grads": ["torch.float32"]}, result
+
+
 @pytest.mark.slow
 def test_context_parallel_trains_like_one_process(tiny_data, tmp_path, reference):
     """Context 2: both ranks hold the same weights (FSDP2 shards over data x context, as
