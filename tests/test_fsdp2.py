@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pretrain.config import load_config
-from pretrain.errors import ConfigError
+from pretrain.errors import CheckpointError, ConfigError
 from pretrain.run import lay_out_as_loaded
 from pretrain.testing.faults import nan_loss_environment
 from pretrain.testing.runs import rel_diff, run_pretrain, train, train_args
@@ -71,9 +71,10 @@ def _resume(tmp_path, tiny_data, source, *, nprocs: int, overrides: list[str]):
 
 
 @pytest.mark.slow
-def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, reference):
+def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, reference, tmp_path):
     from safetensors.torch import load_file
 
+    from pretrain.checkpoint.engine import to_universal
     from pretrain.checkpoint.weights import load_weights
 
     head = fsdp2_dp2.records[0]
@@ -97,6 +98,8 @@ def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, refere
     assert last.step == STEPS and sorted(last.state) == sorted(ours)
     for name, tensor in ours.items():
         assert torch.equal(last.state[name], tensor), name
+    with pytest.raises(CheckpointError, match="train.engine=fsdp2"):  # DeepSpeed's format only
+        to_universal(fsdp2_dp2.run_dir, tmp_path / "universal")
 
 
 @pytest.mark.slow
@@ -131,7 +134,8 @@ def _bf16_step(rank: int, world_size: int) -> dict:
     norm.register_forward_hook(lambda module, *_: seen.append(module.weight.dtype))
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(rank))
     model(ids, labels=ids).backward()
-    return {"in_forward": str(seen[0]), "shards": sorted({str(p.dtype) for p in model.parameters()}),
+    return {"in_forward": str(seen[0]),
+            "shards": sorted({str(p.dtype) for p in model.parameters()}),
             "grads": sorted({str(p.grad.dtype) for p in model.parameters()})}
 
 

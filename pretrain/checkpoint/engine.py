@@ -435,6 +435,12 @@ def _check_convertible(tag_dir: Path, meta: dict[str, Any]) -> None:
     """`CheckpointError` when DeepSpeed's universal conversion cannot handle this checkpoint."""
     if meta.get("universal"):
         raise CheckpointError(f"{str(tag_dir)!r} is already a universal checkpoint")
+    if meta["layout"].get("engine", "deepspeed") != "deepspeed":
+        raise CheckpointError(
+            f"{str(tag_dir)!r} was saved by train.engine={meta['layout']['engine']}, whose files "
+            "DeepSpeed's universal conversion cannot read; it needs none: `pretrain train "
+            "--resume-from` resumes it on any layout and under either engine, and export-hf "
+            "reads it")
     if meta["layout"]["zero_stage"] == 0:
         raise CheckpointError(
             f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "
