@@ -71,9 +71,11 @@ class FSDP2Engine:
 
     def __init__(self, cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups,
                  model: torch.nn.Module, *, param_groups: list[dict[str, Any]],
-                 lr_factor: Callable[[int], float]) -> None:
+                 lr_factor: Callable[[int], float], tensor_parallel: set[str]) -> None:
         """`param_groups`: the optimizer's groups over the sharded parameters; `lr_factor(i)`:
-        the schedule's factor of each group's lr after `i` updates."""
+        the schedule's factor of each group's lr after `i` updates; `tensor_parallel`: the
+        names of the parameters that are tensor-parallel shards (fully_shard's replacements
+        carry no `tensor_model_parallel`)."""
         t = cfg.train
         self.cfg, self.groups, self.ds_config = cfg, groups, ds_config
         self.device = torch.device(get_accelerator().current_device_name())
@@ -89,7 +91,7 @@ class FSDP2Engine:
         self._micro = 0  # backward passes of the step being accumulated
         self._norm: float | None = None
         self.checkpoint_engine = None  # the Saver's writer, set before save_checkpoint
-        self._tensor_parallel: set[str] = set()  # names of tensor-parallel shards
+        self._tensor_parallel = tensor_parallel
 
     # ---- what DeepSpeed's engine answers ----------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -107,8 +109,9 @@ class FSDP2Engine:
         return self._micro_batches
 
     def zero_optimization_stage(self) -> int:
-        """ZeRO-3-like whatever the JSON said (parameters, gradients and state sharded)."""
-        return 3
+        """3, or 2 where the JSON's ZeRO-1/2 keeps gathered weights from forward to backward
+        (`fsdp2_rules`): gradients and optimizer state are sharded either way."""
+        return 3 if reshards_after_forward(zero_stage(self.ds_config)) else 2
 
     def zero_use_cpu_optimizer(self) -> bool:
         return self.offload
@@ -275,7 +278,5 @@ def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: Proces
                        if getattr(p, "tensor_model_parallel", False)}
     shard_model(model, mesh, reshard_after_forward=reshards_after_forward(zero_stage(ds_config)),
                 bf16=cfg.train.precision is Precision.BF16, offload=offload)
-    engine = FSDP2Engine(cfg, ds_config, groups, model, param_groups=optimizer_groups(model),
-                         lr_factor=lr_factor)
-    engine._tensor_parallel = tensor_parallel  # fully_shard's parameters carry no attributes
-    return engine
+    return FSDP2Engine(cfg, ds_config, groups, model, param_groups=optimizer_groups(model),
+                       lr_factor=lr_factor, tensor_parallel=tensor_parallel)

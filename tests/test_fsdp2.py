@@ -156,10 +156,14 @@ def test_bf16_computes_in_bf16_over_fp32_shards_and_fp32_gradients(tmp_path):
 @pytest.mark.slow
 def test_context_parallel_trains_like_one_process(tiny_data, tmp_path, reference):
     """Context 2: both ranks hold the same weights (FSDP2 shards over data x context, as
-    ZeRO partitions) and each gives its chunk's share of the loss."""
-    run = train(tmp_path, tiny_data, nprocs=2, name="cp2",
-                overrides=[f"train.steps={STEPS}", *FSDP2, "parallel.context=2"])
-    assert (run.records[0]["context"], run.records[0]["data_parallel"]) == (2, 1)
+    ZeRO partitions) and each gives its chunk's share of the loss; gradient accumulation 2.
+    The ZeRO-2 JSON: weights stay gathered from each layer's forward to its backward."""
+    run = train(tmp_path, tiny_data, nprocs=2, name="cp2", overrides=[
+        f"train.steps={STEPS}", "train.engine=fsdp2", "deepspeed=ds_configs/zero2.json",
+        "parallel.context=2"])
+    head = run.records[0]
+    assert (head["context"], head["data_parallel"], head["grad_accum"]) == (2, 1, 2)
+    assert head["zero_stage"] == 2
     _assert_trains_like(run, reference)
 
 
