@@ -243,3 +243,12 @@ def test_pretrain_train_refuses_a_pipeline_before_launch(tiny_data, tmp_path):
     assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-2000:])
     assert "pipelines are DeepSpeed's" in run.stdout + run.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # a `pretrain plan` process: ~10 s on the loaded machine
+def test_the_planner_says_it_plans_fsdp2_as_deepspeeds_zero(tmp_path):
+    run = run_pretrain(["plan", "--config", "configs/tiny.yaml", "--set", "train.engine=fsdp2",
+                        "--set", "model.vocab_size=512", "--world-size", "2"],
+                       run_dir=tmp_path, launcher="single")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "train.engine=fsdp2 is planned as DeepSpeed's ZeRO-1" in run.stdout

@@ -34,6 +34,9 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         *([_experts_line(m, layout)] if m.num_experts else []),
         format_plan(plan),
     ]
+    if cfg.train.engine.value != "deepspeed":  # the memory and time models are DeepSpeed's
+        lines.insert(3, f"note    train.engine={cfg.train.engine.value} is planned as DeepSpeed's "
+                        f"ZeRO-{layout.zero_stage}: the planner does not model FSDP2 yet")
     return "\n".join(lines)
 
 
