@@ -168,6 +168,16 @@ def test_context_parallel_trains_like_one_process(tiny_data, tmp_path, reference
 
 
 @pytest.mark.slow
+def test_a_tied_head_trains_like_one_process(tiny_data, tmp_path):
+    """The embedding and the tied head are one parameter in the root FSDP2 unit."""
+    tied = ["train.steps=3", "model.tie_embeddings=true"]
+    single = train(tmp_path, tiny_data, name="single", overrides=tied)
+    run = train(tmp_path, tiny_data, nprocs=2, name="fsdp2", overrides=[*tied, *FSDP2])
+    assert rel_diff(run.losses, single.losses) < TOLERANCE, (run.losses, single.losses)
+    assert rel_diff(_grad_norms(run), _grad_norms(single)) < TOLERANCE
+
+
+@pytest.mark.slow
 def test_a_nonfinite_step_is_skipped_with_its_schedule(tiny_data, tmp_path):
     """A NaN loss on rank 0 at step 2: every rank skips the update (the norm is the whole
     grid's), the schedule stays, and the weights and Adam's state saved at steps 1 and 2 are
