@@ -79,6 +79,7 @@ def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, refere
 
     head = fsdp2_dp2.records[0]
     assert (head["engine"], head["data_parallel"]) == ("fsdp2", 2)
+    assert reference.records[0]["engine"] == "deepspeed"
     assert head["param_dtypes"] == ["float32"] and head["zero_stage"] == 3
     _assert_trains_like(fsdp2_dp2, reference)
     evals = [[r["loss"] for r in run.records if r["kind"] == "eval"]
