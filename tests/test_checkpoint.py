@@ -44,7 +44,7 @@ def test_resume_gives_bitwise_the_same_losses(tp, pp, dp, zero, tiny_data, tmp_p
     meta = json.loads((saved / "meta.json").read_text())
     assert meta["step"] == SAVE_AT and meta["consumed_samples"] == SAVE_AT * 4
     assert meta["layout"] == {"tensor": tp, "pipeline": pp, "data": dp, "world_size": nprocs,
-                              "context": 1, "zero_stage": zero, "offload": "none",
+                              "context": 1, "expert": 1, "zero_stage": zero, "offload": "none",
                               "precision": "fp32"}
 
     shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)

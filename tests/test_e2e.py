@@ -124,7 +124,7 @@ def test_deepspeed_launcher_zero2_trains_checkpoints_and_generates(stdlib_data, 
                                  "sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest()}
     # the precision `auto` chose on this CPU, as the saved config records it
     assert meta["layout"] == {"tensor": 1, "pipeline": 1, "data": 2, "world_size": 2,
-                              "context": 1, "zero_stage": 2, "offload": "none",
+                              "context": 1, "expert": 1, "zero_stage": 2, "offload": "none",
                               "precision": meta["config"]["train"]["precision"]}
     assert meta["layout"]["precision"] in ("bf16", "fp32")
     assert_final_is_the_last_step(run_dir, ckpts / f"step{STEPS}")

@@ -78,7 +78,7 @@ def test_the_resolved_config_is_settled_and_frozen(tmp_path):
     assert run.layout.data == 2 and run.layout.global_batch == 2 * cfg.train.micro_batch_size
     assert run.ds_config["train_batch_size"] == run.layout.deepspeed_batch
     assert run.checkpoint_layout == {
-        "tensor": 1, "pipeline": 1, "data": 2, "context": 1, "world_size": 2,
+        "tensor": 1, "pipeline": 1, "data": 2, "context": 1, "expert": 1, "world_size": 2,
         "zero_stage": run.layout.zero_stage, "offload": "none",
         "precision": run.cfg.train.precision.value}
     for section, name, value in (("train", "precision", Precision.BF16),
