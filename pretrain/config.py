@@ -520,11 +520,13 @@ class LoggingConfig(_Freezable):
 
 @dataclass
 class EvalConfig(_Freezable):
-    """Downstream tasks during training (pretrain/evaluation): lm-eval-harness on the model as
-    it is sharded, every rank taking part; scores to metrics.jsonl, the sinks and curves.png."""
+    """Downstream tasks during training, with lm-eval-harness (pretrain/evaluation).
+
+    Run on the model as it is sharded, every rank taking part; the scores go to metrics.jsonl,
+    the sinks, the run line and curves.png."""
 
     tasks: list[str] = field(default_factory=list)  # lm-eval task names, e.g. [python_next_line]
-    # (the local task; standard ones such as hellaswag need their dataset in the HF cache)
+    # (a local task; standard ones such as hellaswag need their dataset in the HF cache)
     interval: int = 0  # steps between evaluations of eval.tasks; 0: after the last step only
     limit: int | None = None  # the first N examples of each task; null: all
 

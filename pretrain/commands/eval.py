@@ -13,8 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Llama directory (what `pretrain generate` accepts)")
     parser.add_argument("--tasks", required=True,
                         help="comma-separated lm-eval task names: the local python_next_line, "
-                             "or any task of lm-eval whose dataset is in the Hugging Face cache "
-                             "(e.g. hellaswag,arc_easy)")
+                             "python_passages and python_line_completion, or any task of "
+                             "lm-eval whose dataset is in the Hugging Face cache (e.g. "
+                             "hellaswag,arc_easy)")
     parser.add_argument("--limit", type=int, default=None,
                         help="evaluate the first N examples of each task (default: all)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward")
