@@ -133,3 +133,54 @@ def test_an_unknown_task_is_refused_before_launch(tiny_data, tmp_path):
     assert ("error: eval.tasks: unknown task 'python_next_lines' (did you mean python_next_line?)"
             in run.stderr)
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_curves_draw_the_task_scores_in_a_fourth_panel(tmp_path):
+    """Scores in [0, 1] get a panel of their own; perplexities (which would flatten it) do not."""
+    import json
+
+    from pretrain import curves
+
+    records = [{"kind": "train", "step": s, "loss": 5.0 - s, "lr": 1e-3, "tokens_per_s": 10.0}
+               for s in (1, 2, 3, 4)]
+    records += [{"kind": "tasks", "step": s, "python_next_line/acc": 0.25 * s / 2,
+                 "python_passages/byte_perplexity": 30.0 / s, "seconds": 1.0} for s in (2, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = curves.read_curves(tmp_path)
+    assert run.tasks == {"python_next_line/acc": [(2, 0.25), (4, 0.5)]}
+    from matplotlib.figure import Figure
+
+    drawn = []
+    original = Figure.subplots
+    Figure.subplots = lambda self, rows, cols, **kw: drawn.append(rows) or original(
+        self, rows, cols, **kw)
+    try:
+        curves.write_png([run], tmp_path / "with.png")
+        curves.write_png([curves.RunCurves("plain", [(1, 1.0)], [], [], [])],
+                         tmp_path / "without.png")
+    finally:
+        Figure.subplots = original
+    assert drawn == [4, 3]
+
+
+def test_eval_settings_are_checked_when_the_config_loads():
+    from pretrain.config import load_config
+    from pretrain.errors import ConfigError
+
+    cfg = load_config(None, ["eval.tasks=[python_next_line]", "eval.interval=5", "eval.limit=3"])
+    assert (cfg.eval.tasks, cfg.eval.interval, cfg.eval.limit) == (["python_next_line"], 5, 3)
+    for bad, words in (("eval.interval=-1", "eval.interval"), ("eval.limit=0", "eval.limit"),
+                       ("eval.tasks=[a,a]", "name each task once")):
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, [bad])
+
+
+def test_context_parallel_runs_are_refused_before_launch():
+    from pretrain.config import load_config
+    from pretrain.errors import ConfigError
+    from pretrain.evaluation.in_training import check_eval_config
+
+    cfg = load_config(None, ["eval.tasks=[python_next_line]", "parallel.context=2"])
+    with pytest.raises(ConfigError, match="parallel.context > 1"):
+        check_eval_config(cfg)
+    check_eval_config(load_config(None, ["eval.tasks=[python_next_line]"]))  # a local task: fine
