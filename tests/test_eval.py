@@ -184,3 +184,28 @@ def test_context_parallel_runs_are_refused_before_launch():
     with pytest.raises(ConfigError, match="parallel.context > 1"):
         check_eval_config(cfg)
     check_eval_config(load_config(None, ["eval.tasks=[python_next_line]"]))  # a local task: fine
+
+
+@pytest.mark.slow
+def test_pretrain_eval_prints_and_writes_the_runs_final_scores(runs):
+    """`pretrain eval` on the pp 2 run's directory (its last checkpoint, one process) gives the
+    scores the run wrote after its last step, printed and in eval_step4.json beside it."""
+    import json
+
+    from pretrain.testing.cli import run_cli
+    from pretrain.testing.runs import REPO
+
+    run = runs["pp2"]
+    proc = run_cli(["eval", str(run.run_dir), "--tasks", "python_next_line,python_passages",
+                    "--limit", str(LIMIT), "--batch-size", "3"], cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads((run.run_dir / f"eval_step{STEPS}.json").read_text())
+    in_run = [r for r in run.records if r["kind"] == "tasks"][-1]
+    assert written["step"] == STEPS and written["limit"] == LIMIT
+    assert set(written["scores"]) == {"python_next_line/acc", "python_next_line/acc_norm",
+                                      "python_passages/word_perplexity",
+                                      "python_passages/byte_perplexity",
+                                      "python_passages/bits_per_byte"}
+    for name, value in written["scores"].items():
+        assert math.isclose(value, in_run[name], rel_tol=1e-5), (name, value, in_run[name])
+        assert f"{name}" in proc.stdout
