@@ -38,6 +38,10 @@ setup(
         "sqlalchemy>=1.4",
         "alembic>=1.11",
         "optuna>=4",  # `pretrain tune`: the study, its samplers, pruners, storage and plots
+        # `pretrain eval`, eval.tasks: lm-eval-harness (tasks, metrics); accelerate for its HFLM,
+        # the reference the tests compare the adapter with
+        "lm-eval==0.4.13",
+        "accelerate>=1.0",
     ],
     # kubernetes-validate: tests/test_k8s.py checks the generated manifests against the
     # Kubernetes OpenAPI schemas it ships (offline)

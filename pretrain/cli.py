@@ -5,6 +5,7 @@
     pretrain merge-datasets  concatenate .bin/.idx datasets (e.g. preprocessed shards) into one
     pretrain train       train under any launcher (deepspeed, torchrun, srun) or as one process
     pretrain generate    continue a prompt with a trained checkpoint
+    pretrain eval        lm-eval-harness tasks (multiple choice, generation) on a checkpoint
     pretrain export-hf   write any checkpoint as a Hugging Face LlamaForCausalLM directory
     pretrain import-hf   turn a Hugging Face Llama directory into a run's initial weights
     pretrain convert-checkpoint  consolidated fp32 weights (--to fp32) or universal checkpoint
@@ -28,6 +29,7 @@ import signal
 import sys
 
 from pretrain.commands import config as config_command
+from pretrain.commands import eval as eval_command
 from pretrain.commands import (convert, data, export_hf, generate, import_hf, launch, plan, plot,
                                sweep, train, tune)
 from pretrain.errors import EXIT_USER_ERROR, PretrainError
@@ -45,6 +47,8 @@ COMMANDS = {
               train.add_arguments, train.run),
     "generate": ("continue a prompt with a trained checkpoint", generate.add_arguments,
                  generate.run),
+    "eval": ("lm-eval-harness tasks on a checkpoint: scores printed and written as JSON",
+             eval_command.add_arguments, eval_command.run),
     "export-hf": ("write any checkpoint as a Hugging Face LlamaForCausalLM directory",
                   export_hf.add_arguments, export_hf.run),
     "import-hf": ("turn a Hugging Face Llama directory into initial weights for a run",

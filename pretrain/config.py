@@ -530,6 +530,27 @@ class LoggingConfig(_Freezable):
 
 
 @dataclass
+class EvalConfig(_Freezable):
+    """Downstream tasks during training, with lm-eval-harness (pretrain/evaluation).
+
+    Run on the model as it is sharded, every rank taking part; the scores go to metrics.jsonl,
+    the sinks, the run line and curves.png."""
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names, e.g. [python_next_line]
+    # (a local task; standard ones such as hellaswag need their dataset in the HF cache)
+    interval: int = 0  # steps between evaluations of eval.tasks; 0: after the last step only
+    limit: int | None = None  # the first N examples of each task; null: all
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            _fail("eval", "interval", self.interval, "must be >= 0 (0: after the last step only)")
+        if self.limit is not None and self.limit < 1:
+            _fail("eval", "limit", self.limit, "must be a positive number of examples, or null")
+        if len(set(self.tasks)) != len(self.tasks):
+            _fail("eval", "tasks", self.tasks, "name each task once")
+
+
+@dataclass
 class RunConfig(_Freezable):
     run_dir: str = "runs/default"  # resolved config, checkpoints, logs, metrics.jsonl
     deepspeed: str = "ds_configs/zero2.json"  # DeepSpeed JSON with "auto" fields
@@ -539,6 +560,7 @@ class RunConfig(_Freezable):
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))

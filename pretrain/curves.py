@@ -1,7 +1,9 @@
 """Loss-curve pictures: one or more runs' `metrics.jsonl` drawn against the step.
 
 Three panels, one line per run (the run directory's name in the legend): train loss with the
-validation loss of each evaluation as points of the same colour, the learning rate, and tokens/s.
+validation loss of each evaluation as points of the same colour, the learning rate, and tokens/s;
+a fourth when a run evaluated downstream tasks (eval.tasks): each score in [0, 1] (accuracies,
+exact match) against the step, one marker per score.
 The trainer redraws `<run_dir>/curves.png` after every evaluation and at the end of a run;
 `pretrain plot` draws several runs in one picture to compare them.
 
@@ -12,7 +14,7 @@ picture is drawn, on the Agg canvas (no display, no pyplot state in a training p
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +25,8 @@ METRICS = "metrics.jsonl"
 FIGSIZE_INCHES, DPI = (10.0, 9.0), 100  # a 1000 x 900 pixel PNG
 # (series, y-axis label) of each panel, top to bottom.
 PANELS = (("train_loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+TASKS_PANEL = ("tasks", "task scores")  # drawn when a run has "tasks" records
+TASK_MARKERS = "os^vD*xP"
 # series -> field of the "train" records it is read from.
 TRAIN_FIELDS = {"train_loss": "loss", "lr": "lr", "tokens_per_s": "tokens_per_s"}
 
@@ -38,6 +42,7 @@ class RunCurves:
     valid_loss: Series
     lr: Series
     tokens_per_s: Series
+    tasks: dict[str, Series] = field(default_factory=dict)  # "task/metric": scores in [0, 1]
 
 
 def metrics_path(run: str | Path) -> Path:
@@ -55,6 +60,7 @@ def read_curves(run: str | Path, *, name: str | None = None) -> RunCurves:
     """The series of one run (named after its directory unless `name` is given)."""
     path = metrics_path(run)
     series: dict[str, dict[int, float]] = {key: {} for key in (*TRAIN_FIELDS, "valid_loss")}
+    scores: dict[str, dict[int, float]] = {}
     for record in _records(path):
         step = record.get("step")
         if record.get("kind") == "train":
@@ -62,7 +68,14 @@ def read_curves(run: str | Path, *, name: str | None = None) -> RunCurves:
                 _put(series[key], step, record.get(field))
         elif record.get("kind") == "eval":
             _put(series["valid_loss"], step, record.get("loss"))
-    return RunCurves(name=name or path.parent.resolve().name,
+        elif record.get("kind") == "tasks":
+            for key, value in record.items():
+                if "/" in key:
+                    _put(scores.setdefault(key, {}), step, value)
+    # accuracies and the like share one axis; perplexities and bits per byte would flatten it
+    tasks = {key: sorted(values.items()) for key, values in scores.items()
+             if all(0.0 <= v <= 1.0 for v in values.values())}
+    return RunCurves(name=name or path.parent.resolve().name, tasks=tasks,
                      **{key: sorted(values.items()) for key, values in series.items()})
 
 
@@ -103,10 +116,11 @@ def write_png(runs: Sequence[RunCurves], path: str | Path) -> Path:
 
     figure = Figure(figsize=FIGSIZE_INCHES, dpi=DPI)
     FigureCanvasAgg(figure)
-    axes = figure.subplots(len(PANELS), 1, sharex=True)
+    panels = PANELS + ((TASKS_PANEL,) if any(run.tasks for run in runs) else ())
+    axes = figure.subplots(len(panels), 1, sharex=True)
     for index, run in enumerate(runs):
         _draw_run(axes, run, color=f"C{index % 10}")
-    for ax, (_, label) in zip(axes, PANELS):
+    for ax, (_, label) in zip(axes, panels):
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -129,3 +143,7 @@ def _draw_run(axes, run: RunCurves, *, color: str) -> None:
     if run.valid_loss:
         axes[0].plot(*zip(*run.valid_loss), "o", color=color, markersize=5,
                      label=f"{run.name} (valid)")
+    for index, (score, points) in enumerate(sorted(run.tasks.items())):
+        axes[len(PANELS)].plot(*zip(*points), color=color, linewidth=1.0,
+                               marker=TASK_MARKERS[index % len(TASK_MARKERS)], markersize=5,
+                               label=f"{run.name} {score}")

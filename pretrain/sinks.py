@@ -26,6 +26,8 @@ machine-readable record. Fields:
     vs_median: own time over the run against the median rank's), stragglers_named.
 ``{"kind": "eval", ...}`` once per validation pass
     step, loss, ppl, tokens.
+``{"kind": "tasks", ...}`` once per downstream evaluation (eval.tasks, `pretrain.evaluation`)
+    step, one "<task>/<metric>" field per score (e.g. python_next_line/acc), seconds.
 ``{"kind": "run", ...}`` first line: world size, layout, parameters, peak_tflops, versions.
 
 Each library is imported when its sink opens: a run that reports to none loads none of them.

@@ -29,6 +29,7 @@ from pretrain.data.samples import stream_numbers
 from pretrain.dist import World, same_on_every_rank, wait_for_io
 from pretrain.engine import build_engine
 from pretrain.errors import EXIT_REQUEUE, ConfigError
+from pretrain.evaluation.in_training import TaskEvaluator
 from pretrain.files import git_commit
 from pretrain.hardware import PrecisionChoice
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
@@ -155,6 +156,7 @@ class Trainer:
         self.metrics = telemetry.MetricsSink(self.run_dir, enabled=self.main,
                                              settings=cfg.logging, run_config=cfg.to_dict())
         self._curves_step: int | None = None  # the step curves.png shows; -1: drawing failed
+        self.tasks = TaskEvaluator(self)  # eval.tasks (lm-eval), after the steps it is due
         announce_run(self.metrics, cfg, world, self.engine, self.records, layout=self.layout,
                      train_data=self.train_data, run_dir=self.run_dir)
 
@@ -363,6 +365,7 @@ class Trainer:
                 if self.step < record["step"]:  # back at the checkpoint (or stopped in replay)
                     continue
             self._evaluate_if_due(result)
+            self.tasks.after_step(self.step)
             if self._stop_or_save(result):
                 break
         bar.close()

@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
      "pretrain.faults", "pretrain.plan", "pretrain.hang", "pretrain.hang_verdict",
      "pretrain.stragglers"),
     ("pretrain.engine", "pretrain.fsdp2", "pretrain.metrics", "pretrain.telemetry", "pretrain.trainer", "pretrain.spikes",
-     "pretrain.sweep_results", "pretrain.child_runs", "pretrain.tune", "pretrain.ray_train", "pretrain.testing"),
+     "pretrain.sweep_results", "pretrain.child_runs", "pretrain.tune", "pretrain.ray_train", "pretrain.testing",
+     "pretrain.evaluation"),
     ("pretrain.commands",),
     ("pretrain.cli", "pretrain.__main__"),
 ]

@@ -26,6 +26,7 @@ T_TP_ZERO1 = "tests/test_tensor_parallel.py::test_deepspeed_zero1_tp2_dp2_matche
 T_BF16_FP32_SUMS = "tests/test_train_zero.py::test_bf16_sums_128_micro_batch_gradients_in_fp32"
 T_MOE_LAYER = ("tests/test_moe.py::"
                "test_moe_layer_matches_a_per_token_reference_in_output_losses_and_gradients")
+T_EVAL = "tests/test_eval.py::test_in_run_scores_equal_hflms_on_the_exported_checkpoint"
 T_E2E = "tests/test_e2e.py::test_deepspeed_launcher_zero2_trains_checkpoints_and_generates"
 
 REGISTRY: dict[str, str] = {
@@ -135,6 +136,10 @@ REGISTRY: dict[str, str] = {
     "logging.curves": "tests/test_train_zero.py::test_single_process_run_learns",
     "logging.peak_tflops": "tests/test_train_zero.py::test_single_process_run_learns",
     "logging.profile_steps": "tests/test_telemetry.py::test_training_records_hardware_flops_and_writes_a_profile_trace",
+    # eval.*: the in-run scores after steps 2 and 4 are HFLM's on the same examples
+    "eval.tasks": T_EVAL,
+    "eval.interval": T_EVAL,
+    "eval.limit": T_EVAL,
     # DeepSpeed keys (shipped JSONs and the resolver)
     DS + "train_batch_size": T_BF16_FP32_SUMS,
     DS + "train_micro_batch_size_per_gpu": T_TP_ZERO1,

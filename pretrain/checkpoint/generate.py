@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.checkpoint.weights import load_weights
+from pretrain.checkpoint.weights import Weights, load_weights
 from pretrain.data import Tokenizer
 from pretrain.config import Precision
 from pretrain.errors import CheckpointError, ConfigError
@@ -21,6 +21,22 @@ def generate(checkpoint: str, prompt: str, *, max_new_tokens: int, temperature: 
              top_k: int | None = None, seed: int = 0, tokenizer: str | None = None,
              device: str = "auto", dtype: str = "auto") -> tuple[str, list[int]]:
     """(completion text, completion token ids) for `prompt` from any checkpoint."""
+    model, tok, _, device = load_for_inference(checkpoint, tokenizer=tokenizer, device=device,
+                                               dtype=dtype)
+    ids = tok.encode(prompt)
+    prompt_ids = torch.tensor([ids or [tok.bos_id]], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_k=top_k, generator=generator,
+                             eos_id=tok.eos_id if tok.eos_id >= 0 else None)
+    new_ids = out[0, prompt_ids.shape[1]:].tolist()
+    return tok.decode(new_ids), new_ids
+
+
+def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device: str = "auto",
+                       dtype: str = "auto") -> tuple[LlamaModel, Tokenizer, Weights, str]:
+    """(model in eval mode on its device, tokenizer, weights read, device) of any checkpoint."""
     weights = load_weights(checkpoint)
     tokenizer_path = tokenizer or weights.tokenizer
     if tokenizer_path is None:
@@ -32,15 +48,7 @@ def generate(checkpoint: str, prompt: str, *, max_new_tokens: int, temperature: 
     model.load_state_dict(from_hf_state_dict(state, weights.model))
     del state
     model.to(device=device, dtype=torch_dtype).eval()
-    ids = tok.encode(prompt)
-    prompt_ids = torch.tensor([ids or [tok.bos_id]], dtype=torch.long, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_k=top_k, generator=generator,
-                             eos_id=tok.eos_id if tok.eos_id >= 0 else None)
-    new_ids = out[0, prompt_ids.shape[1]:].tolist()
-    return tok.decode(new_ids), new_ids
+    return model, tok, weights, device
 
 
 def inference_placement(device: str, dtype: str) -> tuple[str, torch.dtype]:

@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> NoReturn:
     log = lambda text: telemetry.log(text, main=world.is_main)  # noqa: E731
     # Every check that can fail does so here, before a process group or an engine exists.
     telemetry.check_sinks(cfg.logging.report_to)
+    from pretrain.evaluation.in_training import check_eval_config
+
+    check_eval_config(cfg)  # unknown task names, layouts the evaluation cannot run on
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
     device_type = get_accelerator().device_name()
     settled = settle_config(cfg, device_type=device_type, find_resume=lambda c: find_resume(
