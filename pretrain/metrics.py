@@ -211,6 +211,8 @@ def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
              f"mem {rec['peak_mem_gb']:.2f}GB", f"data {1000 * rec['data_wait_s']:.0f}ms"]
     if "moe_aux_loss" in rec:  # a mixture of experts (pretrain/model/moe.py)
         parts.append(f"aux {rec['moe_aux_loss']:.3f}")
+        if "moe_load_max_mean_worst" in rec:  # the most unbalanced layer's tokens per expert
+            parts.append(f"experts max/mean {rec['moe_load_max_mean_worst']:.2f}")
         if rec["moe_dropped_fraction"]:
             parts.append(f"dropped {100 * rec['moe_dropped_fraction']:.1f}%")
     if rec.get("skipped_steps"):

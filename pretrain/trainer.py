@@ -416,7 +416,9 @@ class Trainer:
         record.update(self.spikes.counts.fields())
         record.update(self.stragglers.end_step(step=self.step, elapsed=elapsed, data_wait=wait))
         if self.cfg.model.num_experts:  # every rank: the sums are all-reduced
-            record.update(moe.collect_stats(self.engine.module, device=self.device))
+            record.update(moe.collect_stats(self.engine.module, device=self.device,
+                                            num_layers=self.cfg.model.num_layers,
+                                            num_experts=self.cfg.model.num_experts))
         self.metrics.write(record)
         return record
 

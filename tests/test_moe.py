@@ -176,6 +176,9 @@ def _assert_same_steps(run, reference, *, first_step: int = 1) -> None:
     for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
         assert rel_diff([r[key] for r in ours], [r[key] for r in ref]) < 1e-5, \
             (key, [r[key] for r in ours], [r[key] for r in ref])
+    # tokens per expert and dropped assignments per layer: over the whole batch, every layout
+    for key in ("moe_expert_tokens", "moe_dropped"):
+        assert [r[key] for r in ours] == [r[key] for r in ref], key
 
 
 @pytest.mark.slow
@@ -187,6 +190,12 @@ def test_single_process_moe_run_reports_router_statistics(moe_reference):
         assert 1.0 <= r["moe_aux_loss"] < 4.0  # 1 when balanced, at most num_experts
         assert r["moe_z_loss"] > 0
     assert "aux " in moe_reference.stdout  # the step line
+    assert "experts max/mean " in moe_reference.stdout
+    for r in records:  # 2 layers of 4 experts; every step's global batch routed top-2
+        tokens = r["moe_expert_tokens"]
+        assert len(tokens) == 2 and all(len(layer) == 4 for layer in tokens)
+        assert len({sum(layer) for layer in tokens}) == 1  # the same assignments per layer
+        assert r["moe_load_max_mean_worst"] == max(r["moe_load_max_mean"]) >= 1.0
 
 
 @pytest.mark.slow
@@ -336,3 +345,49 @@ def test_recomputed_moe_layers_give_the_same_gradients_and_count_each_forward_on
         _assert_close(grads[1][name], grad, name)
     assert stats[1][:, 0].tolist() == [1.0, 1.0]  # a recomputed forward is not counted again
     torch.testing.assert_close(stats[1], stats[0])
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.75])
+def test_router_statistics_count_each_layers_top_k_choices(capacity_factor):
+    """`collect_stats`' per-layer tokens per expert, dropped assignments and auxiliary losses
+    against a count of the routers' own top-k on the same batch (two forwards of a step)."""
+    from pretrain.model.moe import collect_stats, moe_layers
+
+    cfg = dataclasses.replace(CFG, moe_capacity_factor=capacity_factor)
+    model = build_model(cfg, seed=4)
+    logits = {layer.layer_index: [] for layer in moe_layers(model)}
+    for layer in moe_layers(model):
+        layer.gate.register_forward_hook(
+            lambda m, i, out, index=layer.layer_index: logits[index].append(out.detach()))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):  # micro-batches of one step
+        ids = torch.randint(0, 512, (2, 32), generator=gen)
+        model(ids, labels=ids).backward()
+    record = collect_stats(model, device="cpu", num_layers=cfg.num_layers, num_experts=4)
+    tokens, dropped, balance, z = [], [], [], []
+    for index in sorted(logits):
+        counts, drops, losses = torch.zeros(4, dtype=torch.long), 0, []
+        for out in logits[index]:
+            probs = torch.softmax(out.float(), dim=-1)
+            chosen = torch.bincount(torch.topk(probs, 2).indices.reshape(-1), minlength=4)
+            counts += chosen
+            if capacity_factor:
+                capacity = math.ceil(capacity_factor * len(out) * 2 / 4)
+                drops += int((chosen - capacity).clamp(min=0).sum())
+            losses.append((4 * torch.sum(chosen / chosen.sum() * probs.mean(dim=0)),
+                           torch.logsumexp(out.float(), dim=-1).pow(2).mean()))
+        tokens.append(counts.tolist())
+        dropped.append(drops)
+        balance.append(sum(b for b, _ in losses).item() / 2)
+        z.append(sum(zl for _, zl in losses).item() / 2)
+    assert record["moe_expert_tokens"] == tokens
+    assert record["moe_dropped"] == dropped
+    assert (sum(dropped) > 0) == bool(capacity_factor)
+    loads = [max(c) / (sum(c) / 4) for c in tokens]
+    assert record["moe_load_max_mean"] == pytest.approx(loads)
+    assert record["moe_load_max_mean_worst"] == pytest.approx(max(loads))
+    assert record["moe_layer_aux_loss"] == pytest.approx(balance, rel=1e-6)
+    assert record["moe_layer_z_loss"] == pytest.approx(z, rel=1e-6)
+    # the sums were reset: a step with no forward reports no layer
+    assert "moe_expert_tokens" not in collect_stats(model, device="cpu",
+                                                    num_layers=cfg.num_layers, num_experts=4)

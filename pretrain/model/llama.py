@@ -268,7 +268,7 @@ class DecoderLayer(nn.Module):
     """One pre-norm transformer block; attribute names follow Hugging Face's LlamaDecoderLayer."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None, expert_parallel: bool = False) -> None:
+                 cp_group=None, expert_parallel: bool = False, layer_index: int = 0) -> None:
         super().__init__()
         norm_group = tp_group if sequence_parallel else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
@@ -279,7 +279,8 @@ class DecoderLayer(nn.Module):
                                                 sequence_parallel_group=norm_group)
         if cfg.num_experts:  # a routed mixture of SwiGLU experts (`pretrain.model.moe`)
             self.mlp = MoE(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                           project=fused_projections, expert_parallel=expert_parallel)
+                           project=fused_projections, expert_parallel=expert_parallel,
+                           layer_index=layer_index)
         else:
             self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
@@ -304,8 +305,8 @@ class LlamaBackbone(nn.Module):
                                             sequence_parallel=sequence_parallel)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                         cp_group=cp_group, expert_parallel=expert_parallel)
-            for _ in range(cfg.num_layers))
+                         cp_group=cp_group, expert_parallel=expert_parallel, layer_index=i)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                             sequence_parallel_group=tp_group if sequence_parallel else None)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.seq_length, cfg.rope_theta)

@@ -68,6 +68,9 @@ from pretrain.model.tensor_parallel import (SequenceShardedWeightGrad, column_pa
                                             tp_rank, tp_world_size)
 
 
+STAT_FIELDS = 5  # `MoE.stats`: the sums before the per-expert counts
+
+
 class AuxLossGradient(torch.autograd.Function):
     """Identity on `output`; in backward, `aux_loss` gets gradient `scale` (a float).
 
@@ -168,11 +171,13 @@ class MoE(nn.Module):
     """A routed mixture of SwiGLU experts in place of a decoder layer's MLP (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 project: Callable, expert_parallel: bool = False) -> None:
-        """`project`: `llama.fused_projections`, gate and up of an expert as one matmul.
+                 project: Callable, expert_parallel: bool = False, layer_index: int = 0) -> None:
+        """`layer_index`: the decoder layer's (0-based), for the per-layer statistics.
+        `project`: `llama.fused_projections`, gate and up of an expert as one matmul.
         `expert_parallel`: the tensor-parallel ranks hold whole experts, an equal share each
         (`pretrain.model.expert_parallel`), instead of 1/tp of every expert."""
         super().__init__()
+        self.layer_index, self.num_experts = layer_index, cfg.num_experts
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tensor_parallel = tp_world_size(tp_group)
         self.top_k = cfg.experts_per_token
@@ -193,7 +198,9 @@ class MoE(nn.Module):
     def reset_stats(self) -> None:
         """Zero the sums `stats` reports (the trainer calls it once per step)."""
         # forwards, balance loss, z-loss, dropped assignments, assignments
-        self.stats = torch.zeros(5, dtype=torch.float64)
+        self.stats = torch.zeros(STAT_FIELDS, dtype=torch.float64)
+        # the assignments each expert was selected for (before any drop)
+        self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.float64)
 
     def route(self, flat: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
         """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
@@ -205,11 +212,11 @@ class MoE(nn.Module):
         else:  # over the tokens of every expert rank: the micro-batch one process sees
             balance, z_loss = _group_aux_losses(routing, logits, self.expert_group)
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recompute
-            self.stats += torch.stack([torch.ones((), dtype=torch.float64),
-                                       balance.detach().double().cpu(),
-                                       z_loss.detach().double().cpu(),
-                                       torch.tensor(float(routing.dropped)),
-                                       torch.tensor(float(routing.assignments))])
+            self.stats += torch.cat([torch.tensor([1.0], dtype=torch.float64),
+                                     torch.stack([balance, z_loss]).detach().double().cpu(),
+                                     torch.tensor([routing.dropped, routing.assignments],
+                                                  dtype=torch.float64)])
+            self.expert_tokens += routing.selected.double().cpu()
         return routing, logits, self.aux_coeff * balance + self.z_coeff * z_loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -290,23 +297,43 @@ def reset_stats(module: nn.Module) -> None:
         layer.reset_stats()
 
 
-def collect_stats(module: nn.Module, *, device, group=None) -> dict[str, float]:
-    """The step's mean balance loss and z-loss per layer forward, and the fraction of
-    assignments dropped, over every rank of `group` (collective); resets the sums.
+def collect_stats(module: nn.Module, *, device, num_layers: int, num_experts: int,
+                  group=None) -> dict:
+    """The step's router statistics over every rank of `group` (collective); resets the sums.
 
-    Every rank calls it (a pipeline stage may hold no MoE layer: it adds zeros). Tensor-parallel
-    ranks count the same forwards each: the ratios are unchanged."""
+    Overall: the mean balance loss and z-loss per layer forward and the fraction of assignments
+    dropped. Per MoE layer, in layer order: the assignments each expert was selected for
+    (`moe_expert_tokens`, over the whole global batch, before any drop), their max/mean
+    (`moe_load_max_mean`; 1.0 is perfectly balanced), the dropped assignments and the mean
+    auxiliary losses; `moe_load_max_mean_worst` is the largest over the layers.
+
+    Every rank calls it: a pipeline stage adds its own layers' rows (zeros elsewhere), data and
+    expert ranks their own tokens' counts; tensor ranks without expert parallelism, which route
+    the same tokens, each count 1/tp here. The result is the same on every rank."""
     import torch.distributed as dist
 
-    layers = moe_layers(module)
-    total = torch.zeros(5, dtype=torch.float64)
-    for layer in layers:
-        total += layer.stats
+    table = torch.zeros(num_layers, STAT_FIELDS + num_experts, dtype=torch.float64)
+    for layer in moe_layers(module):
+        # tensor ranks without expert parallelism route the same tokens: 1/tp each
+        copies = layer.tensor_parallel if layer.expert_group is None else 1
+        table[layer.layer_index] += torch.cat([layer.stats, layer.expert_tokens]) / copies
         layer.reset_stats()
     if dist.is_initialized():
-        total = total.to(device)
-        dist.all_reduce(total, group=group)
-        total = total.cpu()
-    forwards, balance, z_loss, dropped, assignments = total.tolist()
-    return {"moe_aux_loss": balance / max(forwards, 1.0), "moe_z_loss": z_loss / max(forwards, 1.0),
-            "moe_dropped_fraction": dropped / max(assignments, 1.0)}
+        table = table.to(device)
+        dist.all_reduce(table, group=group)
+        table = table.cpu()
+    forwards, balance, z_loss, dropped, assignments = table[:, :STAT_FIELDS].sum(dim=0).tolist()
+    record = {"moe_aux_loss": balance / max(forwards, 1.0),
+              "moe_z_loss": z_loss / max(forwards, 1.0),
+              "moe_dropped_fraction": dropped / max(assignments, 1.0)}
+    rows = table[table[:, 0] > 0]  # the layers that ran (MoE layers)
+    if len(rows):
+        counts = rows[:, STAT_FIELDS:]
+        load = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).tolist()
+        record.update({
+            "moe_expert_tokens": counts.round().long().tolist(),
+            "moe_load_max_mean": load, "moe_load_max_mean_worst": max(load),
+            "moe_dropped": rows[:, 3].round().long().tolist(),
+            "moe_layer_aux_loss": (rows[:, 1] / rows[:, 0]).tolist(),
+            "moe_layer_z_loss": (rows[:, 2] / rows[:, 0]).tolist()})
+    return record

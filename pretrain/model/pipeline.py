@@ -187,9 +187,9 @@ class DecoderLayerPipe(DecoderLayer):
     """`DecoderLayer` (same parameter names) on StageActivations, with its stage's rotary table."""
 
     def __init__(self, cfg: ModelConfig, *, rotary: RotaryEmbedding, tp_group=None,
-                 sequence_parallel: bool = False, cp_group=None) -> None:
+                 sequence_parallel: bool = False, cp_group=None, layer_index: int = 0) -> None:
         super().__init__(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                         cp_group=cp_group)
+                         cp_group=cp_group, layer_index=layer_index)
         # one table object shared by the stage's layers: non-persistent buffers, no parameters
         self.rotary_emb = rotary
         self.sequence_shards = _sequence_shards(tp_group, sequence_parallel)
@@ -294,9 +294,9 @@ def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None, sequence_parallel: 
         embedding = LayerSpec(EmbeddingPipe, cfg, **vocab, **parallel)
         head = LayerSpec(LMHeadPipe, cfg, **vocab, **parallel)
     return [embedding,
-            *(LayerSpec(DecoderLayerPipe, cfg, rotary=rotary, **parallel,
+            *(LayerSpec(DecoderLayerPipe, cfg, rotary=rotary, **parallel, layer_index=i,
                         **({"cp_group": cp_group} if cp_group is not None else {}))
-              for _ in range(cfg.num_layers)),
+              for i in range(cfg.num_layers)),
             LayerSpec(FinalNormPipe, cfg, **parallel),
             head]
 
