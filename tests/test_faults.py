@@ -304,9 +304,10 @@ STOP_RUN = ["train.micro_batch_size=1", "train.global_batch_size=4", "train.step
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_data, tmp_path_factory):
-    """STOP_RUN on 2 ranks under the deepspeed launcher, never stopped (the reference)."""
-    return train(tmp_path_factory.mktemp("uninterrupted"), tiny_data, nprocs=2,
-                 launcher="deepspeed", name="full", overrides=STOP_RUN)
+    """STOP_RUN on 2 forked ranks (the deepspeed launcher's environment), never stopped (the
+    reference)."""
+    return train(tmp_path_factory.mktemp("uninterrupted"), tiny_data, nprocs=2, name="full",
+                 overrides=STOP_RUN)
 
 
 @pytest.mark.parametrize("where, step", [
@@ -337,8 +338,9 @@ def test_stop_request_is_honoured_within_one_micro_batch(where, step, tiny_data,
     assert _train_steps(run_dir) == [1, 2]
     assert json.loads((run_dir / "stopped.json").read_text())["step"] == 2
 
+    # (the stop went through the deepspeed launcher; the resume needs no launcher of its own)
     resumed = run_pretrain(train_args(run_dir, tiny_data, overrides=STOP_RUN), run_dir=run_dir,
-                           launcher="deepspeed", nprocs=2)
+                           nprocs=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = [r for r in resumed.records if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
