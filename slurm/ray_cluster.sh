@@ -13,8 +13,9 @@
 # sees. The pre-flight of slurm/common.sh runs first; the Ray job's exit status is the job's
 # (0 done, 2 bad input; Ray's own failure after MAX_FAILURES restarts: 1; a Ray node that could
 # not start or join: 3).
-# Ray (2.60, the pinned version) requires a token from every process that joins or talks to a cluster started
-# by `ray start`: the script makes one per job and srun hands it to every node in the environment.
+# Ray 2.60 (the pinned version) requires a token from every process that joins or talks to a
+# cluster started by `ray start`: the script makes one per job and srun hands it to every node in
+# the environment.
 # Tested on a local two-node Slurm cluster (tests/test_slurm.py): the Ray job's losses equal the
 # `deepspeed` launcher's on the same allocation.
 #SBATCH --job-name=pretrain-ray
