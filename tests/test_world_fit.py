@@ -100,9 +100,9 @@ DP = ["train.micro_batch_size=1", "train.global_batch_size=4", f"train.steps={ST
 
 @pytest.fixture(scope="module")
 def four_rank_run(tiny_data, tmp_path_factory):
-    """A 4-rank data-parallel run (deepspeed launcher) checkpointed at step SAVE_AT."""
-    return train(tmp_path_factory.mktemp("four"), tiny_data, nprocs=4, launcher="deepspeed",
-                 name="full", overrides=DP)
+    """A 4-rank data-parallel run checkpointed at step SAVE_AT (forked ranks: the resumed runs
+    are the ones through the launchers)."""
+    return train(tmp_path_factory.mktemp("four"), tiny_data, nprocs=4, name="full", overrides=DP)
 
 
 @pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
