@@ -24,17 +24,19 @@ Modules, each on top of the previous ones:
   the one writer of final/; `load_initial_weights` for `model.init_from`.
 - `writer`: `ShardWriter`, DeepSpeed's checkpoint engine replaced by ours: each file written
   at once or from a host copy by a background thread, its CRC32 taken as it is written, synced.
-- `engine`: saving (`Saver`: at most one save in flight, completed by `finish`), pruning,
-  resuming and loading DeepSpeed engine checkpoints, the universal conversion, and `save_final`
+- `saver`: saving (`Saver`: at most one save in flight, completed by `finish`, or through the
+  rendezvous store by a hang watchdog) and pruning.
+- `engine`: resuming and loading engine checkpoints, the universal conversion, and `save_final`
   (the in-training gather that `write_final` writes).
 - `hf`: Hugging Face export and import, with the sentencepiece tokenizer conversion.
 - `generate`: continue a prompt from any checkpoint (`pretrain generate`).
 
 The names the trainer and `pretrain train` use are importable from the package itself.
 """
-from pretrain.checkpoint.engine import (ResumePoint, Saver, checkpoint_meta, confirm_content,
-                                        find_resume, load, save_final)
+from pretrain.checkpoint.engine import (ResumePoint, checkpoint_meta, confirm_content, find_resume,
+                                        load, save_final)
 from pretrain.checkpoint.paths import clear_stopped, mark_stopped
+from pretrain.checkpoint.saver import Saver
 from pretrain.checkpoint.weights import load_initial_weights
 
 __all__ = ["ResumePoint", "Saver", "checkpoint_meta", "clear_stopped", "confirm_content", "find_resume", "load",

@@ -214,4 +214,4 @@ class ShardWriter(CheckpointEngine):
         pass
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        return True  # the save becomes complete in `pretrain.checkpoint.engine.Saver.finish`
+        return True  # the save becomes complete in `pretrain.checkpoint.saver.Saver.finish`
