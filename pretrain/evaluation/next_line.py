@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 from pretrain.data.corpus import PYTHON_STDLIB, read_text, resolve_corpus
@@ -23,13 +24,17 @@ from pretrain.data.corpus import PYTHON_STDLIB, read_text, resolve_corpus
 CONTEXT_LINES = 8
 CHOICES = 4
 MIN_LINE_CHARS = 12  # the answer and distractors: no bare `else:` / `)` lines
+# Lines that cite an entry of CPython's bug tracker ("# Issue 11703: ..."): left out, so that the
+# shipped task file carries no issue numbers of another project
+TRACKER_CITATION = re.compile(r"(issue|bpo)[ _-]?#?\d{3,}", re.IGNORECASE)
 SEED = 0
 DEFAULT_OUTPUT = Path(__file__).parent / "tasks" / "python_next_line.jsonl"
 
 
 def _lines(path: Path) -> list[str]:
     text, _ = read_text(path)
-    return [line.rstrip() for line in text.splitlines() if line.strip()]
+    return [line.rstrip() for line in text.splitlines()
+            if line.strip() and not TRACKER_CITATION.search(line)]
 
 
 def build_examples(count: int, *, seed: int = SEED) -> list[dict]:
