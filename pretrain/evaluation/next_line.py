@@ -24,8 +24,8 @@ from pretrain.data.corpus import PYTHON_STDLIB, read_text, resolve_corpus
 CONTEXT_LINES = 8
 CHOICES = 4
 MIN_LINE_CHARS = 12  # the answer and distractors: no bare `else:` / `)` lines
-# Lines that cite an entry of CPython's bug tracker ("# Issue 11703: ..."): left out, so that the
-# shipped task file carries no issue numbers of another project
+# Lines that cite an entry of CPython's bug tracker (a comment naming an issue and its number):
+# left out, so that the shipped task file carries no issue numbers of another project
 TRACKER_CITATION = re.compile(r"(issue|bpo)[ _-]?#?\d{3,}", re.IGNORECASE)
 SEED = 0
 DEFAULT_OUTPUT = Path(__file__).parent / "tasks" / "python_next_line.jsonl"
