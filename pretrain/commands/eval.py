@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from pretrain.commands.generate import add_loading_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint",
@@ -22,13 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None,
                         help="JSON file of the scores (default: eval_<step or final>.json in the "
                              "run directory, else ./eval_scores.json)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer (.model file or Hugging Face directory) if the "
-                             "checkpoint's has moved")
-    parser.add_argument("--device", default="auto",
-                        help="cuda, cpu, or auto: the GPU when there is one (default)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                        help="auto: bf16 on a GPU, fp32 on the CPU")
+    add_loading_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> None:
