@@ -1,9 +1,10 @@
 """A real, throw-away Slurm cluster on this one host, for the tests of `slurm/*.sh`.
 
 Debian's `slurm-wlm` and `munge` packages (installed with apt-get when missing; needs root), one
-`munged` on a private socket, one `slurmctld`, and two `slurmd` daemons (`slurmd -N nodeN`: Debian
-builds Slurm with multiple-slurmd support) on distinct ports, both `NodeAddr=127.0.0.1`; one
-partition. Everything (config, state, spool, logs) lives under one directory and the daemons are
+`munged` on a private socket, one `slurmctld`, and four `slurmd` daemons (`slurmd -N nodeN`: Debian
+builds Slurm with multiple-slurmd support) on distinct ports, all `NodeAddr=127.0.0.1`; two
+partitions: the default one of nodes 1-2, and `wide` of all four (for a job that loses one of
+four nodes). Everything (config, state, spool, logs) lives under one directory and the daemons are
 stopped by `stop()`; nothing system-wide is started. The node names are added to /etc/hosts
 because the job scripts (like on a real cluster) use `scontrol show hostnames` as the master address.
 
@@ -24,8 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NODES = ("pretrain-node1", "pretrain-node2")
-PARTITION = "debug"
+NODES = ("pretrain-node1", "pretrain-node2", "pretrain-node3", "pretrain-node4")
+PARTITION = "debug"  # the default: nodes 1-2
+WIDE_PARTITION = "wide"  # all four nodes
 # Terminal job states (`scontrol show job` JobState=...).
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -125,7 +127,8 @@ KillWait=10
 SlurmdTimeout=60
 InactiveLimit=0
 {nodes}
-PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName={PARTITION} Nodes={','.join(NODES[:2])} Default=YES MaxTime=INFINITE State=UP
+PartitionName={WIDE_PARTITION} Nodes={','.join(NODES)} MaxTime=INFINITE State=UP
 """)
 
     def _spawn(self, argv: list[str], log: str) -> None:
@@ -146,7 +149,7 @@ PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE S
         self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
         for n in NODES:
             self._spawn(["slurmd", "-D", "-N", n, "-f", str(self.conf)], f"slurmd.{n}.out")
-        self._wait(self._nodes_idle, timeout, "the two slurmd nodes did not become idle")
+        self._wait(self._nodes_idle, timeout, "the slurmd nodes did not become idle")
         return self
 
     def _nodes_idle(self) -> bool:

@@ -1,11 +1,12 @@
 """The real `slurm/*.sh` scripts on a real local Slurm cluster (tests/slurm_cluster.py).
 
-Two slurmd "nodes" on this host, one CPU rank each: the 70B script with tiny overrides trains and
-checkpoints; USR1 leads to a checkpoint, a requeue and a resume at the next step (also on fewer
-nodes than the first attempt had, with a rank the batch cannot use sitting idle: the checkpoint
-is resharded); the ZeRO sweep
-array leaves a result table; the tasks of the tune array share one study; a bad config fails in
-the pre-flight with its message in the log.
+Four slurmd "nodes" on this host (a job gets two unless it asks for the `wide` partition), one CPU
+rank each: the 70B script with tiny overrides trains and checkpoints; USR1 leads to a checkpoint,
+a requeue and a resume at the next step (also on three of the four nodes the first attempt had:
+the data-parallel checkpoint is resharded onto the ranks the batch can use, one sits idle, and
+the losses are an uninterrupted run's); a hung rank is named; the ZeRO sweep array leaves a result
+table; the tasks of the tune array share one study; a bad config fails in the pre-flight with its
+message in the log.
 Each test submits exactly what a user would, with `sbatch` options and environment overrides.
 """
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from conftest import require_root
-from slurm_cluster import SlurmCluster
+from slurm_cluster import WIDE_PARTITION, SlurmCluster
 
 from pretrain.testing.faults import hang_environment
+from pretrain.testing.runs import rel_diff, train
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
@@ -129,54 +131,63 @@ def test_70b_script_trains_on_two_nodes_checkpoints_on_usr1_requeues_and_resumes
     assert (run_dir / "checkpoints" / "step40").is_dir() and (run_dir / "final").is_dir()
 
 
-def test_requeued_job_on_fewer_nodes_resumes_resharded(cluster, tiny_data, tmp_path):
-    """A job on 2 nodes x 2 ranks with global batch 6: dp 4 does not divide it, so ranks 0-2
-    train (dp 3) and rank 3 sits idle. Node 2 is drained, USR1 checkpoints and requeues (the idle
-    rank exits 75 with the others), the requeued job is shrunk to the one node left (`scontrol
-    update NumNodes=1`: this Slurm starts a `--nodes 1-2` job on one node even when both are
-    idle, so a range cannot show the shrink), reshards the 3-rank checkpoint to dp 2 and finishes
-    the run with the same global batch, no step repeated or lost."""
+def test_a_four_rank_job_requeued_on_three_nodes_resumes_with_the_same_losses(
+        cluster, tiny_data, tmp_path):
+    """A data-parallel job on 4 nodes x 1 rank (global batch 8, micro-batch 1: dp 4) loses node
+    4: it is drained, USR1 checkpoints and requeues the job, the requeued job is given the three
+    nodes left (`scontrol update NumNodes=3`: this Slurm starts a `--nodes 3-4` job on 4 nodes
+    when 4 are idle, so a range cannot show the shrink). dp 3 does not divide 8: ranks 0-1 reshard
+    the dp 4 checkpoint to dp 2, rank 2 sits idle until they finish (srun would end the job's
+    other ranks if it left early), and the job exits 0 with the same global batch, no step
+    repeated or lost, and the losses of an uninterrupted run (one process, the same config)."""
     run_dir, log_dir = tmp_path / "run", tmp_path / "job"
-    two_ranks_a_node = [*TWO_CPU_NODES]
-    two_ranks_a_node[two_ranks_a_node.index("--ntasks-per-node") + 1] = "2"
-    job = _submit(cluster, "pretrain_70b.sh", tmp_path, sbatch_args=two_ranks_a_node,
+    four_nodes = [*TWO_CPU_NODES, "--partition", WIDE_PARTITION]
+    four_nodes[four_nodes.index("--nodes") + 1] = "4"
+    settings = [*TINY_70B, "parallel.pipeline=1", "train.steps=30", "train.micro_batch_size=1",
+                "train.global_batch_size=8"]
+    job = _submit(cluster, "pretrain_70b.sh", tmp_path, sbatch_args=four_nodes,
                   env={"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir)},
-                  script_args=_sets(*TINY_70B, "parallel.pipeline=1", "train.steps=40",
-                                    "train.micro_batch_size=1", "train.global_batch_size=6",
-                                    f"data.tokenizer={tiny_data['tokenizer']}",
+                  script_args=_sets(*settings, f"data.tokenizer={tiny_data['tokenizer']}",
                                     f"data.dataset={tiny_data['dataset']}"))
     deadline = time.monotonic() + 300
     while len(_train_steps(run_dir)) < 2:
         assert time.monotonic() < deadline, _log(tmp_path)
         assert cluster.job(job)[0].state in ("PENDING", "RUNNING"), _log(tmp_path)
         time.sleep(0.2)  # polling a condition, not synchronising on time
-    assert cluster.job(job)[0].fields["NodeList"] == "pretrain-node[1-2]"
-    cluster.run(["scontrol", "update", "nodename=pretrain-node2", "state=drain",
+    assert cluster.job(job)[0].fields["NodeList"] == "pretrain-node[1-4]"
+    cluster.run(["scontrol", "update", "nodename=pretrain-node4", "state=drain",
                  "reason=the shrink test"])
     try:
         cluster.run(["scancel", "--signal=USR1", "--batch", job])
-        # requeued, it waits for a second node that is drained: give it the one left
+        # requeued, it waits for a fourth node that is drained: give it the three left
         while not (cluster.job(job)[0].state == "PENDING"
                    and cluster.job(job)[0].fields.get("Restarts") == "1"):
             assert time.monotonic() < deadline + 300, _log(tmp_path)
             time.sleep(0.2)  # polling a condition, not synchronising on time
-        # (and its CPUs: the job still asks for the 4 of its first attempt, which one node lacks)
-        cluster.run(["scontrol", "update", f"jobid={job}", "NumNodes=1", "NumTasks=2",
-                     "NumCPUs=2"])
+        # (and its CPUs: the job still asks for the 4 of its first attempt)
+        cluster.run(["scontrol", "update", f"jobid={job}", "NumNodes=3", "NumTasks=3",
+                     "NumCPUs=3"])
         (info,), log = _done(cluster, job, tmp_path, timeout=600)
     finally:
-        cluster.run(["scontrol", "update", "nodename=pretrain-node2", "state=resume"])
+        cluster.run(["scontrol", "update", "nodename=pretrain-node4", "state=resume"])
     assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
-    assert info.fields["Restarts"] == "1" and info.fields["NodeList"] == "pretrain-node1", log
+    assert info.fields["Restarts"] == "1" and info.fields["NodeList"] == "pretrain-node[1-3]", log
     assert "attempt=0 exit=75" in (log_dir / "attempts.txt").read_text()
-    assert ("rank 3 sits idle until the job ends: data parallel 4 does not divide "
-            "train.global_batch_size=6") in log
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     starts = [(r["world_size"], r["data_parallel"], r["global_batch"]) for r in records
               if r["kind"] == "run"]
-    assert starts == [(3, 3, 6), (2, 2, 6)], starts
-    assert "resharded tp1 pp1 dp3 ZeRO-1 -> tp1 pp1 dp2 ZeRO-1" in log
-    assert _train_steps(run_dir) == list(range(1, 41))
+    assert starts == [(4, 4, 8), (2, 2, 8)], starts
+    assert ("training on ranks 0-1 of 3; rank 2 sits idle until the job ends: data parallel 3 "
+            "does not divide train.global_batch_size=8") in log
+    assert "resharded tp1 pp1 dp4 ZeRO-1 -> tp1 pp1 dp2 ZeRO-1" in log
+    steps = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    # the uninterrupted run: one process, 2 micro-batches of 4 a step (the same 8 samples)
+    whole = train(tmp_path, tiny_data, config="configs/llama_70b.yaml", name="whole",
+                  overrides=[*settings, "train.micro_batch_size=4"])
+    reference = [r for r in whole.records if r["kind"] == "train"]
+    assert [r["consumed_samples"] for r in steps] == [r["consumed_samples"] for r in reference]
+    assert rel_diff([r["loss"] for r in steps], [r["loss"] for r in reference]) < 1e-5
 
 
 def test_a_hung_rank_is_named_and_the_requeued_job_finishes(cluster, tiny_data, tmp_path):
