@@ -126,7 +126,7 @@ def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
     margin = _margin(args)
     plans = search(cfg.model, cluster, global_batch=gbs,
                    precision=planned_precision(cfg.train.precision), engines=set(engines),
-                   memory_margin=margin)
+                   memory_margin=margin, engine=cfg.train.engine)
     if not plans:
         need = minimum_memory_gb(cfg.model, cluster,
                                  precision=planned_precision(cfg.train.precision))
@@ -138,7 +138,8 @@ def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
     current = _current_plan(args, settled, cluster)
     if args.json:
         print(json.dumps({"count": len(plans), "memory_margin": margin, "plans": [
-            {**p.to_dict(), "arguments": selecting_arguments(p.layout, engines[engine_key(p.layout)])}
+            {**p.to_dict(), "arguments": selecting_arguments(
+                p.layout, engines[engine_key(p.layout)], engine=p.engine)}
             for p in plans[:args.top]], "current": current_rank(plans, *current, margin=margin)}))
     else:
         print(format_search(plans, cluster, top=args.top, ds_configs=engines, margin=margin,
@@ -159,7 +160,7 @@ def _current_plan(args: argparse.Namespace, settled, cluster: Cluster):
 
     try:
         run = dry_run(settled, world_size=cluster.world_size, accelerator=args.accelerator)
-        return estimate(run.cfg.model, run.layout, cluster), ""
+        return estimate(run.cfg.model, run.layout, cluster, engine=run.cfg.train.engine), ""
     except ConfigError as error:
         return None, f"does not resolve on {cluster.world_size} GPUs: {error}"
 
@@ -187,7 +188,7 @@ def plan_run(args: argparse.Namespace):
         return None, None
     world = args.world_size or cluster.world_size
     resolved = dry_run(settled, world_size=world, accelerator=args.accelerator)
-    plan = estimate(cfg.model, resolved.layout, cluster)
+    plan = estimate(cfg.model, resolved.layout, cluster, engine=cfg.train.engine)
     if args.accelerator == "cuda" and world == cluster.world_size and plan.fits:
         from pretrain.plan.report import slower_layout_warnings
 
