@@ -17,7 +17,8 @@ from pretrain.plan.search import estimate, search
 MODEL = ModelConfig(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4,
                     ffn_hidden_size=176, seq_length=32)
 LAYER = 4 * 64 * 64 + 3 * 64 * 176 + 2 * 64  # q, k, v, o; gate, up, down; two norms: 50,304
-ROOT = 512 * 64 + 64 + 512 * 64  # embedding, final norm, head: 65,600
+HEAD = 512 * 64 + 64  # the final norm and the head
+ROOT = 512 * 64 + HEAD  # and the embedding: 65,600
 N = 4 * LAYER + ROOT  # 266,816 on each rank before sharding
 ZERO3 = Layout(data=2, micro_batch=2, global_batch=4, zero_stage=3, precision=Precision.BF16)
 H100 = make_cluster("h100-80gb", nodes=1)
@@ -36,14 +37,15 @@ def _deepspeed(layout: Layout, cluster=H100):
 def test_fsdp2_memory_counted_by_hand():
     """bf16 with the ZeRO-3 JSON on 2 ranks: fp32 shards (the masters), fp32 gradient shards and
     AdamW's two fp32 moments; the root unit, the layer computing and one more layer gathered in
-    bf16; the root's and one layer's bf16 gradients and that layer's fp32 reduce-scatter input."""
+    bf16; the head's and final norm's, and one layer's, bf16 gradients and that layer's fp32
+    reduce-scatter input (the embedding's gradient comes once the activations are freed)."""
     memory = _fsdp2(ZERO3).memory
     assert memory.parameters_count == N == 266_816
     assert (memory.params, memory.grads, memory.optimizer) == (4 * N / 2, 4 * N / 2, 8 * N / 2)
     assert memory.model_states == 16 * N / 2
     gathered = (ROOT + 2 * LAYER) * 2
-    in_flight = (ROOT + LAYER) * 2 + LAYER * 4
-    assert memory.buffers == gathered + in_flight == 332_416 + 433_024
+    in_flight = (HEAD + LAYER) * 2 + LAYER * 4
+    assert memory.buffers == gathered + in_flight == 332_416 + 367_488
     assert memory.host == 0
     # the model's own activations, whichever engine shards its weights
     assert memory.activations == _deepspeed(ZERO3).memory.activations > 0
@@ -61,7 +63,7 @@ def test_fsdp2_states_are_sixteen_bytes_per_parameter_in_fp32_too_and_offload_mo
     fp32 = replace(ZERO3, precision=Precision.FP32)
     assert _fsdp2(fp32).memory.model_states == 16 * N / 2
     assert _deepspeed(fp32).memory.model_states == 20 * N / 2
-    assert _fsdp2(fp32).memory.buffers == (ROOT + 2 * LAYER) * 4 + (ROOT + LAYER) * 4 + LAYER * 4
+    assert _fsdp2(fp32).memory.buffers == (ROOT + 2 * LAYER) * 4 + (HEAD + LAYER) * 4 + LAYER * 4
     for offload in ({"offload_optimizer": "cpu"},
                     {"offload_optimizer": "cpu", "offload_param": "cpu"}):
         moved = _fsdp2(replace(ZERO3, **offload)).memory

@@ -248,11 +248,14 @@ def fsdp2_gathered_bytes(m: ModelConfig, layout: Layout, items: list[str]) -> fl
 
 
 def fsdp2_gradients_in_flight(m: ModelConfig, layout: Layout, items: list[str]) -> float:
-    """Unsharded gradients at the peak: the root unit's (the head's are made first and reduced
-    with the embedding's at the end of backward), one layer's being computed, and its fp32
-    reduce-scatter input, which FSDP2 keeps until the next unit's reduce-scatter."""
-    layer, root, _ = fsdp2_units(m, layout, items)
-    return (root + layer) * _compute_bytes(layout) + layer * 4
+    """Unsharded gradients at the peak (the start of backward, the activations all held): the
+    root unit's first ones, the head's and the final norm's, which wait for the embedding's at
+    the end of backward to be reduced with them (the embedding's come when the activations are
+    gone: not counted); one layer's being computed, and its fp32 reduce-scatter input, which
+    FSDP2 keeps until the next unit's reduce-scatter."""
+    layer, _, _ = fsdp2_units(m, layout, items)
+    head = m.padded_vocab_size(layout.tensor) // layout.tensor * m.hidden_size + m.hidden_size
+    return (head + layer) * _compute_bytes(layout) + layer * 4
 
 
 def _compute_bytes(layout: Layout) -> int:
