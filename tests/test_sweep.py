@@ -1,5 +1,7 @@
 """`pretrain sweep`: real short runs over two DeepSpeed configs -> CSV, Markdown, PNG; aggregation;
-configs checked before any run, runs stopped at --timeout, a closed stdout, no matplotlib."""
+the same ZeRO-3 run under fsdp2 beside DeepSpeed's (`--engines`: an engine column, a bar per
+engine); configs checked before any run, runs stopped at --timeout, a closed stdout, no
+matplotlib."""
 from __future__ import annotations
 
 import csv

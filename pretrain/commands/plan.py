@@ -3,7 +3,9 @@
 Without launching anything or creating a process group, it loads the config exactly as
 `pretrain train` does (same `--set` and `--deepspeed-config`), resolves the DeepSpeed JSON for the
 world size, derives the layout and checks it with the rules the model build applies, and prints
-the layout with the planner's per-GPU memory breakdown and predicted step time, tokens/s and MFU.
+the layout with the planner's per-GPU memory breakdown and predicted step time, tokens/s and MFU,
+under the config's `train.engine` (DeepSpeed's or FSDP2's sharding; `--search` ranks that
+engine's layouts).
 Any problem is one `error:` line and exit status 2, so a Slurm script can call it before
 `srun`::
 
