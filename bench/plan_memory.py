@@ -1,6 +1,8 @@
-"""The planner's per-rank memory against the measured peak of real CPU runs, ZeRO 0-3.
+"""The planner's per-rank memory against the measured peak of real CPU runs, ZeRO 0-3, and
+`train.engine: fsdp2` with the ZeRO-1 and ZeRO-3 JSONs (`--engines fsdp2`).
 
-Two gloo ranks (data parallel 2) train a 34M-parameter Llama through DeepSpeed with each
+Two gloo ranks (data parallel 2) train a 34M-parameter Llama through DeepSpeed (or FSDP2, built
+by `pretrain.engine.build_engine` as `pretrain train` builds it) with each
 `ds_configs/zero<N>.json`, resolved exactly as `pretrain train` resolves it. Measured per rank:
 the peak resident memory (VmHWM) over two steady-state steps minus the resident memory before the
 model was built (imports, process groups and the Python heap are not the model's); the peak is
@@ -12,10 +14,12 @@ of 16 bytes per parameter / dp at ZeRO-3 (`bench/zero3_memory.py` prints that co
 
     .venv/bin/python bench/plan_memory.py                  # fp32 and bf16, ~3 minutes on 2 cores
     .venv/bin/python bench/plan_memory.py --precision bf16
+    .venv/bin/python bench/plan_memory.py --engines fsdp2 --precision fp32 --stages 1 3
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -48,6 +52,8 @@ def model_state_bytes(engine) -> dict[str, int]:
 
     opt = engine.optimizer
     params = [p for p in engine.module.parameters()]
+    if getattr(engine, "name", "") == "fsdp2":
+        return _fsdp2_state_bytes(params, opt, size)
     out = {"params": 0, "grads": 0, "optimizer": 0}
     for p in params:
         out["params"] += size(getattr(p, "ds_tensor", None)) or size(p)
@@ -59,6 +65,8 @@ def model_state_bytes(engine) -> dict[str, int]:
         for t in state.values():
             if hasattr(t, "dim") and t.dim() > 0:
                 out["optimizer"] += size(t)
+    if getattr(engine, "name", "") == "fsdp2":
+        return _fsdp2_state_bytes(params, opt, size)
     grad_buffer = getattr(opt, "grad_partitions_flat_buffer", None)
     out["grads"] += size(grad_buffer)
     if grad_buffer is None:  # ZeRO 0-2: one gradient per parameter while it accumulates
@@ -66,7 +74,18 @@ def model_state_bytes(engine) -> dict[str, int]:
     return out
 
 
-def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str) -> dict:
+def _fsdp2_state_bytes(params, opt, size) -> dict[str, int]:
+    """fsdp2: this rank's local shards of the DTensor parameters and of AdamW's moments; the
+    gradients, freed after each step, as the fp32 shards they accumulate in during one."""
+    local = [p.to_local() for p in params]
+    return {"params": sum(size(t) for t in local),
+            "grads": sum(t.numel() * t.element_size() for t in local),
+            "optimizer": sum(size(t.to_local()) for state in opt.state.values()
+                             for t in state.values() if hasattr(t, "to_local"))}
+
+
+def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str,
+          engine_name: str) -> dict:
     import logging
 
     import deepspeed
@@ -75,20 +94,27 @@ def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str) -> di
     from pretrain.config import load_config
     from pretrain.run import resolve_ds_config
     from pretrain.model import build_model
-    from pretrain.engine import param_groups
+    from pretrain.engine import build_engine, param_groups
+    from pretrain.topology import Topology
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     cfg = load_config(None, MODEL + [f"deepspeed={deepspeed_json}", f"train.precision={precision}",
+                                     f"train.engine={engine_name}",
                                      f"run_dir={tempfile.mkdtemp()}"])
     ds = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size,
                                                      cfg.model.seq_length + 1))
+    groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
+                                           rank=rank).create_groups()
     before = status_bytes("VmRSS")
-    model = build_model(cfg.model, seed=0)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1),
-                                      config=ds)
+    if engine_name == "fsdp2":
+        engine = build_engine(cfg, ds, groups, main=False)
+    else:  # as measured first: DeepSpeed over the plain model
+        model = build_model(cfg.model, seed=0)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1),
+                                          config=ds)
 
     def step() -> None:
         for _ in range(engine.gradient_accumulation_steps()):
@@ -103,15 +129,37 @@ def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str) -> di
     return {"measured": status_bytes("VmHWM") - before, **model_state_bytes(engine)}
 
 
-def predict(deepspeed_json: str, precision: str):
+def predict(deepspeed_json: str, precision: str, engine: str):
     from pretrain.config import load_config
     from pretrain.plan.clusters import make_cluster
-    from pretrain.plan.dry_run import dry_run
     from pretrain.plan.search import estimate
+    from pretrain.run import lay_out_as_loaded
 
-    cfg = load_config(None, MODEL + [f"deepspeed={deepspeed_json}", f"train.precision={precision}"])
-    _, layout = dry_run(cfg, world_size=WORLD, accelerator="cpu")
-    return estimate(cfg.model, layout, make_cluster("h100-80gb", nodes=1)), cfg
+    cfg = load_config(None, MODEL + [f"deepspeed={deepspeed_json}", f"train.precision={precision}",
+                                     f"train.engine={engine}"])
+    layout = lay_out_as_loaded(cfg, world_size=WORLD).layout
+    return estimate(cfg.model, layout, make_cluster("h100-80gb", nodes=1),
+                    engine=cfg.train.engine), cfg
+
+
+def _row(engine: str, precision: str, stage: int):
+    """Print one engine x precision x ZeRO stage's prediction and measurement; (measured /
+    predicted, the run config)."""
+    ds_json = f"ds_configs/zero{stage}.json"
+    plan, cfg = predict(ds_json, precision, engine)
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = run_on_ranks(_rank, world_size=WORLD, tmp_path=Path(tmp), timeout_s=600,
+                             args=(ds_json, precision, engine))
+    predicted = plan.memory.total
+    measured = [r["measured"] for r in ranks]
+    counted = sum(ranks[0][k] for k in ("params", "grads", "optimizer"))
+    print(f"{engine:>9} {precision:>9} {stage:>4} {predicted / 2**20:>14.1f} "
+          f"{measured[0] / 2**20:>12.1f}, {measured[1] / 2**20:>10.1f} "
+          f"{max(measured) / predicted:>19.3f}   "
+          f"{plan.memory.model_states / 2**20:.1f} / {counted / 2**20:.1f} MiB "
+          f"(act {plan.memory.activations / 2**20:.1f}, buffers "
+          f"{plan.memory.buffers / 2**20:.1f})", flush=True)
+    return max(measured) / predicted, cfg
 
 
 def main() -> None:
@@ -120,29 +168,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3])
+    parser.add_argument("--engines", nargs="+", default=["deepspeed"],
+                        choices=["deepspeed", "fsdp2"], help="fsdp2 skips ZeRO-0 (refused)")
     args = parser.parse_args()
     print(f"machine: {machine()}; {WORLD} gloo ranks (data parallel {WORLD}); shared with other "
           "jobs while it ran")
-    print(f"{'precision':>9} {'ZeRO':>4} {'predicted MiB':>14} {'measured MiB (rank 0, 1)':>25} "
-          f"{'measured/predicted':>19}   predicted states / counted states")
-    worst = 0.0
-    for precision in args.precision:
-        for stage in args.stages:
-            ds_json = f"ds_configs/zero{stage}.json"
-            plan, cfg = predict(ds_json, precision)
-            with tempfile.TemporaryDirectory() as tmp:
-                ranks = run_on_ranks(_rank, world_size=WORLD, tmp_path=Path(tmp), timeout_s=600,
-                                     args=(ds_json, precision))
-            predicted = plan.memory.total
-            measured = [r["measured"] for r in ranks]
-            ratio = max(measured) / predicted
-            worst = max(worst, abs(ratio - 1))
-            counted = sum(ranks[0][k] for k in ("params", "grads", "optimizer"))
-            print(f"{precision:>9} {stage:>4} {predicted / 2**20:>14.1f} "
-                  f"{measured[0] / 2**20:>12.1f}, {measured[1] / 2**20:>10.1f} {ratio:>19.3f}   "
-                  f"{plan.memory.model_states / 2**20:.1f} / {counted / 2**20:.1f} MiB "
-                  f"(act {plan.memory.activations / 2**20:.1f}, buffers "
-                  f"{plan.memory.buffers / 2**20:.1f})")
+    print(f"{'engine':>9} {'precision':>9} {'ZeRO':>4} {'predicted MiB':>14} "
+          f"{'measured MiB (rank 0, 1)':>25} {'measured/predicted':>19}   predicted states / "
+          "counted states")
+    worst, cfg = 0.0, None
+    for engine, precision, stage in itertools.product(args.engines, args.precision, args.stages):
+        if engine == "fsdp2" and stage == 0:
+            continue
+        ratio, cfg = _row(engine, precision, stage)
+        worst = max(worst, abs(ratio - 1))
     print(f"parameters: {num_parameters(cfg.model):,}; largest |measured/predicted - 1| = "
           f"{worst:.3f} (target < 0.10)")
 

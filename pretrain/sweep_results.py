@@ -1,6 +1,10 @@
 """The results of a `pretrain sweep`: one row per run from its metrics.jsonl and ds_config.json,
 written as sweep.csv, sweep.md (a Markdown table) and sweep.png (tokens/s and peak memory).
 
+A row's `engine` is the `train.engine` the run built (its "run" record). When the finished runs
+span several engines, the plot groups the runs by configuration (the run name without its
+engine) and draws a bar per engine in each group, each engine in its own colour.
+
 The median tokens/s and step time leave out the first step, which pays for warm-up, when a run
 has more than one; peak memory is the maximum over steps of every rank. Where matplotlib cannot be
 imported, the table is still written and the plot skipped with a one-line warning.
@@ -14,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ["name", "deepspeed", "zero_stage", "offload", "micro_batch", "world_size",
+COLUMNS = ["name", "deepspeed", "zero_stage", "engine", "offload", "micro_batch", "world_size",
            "global_batch", "steps", "tokens_per_s", "step_time_s", "peak_mem_gb_max",
            "peak_mem_gb_ranks", "final_loss", "status"]
 
@@ -38,7 +42,8 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
                    f"opt={devices[0]},param={devices[1]}",
                    micro_batch=ds.get("train_micro_batch_size_per_gpu", ""))
     row.update(world_size=run.get("world_size", ""), global_batch=run.get("global_batch", ""),
-               deepspeed=run.get("deepspeed_config", ""), steps=len(steps))
+               deepspeed=run.get("deepspeed_config", ""), engine=run.get("engine", ""),
+               steps=len(steps))
     if not steps:
         row["status"] = "no steps"
         return row
@@ -87,19 +92,66 @@ def _pyplot() -> Any:
     return plt
 
 
+# Bar colours of each engine when a sweep compares engines (runs of one engine: speed blue,
+# memory orange); an engine not listed takes the next of SPARE_COLOURS.
+ENGINE_COLOURS = {"deepspeed": "tab:blue", "fsdp2": "tab:green"}
+SPARE_COLOURS = ["tab:purple", "tab:brown", "tab:olive"]
+
+
+def engine_colours(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The colour of each engine the rows name, in their order."""
+    engines = list(dict.fromkeys(str(r["engine"]) for r in rows))
+    spare = iter(SPARE_COLOURS * len(engines))
+    return {e: ENGINE_COLOURS.get(e) or next(spare) for e in engines}
+
+
 def _plot(plt: Any, rows: list[dict[str, Any]], path: Path) -> None:
     ok = [r for r in rows if r["status"] == "ok"]
-    names = [r["name"] for r in ok]
+    colours = engine_colours(ok)
     fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(ok) + 4), 4.5))
-    ax_speed.bar(names, [r["tokens_per_s"] for r in ok], color="tab:blue")
+    if len(colours) > 1:
+        _bars_per_engine(ax_speed, ok, "tokens_per_s", colours)
+        _bars_per_engine(ax_mem, ok, "peak_mem_gb_max", colours)
+        legend = ", ".join(f"{colour.removeprefix('tab:')}: {engine}"
+                           for engine, colour in colours.items())
+        title = f"pretrain sweep: {len(ok)} of {len(rows)} runs finished ({legend})"
+    else:
+        names = [r["name"] for r in ok]
+        ax_speed.bar(names, [r["tokens_per_s"] for r in ok], color="tab:blue")
+        ax_mem.bar(names, [r["peak_mem_gb_max"] for r in ok], color="tab:orange")
+        title = f"pretrain sweep: {len(ok)} of {len(rows)} runs finished"
     ax_speed.set_ylabel("tokens/s (median step)")
-    ax_mem.bar(names, [r["peak_mem_gb_max"] for r in ok], color="tab:orange")
     ax_mem.set_ylabel("peak memory per rank, GB (max over ranks)")
     for ax in (ax_speed, ax_mem):
         ax.tick_params(axis="x", rotation=45)
         for label in ax.get_xticklabels():
             label.set_horizontalalignment("right")
-    fig.suptitle(f"pretrain sweep: {len(ok)} of {len(rows)} runs finished")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _bars_per_engine(ax: Any, rows: list[dict[str, Any]], column: str,
+                     colours: dict[str, str]) -> None:
+    """A group of bars per configuration (the run's name without its engine), one bar per
+    engine in the engine's colour, each labelled with its engine."""
+    groups = list(dict.fromkeys(_configuration(r) for r in rows))
+    width = 0.8 / len(colours)
+    ticks, labels = [], []
+    for g, group in enumerate(groups):
+        for e, engine in enumerate(colours):
+            row = next((r for r in rows if _configuration(r) == group
+                        and str(r["engine"]) == engine), None)
+            if row is None:
+                continue
+            x = g + (e - (len(colours) - 1) / 2) * width
+            ax.bar(x, row[column], width=width * 0.9, color=colours[engine])
+            ticks.append(x)
+            labels.append(f"{group} {engine}")
+    ax.set_xticks(ticks, labels)
+
+
+def _configuration(row: dict[str, Any]) -> str:
+    """The run's name without the engine `pretrain sweep --engines` puts before it."""
+    return str(row["name"]).removeprefix(f"{row['engine']}_") or str(row["name"])

@@ -20,7 +20,8 @@ from pretrain.config import load_config
 from pretrain.errors import CheckpointError, ConfigError
 from pretrain.run import lay_out_as_loaded
 from pretrain.testing.faults import nan_loss_environment
-from pretrain.testing.runs import rel_diff, run_pretrain, train, train_args
+from pretrain.testing.cli import run_cli
+from pretrain.testing.runs import REPO, rel_diff, run_pretrain, train, train_args
 
 STEPS, SAVE_AT = 6, 3
 SAVES = [f"train.steps={STEPS}", f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=5",
@@ -256,10 +257,19 @@ def test_pretrain_train_refuses_a_pipeline_before_launch(tiny_data, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.slow  # a `pretrain plan` process: ~10 s on the loaded machine
-def test_the_planner_says_it_plans_fsdp2_as_deepspeeds_zero(tmp_path):
-    run = run_pretrain(["plan", "--config", "configs/tiny.yaml", "--set", "train.engine=fsdp2",
-                        "--set", "model.vocab_size=512", "--world-size", "2"],
-                       run_dir=tmp_path, launcher="single")
+def test_pretrain_plan_shows_and_plans_the_fsdp2_engine():
+    """The plan names fsdp2 and what it makes of the JSON's stage, and its memory is fsdp2's
+    (`pretrain.plan.memory.fsdp2_stage_memory`: 16 bytes of states per parameter / ranks)."""
+    args = ["plan", "--config", "configs/tiny.yaml", "--set", "train.engine=fsdp2",
+            "--set", "model.vocab_size=512", "--world-size", "2"]
+    run = run_cli(args, cwd=REPO)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "train.engine=fsdp2 is planned as DeepSpeed's ZeRO-1" in run.stdout
+    assert ("engine  fsdp2 (fully_shard per decoder layer, the JSON's ZeRO-1: kept gathered "
+            "from forward to backward) | offload optimizer=none param=none | fp32") in run.stdout
+    assert "planned as DeepSpeed's" not in run.stdout
+    planned = run_cli([*args, "--json"], cwd=REPO)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    plan = json.loads(planned.stdout)
+    assert plan["engine"] == "fsdp2"
+    states = sum(plan["memory_gb"][k] for k in ("params", "grads", "optimizer"))
+    assert states * 2**30 == pytest.approx(16 * plan["parameters"] / 2, rel=1e-9)

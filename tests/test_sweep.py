@@ -1,5 +1,7 @@
 """`pretrain sweep`: real short runs over two DeepSpeed configs -> CSV, Markdown, PNG; aggregation;
-configs checked before any run, runs stopped at --timeout, a closed stdout, no matplotlib."""
+the same ZeRO-3 run under fsdp2 beside DeepSpeed's (`--engines`: an engine column, a bar per
+engine); configs checked before any run, runs stopped at --timeout, a closed stdout, no
+matplotlib."""
 from __future__ import annotations
 
 import csv
@@ -79,6 +81,70 @@ def test_sweep_two_zero_configs_on_two_ranks(tmp_path, tiny_data):
     assert agg_rows[0]["status"] == "no steps"
     assert [r["tokens_per_s"] for r in agg_rows[1:]] == [r["tokens_per_s"] for r in rows]
     assert (agg / "sweep.png").is_file()
+    assert [r["engine"] for r in rows] == ["deepspeed", "deepspeed"]  # as the runs built it
+
+    # the same ZeRO-3 run under fsdp2: one more run, compared with DeepSpeed's in one table
+    engines = tmp_path / "engines"
+    fsdp2 = _sweep(*data, "--deepspeed-configs", "ds_configs/zero3.json", "--engines", "fsdp2",
+                   "--steps", "3", "--nprocs", "2", "--out", str(engines))
+    assert fsdp2.returncode == 0, fsdp2.stdout[-3000:] + fsdp2.stderr[-3000:]
+    shutil.copytree(out / "zero3", engines / "zero3")
+    compared = _sweep("--aggregate", str(engines))
+    assert compared.returncode == 0, compared.stderr
+    both = list(csv.DictReader(open(engines / "sweep.csv")))
+    assert [(r["name"], r["engine"], r["zero_stage"], r["status"]) for r in both] == [
+        ("fsdp2_zero3", "fsdp2", "3", "ok"), ("zero3", "deepspeed", "3", "ok")]
+    assert abs(float(both[0]["final_loss"]) - float(both[1]["final_loss"])) < 1e-3  # fp32
+    assert (engines / "sweep.md").read_text().startswith(
+        "| name | deepspeed | zero_stage | engine |")
+    from png_check import bar_heights
+
+    png = engines / "sweep.png"  # a bar per engine: DeepSpeed's blue, fsdp2's green
+    assert len(bar_heights(png, "tab:blue")) == len(bar_heights(png, "tab:green")) == 2
+
+
+def test_sweep_lists_a_run_per_engine_and_checks_each_engines_config(tiny_data):
+    listing = _sweep(*_data(tiny_data), "--deepspeed-configs", "ds_configs/zero1.json",
+                     "ds_configs/zero3.json", "--engines", "deepspeed", "fsdp2", "--list")
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.splitlines()
+    assert [line.split("\t")[0] for line in lines] == [
+        "deepspeed_zero1", "fsdp2_zero1", "deepspeed_zero3", "fsdp2_zero3"]
+    assert lines[3].endswith("--set train.engine=fsdp2")
+    assert lines[2].endswith("--set train.engine=deepspeed")
+    # fsdp2 refuses ZeRO-0 (plain data parallelism): refused before anything is listed
+    refused = _sweep(*_data(tiny_data), "--deepspeed-configs", "ds_configs/zero0.json",
+                     "--engines", "deepspeed", "fsdp2", "--list")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+    assert refused.stderr.startswith("error: sweep run fsdp2_zero0 (2 ranks): train.engine=fsdp2 "
+                                     "cannot run this config: "), refused.stderr
+    twice = _sweep(*_data(tiny_data), "--engines", "fsdp2", "fsdp2", "--list")
+    assert twice.returncode == 2 and "--engines fsdp2 fsdp2: each engine once" in twice.stderr
+
+
+def test_sweep_picture_draws_a_bar_per_engine_to_scale(tmp_path):
+    """Runs of two engines: a group of bars per configuration in both panels, one bar per
+    engine in its colour (deepspeed blue, fsdp2 green), heights in the runs' proportions."""
+    from png_check import bar_heights
+
+    from pretrain.sweep_results import COLUMNS, write_results
+
+    def row(engine, config, tokens, memory):
+        return {**dict.fromkeys(COLUMNS, ""), "name": f"{engine}_{config}", "engine": engine,
+                "tokens_per_s": tokens, "peak_mem_gb_max": memory, "status": "ok"}
+
+    rows = [row("deepspeed", "zero1", 1200.0, 2.0), row("fsdp2", "zero1", 600.0, 3.0),
+            row("deepspeed", "zero3", 400.0, 6.0), row("fsdp2", "zero3", 800.0, 4.0)]
+    png = write_results(rows, tmp_path)["png"]
+    deepspeed, fsdp2 = bar_heights(png, "tab:blue"), bar_heights(png, "tab:green")
+    # left to right: the speed panel's zero1 and zero3 bars, then the memory panel's
+    assert len(deepspeed) == 4 and len(fsdp2) == 4, (deepspeed, fsdp2)
+    speed = [deepspeed[0], fsdp2[0], deepspeed[1], fsdp2[1]]
+    memory = [deepspeed[2], fsdp2[2], deepspeed[3], fsdp2[3]]
+    for heights, values in ((speed, [1200, 600, 400, 800]), (memory, [2.0, 3.0, 6.0, 4.0])):
+        for height, value in zip(heights, values):
+            assert height / heights[0] == pytest.approx(value / values[0], rel=0.03)
+    assert bar_heights(png, "tab:orange") == []  # colours name engines here, not panels
 
 
 def test_sweep_picture_draws_each_finished_runs_speed_and_memory_to_scale(tmp_path):

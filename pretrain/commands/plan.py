@@ -3,7 +3,9 @@
 Without launching anything or creating a process group, it loads the config exactly as
 `pretrain train` does (same `--set` and `--deepspeed-config`), resolves the DeepSpeed JSON for the
 world size, derives the layout and checks it with the rules the model build applies, and prints
-the layout with the planner's per-GPU memory breakdown and predicted step time, tokens/s and MFU.
+the layout with the planner's per-GPU memory breakdown and predicted step time, tokens/s and MFU,
+under the config's `train.engine` (DeepSpeed's or FSDP2's sharding; `--search` ranks that
+engine's layouts).
 Any problem is one `error:` line and exit status 2, so a Slurm script can call it before
 `srun`::
 
@@ -126,7 +128,7 @@ def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
     margin = _margin(args)
     plans = search(cfg.model, cluster, global_batch=gbs,
                    precision=planned_precision(cfg.train.precision), engines=set(engines),
-                   memory_margin=margin)
+                   memory_margin=margin, engine=cfg.train.engine)
     if not plans:
         need = minimum_memory_gb(cfg.model, cluster,
                                  precision=planned_precision(cfg.train.precision))
@@ -138,7 +140,8 @@ def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
     current = _current_plan(args, settled, cluster)
     if args.json:
         print(json.dumps({"count": len(plans), "memory_margin": margin, "plans": [
-            {**p.to_dict(), "arguments": selecting_arguments(p.layout, engines[engine_key(p.layout)])}
+            {**p.to_dict(), "arguments": selecting_arguments(
+                p.layout, engines[engine_key(p.layout)], engine=p.engine)}
             for p in plans[:args.top]], "current": current_rank(plans, *current, margin=margin)}))
     else:
         print(format_search(plans, cluster, top=args.top, ds_configs=engines, margin=margin,
@@ -159,7 +162,7 @@ def _current_plan(args: argparse.Namespace, settled, cluster: Cluster):
 
     try:
         run = dry_run(settled, world_size=cluster.world_size, accelerator=args.accelerator)
-        return estimate(run.cfg.model, run.layout, cluster), ""
+        return estimate(run.cfg.model, run.layout, cluster, engine=run.cfg.train.engine), ""
     except ConfigError as error:
         return None, f"does not resolve on {cluster.world_size} GPUs: {error}"
 
@@ -187,7 +190,7 @@ def plan_run(args: argparse.Namespace):
         return None, None
     world = args.world_size or cluster.world_size
     resolved = dry_run(settled, world_size=world, accelerator=args.accelerator)
-    plan = estimate(cfg.model, resolved.layout, cluster)
+    plan = estimate(cfg.model, resolved.layout, cluster, engine=cfg.train.engine)
     if args.accelerator == "cuda" and world == cluster.world_size and plan.fits:
         from pretrain.plan.report import slower_layout_warnings
 

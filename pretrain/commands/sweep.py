@@ -1,7 +1,12 @@
-"""`pretrain sweep`: short runs over DeepSpeed configs x micro-batch sizes, as a table and a plot.
+"""`pretrain sweep`: short runs over DeepSpeed configs x micro-batch sizes (x engines), as a table
+and a plot.
 
 Each (DeepSpeed JSON, micro-batch) pair is one `pretrain train` run of the same run config,
 launched as a subprocess through a launcher (torchrun by default), in `<out>/<json>_mbs<M>/`.
+`--engines deepspeed fsdp2` runs each pair once per `train.engine`, in
+`<out>/<engine>_<json>_mbs<M>/`: the same model and data sharded by DeepSpeed's ZeRO and by
+FSDP2 as that JSON asks, side by side in the table (its `engine` column) and the plot (a bar per
+engine).
 From each run's `metrics.jsonl` the sweep takes the median tokens/s and step time (the first
 step, which pays for warm-up, is left out when there are more), the peak memory of every rank,
 and the final loss, and writes::
@@ -16,6 +21,8 @@ runs, and `--list` prints the runs (name and `pretrain train` arguments, one per
 
     pretrain sweep --config configs/tiny.yaml --set data.dataset=... --nprocs 2 --steps 5 \
         --deepspeed-configs ds_configs/zero1.json ds_configs/zero3.json --micro-batches 1 2
+    pretrain sweep --config configs/tiny.yaml --set data.dataset=... --nprocs 2 --steps 5 \
+        --deepspeed-configs ds_configs/zero3.json --engines deepspeed fsdp2
     pretrain sweep --aggregate runs/zero_sweep-1234
 
 Every run's config is loaded and its DeepSpeed JSON resolved for `--nprocs` ranks before the
@@ -29,6 +36,7 @@ The result rows, table and plot are built by `pretrain.sweep_results`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import shlex
 import subprocess
 import sys
@@ -37,7 +45,7 @@ from typing import Any
 
 from pretrain.child_runs import (LAUNCHERS, STOP_GRACE_S, child_env, launcher_command,
                                  sigterm_raises, start_run, stop_run)
-from pretrain.config import resolve_input_path
+from pretrain.config import Engine, resolve_input_path
 from pretrain.errors import ConfigError
 from pretrain.sweep_results import summarize_run, write_results
 
@@ -53,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="JSON", help="DeepSpeed JSONs to sweep (default: ZeRO 0-3)")
     parser.add_argument("--micro-batches", nargs="+", type=int, metavar="N",
                         help="micro-batch sizes to sweep (default: the config's)")
+    parser.add_argument("--engines", nargs="+", choices=[e.value for e in Engine],
+                        metavar="ENGINE", help="train.engine values to sweep, each run of every "
+                        "JSON x micro-batch once per engine (deepspeed, fsdp2; default: the "
+                        "config's engine, runs named without it)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--nprocs", type=int, default=2, help="ranks per run (one node)")
     parser.add_argument("--launcher", default="torchrun", choices=LAUNCHERS)
@@ -65,15 +77,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def planned_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(run name, `pretrain train` arguments) for every DeepSpeed config x micro-batch."""
+    """(run name, `pretrain train` arguments) for every DeepSpeed config x micro-batch (x
+    engine, when `--engines` names them)."""
     micro_batches = args.micro_batches or [None]
+    engines = getattr(args, "engines", None) or [None]
+    if len(set(engines)) < len(engines):
+        raise ConfigError(f"--engines {' '.join(engines)}: each engine once")
     runs = []
     for ds in args.deepspeed_configs:
         if not Path(resolve_input_path(ds, base=Path.cwd())).is_file():  # as train will read it
             raise ConfigError(f"--deepspeed-configs: {ds!r} does not exist; choose from "
                               "ds_configs/*.json")
-        for mbs in micro_batches:
-            name = Path(ds).stem + (f"_mbs{mbs}" if mbs is not None else "")
+        for mbs, engine in itertools.product(micro_batches, engines):
+            name = (f"{engine}_" if engine else "") + Path(ds).stem \
+                + (f"_mbs{mbs}" if mbs is not None else "")
             train_args = (["--config", args.config] if args.config else [])
             for override in args.set:
                 train_args += ["--set", override]
@@ -81,6 +98,8 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
                            "--set", f"run_dir={Path(args.out) / name}"]
             if mbs is not None:
                 train_args += ["--set", f"train.micro_batch_size={mbs}"]
+            if engine is not None:
+                train_args += ["--set", f"train.engine={engine}"]
             runs.append((name, train_args))
     return runs
 

@@ -25,6 +25,16 @@ fp32        4        4      8 at ZeRO 0 (m + v); 12 from ZeRO 1 (DeepSpeed clone
 ZeRO 2 shards gradients, ZeRO 3 also parameters; optimizer offload moves the optimizer states
 (and, from ZeRO 2, the fp32 gradient partition) to the host, parameter offload (ZeRO 3) the
 parameters.
+
+`train.engine: fsdp2` (`fsdp2_stage_memory`, after `pretrain.fsdp2.shard_model` and torch's
+FSDP2): each decoder layer is one `fully_shard` unit and the root unit holds the embedding, the
+final norm and the head; every unit is sharded over the data x context ranks (the rows' padding
+to a multiple of the ranks is not counted). The shards are fp32 and are the optimizer's masters
+(bf16 computes through `MixedPrecisionPolicy`), their gradients fp32 shards, torch's AdamW adds
+two fp32 moments: 4 + 4 + 8 = 16 bytes per parameter / ranks in fp32 and bf16 alike, all three
+in host memory under `CPUOffloadPolicy` (either offload of the JSON on cpu). No DeepSpeed
+buckets; the buffers are the gathered units and the gradients in flight
+(`fsdp2_gathered_bytes`, `fsdp2_gradients_in_flight`).
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ from dataclasses import dataclass
 
 from pretrain.arithmetic import layer_parameters, layout_recomputed_layers, stage_parameters
 from pretrain.config import ModelConfig, Precision
+from pretrain.errors import ConfigError
 from pretrain.layout import Layout
 
 GB = 2**30
@@ -137,24 +148,7 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -
         host += params
         params = 0.0
 
-    # Activations: 1F1B keeps pp - stage micro-batches in flight (all of them if fewer).
-    act_bytes = 4 if lay.precision == Precision.FP32 else 2
-    # context parallelism: a rank holds T/context tokens of every activation (attention's
-    # q, k, v and output after the all-to-all: T tokens of heads/context, the same elements)
-    tokens = lay.micro_batch * m.seq_length / lay.context
-    in_flight = min(lay.pipeline - stage, lay.grad_accum)
-    layers = items.count("layer")
-    rep, shard = layer_activation_elements(m, lay)
-    full_layer = (rep + shard) * tokens * act_bytes
-    layer_input = m.hidden_size * tokens * act_bytes / (lay.tensor if lay.sequence_parallel else 1)
-    recomputed = layout_recomputed_layers(lay, layers)
-    per_micro = recomputed * layer_input + (layers - recomputed) * full_layer
-    activations = in_flight * per_micro + (full_layer if recomputed else 0.0)  # + recompute workspace
-    if "embed" in items:
-        activations += in_flight * layer_input
-    if "head" in items:  # logits shard in the compute dtype + fp32 softmax of the loss
-        vocab = m.padded_vocab_size(lay.tensor) // lay.tensor
-        activations += tokens * vocab * (act_bytes + 4) + tokens * m.hidden_size * act_bytes
+    activations = stage_activations(m, lay, stage, items)
 
     buffers = 0.0
     if lay.zero_stage in (1, 2) or (lay.zero_stage == 0 and dp > 1):
@@ -177,3 +171,107 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -
     return MemoryBreakdown(stage=stage, parameters_count=n, params=params, grads=grads,
                            optimizer=optimizer, activations=activations, buffers=buffers,
                            host=host)
+
+
+def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -> float:
+    """Bytes of activations one GPU of pipeline stage `stage` (its `items`) holds at the peak:
+    the micro-batches 1F1B keeps in flight, recomputation's workspace, the loss's logits. The
+    model's own code saves them, whichever engine shards its weights."""
+    lay = layout
+    act_bytes = 4 if lay.precision == Precision.FP32 else 2
+    # context parallelism: a rank holds T/context tokens of every activation (attention's
+    # q, k, v and output after the all-to-all: T tokens of heads/context, the same elements)
+    tokens = lay.micro_batch * m.seq_length / lay.context
+    in_flight = min(lay.pipeline - stage, lay.grad_accum)  # 1F1B: pp - stage, all if fewer
+    layers = items.count("layer")
+    rep, shard = layer_activation_elements(m, lay)
+    full_layer = (rep + shard) * tokens * act_bytes
+    layer_input = m.hidden_size * tokens * act_bytes / (lay.tensor if lay.sequence_parallel else 1)
+    recomputed = layout_recomputed_layers(lay, layers)
+    per_micro = recomputed * layer_input + (layers - recomputed) * full_layer
+    # + recomputation's workspace: one layer's activations while it runs forward again
+    activations = in_flight * per_micro + (full_layer if recomputed else 0.0)
+    if "embed" in items:
+        activations += in_flight * layer_input
+    if "head" in items:  # logits shard in the compute dtype + fp32 softmax of the loss
+        vocab = m.padded_vocab_size(lay.tensor) // lay.tensor
+        activations += tokens * vocab * (act_bytes + 4) + tokens * m.hidden_size * act_bytes
+    return activations
+
+
+# ---- train.engine: fsdp2 --------------------------------------------------------------------
+
+def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
+    """ConfigError for what fsdp2 does not run (`pretrain.fsdp2_rules` refuses the same for a run
+    config), so that no plan is made of it."""
+    lay, refusals = layout, []
+    if lay.pipeline > 1:
+        refusals.append(f"parallel.pipeline={lay.pipeline} (pipelines are DeepSpeed's)")
+    if lay.zero_stage == 0:
+        refusals.append("ZeRO stage 0 (fsdp2 always shards)")
+    if lay.sequence_parallel:
+        refusals.append("parallel.sequence_parallel=true")
+    if m.num_experts:
+        refusals.append(f"model.num_experts={m.num_experts}")
+    if lay.precision == Precision.FP16:
+        refusals.append("fp16 (no loss scaling)")
+    if "nvme" in (lay.offload_optimizer, lay.offload_param):
+        refusals.append("nvme offload (cpu only)")
+    if refusals:
+        raise ConfigError("train.engine=fsdp2 does not run " + ", ".join(refusals)
+                          + ": use train.engine=deepspeed for it")
+
+
+def fsdp2_units(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[int, int, int]:
+    """(parameters of one decoder-layer unit, of the root unit, layer units) on one GPU before
+    sharding: its tensor-parallel shard of each."""
+    sharded, replicated = layer_parameters(m)
+    layer = sharded // layout.tensor + replicated
+    layers = items.count("layer")
+    return layer, stage_parameters(m, layout, items) - layers * layer, layers
+
+
+def fsdp2_offloads(layout: Layout) -> bool:
+    """CPUOffloadPolicy: either offload of the DeepSpeed JSON on cpu (`fsdp2_rules`)."""
+    return "cpu" in (layout.offload_optimizer, layout.offload_param)
+
+
+def fsdp2_gathered_bytes(m: ModelConfig, layout: Layout, items: list[str]) -> float:
+    """Unsharded parameters (compute dtype) at the peak: the root unit's, gathered for the whole
+    forward and again for the whole backward; the layer units kept gathered (1, the one
+    computing, when resharded after forward (ZeRO-3's JSON); every layer from its forward to its
+    backward otherwise); and one more layer's all-gather output: forward keeps the computing
+    unit's until the next unit's copy-out, backward prefetches the next unit's."""
+    layer, root, layers = fsdp2_units(m, layout, items)
+    kept = 1 if layout.zero_stage == 3 else layers
+    return (root + (kept + 1) * layer) * _compute_bytes(layout)
+
+
+def fsdp2_gradients_in_flight(m: ModelConfig, layout: Layout, items: list[str]) -> float:
+    """Unsharded gradients at the peak (the start of backward, the activations all held): the
+    root unit's first ones, the head's and the final norm's, which wait for the embedding's at
+    the end of backward to be reduced with them (the embedding's come when the activations are
+    gone: not counted); one layer's being computed, and its fp32 reduce-scatter input, which
+    FSDP2 keeps until the next unit's reduce-scatter."""
+    layer, _, _ = fsdp2_units(m, layout, items)
+    head = m.padded_vocab_size(layout.tensor) // layout.tensor * m.hidden_size + m.hidden_size
+    return (head + layer) * _compute_bytes(layout) + layer * 4
+
+
+def _compute_bytes(layout: Layout) -> int:
+    return 4 if layout.precision == Precision.FP32 else 2
+
+
+def fsdp2_stage_memory(m: ModelConfig, layout: Layout, items: list[str]) -> MemoryBreakdown:
+    """Per-GPU bytes under train.engine: fsdp2 (one stage: fsdp2 runs no pipeline)."""
+    check_fsdp2_layout(m, layout)
+    n = stage_parameters(m, layout, items)
+    ranks = layout.data * layout.context
+    params, grads, optimizer = 4 * n / ranks, 4 * n / ranks, 8 * n / ranks
+    host = 0.0
+    if fsdp2_offloads(layout):
+        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    buffers = fsdp2_gathered_bytes(m, layout, items) + fsdp2_gradients_in_flight(m, layout, items)
+    return MemoryBreakdown(stage=0, parameters_count=n, params=params, grads=grads,
+                           optimizer=optimizer, activations=stage_activations(m, layout, 0, items),
+                           buffers=buffers, host=host)

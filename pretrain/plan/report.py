@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pretrain.arithmetic import (expert_parameters_per_rank, model_flops_per_token,
                                  num_active_parameters, num_parameters)
-from pretrain.config import ModelConfig, RunConfig
+from pretrain.config import Engine, ModelConfig, RunConfig
 from pretrain.ds_config import shipped_ds_configs
 from pretrain.hardware import format_flops
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
@@ -25,7 +25,7 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         f"{world} ranks | "
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum "
         f"{layout.grad_accum} x dp {layout.data} ({layout.global_batch * m.seq_length:,} tokens)",
-        f"engine  ZeRO-{layout.zero_stage} | offload optimizer={layout.offload_optimizer} "
+        f"engine  {_engine(plan)} | offload optimizer={layout.offload_optimizer} "
         f"param={layout.offload_param} | {layout.precision.value} | recompute "
         f"{layout.recompute.value} | sequence parallel "
         f"{'on' if layout.sequence_parallel else 'off'} | partition {layout.partition}",
@@ -34,10 +34,16 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         *([_experts_line(m, layout)] if m.num_experts else []),
         format_plan(plan),
     ]
-    if cfg.train.engine.value != "deepspeed":  # the memory and time models are DeepSpeed's
-        lines.insert(3, f"note    train.engine={cfg.train.engine.value} is planned as DeepSpeed's "
-                        f"ZeRO-{layout.zero_stage}: the planner does not model FSDP2 yet")
     return "\n".join(lines)
+
+
+def _engine(plan: Plan) -> str:
+    """'ZeRO-3' (DeepSpeed's), or what fsdp2 makes of the JSON's ZeRO stage."""
+    stage = plan.layout.zero_stage
+    if plan.engine is not Engine.FSDP2:
+        return f"ZeRO-{stage}"
+    kept = "resharded after forward" if stage == 3 else "kept gathered from forward to backward"
+    return f"fsdp2 (fully_shard per decoder layer, the JSON's ZeRO-{stage}: {kept})"
 
 
 def _active(m) -> str:
@@ -87,10 +93,12 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def selecting_arguments(layout: Layout, ds_config: str) -> str:
-    """The `pretrain train` / `plan` arguments that select `layout` (with `ds_config`, the
-    JSON of its ZeRO stage and offload)."""
-    sets = [f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
+def selecting_arguments(layout: Layout, ds_config: str, *,
+                        engine: Engine = Engine.DEEPSPEED) -> str:
+    """The `pretrain train` / `plan` arguments that select `layout` under `engine` (with
+    `ds_config`, the JSON of its ZeRO stage and offload)."""
+    sets = [*([f"train.engine={engine.value}"] if engine is not Engine.DEEPSPEED else []),
+            f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
             *([f"parallel.context={layout.context}"] if layout.context > 1 else []),
             *([f"parallel.expert={layout.expert}"] if layout.expert > 1 else []),
             f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
@@ -106,14 +114,15 @@ def format_search(plans: list[Plan], cluster: Cluster, *, top: int,
     """The fastest `top` of the layouts that keep `margin`, one line each and the arguments that
     select it under it; then where `current` (the config's own plan, or None and why) ranks,
     how far it is from the fastest and which parts of the step cost the difference."""
+    under = " under train.engine=fsdp2" if plans and plans[0].engine is Engine.FSDP2 else ""
     lines = [f"[plan] {len(plans)} layouts of {cluster.world_size} GPUs ({cluster.nodes} x "
-             f"{cluster.gpus_per_node} {cluster.name}) fit with the memory margin; the fastest "
-             f"{min(top, len(plans))}:",
+             f"{cluster.gpus_per_node} {cluster.name}) fit{under} with the memory margin; "
+             f"the fastest {min(top, len(plans))}:",
              f"  {'#':>3}  {'layout':<58}{'memory':>9}{'tokens/s':>12}{'MFU':>7}"]
     for i, p in enumerate(plans[:top], 1):
         lines += [f"  {i:>3}  {p.layout.describe():<58}{p.memory.total / GB:8.1f}G"
                   f"{p.tokens_per_s:12,.0f}{100 * p.mfu:6.1f}%",
-                  f"       {selecting_arguments(p.layout, ds_configs[engine_key(p.layout)])}"]
+                  f"       {_arguments(p, ds_configs)}"]
     if plans:
         lines.append(margin_line(margin, plans[0].memory_limit_gb))
     if current is not None:
@@ -203,10 +212,12 @@ def slowdown_text(plan: Plan, best: Plan, *, best_is: str = "#1") -> str:
 
 def slower_layout_warnings(model: ModelConfig, plan: Plan, *, margin: float) -> list[str]:
     """`warnings_against_best` of `plan` and a search of its cluster with `margin` (the same
-    global batch and precision, the engines a shipped DeepSpeed JSON selects)."""
+    global batch, precision and train.engine, the ZeRO stages and offloads a shipped DeepSpeed
+    JSON selects)."""
     engines = shipped_ds_configs()
     plans = search(model, plan.cluster, global_batch=plan.layout.global_batch,
-                   precision=plan.layout.precision, engines=set(engines), memory_margin=margin)
+                   precision=plan.layout.precision, engines=set(engines), memory_margin=margin,
+                   engine=plan.engine)
     return warnings_against_best(plan, plans, margin=margin, ds_configs=engines)
 
 
@@ -222,4 +233,9 @@ def warnings_against_best(plan: Plan, plans: list[Plan], *, margin: float,
             f"predicted {slowdown_text(plan, best, best_is=fastest)}; that one "
             f"({best.tokens_per_s:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%, "
             f"{best.memory.total / GB:.1f} GB per GPU): "
-            f"{selecting_arguments(best.layout, ds_configs[engine_key(best.layout)])}"]
+            f"{_arguments(best, ds_configs)}"]
+
+
+def _arguments(plan: Plan, ds_configs: dict[tuple[int, str, str], str]) -> str:
+    return selecting_arguments(plan.layout, ds_configs[engine_key(plan.layout)],
+                               engine=plan.engine)

@@ -4,7 +4,9 @@
 (`pretrain.layout.check_layout`), then combines the memory model (`pretrain.plan.memory`) and the
 time model (`pretrain.plan.step_time`) into a `Plan`: per-GPU memory of the heaviest stage,
 step time, tokens/s, model FLOPs utilisation (MFU) and hardware FLOPs utilisation (HFU, counting
-recomputation).
+recomputation). `engine` is the run's `train.engine`: DeepSpeed's, or FSDP2's sharding of the
+same layout (its ZeRO stage and offload read from the DeepSpeed JSON as `pretrain.fsdp2_rules`
+reads them).
 """
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pretrain.arithmetic import stage_items
-from pretrain.config import ModelConfig, Precision, Recompute
+from pretrain.config import Engine, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
 from pretrain.layout import Layout, check_layout
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
-from pretrain.plan.memory import GB, MemoryBreakdown, stage_memory
+from pretrain.plan.memory import GB, MemoryBreakdown, fsdp2_stage_memory, stage_memory
 from pretrain.plan.step_time import TimeBreakdown, estimate_time
 
 
@@ -35,6 +37,7 @@ class Plan:
     fits: bool
     memory_limit_gb: float
     stages: list[dict[str, Any]] = field(default_factory=list)
+    engine: Engine = Engine.DEEPSPEED  # train.engine the plan models
 
     def to_dict(self) -> dict[str, Any]:
         lay = asdict(self.layout)
@@ -42,7 +45,7 @@ class Plan:
                    grad_accum=self.layout.grad_accum, world_size=self.layout.world_size)
         t = asdict(self.time)
         t["step"] = self.time.step
-        return {"layout": lay, "cluster": asdict(self.cluster),
+        return {"engine": self.engine.value, "layout": lay, "cluster": asdict(self.cluster),
                 "memory_gb": {"stage": self.memory.stage, **self.memory.to_gb()},
                 "time_s": t, "tokens_per_s": self.tokens_per_s,
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
@@ -51,13 +54,18 @@ class Plan:
                 "stages": self.stages}
 
 
-def estimate(model: ModelConfig, layout: Layout, cluster: Cluster) -> Plan:
-    """Memory and time of `layout`; raises ConfigError if the layout is invalid."""
+def estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *,
+             engine: Engine = Engine.DEEPSPEED) -> Plan:
+    """Memory and time of `layout` under `engine`; raises ConfigError if the layout is invalid
+    (or one `engine` does not run)."""
     check_layout(model, layout)
     stages = stage_items(model, layout)
-    memories = [stage_memory(model, layout, s, items) for s, items in enumerate(stages)]
+    if engine is Engine.FSDP2:
+        memories = [fsdp2_stage_memory(model, layout, items) for items in stages]
+    else:
+        memories = [stage_memory(model, layout, s, items) for s, items in enumerate(stages)]
     worst = max(memories, key=lambda mem: mem.total)
-    times, model_flops, hw_flops = estimate_time(model, layout, cluster, stages)
+    times, model_flops, hw_flops = estimate_time(model, layout, cluster, stages, engine=engine)
     step = times.step
     peak = cluster.peak_tflops * 1e12
     limit = cluster.gpu_memory_gb * MEMORY_USABLE_FRACTION
@@ -66,7 +74,7 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster) -> Plan:
                 model_tflops_per_gpu=model_flops / step / 1e12,
                 hardware_tflops_per_gpu=hw_flops / step / 1e12,
                 mfu=model_flops / step / peak, hfu=hw_flops / step / peak,
-                fits=worst.total / GB <= limit, memory_limit_gb=limit,
+                fits=worst.total / GB <= limit, memory_limit_gb=limit, engine=engine,
                 stages=[{"stage": s, "layers": items.count("layer"),
                          "embedding": "embed" in items, "head": "head" in items,
                          "memory_gb": round(mem.total / GB, 3)}
@@ -102,9 +110,10 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
            precision: Precision = Precision.BF16, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
            allow_offload: bool = True,
            engines: set[tuple[int, str, str]] | None = None,
-           contexts: tuple[int, ...] | None = None, memory_margin: float = 0.0) -> list[Plan]:
+           contexts: tuple[int, ...] | None = None, memory_margin: float = 0.0,
+           engine: Engine = Engine.DEEPSPEED) -> list[Plan]:
     """Every valid layout of `cluster.world_size` GPUs that fits with `memory_margin` to spare
-    (`keeps_margin`), fastest first.
+    (`keeps_margin`) under `engine`, fastest first.
 
     TP stays inside a node (powers of two dividing the GPUs per node), and so does TP x context
     (context parallelism, powers of two; `contexts`: the sizes to consider, by default
@@ -112,7 +121,9 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     ZeRO 0-3 (0/1 with pipelines), optimizer offload to CPU from ZeRO 1, parameter offload with
     ZeRO 3, recompute none/full, sequence parallelism whenever tp > 1 (it only saves memory).
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
-    passes those a shipped DeepSpeed JSON selects).
+    passes those a shipped DeepSpeed JSON selects). Under fsdp2: no pipelines, ZeRO 0 or
+    sequence parallelism (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
+    of the same offload is allowed (both mean the same FSDP2).
     """
     check_margin(memory_margin)
     world = cluster.world_size
@@ -132,13 +143,17 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
             if offload != "none" and not allow_offload:
                 continue
             layout = replace(base, tensor=tp, pipeline=pp, data=dp, context=cp, micro_batch=mbs,
-                             zero_stage=stage, recompute=recompute, sequence_parallel=tp > 1,
+                             zero_stage=stage, recompute=recompute,
+                             sequence_parallel=tp > 1 and engine is Engine.DEEPSPEED,
                              offload_optimizer="none" if offload == "none" else "cpu",
                              offload_param="cpu" if offload == "opt+param" else "none")
             if engines is not None and engine_key(layout) not in engines:
                 continue
+            if engine is Engine.FSDP2 and stage == 1 and (
+                    engines is None or engine_key(replace(layout, zero_stage=2)) in engines):
+                continue
             try:
-                plan = estimate(model, layout, cluster)
+                plan = estimate(model, layout, cluster, engine=engine)
             except ConfigError:
                 continue
             if plan.fits and keeps_margin(plan, memory_margin):

@@ -7,6 +7,13 @@ them apart), context-parallel all-to-alls (four per attention layer forward: q, 
 output; four backward; on the intra-node link while tensor x context fits a node), the 1F1B
 pipeline bubble, pipeline point-to-point transfers, exposed data-parallel communication and the
 offloaded optimizer step; the efficiency assumptions are those of `pretrain.plan.clusters`.
+
+Under `train.engine: fsdp2` (`_fsdp2_data_comm`, `_fsdp2_offload`) the data-parallel part is
+FSDP2's: every micro-batch all-gathers each unit (`pretrain.plan.memory.fsdp2_units`) in
+forward and, resharded after forward (ZeRO-3's JSON), again in backward, and reduce-scatters
+every gradient in fp32 (there is no accumulation without communication): the volume grows with
+the micro-batches, where DeepSpeed's ZeRO-0/1 reduce once per step. It overlaps as ZeRO-3's
+prefetch does, behind the micro-batch's forward and backward.
 """
 from __future__ import annotations
 
@@ -15,11 +22,11 @@ from typing import ClassVar
 
 from pretrain.arithmetic import (layout_recomputed_layers, model_flops_per_token,
                                  stage_flops_per_token, stage_parameters)
-from pretrain.config import ModelConfig, Precision
+from pretrain.config import Engine, ModelConfig, Precision
 from pretrain.layout import Layout
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
                                     MATMUL_EFFICIENCY, Cluster)
-from pretrain.plan.memory import bytes_per_param
+from pretrain.plan.memory import bytes_per_param, fsdp2_offloads
 
 
 @dataclass
@@ -143,6 +150,39 @@ def _data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *, stage_param
     return exposed
 
 
+def fsdp2_bytes_per_micro_batch(layout: Layout, *, stage_params: int) -> tuple[float, float]:
+    """(all-gathered, reduce-scattered) bytes of one micro-batch under fsdp2, whole tensors
+    before the ring's (ranks - 1) / ranks: every unit gathered in the compute dtype forward and,
+    resharded after forward, backward; every gradient reduced in fp32 (the bf16 policy's
+    reduce dtype, fp32 runs' own)."""
+    compute_bytes = 4 if layout.precision == Precision.FP32 else 2
+    gathers = 2 if layout.zero_stage == 3 else 1
+    return gathers * stage_params * compute_bytes, stage_params * 4.0
+
+
+def _fsdp2_data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *,
+                     stage_params: int) -> float:
+    """Seconds of FSDP2's exposed collectives: those of every micro-batch, less its compute."""
+    replicas = layout.data * layout.context
+    gbps = _link_gbps(cluster, layout.tensor * replicas)
+    gathered, reduced = fsdp2_bytes_per_micro_batch(layout, stage_params=stage_params)
+    per_micro_batch = (_ring_seconds(gathered, replicas, gbps, passes=1)
+                       + _ring_seconds(reduced, replicas, gbps, passes=1))
+    return layout.grad_accum * max(0.0, per_micro_batch - mb.compute)
+
+
+def _fsdp2_offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> float:
+    """Seconds of CPUOffloadPolicy: every all-gather copies the fp32 shard to the device, every
+    reduce-scatter copies the fp32 gradient shard back, and the step runs torch's AdamW on the
+    host (at the rate assumed for DeepSpeed's CPU Adam)."""
+    if not fsdp2_offloads(layout):
+        return 0.0
+    shard = stage_params / (layout.data * layout.context)
+    copies = (2 if layout.zero_stage == 3 else 1) + 1
+    return (layout.grad_accum * copies * shard * 4 / (cluster.pcie_gbps * 1e9)
+            + shard / CPU_ADAM_PARAMS_PER_S)
+
+
 def _offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> float:
     """Seconds of host <-> device traffic and the CPU optimizer step: an offloaded optimizer
     sends gradients down and parameters up and runs CPU Adam on this GPU's share; offloaded
@@ -160,12 +200,13 @@ def _offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> float:
 
 
 def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
-                  stages: list[list[str]]) -> tuple[TimeBreakdown, float, float]:
+                  stages: list[list[str]], *, engine: Engine = Engine.DEEPSPEED
+                  ) -> tuple[TimeBreakdown, float, float]:
     """(time breakdown, model FLOPs per GPU per step, hardware FLOPs per GPU per step).
 
     Per micro-batch the slowest stage computes, then waits for its TP and CP collectives; a
     step is `grad_accum` of them, the pipeline's fill and drain, and what data parallelism and
-    offloading do not hide."""
+    offloading (`engine`'s) do not hide."""
     flops = [stage_flops_per_token(model, layout, items) for items in stages]
     slow_model, slow_hw = max(flops, key=lambda f: f[1])
     tokens = layout.micro_batch * model.seq_length / layout.context
@@ -177,12 +218,14 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
     expert_mb = _expert_comm(model, layout, cluster, mb)
     stage_params = max(stage_parameters(model, layout, items) for items in stages)
     micro_batches = layout.grad_accum
+    data_comm, offload = ((_fsdp2_data_comm, _fsdp2_offload) if engine is Engine.FSDP2
+                          else (_data_comm, _offload))
     times = TimeBreakdown(
         compute=micro_batches * mb.compute, tensor_comm=micro_batches * (tensor_mb + expert_mb),
         bubble=(layout.pipeline - 1) * (mb.compute + tensor_mb + context_mb + expert_mb),
         pipeline_comm=_pipeline_p2p(model, layout, cluster, mb),
-        data_comm=_data_comm(layout, cluster, mb, stage_params=stage_params),
-        offload=_offload(layout, cluster, stage_params=stage_params),
+        data_comm=data_comm(layout, cluster, mb, stage_params=stage_params),
+        offload=offload(layout, cluster, stage_params=stage_params),
         context_comm=micro_batches * context_mb)
     times.expert_comm = micro_batches * expert_mb
     model_flops = model_flops_per_token(model) * layout.global_batch * model.seq_length \
