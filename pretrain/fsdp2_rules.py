@@ -35,39 +35,55 @@ def check_fsdp2(cfg, ds: dict[str, Any], *, where: str) -> None:
     """ConfigError (exit 2 before launch) when `cfg` with the DeepSpeed JSON `ds` (named by
     `where`) asks fsdp2 for something it does not do."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    refusals = []
-    if p.pipeline > 1:
-        refusals.append(f"parallel.pipeline={p.pipeline}: pipelines are DeepSpeed's (its 1F1B "
-                        "schedule); use train.engine=deepspeed or parallel.pipeline=1")
-    if p.sequence_parallel:
-        refusals.append("parallel.sequence_parallel=true: its norm-gradient hooks sit on the "
-                        "weights fully_shard replaces; use train.engine=deepspeed")
-    if m.num_experts:
-        refusals.append(f"model.num_experts={m.num_experts}: the mixture of experts is not "
-                        "sharded by fsdp2 yet; use train.engine=deepspeed")
+    zero = ds.get("zero_optimization", {})
+    refusals = layout_refusals(
+        pipeline=p.pipeline, sequence_parallel=p.sequence_parallel, num_experts=m.num_experts,
+        fp16=t.precision.value == "fp16",  # `auto` is settled before a run lays out
+        zero_stage=int(zero.get("stage", 0)),
+        offload=[zero.get(key, {}).get("device", "none")
+                 for key in ("offload_optimizer", "offload_param")], where=where)
     if m.compile:
         refusals.append("model.compile=true: compiled blocks under fully_shard are not "
                         "verified here; set model.compile=false or use train.engine=deepspeed")
-    if t.precision.value == "fp16":  # `auto` is settled before a run lays out
-        refusals.append("train.precision=fp16: fsdp2 has no loss scaling; use bf16 or fp32")
     refusals += _json_refusals(ds, where=where)
+    raise_refusals(refusals)
+
+
+def raise_refusals(refusals: list[str]) -> None:
     if refusals:
         raise ConfigError("train.engine=fsdp2 cannot run this config: " + "; ".join(refusals))
 
 
-def _json_refusals(ds: dict[str, Any], *, where: str) -> list[str]:
-    zero = ds.get("zero_optimization", {})
-    stage = int(zero.get("stage", 0))
+def layout_refusals(*, pipeline: int, sequence_parallel: bool, num_experts: int, fp16: bool,
+                    zero_stage: int, offload: list[str], where: str) -> list[str]:
+    """Why fsdp2 cannot run a layout (empty: it can): what the planner checks of a layout it
+    plans, and `check_fsdp2` of a run config."""
     refusals = []
-    if stage == 0:
+    if pipeline > 1:
+        refusals.append(f"parallel.pipeline={pipeline}: pipelines are DeepSpeed's (its 1F1B "
+                        "schedule); use train.engine=deepspeed or parallel.pipeline=1")
+    if sequence_parallel:
+        refusals.append("parallel.sequence_parallel=true: its norm-gradient hooks sit on the "
+                        "weights fully_shard replaces; use train.engine=deepspeed")
+    if num_experts:
+        refusals.append(f"model.num_experts={num_experts}: the mixture of experts is not "
+                        "sharded by fsdp2 yet; use train.engine=deepspeed")
+    if fp16:
+        refusals.append("train.precision=fp16: fsdp2 has no loss scaling; use bf16 or fp32")
+    if zero_stage == 0:
         refusals.append(f"{where} has ZeRO stage 0: fsdp2 always shards (ZeRO-3 as FSDP2, "
                         "ZeRO-1/2 as FSDP2 without resharding after forward); plain data "
                         "parallelism is train.engine=deepspeed")
-    for key in ("offload_optimizer", "offload_param"):
-        device = zero.get(key, {}).get("device", "none")
+    for key, device in zip(("offload_optimizer", "offload_param"), offload):
         if device not in ("none", "cpu"):
             refusals.append(f"{where} zero_optimization.{key}.device={device!r}: fsdp2 "
                             "offloads to cpu only (CPUOffloadPolicy)")
+    return refusals
+
+
+def _json_refusals(ds: dict[str, Any], *, where: str) -> list[str]:
+    """What only the JSON says (its ZeRO stage and offload are in `layout_refusals`)."""
+    refusals = []
     fp16 = ds.get("fp16", {})
     if fp16.get("enabled") is True:
         refusals.append(f"{where} enables fp16 (loss scaling): fsdp2 has none; use bf16")

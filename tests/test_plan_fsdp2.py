@@ -133,7 +133,8 @@ def test_fsdp2_refuses_what_it_does_not_run():
                (replace(ZERO3, zero_stage=0), "ZeRO stage 0"),
                (replace(ZERO3, tensor=2, data=1, sequence_parallel=True), "sequence_parallel")]
     for layout, reason in refused:
-        with pytest.raises(ConfigError, match=f"train.engine=fsdp2 does not run .*{reason}"):
+        with pytest.raises(ConfigError,
+                           match=f"train.engine=fsdp2 cannot run this config: .*{reason}"):
             _fsdp2(layout)
         _deepspeed(replace(layout, zero_stage=min(layout.zero_stage, 1)))  # DeepSpeed runs it
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from pretrain.arithmetic import layer_parameters, layout_recomputed_layers, stage_parameters
 from pretrain.config import ModelConfig, Precision
-from pretrain.errors import ConfigError
+from pretrain.fsdp2_rules import layout_refusals, raise_refusals
 from pretrain.layout import Layout
 
 GB = 2**30
@@ -202,24 +202,13 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
 # ---- train.engine: fsdp2 --------------------------------------------------------------------
 
 def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
-    """ConfigError for what fsdp2 does not run (`pretrain.fsdp2_rules` refuses the same for a run
-    config), so that no plan is made of it."""
-    lay, refusals = layout, []
-    if lay.pipeline > 1:
-        refusals.append(f"parallel.pipeline={lay.pipeline} (pipelines are DeepSpeed's)")
-    if lay.zero_stage == 0:
-        refusals.append("ZeRO stage 0 (fsdp2 always shards)")
-    if lay.sequence_parallel:
-        refusals.append("parallel.sequence_parallel=true")
-    if m.num_experts:
-        refusals.append(f"model.num_experts={m.num_experts}")
-    if lay.precision == Precision.FP16:
-        refusals.append("fp16 (no loss scaling)")
-    if "nvme" in (lay.offload_optimizer, lay.offload_param):
-        refusals.append("nvme offload (cpu only)")
-    if refusals:
-        raise ConfigError("train.engine=fsdp2 does not run " + ", ".join(refusals)
-                          + ": use train.engine=deepspeed for it")
+    """ConfigError for what fsdp2 does not run (the rules `pretrain.fsdp2_rules` applies to a
+    run config), so that no plan is made of it."""
+    raise_refusals(layout_refusals(
+        pipeline=layout.pipeline, sequence_parallel=layout.sequence_parallel,
+        num_experts=m.num_experts, fp16=layout.precision == Precision.FP16,
+        zero_stage=layout.zero_stage, offload=[layout.offload_optimizer, layout.offload_param],
+        where="the DeepSpeed config"))
 
 
 def fsdp2_units(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[int, int, int]:
