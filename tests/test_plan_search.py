@@ -23,7 +23,11 @@ from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO
 
 LLAMA_13B = ModelConfig(**MODEL_PRESETS["13b"])
-RECIPES = ["llama_7b", "llama_13b", "llama_70b"]
+# Each recipe and the Slurm script its documented command submits (the MoE recipe through the
+# 70B script: README's `CONFIG=configs/mixtral_8x7b.yaml sbatch slurm/pretrain_70b.sh`).
+SCRIPTS = {"llama_7b": "pretrain_7b.sh", "llama_13b": "pretrain_13b.sh",
+           "llama_70b": "pretrain_70b.sh", "mixtral_8x7b": "pretrain_70b.sh"}
+RECIPES = list(SCRIPTS)
 # The 70B recipe as it shipped before the search picked its layout: 1.5x slower predicted.
 OLD_70B = ["parallel.tensor=8", "parallel.pipeline=4", "parallel.sequence_parallel=false",
            "model.activation_checkpointing=full"]
@@ -31,11 +35,16 @@ OLD_70B = ["parallel.tensor=8", "parallel.pipeline=4", "parallel.sequence_parall
 
 def _documented_cluster(recipe: str):
     """The cluster `slurm/pretrain_<size>.sh` asks for (its #SBATCH nodes and GPUs per node)."""
-    script = (REPO / "slurm" / f"pretrain_{recipe.split('_')[1]}.sh").read_text()
-    assert f"configs/{recipe}.yaml" in script
+    script = (REPO / "slurm" / SCRIPTS[recipe]).read_text()
+    assert f"configs/{recipe}.yaml" in script or re.search(
+        rf"CONFIG=configs/{recipe}\.yaml sbatch [^`]*slurm/{SCRIPTS[recipe]}", _readme_text())
     sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
     return make_cluster("h100-80gb", nodes=int(sbatch["nodes"]),
                         gpus_per_node=int(sbatch["gpus-per-node"]))
+
+
+def _readme_text() -> str:
+    return " ".join((REPO / "README.md").read_text().split())  # lines joined
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -52,6 +61,19 @@ def test_each_recipe_is_within_10_percent_of_the_best_layout_with_the_margin(rec
                    memory_margin=DEFAULT_MEMORY_MARGIN)
     assert keeps_margin(own, DEFAULT_MEMORY_MARGIN), own.memory.total / GB
     assert times_slower(own, plans[0]) <= 1 + SLOWER_THAN_BEST, plans[0].layout.describe()
+
+
+def test_the_search_spreads_experts_over_the_tensor_ranks_only_for_a_mixture_of_experts():
+    """A mixture of experts is searched with its experts whole on the tensor ranks (expert =
+    tensor) and sharded on each (expert 1); a dense model only ever with expert 1."""
+    moe = load_config(REPO / "configs" / "mixtral_8x7b.yaml").model
+    cluster = make_cluster("h100-80gb", nodes=2)
+    plans = search(moe, cluster, global_batch=64, micro_batches=(1,))
+    spread = {p.layout.tensor for p in plans if p.layout.expert > 1}
+    assert spread and all(p.layout.expert in (1, p.layout.tensor) for p in plans)
+    assert {p.layout.tensor for p in plans if p.layout.expert == 1} & spread  # both tried
+    assert all(p.layout.expert == 1 for p in search(LLAMA_13B, cluster, global_batch=64,
+                                                     micro_batches=(1,)))
 
 
 def test_the_margin_drops_exactly_the_layouts_that_would_not_fit_that_much_larger():

@@ -119,7 +119,9 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     (context parallelism, powers of two; `contexts`: the sizes to consider, by default
     `default_contexts`); PP divides the world;
     ZeRO 0-3 (0/1 with pipelines), optimizer offload to CPU from ZeRO 1, parameter offload with
-    ZeRO 3, recompute none/full, sequence parallelism whenever tp > 1 (it only saves memory).
+    ZeRO 3, recompute none/full, sequence parallelism whenever tp > 1 (it only saves memory),
+    and for a mixture of experts expert parallelism over the tensor ranks or none
+    (`expert_sizes`).
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
     passes those a shipped DeepSpeed JSON selects). Under fsdp2: no pipelines, ZeRO 0 or
     sequence parallelism (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
@@ -137,12 +139,13 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
         if world % (tp * pp * cp) or pp > model.num_layers or tp * cp > cluster.gpus_per_node:
             continue
         dp = world // (tp * pp * cp)
-        for mbs, stage, offload, recompute in itertools.product(
+        for mbs, stage, offload, recompute, ep in itertools.product(
                 micro_batches, (0, 1, 2, 3), ("none", "opt", "opt+param"),
-                (Recompute.NONE, Recompute.FULL)):
+                (Recompute.NONE, Recompute.FULL), expert_sizes(model, tp)):
             if offload != "none" and not allow_offload:
                 continue
             layout = replace(base, tensor=tp, pipeline=pp, data=dp, context=cp, micro_batch=mbs,
+                             expert=ep,
                              zero_stage=stage, recompute=recompute,
                              sequence_parallel=tp > 1 and engine is Engine.DEEPSPEED,
                              offload_optimizer="none" if offload == "none" else "cpu",
@@ -160,6 +163,14 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
                 plans.append(plan)
     plans.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     return plans
+
+
+def expert_sizes(model: ModelConfig, tensor: int) -> tuple[int, ...]:
+    """The expert-parallel sizes a search tries with `tensor` ranks: a mixture of experts either
+    keeps every expert on each tensor rank, sharded as the dense MLP is (1), or spreads whole
+    experts over the tensor ranks (`tensor`: the expert ranks are the tensor ranks); layouts
+    `check_experts` refuses are skipped by `estimate`."""
+    return (1, tensor) if model.num_experts and tensor > 1 else (1,)
 
 
 LONG_CONTEXT = 16384  # tokens from which a search also tries context parallelism
