@@ -129,7 +129,8 @@ def check_context(model: ModelConfig, layout: Layout) -> None:
 
 def check_experts(model: ModelConfig, layout: Layout) -> None:
     """Expert parallelism: the tensor-parallel ranks hold whole experts, an equal number each,
-    and exchange the tokens of their sequence chunks by all-to-all (dropless routing only)."""
+    and exchange the tokens of their sequence chunks (of a context chunk under context
+    parallelism) by all-to-all (dropless routing only)."""
     ep, tp = layout.expert, layout.tensor
     if ep == 1:
         return
@@ -147,13 +148,12 @@ def check_experts(model: ModelConfig, layout: Layout) -> None:
                           f"parallel.expert={ep}: capacity is first come first served over the "
                           "whole micro-batch, which no rank sees; use the dropless router "
                           "(model.moe_capacity_factor=0) or parallel.expert=1")
-    if model.seq_length % ep:
-        raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by "
-                          f"parallel.expert={ep} (each expert rank routes an equal chunk)")
-    if layout.context > 1:
-        raise ConfigError(f"parallel.expert={ep} with parallel.context={layout.context}: not "
-                          "supported yet (untested: each expert rank would route a chunk of a "
-                          "context chunk); set parallel.expert=1 or parallel.context=1")
+    cp = layout.context
+    if model.seq_length % (ep * cp):
+        what = f"parallel.expert={ep}" if cp == 1 else \
+            f"parallel.expert x parallel.context = {ep} x {cp} = {ep * cp}"
+        raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by {what} "
+                          "(each expert rank routes an equal chunk of its context chunk)")
     if layout.pipeline > 1:
         raise ConfigError(f"parallel.expert={ep} with parallel.pipeline={layout.pipeline}: not "
                           "supported yet (the pipeline stages do not build expert-parallel "

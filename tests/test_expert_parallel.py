@@ -88,6 +88,56 @@ def test_all_to_all_dispatch_gives_the_single_process_layer_output_and_gradients
     assert names == [["0", "1"], ["2", "3"]]
 
 
+def _context_layer_on_ranks(rank: int, world_size: int, tensor: int) -> float:
+    """One MoE layer on context 2 (x expert 2 = tensor 2): context rank c holds tokens
+    [16c, 16c + 16) of each sequence. Its objective is N x its chunk's share, as the model's
+    loss is (`chunk_loss_scale`), and the data-parallel mean over the context ranks must give
+    one process's gradients, the auxiliary losses' included."""
+    import torch.distributed as dist
+
+    context = world_size // tensor
+    groups = Topology(tensor=tensor, pipeline=1, world_size=world_size, rank=rank,
+                      context=context, expert=tensor).create_groups()
+    reference = _layer(CFG, seed=4)
+    layer = MoE(CFG, tp_group=groups.tensor if tensor > 1 else None, project=fused_projections,
+                expert_parallel=tensor > 1, cp_group=groups.context)
+    ours = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(ours[name])
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 32, 64, generator=generator)
+    g = torch.randn(2, 32, 64, generator=generator)
+    x_ref = x.clone().requires_grad_(True)
+    ref_out = reference(x_ref)
+    (ref_out * g).sum().backward()
+
+    c = groups.topology.my_coords.context
+    chunk = slice(c * 32 // context, (c + 1) * 32 // context)
+    mine = x[:, chunk].clone().requires_grad_(True)
+    out = layer(mine)
+    (context * (out * g[:, chunk]).sum()).backward()
+    _assert_close(out, ref_out[:, chunk].detach(), "output")
+    _assert_close(mine.grad / context, x_ref.grad[:, chunk], "input gradient")
+    # the auxiliary losses over the whole micro-batch, on every rank
+    torch.testing.assert_close(layer.stats[1:3], reference.stats[1:3], rtol=1e-6, atol=0)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, p in layer.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=groups.data)  # DeepSpeed's mean over data x context ranks
+        _assert_close(grad / context, ref_grads[name], name)
+    return float(layer.stats[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_context2_layer_with_and_without_experts_split_gives_one_process(tmp_path, tensor):
+    """Context 2 alone (2 ranks) and tensor 2 = expert 2 x context 2 (4 ranks)."""
+    balance = run_on_ranks(_context_layer_on_ranks, world_size=2 * tensor, tmp_path=tmp_path,
+                           args=(tensor,))
+    assert len(set(balance)) == 1  # the same balance loss on every rank
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 def _layout(**fields) -> Layout:
@@ -104,16 +154,20 @@ def test_expert_layouts_the_stack_cannot_run_are_refused_with_the_reason():
         check_layout(CFG, _layout(tensor=1, expert=2))
     with pytest.raises(ConfigError, match="moe_capacity_factor"):
         check_layout(dataclasses.replace(CFG, moe_capacity_factor=1.0), _layout())
-    with pytest.raises(ConfigError, match="parallel.pipeline=2: not supported"):
-        check_layout(CFG, _layout(pipeline=2))
-    with pytest.raises(ConfigError, match="parallel.context=2: not supported"):
-        check_layout(dataclasses.replace(CFG, num_kv_heads=4), _layout(context=2))
+    # each expert rank routes an equal chunk of its context chunk: 34 / 2 = 17 does not split
+    with pytest.raises(ConfigError, match=r"seq_length=34: must be divisible by parallel.expert "
+                                          r"x parallel.context = 2 x 2 = 4"):
+        check_layout(dataclasses.replace(CFG, num_heads=8, num_kv_heads=4, seq_length=34),
+                     _layout(context=2))
     with pytest.raises(ConfigError, match="experts_per_token=5: must be between 1 and"):
         dataclasses.replace(CFG, experts_per_token=5)  # top-k above the expert count
     # a world that cannot hold the expert layout: expert ranks without a tensor group of them
     with pytest.raises(ConfigError, match="parallel.expert=2 with parallel.tensor=1"):
         Topology(tensor=1, pipeline=1, world_size=2, expert=2)
     check_layout(CFG, _layout())  # tp 2 = ep 2: 2 whole experts per rank
+    with pytest.raises(ConfigError, match="parallel.pipeline=2: not supported"):
+        check_layout(CFG, _layout(pipeline=2))
+    check_layout(dataclasses.replace(CFG, num_heads=8, num_kv_heads=4), _layout(context=2))
 
 
 def test_the_pre_flight_refuses_an_expert_layout_with_its_reason_and_exit_2():
@@ -191,6 +245,32 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
                           overrides=["parallel.tensor=2", "parallel.expert=2"])
     assert "tp1 pp1 dp1 ZeRO-1 -> tp2 pp1 ep2 dp1 ZeRO-1" in onto_ep2.stdout
     _assert_same_steps(onto_ep2, moe_reference, first_step=SAVE_AT + 1)
+
+
+# tensor 2 x context 2 attend with whole query and kv heads: 8 and 4 of them
+HEADS_8 = ["model.num_heads=8", "model.num_kv_heads=4"]
+
+
+@pytest.fixture(scope="module")
+def moe_reference_8_heads(tiny_data, tmp_path_factory):
+    """One process, as `moe_reference` with 8 query and 4 kv heads."""
+    from tests.test_moe import _moe_train
+
+    return _moe_train(tmp_path_factory.mktemp("moe_ref8"), tiny_data, name="single",
+                      overrides=HEADS_8)
+
+
+@pytest.mark.slow
+def test_expert2_with_context2_equals_one_process(moe_reference_8_heads, tiny_data, tmp_path):
+    """tensor 2 = expert 2 x context 2 (4 ranks): each expert rank routes half of its context
+    rank's chunk; the auxiliary losses (summed over both groups) and the tokens per expert are
+    one process's."""
+    from tests.test_moe import _assert_same_steps, _moe_train
+
+    run = _moe_train(tmp_path, tiny_data, name="ep2_cp2", nprocs=4, overrides=[
+        *HEADS_8, "parallel.tensor=2", "parallel.expert=2", "parallel.context=2"])
+    assert "tp 2 x pp 1 x cp 2 x dp 1" in run.stdout
+    _assert_same_steps(run, moe_reference_8_heads)
 
 
 # ---- the planner ---------------------------------------------------------------------------------

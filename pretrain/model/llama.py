@@ -280,7 +280,7 @@ class DecoderLayer(nn.Module):
         if cfg.num_experts:  # a routed mixture of SwiGLU experts (`pretrain.model.moe`)
             self.mlp = MoE(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
                            project=fused_projections, expert_parallel=expert_parallel,
-                           layer_index=layer_index)
+                           cp_group=cp_group, layer_index=layer_index)
         else:
             self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
 

@@ -42,9 +42,12 @@ Auxiliary losses (per layer, summed over the layers into the back-propagated los
 They are added by `AuxLossGradient`, which passes the layer's output through and hands the
 auxiliary loss its gradient in backward: the flat model and a pipeline stage (whose loss lives
 on the last stage) alike, and the loss the model returns stays the language-model loss. Both are
-computed over the tokens of one forward (a micro-batch on one data rank; under context
-parallelism one chunk of it), so layouts that split a micro-batch's tokens differently (context
-parallelism) give other auxiliary losses than one process.
+computed over the tokens of one micro-batch, as one process does: where its tokens are split
+(each context rank holds a chunk of every sequence, each expert rank routes a chunk of that),
+the sums behind the losses are all-reduced over those ranks (`_group_aux_losses`), so every
+rank holds the micro-batch's losses and differentiates them through its own tokens only. The
+context ranks' gradients are then averaged by the data-parallel reduction (data x context
+ranks), so each context rank scales its auxiliary gradient by N, as its language-model loss is.
 
 Capacity (`model.moe_capacity_factor` > 0): each expert takes at most
 ceil(factor * N * k / E) of a forward's N tokens, first come (token order, then choice order);
@@ -61,6 +64,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
+from pretrain.model.context_parallel import cp_world_size
 from pretrain.model.expert_parallel import gather_tokens, run_experts, scatter_tokens
 from pretrain.model.layers import column_linear, row_linear
 from pretrain.model.tensor_parallel import (SequenceShardedWeightGrad, column_parallel_input,
@@ -171,15 +175,20 @@ class MoE(nn.Module):
     """A routed mixture of SwiGLU experts in place of a decoder layer's MLP (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 project: Callable, expert_parallel: bool = False, layer_index: int = 0) -> None:
+                 project: Callable, expert_parallel: bool = False, cp_group=None,
+                 layer_index: int = 0) -> None:
         """`layer_index`: the decoder layer's (0-based), for the per-layer statistics.
         `project`: `llama.fused_projections`, gate and up of an expert as one matmul.
         `expert_parallel`: the tensor-parallel ranks hold whole experts, an equal share each
-        (`pretrain.model.expert_parallel`), instead of 1/tp of every expert."""
+        (`pretrain.model.expert_parallel`), instead of 1/tp of every expert.
+        `cp_group`: the context-parallel group (`pretrain.model.context_parallel`): the layer
+        gets this rank's chunk of each sequence, and the auxiliary losses sum over the group."""
         super().__init__()
         self.layer_index, self.num_experts = layer_index, cfg.num_experts
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tensor_parallel = tp_world_size(tp_group)
+        self.context_parallel = cp_world_size(cp_group)
+        self.cp_group = cp_group if self.context_parallel > 1 else None
         self.top_k = cfg.experts_per_token
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
@@ -206,11 +215,14 @@ class MoE(nn.Module):
         """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
         logits = self.gate(flat).float()
         routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor)
-        if self.expert_group is None:
+        # the ranks routing other tokens of this micro-batch: expert ranks (their chunks of
+        # the same tokens; tensor ranks without experts route the same tokens), context ranks
+        sharing = [g for g in (self.expert_group, self.cp_group) if g is not None]
+        if not sharing:
             balance = routing.balance_loss()
             z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        else:  # over the tokens of every expert rank: the micro-batch one process sees
-            balance, z_loss = _group_aux_losses(routing, logits, self.expert_group)
+        else:  # over the tokens of every such rank: the micro-batch one process sees
+            balance, z_loss = _group_aux_losses(routing, logits, sharing)
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recompute
             self.stats += torch.cat([torch.tensor([1.0], dtype=torch.float64),
                                      torch.stack([balance, z_loss]).detach().double().cpu(),
@@ -236,8 +248,9 @@ class MoE(nn.Module):
         else:
             out = reduce_from_tp(out, self.tp_group)
         if out.requires_grad and (self.aux_coeff or self.z_coeff):
-            # identical on every tp rank, and the input/router gradients are summed over them
-            scale = _AUX_GRAD_SCALE[0] / self.tensor_parallel
+            # identical on every tp rank, and the input/router gradients are summed over them;
+            # x N: the data-parallel reduction averages over the context ranks' chunks
+            scale = _AUX_GRAD_SCALE[0] * self.context_parallel / self.tensor_parallel
             out = AuxLossGradient.apply(out, aux_loss, scale)
         return out
 
@@ -255,8 +268,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat).index_add(0, routing.token, weighted).view(B, T, C)
         if out.requires_grad and (self.aux_coeff or self.z_coeff):
             # the same global value on every rank, each differentiating it through its own
-            # tokens' probabilities only: no share to divide
-            out = AuxLossGradient.apply(out, aux_loss, _AUX_GRAD_SCALE[0])
+            # tokens' probabilities only: no share to divide (x N as above)
+            out = AuxLossGradient.apply(out, aux_loss, _AUX_GRAD_SCALE[0] * self.context_parallel)
         return out if self.sequence_parallel else gather_tokens(out, group)
 
 
@@ -274,14 +287,16 @@ def _local_experts(cfg: ModelConfig, *, group, project: Callable) -> nn.ModuleDi
 
 
 def _group_aux_losses(routing: Routing, logits: torch.Tensor,
-                      group) -> tuple[torch.Tensor, torch.Tensor]:
-    """The balance loss and z-loss over the tokens of every rank of `group`, the same on each:
-    the local sums are all-reduced (backward: identity, each rank's tokens get their own part)."""
+                      groups: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The balance loss and z-loss over the tokens of every rank of `groups` (the expert group,
+    then the context group: disjoint splits of one micro-batch), the same on each: the local
+    sums are all-reduced (backward: identity, each rank's tokens get their own part)."""
     E = logits.shape[1]
-    local = torch.cat([routing.probs.sum(dim=0), torch.logsumexp(logits, dim=-1).pow(2).sum()[None],
+    total = torch.cat([routing.probs.sum(dim=0), torch.logsumexp(logits, dim=-1).pow(2).sum()[None],
                        routing.selected.to(logits.dtype),
                        torch.tensor([float(logits.shape[0])], device=logits.device)])
-    total = reduce_from_tp(local, group)
+    for group in groups:
+        total = reduce_from_tp(total, group)
     probs_sum, z_sum, selected, tokens = total[:E], total[E], total[E + 1:2 * E + 1], total[-1]
     fraction = selected / selected.sum()
     return E * torch.sum(fraction * probs_sum / tokens), z_sum / tokens
