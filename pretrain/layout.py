@@ -154,10 +154,6 @@ def check_experts(model: ModelConfig, layout: Layout) -> None:
             f"parallel.expert x parallel.context = {ep} x {cp} = {ep * cp}"
         raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by {what} "
                           "(each expert rank routes an equal chunk of its context chunk)")
-    if layout.pipeline > 1:
-        raise ConfigError(f"parallel.expert={ep} with parallel.pipeline={layout.pipeline}: not "
-                          "supported yet (the pipeline stages do not build expert-parallel "
-                          "layers); set parallel.expert=1 or parallel.pipeline=1")
     if model.compile:
         raise ConfigError(f"model.compile=true with parallel.expert={ep}: not supported yet (the "
                           "token counts of the all-to-all are data-dependent: every step would "

@@ -165,8 +165,7 @@ def test_expert_layouts_the_stack_cannot_run_are_refused_with_the_reason():
     with pytest.raises(ConfigError, match="parallel.expert=2 with parallel.tensor=1"):
         Topology(tensor=1, pipeline=1, world_size=2, expert=2)
     check_layout(CFG, _layout())  # tp 2 = ep 2: 2 whole experts per rank
-    with pytest.raises(ConfigError, match="parallel.pipeline=2: not supported"):
-        check_layout(CFG, _layout(pipeline=2))
+    check_layout(CFG, _layout(pipeline=2))  # with a pipeline, and with context parallelism
     check_layout(dataclasses.replace(CFG, num_heads=8, num_kv_heads=4), _layout(context=2))
 
 
@@ -271,6 +270,40 @@ def test_expert2_with_context2_equals_one_process(moe_reference_8_heads, tiny_da
         *HEADS_8, "parallel.tensor=2", "parallel.expert=2", "parallel.context=2"])
     assert "tp 2 x pp 1 x cp 2 x dp 1" in run.stdout
     _assert_same_steps(run, moe_reference_8_heads)
+
+
+@pytest.mark.slow
+def test_expert2_with_pipeline2_equals_one_process_and_resumes_on_one_process(
+        moe_reference, tiny_data, tmp_path):
+    """tensor 2 = expert 2 x pipeline 2 (4 ranks): each stage's tensor ranks hold whole experts
+    of its layer; the checkpoint names them globally, final/ holds each once, and the step-3
+    checkpoint continues on one process as the uninterrupted run does."""
+    import shutil
+
+    from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
+    from pretrain.checkpoint.zero_shards import load_checkpoint_file
+    from tests.test_moe import SAVE_AT, _assert_same_steps, _moe_train
+
+    run = _moe_train(tmp_path, tiny_data, name="ep2_pp2", nprocs=4, overrides=[
+        "parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
+        f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=1",
+        f"checkpoint.keep_every={SAVE_AT}", "checkpoint.save_final=true"])
+    assert "tp 2 x pp 2 x dp 1" in run.stdout
+    _assert_same_steps(run, moe_reference)
+    saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    # layer 1 (spec 2, on the second stage), tensor rank 1: experts 2 and 3 whole
+    held = load_checkpoint_file(saved / "layer_02-model_01-model_states.pt")
+    assert sorted({n.split(".")[2] for n in held if n.startswith("mlp.experts.")}) == ["2", "3"]
+    assert tuple(held["mlp.experts.3.down_proj.weight"].shape) == (64, 96)
+    final = load_weights(run.run_dir / "final").state
+    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{2 * SAVE_AT}").state
+    assert sorted(final) == sorted(last)
+    for name in last:
+        assert torch.equal(final[name], last[name]), name
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    resumed = _moe_train(tmp_path, tiny_data, name="resumed")
+    assert "tp2 pp2 ep2 dp1 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in resumed.stdout
+    _assert_same_steps(resumed, moe_reference, first_step=SAVE_AT + 1)
 
 
 # ---- the planner ---------------------------------------------------------------------------------

@@ -311,9 +311,11 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
         for name in names:
             wait_for_io()  # rank 0 is done with the previous tensor
             owner = expert_owner(name, m, expert=topology.expert)
-            if owner is not None:  # whole on one tensor rank (no pipeline with experts)
-                _final_expert(local.get(name), name, m, owner=owner, groups=groups, zero3=zero3,
-                              writer=writer if main else None, dtype=dtype, device=device)
+            if owner is not None:  # whole on one tensor rank of the stage holding its router
+                stage = holder[_router_of(name)]
+                _final_expert(local.get(name), name, m, owner=(owner, stage), groups=groups,
+                              zero3=zero3, writer=writer if main else None, dtype=dtype,
+                              device=device)
             elif coords.pipeline == holder[name]:
                 full = _whole_tensor(local[name], name, m, groups=groups, zero3=zero3,
                                      first_replica=coords.data == 0 and coords.context == 0)
@@ -345,21 +347,28 @@ def export_order(names) -> list[str]:
     return sorted(names, key=position)
 
 
-def _final_expert(param, name: str, m, *, owner: int, groups, zero3: bool, writer, dtype,
-                  device) -> None:
-    """Rank 0 writes expert `name`, held whole by tensor rank `owner` of each replica (gathered
-    over data parallel under ZeRO-3), from which the first replica sends it."""
+def _router_of(expert: str) -> str:
+    """The router of an expert's layer, held by the pipeline stage holding the expert."""
+    return expert[:expert.index(".mlp.experts.")] + ".mlp.gate.weight"
+
+
+def _final_expert(param, name: str, m, *, owner: tuple[int, int], groups, zero3: bool, writer,
+                  dtype, device) -> None:
+    """Rank 0 writes expert `name`, held whole by tensor rank `owner[0]` of pipeline stage
+    `owner[1]` in each replica (gathered over data parallel under ZeRO-3), from which the first
+    replica sends it."""
     coords, topology = groups.topology.my_coords, groups.topology
+    tensor, stage = owner
     full = None
-    if coords.tensor == owner:
+    if (coords.tensor, coords.pipeline) == owner:
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None) if zero3 \
                 else contextlib.nullcontext():
             full = param.detach().clone()
-    if writer is not None and owner == 0:
+    if writer is not None and owner == (0, 0):
         writer.write(name, full)
     elif writer is not None:
         received = torch.empty(full_parameter_shape(name, m), dtype=dtype, device=device)
-        torch_dist.recv(received, src=topology.rank_of(tensor=owner, data=0, pipeline=0))
+        torch_dist.recv(received, src=topology.rank_of(tensor=tensor, data=0, pipeline=stage))
         writer.write(name, received)
     elif full is not None and coords.data == 0 and coords.context == 0:
         torch_dist.send(full.to(device), dst=0)

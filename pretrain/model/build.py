@@ -71,7 +71,8 @@ def construct_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
             sequence_parallel=p.sequence_parallel, partition_method=p.pipeline_partition,
             activation_checkpoint_interval=int(
                 cfg.model.activation_checkpointing == Recompute.FULL),
-            groups_by_ranks=groups.by_ranks, cp_group=groups.context)
+            groups_by_ranks=groups.by_ranks, cp_group=groups.context,
+            expert_parallel=p.expert > 1)
     return LlamaModel(cfg.model, tp_group=tp_group, sequence_parallel=p.sequence_parallel,
                       cp_group=groups.context,  # None at parallel.context 1
                       expert_parallel=p.expert > 1)

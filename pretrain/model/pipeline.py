@@ -187,9 +187,11 @@ class DecoderLayerPipe(DecoderLayer):
     """`DecoderLayer` (same parameter names) on StageActivations, with its stage's rotary table."""
 
     def __init__(self, cfg: ModelConfig, *, rotary: RotaryEmbedding, tp_group=None,
-                 sequence_parallel: bool = False, cp_group=None, layer_index: int = 0) -> None:
+                 sequence_parallel: bool = False, cp_group=None, expert_parallel: bool = False,
+                 layer_index: int = 0) -> None:
         super().__init__(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                         cp_group=cp_group, layer_index=layer_index)
+                         cp_group=cp_group, expert_parallel=expert_parallel,
+                         layer_index=layer_index)
         # one table object shared by the stage's layers: non-persistent buffers, no parameters
         self.rotary_emb = rotary
         self.sequence_shards = _sequence_shards(tp_group, sequence_parallel)
@@ -273,9 +275,10 @@ class PipelineLoss:
 # ---- the model definition ------------------------------------------------------------------------
 
 def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                         cp_group=None) -> list[LayerSpec]:
+                         cp_group=None, expert_parallel: bool = False) -> list[LayerSpec]:
     """`LlamaModel` as DeepSpeed layer specs: embedding, cfg.num_layers decoder layers, final
-    norm, lm_head (see the module docstring for the index of each)."""
+    norm, lm_head (see the module docstring for the index of each). `expert_parallel`: each
+    decoder layer's experts are split over the tensor ranks, as in `LlamaModel`."""
     tensor_parallel = tp_world_size(tp_group)
     check_tensor_split(cfg, tensor_parallel)
     if sequence_parallel and tensor_parallel == 1:
@@ -295,7 +298,8 @@ def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None, sequence_parallel: 
         head = LayerSpec(LMHeadPipe, cfg, **vocab, **parallel)
     return [embedding,
             *(LayerSpec(DecoderLayerPipe, cfg, rotary=rotary, **parallel, layer_index=i,
-                        **({"cp_group": cp_group} if cp_group is not None else {}))
+                        **({"cp_group": cp_group} if cp_group is not None else {}),
+                        **({"expert_parallel": True} if expert_parallel else {}))
               for i in range(cfg.num_layers)),
             LayerSpec(FinalNormPipe, cfg, **parallel),
             head]
@@ -381,7 +385,7 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
                     activation_checkpoint_interval: int = 0,
                     activation_checkpoint_func: Callable = torch_checkpoint,
                     groups_by_ranks: Mapping[tuple[int, ...], Any] | None = None,
-                    cp_group=None) -> PipelineModule:
+                    cp_group=None, expert_parallel: bool = False) -> PipelineModule:
     """This rank's stage of the pipelined `LlamaModel`, weights left at their defaults
     (`pretrain.model.build_pipeline_model` also initialises them).
 
@@ -393,6 +397,8 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
     `groups_by_ranks` (`ProcessGroups.by_ranks`): groups DeepSpeed's grid reuses.
     `cp_group`: the context-parallel group (`ProcessGroups.context`): each stage's context
     ranks compute and send their chunk of the sequence.
+    `expert_parallel`: the tensor ranks of a stage hold whole experts of its MoE layers
+    (`pretrain.model.expert_parallel`; parallel.expert = tp).
     """
     _check_pipeline_args(cfg, num_stages=num_stages, partition_method=partition_method,
                          activation_checkpoint_interval=activation_checkpoint_interval)
@@ -402,7 +408,7 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
                            "build_flat_pipeline")
     ds_topology = _deepspeed_topology(topology, num_stages=num_stages, tp_group=tp_group)
     specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                 cp_group=cp_group)
+                                 cp_group=cp_group, expert_parallel=expert_parallel)
     # no_grad: the constructor broadcasts tied weights in place; with grad mode on, autograd
     # records that c10d::broadcast_ (which has no autograd kernel) and warns in every backward
     with torch.no_grad(), _reusing_process_groups(groups_by_ranks):
