@@ -9,6 +9,7 @@ single-process run of `configs/tiny_moe.yaml` as the reference.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -304,6 +305,123 @@ def test_expert2_with_pipeline2_equals_one_process_and_resumes_on_one_process(
     resumed = _moe_train(tmp_path, tiny_data, name="resumed")
     assert "tp2 pp2 ep2 dp1 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in resumed.stdout
     _assert_same_steps(resumed, moe_reference, first_step=SAVE_AT + 1)
+
+
+# ---- which group reduces which gradient ----------------------------------------------------------
+
+REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce",
+              "all_reduce_coalesced")
+
+
+def _gradients_in(flat: torch.Tensor, grads: dict[str, torch.Tensor]) -> list[str]:
+    """The parameters whose local gradients `flat` is the concatenation of (a DeepSpeed bucket
+    before its all-reduce), in order; "?" where nothing matches."""
+    names, offset = [], 0
+    while offset < flat.numel():
+        found = next((n for n, g in grads.items() if n not in names
+                      and torch.equal(flat[offset:offset + g.numel()], g.flatten())), None)
+        if found is None:
+            return [*names, "?"]
+        names.append(found)
+        offset += grads[found].numel()
+    return names
+
+
+def _reductions_of_one_step(rank: int, world_size: int) -> dict:
+    """One backward and step of tensor 2 = expert 2 x context 2 under ZeRO-0 (whose buckets
+    hold whole gradients, so each reduction's parameters can be named), every reduction of
+    torch.distributed recorded; the gradients against one process's."""
+    import torch.distributed as dist
+
+    from pretrain.config import load_config
+    from pretrain.dist import init_deepspeed_comm
+    from pretrain.engine import build_engine
+    from pretrain.model import build_model
+    from pretrain.model.llama import shard_range
+    from pretrain.model.moe import moe_layers
+    from pretrain.run import resolve_ds_config
+    from pretrain.testing.runs import REPO
+
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)
+    cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"), [
+        *HEADS_8, "model.moe_aux_loss_coeff=1.0", "parallel.tensor=2", "parallel.expert=2",
+        "parallel.context=2", f"deepspeed={REPO / 'ds_configs' / 'zero0.json'}",
+        "train.global_batch_size=2"])
+    groups = Topology(tensor=2, pipeline=1, world_size=world_size, rank=rank, context=2,
+                      expert=2).create_groups()
+    engine = build_engine(cfg, resolve_ds_config(cfg, world_size=world_size), groups, main=False)
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(3))
+    single = build_model(cfg.model, seed=cfg.train.seed)  # one process, the whole sequences
+    single(ids[:, :-1], labels=ids[:, 1:]).backward()
+    c = groups.topology.my_coords.context
+    loss = engine(ids[:, 16 * c:16 * c + 16], labels=ids[:, 16 * c + 1:16 * c + 17])
+
+    params = dict(engine.module.named_parameters())
+    tensor_ranks, data_ranks = (tuple(dist.get_process_group_ranks(g))
+                                for g in (groups.tensor, groups.data))
+    seen: list[tuple[str, str, tuple[int, ...]]] = []  # (op, group, what was reduced)
+    originals = {op: getattr(dist, op) for op in REDUCTIONS}
+
+    def recording(op):
+        def reduce(*args, **kwargs):
+            tensor = kwargs.get("tensor", args[0] if args else None)
+            if op == "reduce_scatter_tensor":
+                tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+            group = tuple(dist.get_process_group_ranks(kwargs.get("group") or
+                                                       dist.group.WORLD))
+            where = {tensor_ranks: "tensor", data_ranks: "data"}.get(group, str(group))
+            grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+            if tensor.numel() == 1:  # the gradient norm's sums
+                what = ("norm",)
+            elif where == "data":
+                what = tuple(_gradients_in(tensor.flatten(), grads))
+            else:
+                what = tuple(tensor.shape)
+            seen.append((op, where, what))
+            return originals[op](*args, **kwargs)
+        return reduce
+
+    for op in REDUCTIONS:
+        setattr(dist, op, recording(op))
+    try:
+        engine.backward(loss)
+        reference = dict(single.named_parameters())
+        for name, p in params.items():  # reduced by now: one process's gradients
+            expected = reference[name].grad
+            if not getattr(p, "expert_parallel", False):
+                part = shard_range(name, cfg.model, tp_rank=groups.topology.my_coords.tensor,
+                                   tp_size=2)
+                expected = expected.narrow(part.dim, part.start, part.stop - part.start)
+            _assert_close(p.grad, expected, name)
+        engine.step()
+    finally:
+        for op, function in originals.items():
+            setattr(dist, op, function)
+    routers = sum(layer.weight_grad.reductions for layer in moe_layers(engine.module))
+    experts = sorted(n for n, p in params.items() if getattr(p, "expert_parallel", False))
+    return {"seen": seen, "params": sorted(params), "experts": experts, "routers": routers}
+
+
+@pytest.mark.slow
+def test_each_gradient_is_reduced_over_the_right_group_and_equals_one_process(tmp_path):
+    """tensor 2 = expert 2 x context 2 (ZeRO-0): every parameter's gradient, experts' too, is
+    all-reduced once over its data x context ranks (the context pair here); over the tensor
+    (expert) group only the routers' gradients (once per step each) and activation gradients
+    are, never an expert's; every gradient is then one process's (checked in the ranks)."""
+    results = run_on_ranks(_reductions_of_one_step, world_size=4, tmp_path=tmp_path)
+    for rank, result in enumerate(results):
+        data = [n for op, where, what in result["seen"] if where == "data" and what != ("norm",)
+                for n in what]
+        assert "?" not in data and sorted(data) == result["params"], (rank, data)
+        assert len(result["experts"]) == 2 * 2 * 3  # 2 of 4 experts in each of 2 layers
+        tensor = [what for op, where, what in result["seen"] if where == "tensor"]
+        # the routers' (E, h) once per step each (their hooks counted 2); the input gradients
+        # (B, T/N, C) of the two attentions and the head, the norm's sum: nothing else
+        router, activation = (4, 64), (2, 16, 64)
+        assert result["routers"] == 2, (rank, result["routers"])
+        assert Counter(tensor) == {router: 2, activation: 3, ("norm",): 1}, (rank, tensor)
+        other = [(op, where) for op, where, _ in result["seen"] if where not in ("data", "tensor")]
+        assert not other, (rank, other)
 
 
 # ---- the planner ---------------------------------------------------------------------------------
