@@ -5,6 +5,9 @@ the group holds experts [i * n / ep, (i + 1) * n / ep) whole, under their global
 (`mlp.experts.M.*`), and routes the tokens of its own sequence chunk: under sequence
 parallelism the (B, T/tp, C) shard it already holds, otherwise the chunk it keeps of the
 replicated (B, T, C) input (`scatter_tokens`; the output is gathered back, `gather_tokens`).
+Under context parallelism T is already the context rank's chunk of each sequence, so each
+expert rank routes its 1/ep of that; in a pipeline each stage's tensor ranks do the same for
+the stage's layers.
 
 A forward on one rank, its n tokens routed to E experts (L = E / ep of them local):
 
