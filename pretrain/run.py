@@ -9,7 +9,8 @@ once per process, in this order:
    device the run uses); then the config is frozen: assigning a field raises.
 2. `lay_out`: the `Topology` of the world (built here and nowhere else from a config), the
    `Layout` (`resolve_layout`: the config's rules, then the DeepSpeed JSON's engine), the
-   resolved DeepSpeed dict and the layout a checkpoint records.
+   resolved DeepSpeed dict and the layout a checkpoint records, which a resumed checkpoint's is
+   compared with (`layout_change`; `same_layout_only` refuses another one).
 
 `pretrain train`, `pretrain plan` (dry run, search, `--build`), the Slurm pre-flight, the
 trainer, checkpoints and metrics take the `ResolvedRun`; nothing downstream re-derives a
@@ -24,7 +25,7 @@ from typing import Any, Callable
 from pretrain.config import Engine, Precision, RunConfig, SpikeAction, freeze
 from pretrain.data.build import check_run_data
 from pretrain.ds_config import check_top_level_keys, engine_fields, fill_ds_config, load_ds_json
-from pretrain.errors import ConfigError
+from pretrain.errors import CheckpointError, ConfigError
 from pretrain.fsdp2_rules import check_fsdp2
 from pretrain.hardware import PrecisionChoice, choose_precision
 from pretrain.layout import Layout, check_engine, check_layout, planned_precision
@@ -55,7 +56,7 @@ class ResolvedRun:
 
     @property
     def checkpoint_layout(self) -> dict[str, Any]:
-        """The layout a checkpoint records and resuming compares (`reshard.LAYOUT_KEYS`)."""
+        """The layout a checkpoint records and resuming compares (`LAYOUT_KEYS`)."""
         lay = self.layout
         return {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
                 "context": lay.context, "expert": lay.expert, "world_size": lay.world_size,
@@ -65,6 +66,54 @@ class ResolvedRun:
                 **({"engine": "fsdp2"} if self.cfg.train.engine is Engine.FSDP2 else {})}
 
 
+# ---- the layout a checkpoint records, compared on resuming --------------------------------------
+# What makes two layouts the same for a checkpoint: every rank's files mean the same thing.
+LAYOUT_KEYS = ("tensor", "pipeline", "data", "context", "expert", "zero_stage", "offload",
+               "precision", "engine")
+
+
+def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> str:
+    """`tp2 pp2 dp1 ZeRO-1`, with offload and precision when set (and, given `other`, when
+    they differ from it)."""
+    cp, ep = layout.get("context", 1), layout.get("expert", 1)
+    text = (f"tp{layout['tensor']} pp{layout['pipeline']}{f' cp{cp}' if cp > 1 else ''}"
+            f"{f' ep{ep}' if ep > 1 else ''} "
+            f"dp{layout['data']} ZeRO-{layout['zero_stage']}")
+    if layout.get("offload", "none") != "none":
+        text += f" offload {layout['offload']}"
+    if layout.get("precision") and (other is None or other.get("precision") != layout["precision"]):
+        text += f" {layout['precision']}"
+    if layout.get("engine", "deepspeed") != "deepspeed":
+        text += f" {layout['engine']}"
+    return text
+
+
+def layout_change(saved: dict[str, Any], run: dict[str, Any]) -> str | None:
+    """`tp2 pp2 dp1 ZeRO-1 -> tp1 pp1 dp2 ZeRO-3` when the layouts differ (keys saved by older
+    versions, absent from `saved`, count as equal), else None."""
+    # saved before context / expert parallelism: 1
+    saved = {"context": 1, "expert": 1, **saved}
+    # a layout without an engine is DeepSpeed's (every checkpoint before fsdp2, and DeepSpeed's)
+    saved, run = {"engine": "deepspeed", **saved}, {"engine": "deepspeed", **run}
+    if all(saved[k] == run[k] for k in LAYOUT_KEYS if k in saved and k in run):
+        return None
+    return f"{describe(saved, other=run)} -> {describe(run, other=saved)}"
+
+
+def refuse_another_layout(run: ResolvedRun) -> None:
+    """`train --require-same-layout`: a `CheckpointError` when the checkpoint the run resumes
+    was saved on another layout (a universal checkpoint has none)."""
+    resume = run.resume
+    if resume is None or resume.universal:
+        return
+    change = layout_change(resume.meta["layout"], run.checkpoint_layout)
+    if change:
+        raise CheckpointError(f"checkpoint {str(resume.path)!r} was saved on another layout "
+                              f"({change}) and --require-same-layout is set: run it on its own "
+                              "layout, or drop the flag to reshard it")
+
+
+# ---- the resolver ----------------------------------------------------------------------------
 def resolve_run(cfg: RunConfig, *, world_size: int, rank: int = 0, device_type: str = "cpu",
                 on_this_machine: bool = True, data_required: bool = True,
                 find_resume: Callable[[RunConfig], Any] | None = None,
@@ -108,8 +157,9 @@ def settle_precision(requested: Precision, device_type: str, *, resume) -> Preci
 
 
 def lay_out(settled: SettledConfig, *, world_size: int, rank: int = 0, device_type: str = "cpu",
-            ds_json: dict[str, Any] | None = None) -> ResolvedRun:
-    """Step 2 of `resolve_run`: the settled config on `world_size` ranks."""
+            ds_json: dict[str, Any] | None = None, same_layout_only: bool = False) -> ResolvedRun:
+    """Step 2 of `resolve_run`: the settled config on `world_size` ranks; `same_layout_only`
+    refuses a resumed checkpoint of another layout (`refuse_another_layout`)."""
     cfg = settled.cfg
     source = copy.deepcopy(ds_json if ds_json is not None else load_ds_json(cfg.deepspeed))
     check_top_level_keys(source, where=cfg.deepspeed)  # a misspelled section changes what is read
@@ -118,9 +168,12 @@ def lay_out(settled: SettledConfig, *, world_size: int, rank: int = 0, device_ty
     ds_config = fill_ds_config(cfg, layout, source, accelerator=device_type)
     if settled.resume is not None and settled.resume.universal:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-    return ResolvedRun(cfg=cfg, topology=topology, layout=layout, ds_config=ds_config,
-                       precision=settled.precision, resume=settled.resume,
-                       data_warnings=settled.data_warnings)
+    run = ResolvedRun(cfg=cfg, topology=topology, layout=layout, ds_config=ds_config,
+                      precision=settled.precision, resume=settled.resume,
+                      data_warnings=settled.data_warnings)
+    if same_layout_only:
+        refuse_another_layout(run)
+    return run
 
 
 def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any] | None = None,

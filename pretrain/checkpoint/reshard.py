@@ -44,39 +44,11 @@ from pretrain.model import canonical_parameters, tensor_parallel_group
 from pretrain.model.form import shard_of_rank
 from pretrain.model.llama import ShardRange, full_parameter_shape, shard_range
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
+# what differs between two checkpoint layouts is the resolved run's to say (`checkpoint.load` and
+# the tests ask it here, beside the resharding it decides)
+from pretrain.run import layout_change  # noqa: F401
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-# What makes two layouts the same for a checkpoint: every rank's files mean the same thing.
-LAYOUT_KEYS = ("tensor", "pipeline", "data", "context", "expert", "zero_stage", "offload",
-               "precision", "engine")
-
-
-def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> str:
-    """`tp2 pp2 dp1 ZeRO-1`, with offload and precision when set (and, given `other`, when
-    they differ from it)."""
-    cp, ep = layout.get("context", 1), layout.get("expert", 1)
-    text = (f"tp{layout['tensor']} pp{layout['pipeline']}{f' cp{cp}' if cp > 1 else ''}"
-            f"{f' ep{ep}' if ep > 1 else ''} "
-            f"dp{layout['data']} ZeRO-{layout['zero_stage']}")
-    if layout.get("offload", "none") != "none":
-        text += f" offload {layout['offload']}"
-    if layout.get("precision") and (other is None or other.get("precision") != layout["precision"]):
-        text += f" {layout['precision']}"
-    if layout.get("engine", "deepspeed") != "deepspeed":
-        text += f" {layout['engine']}"
-    return text
-
-
-def layout_change(saved: dict[str, Any], run: dict[str, Any]) -> str | None:
-    """`tp2 pp2 dp1 ZeRO-1 -> tp1 pp1 dp2 ZeRO-3` when the layouts differ (keys saved by older
-    versions, absent from `saved`, count as equal), else None."""
-    # saved before context / expert parallelism: 1
-    saved = {"context": 1, "expert": 1, **saved}
-    # a layout without an engine is DeepSpeed's (every checkpoint before fsdp2, and DeepSpeed's)
-    saved, run = {"engine": "deepspeed", **saved}, {"engine": "deepspeed", **run}
-    if all(saved[k] == run[k] for k in LAYOUT_KEYS if k in saved and k in run):
-        return None
-    return f"{describe(saved, other=run)} -> {describe(run, other=saved)}"
 
 
 def optimizer_parameter_names(engine) -> list[list[str]] | None:

@@ -86,9 +86,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     fit = world_fit.fit_of_config(settled.cfg, world.world_size)
     world_fit.enter(fit, rank=world.rank, log=log)
     world = dataclasses.replace(world, world_size=fit.used)
-    run = lay_out(settled, world_size=world.world_size, rank=world.rank, device_type=device_type)
-    if run.resume is not None and args.require_same_layout:
-        refuse_another_layout(run)
+    run = lay_out(settled, world_size=world.world_size, rank=world.rank, device_type=device_type,
+                  same_layout_only=args.require_same_layout)
     from pretrain import collective_log, hang
 
     collective_log.install()  # before DeepSpeed's backend keeps references to the collectives
@@ -118,20 +117,6 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     if args.log_level:
         overrides.append(f"logging.level={args.log_level}")
     return overrides
-
-
-def refuse_another_layout(run) -> None:
-    """`--require-same-layout`: a `CheckpointError` when the checkpoint's layout is not the
-    run's (before any process group)."""
-    from pretrain.checkpoint.reshard import layout_change
-    from pretrain.errors import CheckpointError
-
-    resume = run.resume
-    change = layout_change(resume.meta["layout"], run.checkpoint_layout)
-    if change and not resume.universal:
-        raise CheckpointError(f"checkpoint {str(resume.path)!r} was saved on another layout "
-                              f"({change}) and --require-same-layout is set: run it on its own "
-                              "layout, or drop the flag to reshard it")
 
 
 def _exit_on_fault(exc: Exception, *, rank: int) -> None:
