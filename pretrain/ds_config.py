@@ -5,8 +5,9 @@ config chooses *what* to train (batch, optimizer, precision). Every ``"auto"`` v
 filled from the run config here; an explicit value that contradicts the run config is an error,
 raised before any process group exists. Which ZeRO stage / offload / pipeline combinations
 DeepSpeed supports is decided by the layout rulebook (`pretrain.layout.check_engine`), asked here
-with the JSON's stage and offload devices. Two more things DeepSpeed would silently get wrong are
-refused here:
+with the JSON's stage and offload devices; what `train.engine: fsdp2` cannot honour of the JSON
+by `pretrain.fsdp2_rules.check_fsdp2`, asked as the JSON is read (`read_run_json`). More things
+DeepSpeed would silently get wrong are refused here:
 
 - the pipeline's partitioned point-to-point transfers under sequence parallelism
   (`check_deepspeed_pipeline_config`);
@@ -20,6 +21,7 @@ refused here:
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import json
@@ -29,8 +31,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import Precision, RunConfig, did_you_mean
+from pretrain.config import Engine, Precision, RunConfig, did_you_mean
 from pretrain.errors import ConfigError
+from pretrain.fsdp2_rules import check_fsdp2
 from pretrain.layout import DEEPSPEED_DEFAULT_BUCKET, Layout
 from pretrain.mounts import mount_of, network_filesystem, node_local_scratch
 
@@ -50,6 +53,17 @@ def load_ds_json(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"DeepSpeed config {str(path)!r}: expected a JSON object")
     return data
+
+
+def read_run_json(cfg: RunConfig, *, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of the run's DeepSpeed JSON (`source`, else the file `cfg.deepspeed` names) as
+    written, refused when a top-level key is misspelled or when it asks `train.engine: fsdp2`
+    for what fsdp2 does not do (`check_fsdp2`); `fill_ds_config` resolves it."""
+    ds = copy.deepcopy(source if source is not None else load_ds_json(cfg.deepspeed))
+    check_top_level_keys(ds, where=cfg.deepspeed)  # a misspelled section changes what is read
+    if cfg.train.engine is Engine.FSDP2:
+        check_fsdp2(cfg, ds, where=cfg.deepspeed or "the DeepSpeed config")
+    return ds
 
 
 # DeepSpeed's top-level keys (its config documentation; `deepspeed.runtime.constants` adds any

@@ -18,15 +18,13 @@ setting or assigns to the config (tests/test_resolved_run.py holds that).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from pretrain.config import Engine, Precision, RunConfig, SpikeAction, freeze
 from pretrain.data.build import check_run_data
-from pretrain.ds_config import check_top_level_keys, engine_fields, fill_ds_config, load_ds_json
+from pretrain.ds_config import engine_fields, fill_ds_config, read_run_json
 from pretrain.errors import CheckpointError, ConfigError
-from pretrain.fsdp2_rules import check_fsdp2
 from pretrain.hardware import PrecisionChoice, choose_precision
 from pretrain.layout import Layout, check_engine, check_layout, planned_precision
 from pretrain.topology import Topology
@@ -161,8 +159,7 @@ def lay_out(settled: SettledConfig, *, world_size: int, rank: int = 0, device_ty
     """Step 2 of `resolve_run`: the settled config on `world_size` ranks; `same_layout_only`
     refuses a resumed checkpoint of another layout (`refuse_another_layout`)."""
     cfg = settled.cfg
-    source = copy.deepcopy(ds_json if ds_json is not None else load_ds_json(cfg.deepspeed))
-    check_top_level_keys(source, where=cfg.deepspeed)  # a misspelled section changes what is read
+    source = read_run_json(cfg, source=ds_json)
     topology = Topology.from_parallel_config(cfg.parallel, world_size=world_size, rank=rank)
     layout = resolve_layout(cfg, topology, ds_json=source, where=cfg.deepspeed)
     ds_config = fill_ds_config(cfg, layout, source, accelerator=device_type)
@@ -204,8 +201,6 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
         check_engine(layout)
     except ConfigError as error:
         raise ConfigError(f"{where}: {error}") from None
-    if t.engine is Engine.FSDP2:
-        check_fsdp2(cfg, ds_json, where=where or "the DeepSpeed config")
     return layout
 
 
