@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +57,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float, *, cfg: ModelConfi
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _lr_schedule(t: TrainConfig):
-    """`warmup_cosine` as a factor of the optimizer's lr, for DeepSpeed's `lr_scheduler=`."""
-    return lambda opt: torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
-                                     warmup=t.warmup_steps, total=t.steps))
+def lr_factor(t: TrainConfig) -> Callable[[int], float]:
+    """`warmup_cosine` as a factor of each group's lr, by the scheduler's 0-based step count."""
+    return lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
+                                   warmup=t.warmup_steps, total=t.steps)
+
+
+def _lr_schedule(t: TrainConfig, factor: Callable[[int], float] | None = None):
+    """`lr_factor` as DeepSpeed's `lr_scheduler=` (a `LambdaLR` of the optimizer)."""
+    factor = factor or lr_factor(t)
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def clip_by_the_whole_models_norm(engine: deepspeed.DeepSpeedEngine,
@@ -144,36 +149,30 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
     `model.init_from` when set. `ds_config` is the resolved DeepSpeed config. Collective.
     With `train.engine: fsdp2` it is `pretrain.fsdp2.FSDP2Engine`, which answers the same calls."""
-    fsdp2 = cfg.train.engine is Engine.FSDP2
+    fsdp2, t = cfg.train.engine is Engine.FSDP2, cfg.train
+    factor = lr_factor(t)  # the schedule; each group's lr (muP: hidden matrices lr/m) it scales
     # fsdp2 shards the whole model once it is built: no deepspeed.zero.Init
     model = build_for_layout(cfg, groups, ds_config=None if fsdp2 else ds_config)
     if cfg.model.init_from:  # one parameter at a time (gathered under ZeRO-3), before the engine
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         log(f"[init] weights from {source}", main=main)
-    if fsdp2:
-        if is_mup(cfg.model):
-            log(f"[mup] parametrization {describe(cfg.model)}", main=main)
-        t = cfg.train
-        return build_fsdp2_engine(
-            cfg, ds_config, groups, model=model,
-            optimizer_groups=lambda sharded: param_groups(sharded, t.weight_decay,
-                                                          cfg=cfg.model, lr=t.lr),
-            lr_factor=lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
-                                              warmup=t.warmup_steps, total=t.steps))
-    flat = ModelForm.of(model) is ModelForm.FLAT
     if is_mup(cfg.model):
         log(f"[mup] parametrization {describe(cfg.model)}", main=main)
+    if fsdp2:
+        return build_fsdp2_engine(
+            cfg, ds_config, groups, model=model, lr_factor=factor,
+            optimizer_groups=lambda sharded: optimizer_groups(
+                sharded, lr=t.lr, weight_decay=t.weight_decay, cfg=cfg.model))
+    flat = ModelForm.of(model) is ModelForm.FLAT
     lean_imports.import_muon_uncompiled()
     with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32():
         engine, _, _, _ = deepspeed.initialize(
-            # per-group lr (muP: hidden matrices lr/m); the schedule multiplies each group's lr
-            model=model, model_parameters=param_groups(model, cfg.train.weight_decay,
-                                                       cfg=cfg.model, lr=cfg.train.lr),
-            config=ds_config,
+            model=model, config=ds_config, lr_scheduler=_lr_schedule(t, factor),
+            model_parameters=optimizer_groups(model, lr=t.lr, weight_decay=t.weight_decay,
+                                              cfg=cfg.model),
             # without it DeepSpeed treats every rank as data parallel; a PipelineModule brings
             # its own grid (DeepSpeed asserts mpu is None)
-            mpu=groups.mpu if flat else None,
-            lr_scheduler=_lr_schedule(cfg.train))
+            mpu=groups.mpu if flat else None)
     if not flat and zero_stage(ds_config) == 0:
         clip_by_the_whole_models_norm(engine, groups)
     forget_the_construction_step(engine)
