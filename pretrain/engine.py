@@ -1,5 +1,6 @@
 """The DeepSpeed engine of a run: the model for its layout, its initial weights, the optimizer's
-parameter groups and learning-rate schedule, and `deepspeed.initialize`.
+parameter groups and learning-rate schedule, and `deepspeed.initialize`; the (inputs, labels)
+pairs the engine takes from the loader's batches, and the flat engine's loss of one.
 
 DeepSpeed owns sharding (ZeRO), mixed precision, gradient accumulation and clipping; the
 schedule is ours (`warmup_cosine`), so the DeepSpeed config carries no "scheduler".
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,36 @@ def bf16_pipelines_sum_gradients_in_fp32() -> Iterator[None]:
             setattr(PipelineEngine, name, deepspeeds)
         else:
             delattr(PipelineEngine, name)
+
+
+class TimedBatches:
+    """(inputs, labels) pairs from a loader's batches (the tuple DeepSpeed's pipeline engine
+    takes: inputs are input_ids, or (input_ids, document_ids) under data.document_mask),
+    adding up the time spent waiting for them in `wait`."""
+
+    def __init__(self, batches: Iterator[dict[str, torch.Tensor]]):
+        self.batches, self.wait = batches, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        batch = next(self.batches)
+        self.wait += time.perf_counter() - start
+        if "document_ids" in batch:
+            return (batch["input_ids"], batch["document_ids"]), batch["labels"]
+        return batch["input_ids"], batch["labels"]
+
+
+def engine_loss(engine, inputs, labels: torch.Tensor, device: str, *,
+                non_blocking: bool = False) -> torch.Tensor:
+    """The flat engine's loss of one (inputs, labels) pair of `TimedBatches`."""
+    labels = labels.to(device, non_blocking=non_blocking)
+    if isinstance(inputs, torch.Tensor):
+        return engine(inputs.to(device, non_blocking=non_blocking), labels=labels)
+    input_ids, document_ids = (t.to(device, non_blocking=non_blocking) for t in inputs)
+    return engine(input_ids, labels=labels, document_ids=document_ids)
 
 
 def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,

@@ -27,9 +27,9 @@ from pretrain.data.build import Samples, build_datasets
 from pretrain.data.loader import micro_batches
 from pretrain.data.samples import stream_numbers
 from pretrain.dist import World, same_on_every_rank, wait_for_io
-from pretrain.engine import build_engine
+from pretrain.engine import TimedBatches, build_engine, engine_loss
 from pretrain.errors import EXIT_REQUEUE, ConfigError
-from pretrain.evaluation.in_training import TaskEvaluator
+from pretrain.evaluation.in_training import TaskEvaluator, ValidationLoss
 from pretrain.files import git_commit
 from pretrain.hardware import PrecisionChoice
 from pretrain.metrics import StepRecords, announce_run, global_grad_norm
@@ -37,40 +37,6 @@ from pretrain.model import ModelForm, compile_report, moe
 from pretrain.run import ResolvedRun
 from pretrain.terminal import show_progress_bar
 from pretrain.topology import ProcessGroups
-
-# A pipeline evaluates this many micro-batches per stage in one call (a stop waits for one call)
-PIPELINE_EVAL_CHUNK = 4
-
-
-class _TimedBatches:
-    """(inputs, labels) pairs from a loader's batches (the tuple DeepSpeed's pipeline engine
-    takes: inputs are input_ids, or (input_ids, document_ids) under data.document_mask),
-    adding up the time spent waiting for them in `wait`."""
-
-    def __init__(self, batches: Iterator[dict[str, torch.Tensor]]):
-        self.batches, self.wait = batches, 0.0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        start = time.perf_counter()
-        batch = next(self.batches)
-        self.wait += time.perf_counter() - start
-        if "document_ids" in batch:
-            return (batch["input_ids"], batch["document_ids"]), batch["labels"]
-        return batch["input_ids"], batch["labels"]
-
-
-def _forward(engine, inputs, labels: torch.Tensor, device: str, *,
-             non_blocking: bool = False) -> torch.Tensor:
-    """The flat engine's loss of one (inputs, labels) pair of `_TimedBatches`."""
-    labels = labels.to(device, non_blocking=non_blocking)
-    if isinstance(inputs, torch.Tensor):
-        return engine(inputs.to(device, non_blocking=non_blocking), labels=labels)
-    input_ids, document_ids = (t.to(device, non_blocking=non_blocking) for t in inputs)
-    return engine(input_ids, labels=labels, document_ids=document_ids)
-
 
 @dataclass
 class TrainResult:
@@ -156,6 +122,7 @@ class Trainer:
         self.metrics = telemetry.MetricsSink(self.run_dir, enabled=self.main,
                                              settings=cfg.logging, run_config=cfg.to_dict())
         self._curves_step: int | None = None  # the step curves.png shows; -1: drawing failed
+        self.validation = ValidationLoss(self)  # every train.eval_interval steps and the last
         self.tasks = TaskEvaluator(self)  # eval.tasks (lm-eval), after the steps it is due
         announce_run(self.metrics, cfg, world, self.engine, self.records, layout=self.layout,
                      train_data=self.train_data, run_dir=self.run_dir)
@@ -253,7 +220,7 @@ class Trainer:
         The loss is None when a stop request came between two micro-batches: the partial step
         is abandoned (`pretrain.faults`: the engine state is still the last completed step's).
         With train.on_loss_spike=skip a spike's update is dropped (`pretrain.spikes`)."""
-        timed = _TimedBatches(batches)
+        timed = TimedBatches(batches)
         self._step_samples = stream_numbers(self.consumed_samples, self.global_batch,
                                             skip=self.spikes.quarantine)
         self._spike_skipped = False
@@ -271,7 +238,7 @@ class Trainer:
             inputs, labels = next(timed)
             self.control.micro_batch_started("step", step=self.step + 1, micro=micro,
                                       rank=self.world.rank)
-            loss = _forward(engine, inputs, labels, self.device, non_blocking=True)
+            loss = engine_loss(engine, inputs, labels, self.device, non_blocking=True)
             loss = self.guard.corrupt_loss(loss, step=self.step + 1, micro=micro)
             total += loss.detach().float()
             if self.spikes.skips and micro == self.grad_accum - 1:
@@ -291,40 +258,6 @@ class Trainer:
         if mean is None:
             mean = self._step_loss(total / self.grad_accum)
         return mean, timed.wait
-
-    @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """The validation loss; None when a stop request came between two micro-batches (a
-        pipeline's: between two chunks of PIPELINE_EVAL_CHUNK x stages micro-batches)."""
-        assert self.valid_data is not None
-        self.engine.eval()
-        batches = self._loader(self.valid_data, consumed=0, workers=0)
-        # `eval_batches` global batches, read in the training order: the same samples whatever
-        # the layout, since the global batch is (each rank: accum micro-batches per batch).
-        n = min(self.cfg.train.eval_batches,
-                max(1, len(self.valid_data) // self.global_batch)) * self.grad_accum
-        pairs = _TimedBatches(batches)
-        # a pipeline evaluates a chunk per call (its inference schedule; the loss comes back on
-        # every stage): a stop waits for one chunk, whose fill and drain cost ~1/4 more time
-        chunk = PIPELINE_EVAL_CHUNK * self.groups.topology.pipeline if self.pipelined else 1
-        total, done = torch.zeros((), device=self.device), 0
-        while done < n:
-            if done and self.control.stop_agreed():  # one small all-reduce per micro-batch
-                self.engine.train()
-                return None
-            self.control.micro_batch_started("eval", step=self.step, micro=done, rank=self.world.rank)
-            size = min(chunk, n - done)
-            if self.pipelined:
-                loss = self.engine.eval_batch(pairs, num_micro_batches=size)  # shape [1]
-                total += loss.float().reshape(()) * size
-            else:
-                inputs, labels = next(pairs)
-                total += _forward(self.engine, inputs, labels, self.device).float()
-            done += size
-            self.control.micro_batch_done()
-            self.watchdog.beat()
-        self.engine.train()
-        return self._mean_over_dp(total / n)
 
     def train(self) -> TrainResult:
         """Train to train.steps or a stop request. The metric sinks are closed on every way out:
@@ -364,7 +297,7 @@ class Trainer:
                 batches = spikes.roll_back(self, batches, record=record, losses=result.losses)
                 if self.step < record["step"]:  # back at the checkpoint (or stopped in replay)
                     continue
-            self._evaluate_if_due(result)
+            self.validation.after_step(self.step, result.eval_losses)
             self.tasks.after_step(self.step)
             if self._stop_or_save(result):
                 break
@@ -438,12 +371,6 @@ class Trainer:
                           or record.get("stragglers")):
             bar.write(telemetry.format_step_line(record, steps))
 
-    def _evaluate_if_due(self, result: TrainResult) -> None:
-        t = self.cfg.train
-        if self.valid_data is not None and t.eval_interval and (
-                self.step % t.eval_interval == 0 or self.step == t.steps):
-            self._log_eval(result)
-
     def _stop_or_save(self, result: TrainResult) -> bool:
         """What the ranks agreed on after this step (`faults.RunControl`, the one owner of when
         to save and stop): complete a background save, save, or save and stop (True)."""
@@ -493,19 +420,6 @@ class Trainer:
         if self.main:
             checkpoint.mark_stopped(self.run_dir, step=self.step, reason=stop,
                                     exit_code=EXIT_REQUEUE)
-
-    def _log_eval(self, result: TrainResult) -> None:
-        loss = self.evaluate()
-        if loss is None:  # stopped inside: the poll after the step stops the run
-            telemetry.log(f"[eval] step {self.step}: interrupted by a stop request",
-                          main=self.main, level="warning")
-            return
-        result.eval_losses.append((self.step, loss))
-        ppl = math.exp(min(loss, 50.0))
-        self.metrics.write({"kind": "eval", "step": self.step, "loss": loss, "ppl": ppl})
-        telemetry.log(f"[eval] step {self.step} | valid loss {loss:.4f} | ppl {ppl:.2f}",
-                      main=self.main, level="result")
-        self._draw_curves()
 
     def _draw_curves(self) -> None:
         """<run_dir>/curves.png from metrics.jsonl (rank 0), once per step. A failure turns the

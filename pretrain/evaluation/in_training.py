@@ -1,14 +1,21 @@
-"""eval.tasks every eval.interval steps of a run (and after its last step), on the engine as it
-is sharded: every rank takes part (`pretrain.evaluation.runner`), rank 0 drives lm-eval.
+"""The evaluations during a run, on the engine as it is sharded: the validation loss every
+train.eval_interval steps (`ValidationLoss`) and eval.tasks every eval.interval steps
+(`TaskEvaluator`), each also after the last step.
 
-The scores go to metrics.jsonl as ``{"kind": "tasks", "step", "<task>/<metric>": value, ...,
+The validation loss reads `train.eval_batches` global batches of the validation split in the
+training order (the same samples whatever the layout) and goes to metrics.jsonl as
+``{"kind": "eval", "step", "loss", "ppl"}`` and an `[eval]` line. For eval.tasks every rank takes
+part (`pretrain.evaluation.runner`), rank 0 drives lm-eval. Their scores go to metrics.jsonl as ``{"kind": "tasks", "step", "<task>/<metric>": value, ...,
 "seconds"}``, hence to the configured sinks (as tasks/<task>/<metric>), to a `[tasks]` run line
 and to curves.png. The evaluation runs without gradients, restores the engine's training mode,
 and keeps the random generators' states: the training that follows is bitwise the same.
 """
 from __future__ import annotations
 
+import math
 import time
+
+import torch
 
 from pretrain import telemetry
 from pretrain.config import RunConfig
@@ -27,6 +34,81 @@ def check_eval_config(cfg: RunConfig) -> None:
     from pretrain.evaluation.tasks import check_tasks
 
     check_tasks(list(cfg.eval.tasks))
+
+
+# A pipeline evaluates this many micro-batches per stage in one call (a stop waits for one call)
+PIPELINE_EVAL_CHUNK = 4
+
+
+class ValidationLoss:
+    """The run's validation loss; `after_step` is the trainer's one call."""
+
+    def __init__(self, trainer) -> None:
+        """`trainer`: the run's `pretrain.trainer.Trainer` (its engine, validation data and
+        loader, stop control, watchdog, metrics and curves)."""
+        self.trainer = trainer
+        self.cfg = trainer.cfg
+
+    def due(self, step: int) -> bool:
+        t = self.cfg.train
+        return self.trainer.valid_data is not None and bool(t.eval_interval) and (
+            step % t.eval_interval == 0 or step == t.steps)
+
+    def after_step(self, step: int, eval_losses: list[tuple[int, float]]) -> None:
+        """When due: the loss into `eval_losses`, metrics.jsonl and an `[eval]` line."""
+        if not self.due(step):
+            return
+        trainer = self.trainer
+        loss = self.loss()
+        if loss is None:  # stopped inside: the poll after the step stops the run
+            telemetry.log(f"[eval] step {step}: interrupted by a stop request",
+                          main=trainer.main, level="warning")
+            return
+        eval_losses.append((step, loss))
+        ppl = math.exp(min(loss, 50.0))
+        trainer.metrics.write({"kind": "eval", "step": step, "loss": loss, "ppl": ppl})
+        telemetry.log(f"[eval] step {step} | valid loss {loss:.4f} | ppl {ppl:.2f}",
+                      main=trainer.main, level="result")
+        trainer._draw_curves()
+
+    @torch.no_grad()
+    def loss(self) -> float | None:
+        """The validation loss; None when a stop request came between two micro-batches (a
+        pipeline's: between two chunks of PIPELINE_EVAL_CHUNK x stages micro-batches)."""
+        # the engine module imports DeepSpeed's: not before `pretrain train` has its process group
+        from pretrain.engine import TimedBatches, engine_loss
+
+        trainer = self.trainer
+        engine, device, control = trainer.engine, trainer.device, trainer.control
+        engine.eval()
+        batches = trainer._loader(trainer.valid_data, consumed=0, workers=0)
+        # `eval_batches` global batches, read in the training order: the same samples whatever
+        # the layout, since the global batch is (each rank: accum micro-batches per batch).
+        n = min(self.cfg.train.eval_batches,
+                max(1, len(trainer.valid_data) // trainer.global_batch)) * trainer.grad_accum
+        pairs = TimedBatches(batches)
+        # a pipeline evaluates a chunk per call (its inference schedule; the loss comes back on
+        # every stage): a stop waits for one chunk, whose fill and drain cost ~1/4 more time
+        chunk = PIPELINE_EVAL_CHUNK * trainer.groups.topology.pipeline if trainer.pipelined else 1
+        total, done = torch.zeros((), device=device), 0
+        while done < n:
+            if done and control.stop_agreed():  # one small all-reduce per micro-batch
+                engine.train()
+                return None
+            control.micro_batch_started("eval", step=trainer.step, micro=done,
+                                        rank=trainer.world.rank)
+            size = min(chunk, n - done)
+            if trainer.pipelined:
+                loss = engine.eval_batch(pairs, num_micro_batches=size)  # shape [1]
+                total += loss.float().reshape(()) * size
+            else:
+                inputs, labels = next(pairs)
+                total += engine_loss(engine, inputs, labels, device).float()
+            done += size
+            control.micro_batch_done()
+            trainer.watchdog.beat()
+        engine.train()
+        return trainer._mean_over_dp(total / n)
 
 
 class TaskEvaluator:
