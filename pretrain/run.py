@@ -115,16 +115,18 @@ def refuse_another_layout(run: ResolvedRun) -> None:
 def resolve_run(cfg: RunConfig, *, world_size: int, rank: int = 0, device_type: str = "cpu",
                 on_this_machine: bool = True, data_required: bool = True,
                 find_resume: Callable[[RunConfig], Any] | None = None,
-                ds_json: dict[str, Any] | None = None) -> ResolvedRun:
+                ds_json: dict[str, Any] | None = None,
+                same_layout_only: bool = False) -> ResolvedRun:
     """`cfg` (as loaded, with `--set`) settled and laid out on `world_size` ranks; `rank` is
     this process. `device_type` is DeepSpeed's accelerator name; `on_this_machine` False plans
     for other hardware (precision `auto` is then planned as bf16 and left to the run);
     `data_required` False turns missing data into `data_warnings`; `find_resume(cfg)` returns
-    the checkpoint to start from; `ds_json` replaces the file `cfg.deepspeed` names."""
+    the checkpoint to start from; `ds_json` replaces the file `cfg.deepspeed` names;
+    `same_layout_only` refuses a checkpoint of another layout (`refuse_another_layout`)."""
     settled = settle_config(cfg, device_type=device_type, on_this_machine=on_this_machine,
                             data_required=data_required, find_resume=find_resume)
     return lay_out(settled, world_size=world_size, rank=rank, device_type=device_type,
-                   ds_json=ds_json)
+                   ds_json=ds_json, same_layout_only=same_layout_only)
 
 
 def settle_config(cfg: RunConfig, *, device_type: str, on_this_machine: bool = True,

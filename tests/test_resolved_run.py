@@ -5,11 +5,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pretrain.config import Precision, load_config
-from pretrain.errors import ConfigError
+from pretrain.errors import CheckpointError, ConfigError
 from pretrain.run import resolve_run
 from pretrain.testing.runs import REPO
 
@@ -112,3 +113,29 @@ def test_a_layout_error_names_the_deepspeed_json_only_for_its_own_fields(tmp_pat
     cfg = _tiny(tmp_path, "model.vocab_size=512", "parallel.pipeline=2", f"deepspeed={zero3}")
     with pytest.raises(ConfigError, match=r"^world size 3 is not divisible"):
         resolve_run(cfg, world_size=3, data_required=False)
+
+
+def test_the_resolver_refuses_another_layout_only_when_asked(tmp_path):
+    """`train --require-same-layout`: a checkpoint saved on another layout is refused while the
+    run resolves (before any process group); its own layout, a universal checkpoint, or the
+    flag left out resolve."""
+    own = resolve_run(_tiny(tmp_path, "model.vocab_size=512"), world_size=2,
+                      data_required=False).checkpoint_layout
+
+    def resolved(saved: dict, *, universal: bool = False, same_layout_only: bool = True):
+        resumed = SimpleNamespace(  # the fields of a checkpoint.ResumePoint resolving reads
+            path=tmp_path / "step1", universal=universal,
+            meta={"global_batch": 8, "layout": saved,
+                  "config": {"train": {"precision": own["precision"]}}})
+        return resolve_run(_tiny(tmp_path, "model.vocab_size=512"), world_size=2,
+                           data_required=False, find_resume=lambda c: resumed,
+                           same_layout_only=same_layout_only)
+
+    other = {**own, "data": 1, "tensor": 2}
+    with pytest.raises(CheckpointError, match=r"was saved on another layout \(tp2 pp1 dp1 "
+                                              r"ZeRO-\d -> tp1 pp1 dp2 ZeRO-\d\) and "
+                                              r"--require-same-layout is set"):
+        resolved(other)
+    assert resolved(own).resume is not None
+    assert resolved(other, universal=True).resume is not None
+    assert resolved(other, same_layout_only=False).resume is not None
