@@ -28,6 +28,10 @@ T_MOE_LAYER = ("tests/test_moe.py::"
                "test_moe_layer_matches_a_per_token_reference_in_output_losses_and_gradients")
 T_EVAL = "tests/test_eval.py::test_in_run_scores_equal_hflms_on_the_exported_checkpoint"
 T_E2E = "tests/test_e2e.py::test_deepspeed_launcher_zero2_trains_checkpoints_and_generates"
+T_ZERO2_BUFFERS = ("tests/test_ds_knobs.py::"
+                   "test_zero2_contiguous_gradients_and_overlap_comm_build_the_bucket_buffers")
+T_LOGGED = "tests/test_ds_knobs.py::test_steps_per_print_sets_deepspeeds_progress_line_cadence"
+T_NVME = "tests/test_ds_knobs.py::test_nvme_swappers_are_built_with_the_aio_and_buffer_settings"
 
 REGISTRY: dict[str, str] = {
     # run config: top level
@@ -162,61 +166,57 @@ REGISTRY: dict[str, str] = {
     DS + "pipeline.pipe_partitioned": "tests/test_pipeline.py::test_tp2_pp2_sequence_parallel_matches_single_process",
     DS + "pipeline.grad_partitioned": "tests/test_pipeline.py::test_tp2_pp2_sequence_parallel_matches_single_process",
     DS + "checkpoint.load_universal": "tests/test_checkpoint.py::test_universal_checkpoint_reshards_dp2_to_dp1",
+    "data.num_workers": "tests/test_data_workers.py::test_the_runs_samples_are_read_in_num_workers_processes",
+    DS + "optimizer.params.fused":
+        "tests/test_ds_knobs.py::test_the_optimizer_runs_torchs_fused_adamw_kernel_exactly_on_cuda",
+    DS + "steps_per_print": T_LOGGED,
+    DS + "wall_clock_breakdown": "tests/test_ds_knobs.py::test_wall_clock_breakdown_prints_deepspeeds_timers",
+    DS + "zero_optimization.overlap_comm": T_ZERO2_BUFFERS,
+    DS + "zero_optimization.contiguous_gradients": T_ZERO2_BUFFERS,
+    DS + "zero_optimization.reduce_bucket_size":
+        "tests/test_ds_knobs.py::test_zero2_reduces_in_buckets_of_the_configured_size",
+    DS + "zero_optimization.allgather_bucket_size":
+        "tests/test_ds_knobs.py::test_zero2_optimizer_is_built_with_the_configured_allgather_bucket",
+    DS + "zero_optimization.stage3_prefetch_bucket_size":
+        "tests/test_ds_knobs.py::test_zero3_prefetches_in_buckets_the_resolver_sizes_from_the_model",
+    DS + "zero_optimization.stage3_param_persistence_threshold":
+        "tests/test_ds_knobs.py::test_zero3_keeps_parameters_under_the_persistence_threshold_gathered",
+    DS + "zero_optimization.stage3_gather_16bit_weights_on_model_save":
+        "tests/test_ds_knobs.py::test_zero3_16bit_save_follows_gather_16bit_weights_on_model_save",
+    DS + "zero_optimization.offload_optimizer.buffer_count": T_NVME,
+    DS + "zero_optimization.offload_param.buffer_count": T_NVME,
+    DS + "zero_optimization.offload_param.buffer_size": T_NVME,
+    DS + "zero_optimization.offload_param.max_in_cpu": T_NVME,
+    DS + "aio.block_size": T_NVME,
+    DS + "aio.queue_depth": T_NVME,
+    DS + "aio.intra_op_parallelism": T_NVME,
+    DS + "aio.single_submit": T_NVME,
+    DS + "aio.overlap_events": T_NVME,
 }
 
 # Settings without a biting test yet, each with why. Only ever remove entries.
-_UNTESTED_DS_TUNING = ("DeepSpeed performance knob: a wrong value changes speed or buffering only, "
-                       "nothing a CPU test can observe within the suite budget")
-_FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (CPU has no fp16 kernels worth it)"
+_FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (see fp16.enabled)"
+_CPU_PINNING = ("DeepSpeed's CPU accelerator pins nothing (its pin_memory returns the tensor "
+                "as it is): on, off and dropped build the same buffers on a CPU")
 GAPS: dict[str, str] = {
-    "data.num_workers": "DataLoader workers: same samples either way, nothing to observe cheaply",
-    DS + "optimizer.params.fused": "set on GPUs only; the CPU suite cannot run it",
-    DS + "fp16.enabled": "no fp16 training test on CPU",
+    DS + "fp16.enabled": ("no fp16 training test: DeepSpeed refuses fp16 on a CPU without "
+                          "oneDNN fp16 (AVX2 machines like CI's)"),
     DS + "fp16.loss_scale": _FP16_SCALER,
     DS + "fp16.initial_scale_power": _FP16_SCALER,
     DS + "fp16.loss_scale_window": _FP16_SCALER,
     DS + "fp16.hysteresis": _FP16_SCALER,
     DS + "fp16.min_loss_scale": _FP16_SCALER,
-    DS + "steps_per_print": "DeepSpeed's own log cadence, set huge to silence it",
-    DS + "wall_clock_breakdown": "DeepSpeed's timers, off",
-    DS + "zero_optimization.overlap_comm": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.contiguous_gradients": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.reduce_bucket_size": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.allgather_bucket_size": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.stage3_prefetch_bucket_size": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.stage3_param_persistence_threshold": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.stage3_gather_16bit_weights_on_model_save":
-        "off in every shipped JSON; final weights are gathered by our own export",
-    DS + "zero_optimization.offload_optimizer.pin_memory": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.offload_optimizer.buffer_count": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.offload_param.pin_memory": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.offload_param.buffer_count": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.offload_param.buffer_size": _UNTESTED_DS_TUNING,
-    DS + "zero_optimization.offload_param.max_in_cpu": _UNTESTED_DS_TUNING,
-    DS + "aio.block_size": _UNTESTED_DS_TUNING,
-    DS + "aio.queue_depth": _UNTESTED_DS_TUNING,
-    DS + "aio.thread_count": _UNTESTED_DS_TUNING,
-    DS + "aio.single_submit": _UNTESTED_DS_TUNING,
-    DS + "aio.overlap_events": _UNTESTED_DS_TUNING,
+    DS + "zero_optimization.offload_optimizer.pin_memory": _CPU_PINNING,
+    DS + "zero_optimization.offload_param.pin_memory": _CPU_PINNING,
 }
 
 # GAPS as written when the registry was made (DeepSpeed keys without the prefix): GAPS must stay
 # a subset, so it can only shrink. Remove a name here when its gap closes; never add one.
 FROZEN_GAPS = frozenset([
-    "aio.block_size", "aio.overlap_events", "aio.queue_depth", "aio.single_submit",
-    "aio.thread_count", "data.num_workers", "fp16.enabled", "fp16.hysteresis",
-    "fp16.initial_scale_power", "fp16.loss_scale", "fp16.loss_scale_window", "fp16.min_loss_scale",
-    "logging.peak_tflops",
-    "optimizer.params.fused", "steps_per_print", "wall_clock_breakdown",
-    "zero_optimization.allgather_bucket_size", "zero_optimization.contiguous_gradients",
-    "zero_optimization.offload_optimizer.buffer_count",
+    "fp16.enabled", "fp16.hysteresis", "fp16.initial_scale_power", "fp16.loss_scale",
+    "fp16.loss_scale_window", "fp16.min_loss_scale", "logging.peak_tflops",
     "zero_optimization.offload_optimizer.pin_memory",
-    "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
-    "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_param.pin_memory",
-    "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-    "zero_optimization.stage3_param_persistence_threshold",
-    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.offload_param.pin_memory",
 ])
 
 # Keys the resolver adds beyond the shipped JSONs (pretrain/ds_config.py, pretrain/run.py).
