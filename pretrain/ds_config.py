@@ -13,8 +13,9 @@ DeepSpeed would silently get wrong are refused here:
   (`check_deepspeed_pipeline_config`);
 - a misspelled key (`zero_optimisation`, `offload_optimiser`): DeepSpeed ignores an unknown
   top-level key and the run would train without the sharding it asked for; unknown top-level
-  keys, and anything DeepSpeed's own config models reject in the sections they model, are
-  refused with the nearest valid name (`check_top_level_keys`, `check_sections`);
+  keys, anything DeepSpeed's own config models reject in the sections they model, and "aio"
+  keys DeepSpeed does not read (`thread_count`, renamed `intra_op_parallelism`), are refused
+  with the nearest valid name (`check_top_level_keys`, `check_sections`);
 - the learning-rate schedule is ours (`pretrain.engine.warmup_cosine`), so a ``"scheduler"``
   block is refused rather than silently fighting it. DeepSpeed's WarmupCosineLR applies lr = 0 to
   the first update, which we do not want.
@@ -144,11 +145,34 @@ def _model_fields(model: type, path: tuple) -> set[str]:
                                               if f.alias}
 
 
+# "aio" keys DeepSpeed renamed: it reads only the new name and ignores the old one.
+RENAMED_AIO_KEYS = {"thread_count": "intra_op_parallelism"}
+
+
+def _aio_keys() -> frozenset[str]:
+    """The keys of the "aio" section DeepSpeed reads (`deepspeed.runtime.swap_tensor.aio_config`,
+    a plain dict without a model that would refuse the others)."""
+    from deepspeed.runtime.swap_tensor import constants
+
+    return frozenset(value for name, value in vars(constants).items()
+                     if name.startswith("AIO_") and isinstance(value, str)
+                     and value.isidentifier())
+
+
 def check_sections(ds: dict[str, Any], *, where: str) -> None:
     """Validate the sections DeepSpeed models (ZeRO, bf16/fp16, monitors, ...) with DeepSpeed's
-    own models, as `deepspeed.initialize` would on every rank; one error naming the key."""
+    own models, as `deepspeed.initialize` would on every rank, and the "aio" keys against the
+    names DeepSpeed reads; one error naming the key."""
     import pydantic
 
+    aio_keys = _aio_keys()
+    for key in ds.get("aio") or {}:
+        if key not in aio_keys:
+            new = RENAMED_AIO_KEYS.get(key)
+            hint = (f" (DeepSpeed renamed it {new!r})" if new
+                    else did_you_mean(key, aio_keys, cutoff=0.6, quote=True))
+            raise ConfigError(f"{where}: unknown DeepSpeed key aio.{key}{hint}: DeepSpeed would "
+                              "ignore it")
     for section, (module, name) in DEEPSPEED_MODELS.items():
         if not isinstance(ds.get(section), dict):
             continue

@@ -3,6 +3,7 @@ system (a fake /proc/mounts stands for the cluster's)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,21 @@ def test_an_explicit_network_or_memory_path_is_used_with_a_warning(cluster_disks
         assert _swap_paths(cluster_disks, nvme_path=chosen) == {chosen}
     with pytest.warns(UserWarning, match="tmpfs: the swap files take memory"):
         _swap_paths(cluster_disks, nvme_path=str(cluster_disks / "shm" / "swap"))
+
+
+@pytest.mark.parametrize("key, message", [
+    ("thread_count", "unknown DeepSpeed key aio.thread_count (DeepSpeed renamed it "
+                     "'intra_op_parallelism'): DeepSpeed would ignore it"),
+    ("queue_dept", "unknown DeepSpeed key aio.queue_dept (did you mean 'queue_depth'?)"),
+])
+def test_an_aio_key_deepspeed_does_not_read_is_refused(cluster_disks, monkeypatch, tmp_path,
+                                                       key, message):
+    """DeepSpeed reads the "aio" section key by key and ignores any other: an old name or a
+    typo would leave the async-io handles at their defaults without a word."""
+    monkeypatch.setenv("TMPDIR", str(cluster_disks / "local"))
+    ds = json.loads(Path("ds_configs/zero3_offload_nvme.json").read_text())
+    ds["aio"][key] = 2
+    cfg = load_config(None, ["model.preset=tiny", f"run_dir={tmp_path}/run",
+                             "train.micro_batch_size=2", "train.global_batch_size=8"])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_ds_config(cfg, world_size=2, source=ds)
