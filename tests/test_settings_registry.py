@@ -197,7 +197,8 @@ REGISTRY: dict[str, str] = {
 # Settings without a biting test yet, each with why. Only ever remove entries.
 _FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (see fp16.enabled)"
 _CPU_PINNING = ("DeepSpeed's CPU accelerator pins nothing (its pin_memory returns the tensor "
-                "as it is): on, off and dropped build the same buffers on a CPU")
+                "as it is unless DS_PIN_MEMORY_BACKEND=native, which runs never set): on, off "
+                "and dropped build the same buffers on a CPU")
 GAPS: dict[str, str] = {
     DS + "fp16.enabled": ("no fp16 training test: DeepSpeed refuses fp16 on a CPU without "
                           "oneDNN fp16 (AVX2 machines like CI's)"),
