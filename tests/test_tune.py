@@ -26,6 +26,7 @@ import yaml
 from png_check import coloured_pixels
 from pretrain.engine import warmup_cosine
 from pretrain.errors import ConfigError
+from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO
 from pretrain.tune import parse_space
 
@@ -82,7 +83,10 @@ def test_unknown_space_key_is_one_error_line_before_any_trial(tmp_path, tiny_dat
     space = tmp_path / "space.yaml"
     space.write_text("train.lr: {low: 1.0e-4, high: 1.0e-2, log: true}\n"
                      "train.learning_rate: {choices: [1, 2]}\n")
-    proc = _tune(*_base(tiny_data), "--space", str(space), "--study-dir", str(tmp_path / "s"))
+    # refused before any trial starts: an in-process CLI call (the fork server's) stands in for
+    # the subprocess, the error path being the same
+    proc = run_cli(["tune", *_base(tiny_data), "--space", str(space), "--study-dir",
+                    str(tmp_path / "s")], cwd=REPO)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
@@ -91,8 +95,8 @@ def test_unknown_space_key_is_one_error_line_before_any_trial(tmp_path, tiny_dat
     assert not (tmp_path / "s").exists()
     # a range end that the config refuses (min_lr above lr) is found the same way
     space.write_text("train.lr: {low: 1.0e-5, high: 1.0e-2, log: true}\n")
-    low = _tune(*_base(tiny_data, "train.min_lr=1.0e-4"), "--space", str(space),
-                "--study-dir", str(tmp_path / "s"))
+    low = run_cli(["tune", *_base(tiny_data, "train.min_lr=1.0e-4"), "--space", str(space),
+                   "--study-dir", str(tmp_path / "s")], cwd=REPO)
     assert low.returncode == 2 and low.stderr.startswith(
         "error: search space train.lr=1.0e-05 (1 ranks): train.min_lr=0.0001"), low.stderr
     assert not (tmp_path / "s").exists()
