@@ -198,7 +198,7 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
         moe_reference, tiny_data, tmp_path):
     import shutil
 
-    from tests.test_moe import SAVE_AT, _assert_same_steps, _moe_train
+    from tests.test_moe import SAVE_AT, STEPS, _assert_same_steps, _moe_train
 
     run = _moe_train(tmp_path, tiny_data, name="ep2", nprocs=2, overrides=[
         "parallel.tensor=2", "parallel.expert=2", f"checkpoint.save_interval={SAVE_AT}",
@@ -209,7 +209,7 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
     from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
 
     final = load_weights(run.run_dir / "final").state
-    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{2 * SAVE_AT}").state
+    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{STEPS}").state
     assert sorted(final) == sorted(last)
     for name in last:
         assert torch.equal(final[name], last[name]), name
@@ -283,7 +283,7 @@ def test_expert2_with_pipeline2_equals_one_process_and_resumes_on_one_process(
 
     from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
     from pretrain.checkpoint.zero_shards import load_checkpoint_file
-    from tests.test_moe import SAVE_AT, _assert_same_steps, _moe_train
+    from tests.test_moe import SAVE_AT, STEPS, _assert_same_steps, _moe_train
 
     run = _moe_train(tmp_path, tiny_data, name="ep2_pp2", nprocs=4, overrides=[
         "parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
@@ -297,7 +297,7 @@ def test_expert2_with_pipeline2_equals_one_process_and_resumes_on_one_process(
     assert sorted({n.split(".")[2] for n in held if n.startswith("mlp.experts.")}) == ["2", "3"]
     assert tuple(held["mlp.experts.3.down_proj.weight"].shape) == (64, 96)
     final = load_weights(run.run_dir / "final").state
-    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{2 * SAVE_AT}").state
+    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{STEPS}").state
     assert sorted(final) == sorted(last)
     for name in last:
         assert torch.equal(final[name], last[name]), name

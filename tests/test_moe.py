@@ -152,7 +152,7 @@ def test_moe_model_parameters_and_init_follow_the_dense_rules():
 
 # ---- training through `pretrain train`: every layout against one process ----------------------
 
-STEPS, SAVE_AT = 6, 3
+STEPS, SAVE_AT = 10, 3
 TRAIN = [f"train.steps={STEPS}", "model.moe_aux_loss_coeff=1.0", "model.moe_z_loss_coeff=0.1"]
 
 
