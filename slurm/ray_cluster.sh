@@ -39,6 +39,10 @@ RAY_RESOURCES=(--num-gpus "$GPUS_PER_NODE")
 preflight || { JOB_RC=$?; finish_job; }
 export RAY_AUTH_MODE=token RAY_DISABLE_USAGE_STATS=1
 export RAY_AUTH_TOKEN="${RAY_AUTH_TOKEN:-$(python -c 'import secrets; print(secrets.token_hex(32))')}"
+# Every process of this cluster (Ray's own actors too: Ray Train's placement-group cleaner calls
+# the state API without an address) finds this job's head, not the cluster last started on its
+# host (/tmp/ray/ray_current_cluster), whose token is another job's.
+export RAY_ADDRESS="$HEAD_ADDR:$RAY_PORT"
 echo "[slurm] Ray head on ${NODES[0]} ($HEAD_ADDR:$RAY_PORT), $NNODES nodes x $TASKS_PER_NODE ranks"
 srun --nodes=1 --ntasks=1 -w "${NODES[0]}" ray start --head --block --port="$RAY_PORT" \
   --node-ip-address="$HEAD_ADDR" --include-dashboard=false "${RAY_RESOURCES[@]}" &
