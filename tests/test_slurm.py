@@ -135,8 +135,8 @@ def test_a_four_rank_job_requeued_on_three_nodes_resumes_with_the_same_losses(
         cluster, tiny_data, tmp_path):
     """A data-parallel job on 4 nodes x 1 rank (global batch 8, micro-batch 1: dp 4) loses node
     4: it is drained, USR1 checkpoints and requeues the job, the requeued job is given the three
-    nodes left (`scontrol update NumNodes=3`: this Slurm starts a `--nodes 3-4` job on 4 nodes
-    when 4 are idle, so a range cannot show the shrink). dp 3 does not divide 8: ranks 0-1 reshard
+    nodes left (`scontrol update NumNodes=3`: this Slurm starts a node-count range at its
+    minimum even when more nodes are idle, so a range cannot show the shrink). dp 3 does not divide 8: ranks 0-1 reshard
     the dp 4 checkpoint to dp 2, rank 2 sits idle until they finish (srun would end the job's
     other ranks if it left early), and the job exits 0 with the same global batch, no step
     repeated or lost, and the losses of an uninterrupted run (one process, the same config)."""
