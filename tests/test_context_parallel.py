@@ -382,7 +382,7 @@ def test_resume_allows_long_context_continued_pretraining(tiny_data):
 
 
 def test_layout_change_counts_context():
-    from pretrain.checkpoint.reshard import layout_change
+    from pretrain.run import layout_change
 
     one = {"tensor": 1, "pipeline": 1, "data": 2, "zero_stage": 1}  # saved before context
     assert layout_change(one, {**one, "context": 1}) is None

@@ -124,7 +124,7 @@ def _assert_same_state(old: Path, new: Path) -> None:
 
 
 def test_layout_change_names_what_differs():
-    from pretrain.checkpoint.reshard import layout_change
+    from pretrain.run import layout_change
 
     saved = {"tensor": 1, "pipeline": 1, "data": 2, "world_size": 2, "zero_stage": 1,
              "offload": "none", "precision": "fp32"}

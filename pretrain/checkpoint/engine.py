@@ -36,8 +36,8 @@ from deepspeed.checkpoint import ds_to_universal
 import pretrain.checkpoint.safe_load as safe_load
 from pretrain.checkpoint.paths import (FINAL, read_meta, step_dirs, verify, write_latest,
                                        write_manifest)
-from pretrain.checkpoint.reshard import (derived_rng_seed, layout_change, load_into_fsdp2,
-                                         load_resharded, seed_generators)
+from pretrain.checkpoint.reshard import (derived_rng_seed, load_into_fsdp2, load_resharded,
+                                         seed_generators)
 from pretrain.checkpoint.weights import writing_final
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
@@ -48,6 +48,7 @@ from pretrain.model.hf import EMBED, LM_HEAD, expected_hf_keys
 from pretrain.model.mup import comparable_model_fields
 from pretrain.model.expert_parallel import expert_owner
 from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
+from pretrain.run import layout_change
 
 # Model fields that do not change the saved tensors or their meaning: a resumed run may change
 # its recompute mode, and the initial weights / init scale only mattered at step 0.

@@ -44,9 +44,6 @@ from pretrain.model import canonical_parameters, tensor_parallel_group
 from pretrain.model.form import shard_of_rank
 from pretrain.model.llama import ShardRange, full_parameter_shape, shard_range
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
-# what differs between two checkpoint layouts is the resolved run's to say (`checkpoint.load` and
-# the tests ask it here, beside the resharding it decides)
-from pretrain.run import layout_change  # noqa: F401
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
