@@ -53,9 +53,9 @@ def tiny_zero1_engine(overrides: list[str], *, out_dir: str, world_size: int):
     import deepspeed
 
     from pretrain.config import load_config
-    from pretrain.engine import param_groups
+    from pretrain.training.engine import param_groups
     from pretrain.model import build_model
-    from pretrain.run import resolve_ds_config
+    from pretrain.resolve.run import resolve_ds_config
 
     cfg = load_config("configs/tiny.yaml", overrides + [f"run_dir={out_dir}"])
     ds_config = resolve_ds_config(cfg, world_size=world_size, accelerator="cpu")

@@ -35,7 +35,7 @@ def _rank(rank: int, world_size: int) -> dict:
     from pretrain.config import load_config
     from pretrain.model import build_model
     from pretrain.testing.memory import peak_added
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     cfg = load_config(None, MODEL).model
     topo = Topology(tensor=1, pipeline=1, world_size=world_size, rank=rank, context=world_size)
@@ -61,7 +61,7 @@ def main() -> None:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # inherited by the spawned ranks
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from pretrain.config import load_config
-    from pretrain.layout import Layout
+    from pretrain.resolve.layout import Layout
     from pretrain.plan.memory import stage_memory
     from pretrain.arithmetic import stage_items
     from pretrain.config import Precision

@@ -1,5 +1,5 @@
-"""Overhead of the hang watchdog and the collective ring buffer (pretrain/hang.py,
-pretrain/collective_log.py) on a training step of the quickstart's shape.
+"""Overhead of the hang watchdog and the collective ring buffer (pretrain/training/hang.py,
+pretrain/training/collective_log.py) on a training step of the quickstart's shape.
 
 2 gloo ranks, one engine each (configs/quickstart.yaml: small preset, 6 layers, hidden 384, seq
 256, micro-batch 8, global batch 16, ZeRO-2), fp32, random tokens. In the same processes rounds
@@ -28,9 +28,9 @@ from common import REPO, machine
 def _engine(rank: int, world_size: int, run_dir: str):
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.engine import build_engine
-    from pretrain.run import resolve_ds_config
-    from pretrain.topology import Topology
+    from pretrain.training.engine import build_engine
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.resolve.topology import Topology
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)
     cfg = load_config(REPO / "configs/quickstart.yaml", [
@@ -43,7 +43,7 @@ def _engine(rank: int, world_size: int, run_dir: str):
 
 def _recorded_call_cost() -> float:
     """Seconds one recorded call adds (wrapper + ring buffer) over calling the function."""
-    from pretrain import collective_log
+    from pretrain.training import collective_log
 
     log = collective_log.CollectiveLog()
 
@@ -66,7 +66,7 @@ def _measure(rank: int, world_size: int, run_dir: str, rounds: int, steps: int,
     import torch
     import torch.distributed as dist
 
-    from pretrain import collective_log, hang
+    from pretrain.training import collective_log, hang
 
     plain = {op: getattr(dist, op) for op in collective_log.OPS if hasattr(dist, op)}
     collective_log.install()  # before DeepSpeed's backend keeps references, as `train` does

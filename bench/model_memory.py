@@ -43,7 +43,7 @@ def _rank(rank: int, world_size: int, tp: int, pp: int) -> dict:
     from pretrain.config import load_config
     from pretrain.model import build_model
     from pretrain.model import build_pipeline_model
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

@@ -2,7 +2,7 @@
 `train.engine: fsdp2` with the ZeRO-1 and ZeRO-3 JSONs (`--engines fsdp2`).
 
 Two gloo ranks (data parallel 2) train a 34M-parameter Llama through DeepSpeed (or FSDP2, built
-by `pretrain.engine.build_engine` as `pretrain train` builds it) with each
+by `pretrain.training.engine.build_engine` as `pretrain train` builds it) with each
 `ds_configs/zero<N>.json`, resolved exactly as `pretrain train` resolves it. Measured per rank:
 the peak resident memory (VmHWM) over two steady-state steps minus the resident memory before the
 model was built (imports, process groups and the Python heap are not the model's); the peak is
@@ -92,10 +92,10 @@ def _rank(rank: int, world_size: int, deepspeed_json: str, precision: str,
     import torch
 
     from pretrain.config import load_config
-    from pretrain.run import resolve_ds_config
+    from pretrain.resolve.run import resolve_ds_config
     from pretrain.model import build_model
-    from pretrain.engine import build_engine, param_groups
-    from pretrain.topology import Topology
+    from pretrain.training.engine import build_engine, param_groups
+    from pretrain.resolve.topology import Topology
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -133,7 +133,7 @@ def predict(deepspeed_json: str, precision: str, engine: str):
     from pretrain.config import load_config
     from pretrain.plan.clusters import make_cluster
     from pretrain.plan.search import estimate
-    from pretrain.run import lay_out_as_loaded
+    from pretrain.resolve.run import lay_out_as_loaded
 
     cfg = load_config(None, MODEL + [f"deepspeed={deepspeed_json}", f"train.precision={precision}",
                                      f"train.engine={engine}"])

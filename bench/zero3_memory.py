@@ -27,9 +27,9 @@ def _rank(rank: int, world_size: int) -> dict:
 
     from pretrain.arithmetic import num_parameters
     from pretrain.config import load_config
-    from pretrain.run import resolve_ds_config
+    from pretrain.resolve.run import resolve_ds_config
     from pretrain.model import build_model
-    from pretrain.engine import param_groups
+    from pretrain.training.engine import param_groups
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     torch.set_num_threads(1)

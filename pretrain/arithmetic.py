@@ -17,7 +17,7 @@ import functools
 import math
 
 from pretrain.config import ModelConfig, Recompute
-from pretrain.layout import Layout
+from pretrain.resolve.layout import Layout
 
 
 def layer_parameters(m: ModelConfig) -> tuple[int, int]:

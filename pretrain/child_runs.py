@@ -5,7 +5,7 @@ A child run lives in a session (and process group) of its own, so Ctrl-C at the 
 only the command that started it, which then stops the run itself (`stop_run`). The launcher is
 asked to die with its parent (Linux's PR_SET_PDEATHSIG, SIGTERM): when that command is killed with
 SIGKILL and cannot stop the run, the launcher still gets SIGTERM and ends its ranks (a rank
-saves a checkpoint and exits 75, see `pretrain.faults`). torchrun starts each rank in a session of
+saves a checkpoint and exits 75, see `pretrain.training.faults`). torchrun starts each rank in a session of
 its own, out of reach of a signal to the launcher's group: `process_groups` follows /proc from the
 launcher down to find them.
 """

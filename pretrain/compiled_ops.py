@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain.ds_config import offload_devices
+from pretrain.resolve.ds_config import offload_devices
 from pretrain.mounts import network_filesystem, node_local_scratch
 
 BUILDERS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}

@@ -13,9 +13,9 @@ A run config is a YAML file whose top-level sections map onto the dataclasses be
 Loading is strict: unknown keys, duplicate keys and wrong types are errors that name the field.
 Each section validates itself in ``__post_init__``. What needs the world size (data-parallel
 size, gradient accumulation, which tensor / pipeline / ZeRO combinations are supported) is
-derived and checked by the run's resolver (`pretrain.run`, with the rules of `pretrain.layout`),
+derived and checked by the run's resolver (`pretrain.resolve.run`, with the rules of `pretrain.resolve.layout`),
 which settles every `auto` once and then freezes the config (`freeze`); the DeepSpeed JSON is
-filled in `pretrain.ds_config`, and parameter and FLOP counts are in `pretrain.arithmetic`.
+filled in `pretrain.resolve.ds_config`, and parameter and FLOP counts are in `pretrain.arithmetic`.
 
 Paths. The fields a run reads (`INPUT_PATHS`: deepspeed, model.init_from, data.dataset, each
 data.blend prefix, data.tokenizer) are made absolute when the config is loaded: written in a
@@ -67,14 +67,14 @@ class Precision(str, enum.Enum):
 
 
 class Engine(str, enum.Enum):
-    """What shards, reduces and steps the model (`pretrain.engine.build_engine`)."""
+    """What shards, reduces and steps the model (`pretrain.training.engine.build_engine`)."""
 
     DEEPSPEED = "deepspeed"  # DeepSpeed's engine: ZeRO 0-3 from the DeepSpeed JSON, pipelines
-    FSDP2 = "fsdp2"  # PyTorch's fully_shard (`pretrain.fsdp2`): ZeRO-3-like, no pipeline
+    FSDP2 = "fsdp2"  # PyTorch's fully_shard (`pretrain.training.fsdp2`): ZeRO-3-like, no pipeline
 
 
 class SpikeAction(str, enum.Enum):
-    """What a loss spike (train.loss_spike_factor x the running mean) does (`pretrain.spikes`)."""
+    """What a loss spike (train.loss_spike_factor x the running mean) does (`pretrain.training.spikes`)."""
 
     LOG = "log"  # a warning line; the update is applied
     SKIP = "skip"  # the update is dropped, as a non-finite step's is (flat models)
@@ -88,7 +88,7 @@ VOCAB_AUTO = "auto"
 
 class _Freezable:
     """A config section that refuses assignment once `freeze` has run: the resolved run's config
-    (`pretrain.run`) is settled once and then only read."""
+    (`pretrain.resolve.run`) is settled once and then only read."""
 
     _frozen = False
 
@@ -96,13 +96,13 @@ class _Freezable:
         if self._frozen:
             raise dataclasses.FrozenInstanceError(
                 f"cannot assign {type(self).__name__}.{name}: the run config is resolved and "
-                "frozen (pretrain.run.resolve_run settles every field once; change the config "
-                "file or --set, or the rule in pretrain/run.py)")
+                "frozen (pretrain.resolve.run.resolve_run settles every field once; change the config "
+                "file or --set, or the rule in pretrain/resolve/run.py)")
         object.__setattr__(self, name, value)
 
 
 def freeze(cfg: "RunConfig") -> "RunConfig":
-    """Make `cfg` and its sections refuse assignment from now on (`pretrain.run` calls it once
+    """Make `cfg` and its sections refuse assignment from now on (`pretrain.resolve.run` calls it once
     every `auto` is settled); returns `cfg`."""
     for section in [cfg] + [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]:
         if isinstance(section, _Freezable):
@@ -396,22 +396,22 @@ class TrainConfig(_Freezable):
     grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
     precision: Precision = Precision.AUTO  # auto | bf16 | fp32 | fp16; auto: pretrain/hardware.py
     # deepspeed | fsdp2: DeepSpeed's engine, or PyTorch's fully_shard over the same model, data,
-    # schedule and checkpoints directory (pretrain/fsdp2.py; the DeepSpeed JSON still says the
+    # schedule and checkpoints directory (pretrain/training/fsdp2.py; the DeepSpeed JSON still says the
     # ZeRO stage and offload, and settings fsdp2 cannot honour are refused before launch)
     engine: Engine = Engine.DEEPSPEED
     seed: int = 1234  # model init and dropout
     eval_interval: int = 100  # steps between validation passes; 0 disables
     eval_batches: int = 10  # global batches per validation pass (capped by the validation set)
-    # Faults (pretrain/faults.py): a NaN/Inf step is skipped; this many in a row stop the run.
+    # Faults (pretrain/training/faults.py): a NaN/Inf step is skipped; this many in a row stop the run.
     max_nonfinite_steps: int = 5
     loss_spike_factor: float = 2.0  # log a spike when a loss exceeds this x its running mean
-    on_loss_spike: SpikeAction = SpikeAction.LOG  # log | skip | rollback (pretrain/spikes.py)
-    straggler_interval: int = 0  # steps between the ranks' straggler checks (pretrain/stragglers.py); 0: off
+    on_loss_spike: SpikeAction = SpikeAction.LOG  # log | skip | rollback (pretrain/training/spikes.py)
+    straggler_interval: int = 0  # steps between the ranks' straggler checks (pretrain/training/stragglers.py); 0: off
     straggler_margin: float = 0.2  # slower than the median rank by this fraction (0.2: 20%)...
     straggler_patience: int = 3  # ...at this many checks in a row: the rank is named, with its host
     collective_timeout_minutes: float = 10.0  # a collective waiting longer: a rank is dead/stuck
     # No micro-batch or step for this long: every rank dumps its stacks and last collectives to
-    # <run_dir>/hang/, one names the rank(s) the others wait for, all exit 75 (pretrain/hang.py).
+    # <run_dir>/hang/, one names the rank(s) the others wait for, all exit 75 (pretrain/training/hang.py).
     # null: half of collective_timeout_minutes; must stay below it.
     hang_timeout_minutes: float | None = None
     # How long the other ranks wait for one rank's file work (sample indices, a checkpoint's

@@ -228,7 +228,7 @@ def exit_distributed(code: int) -> NoReturn:
     """
     if _several_ranks():
         torch.distributed.barrier(group=_io_group())
-    from pretrain.world_fit import publish_exit  # ranks left idle exit with this code too
+    from pretrain.resolve.world_fit import publish_exit  # ranks left idle exit with this code too
 
     publish_exit(code, rank=int(os.environ.get("RANK", "0")))
     sys.stdout.flush()

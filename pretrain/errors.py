@@ -28,6 +28,13 @@ EXIT_OK = 0
 EXIT_USER_ERROR = 2  # a PretrainError: bad config, data or checkpoint; fix the input, do not retry
 EXIT_FAULT = 3  # the run stopped itself: a rank died / collective timed out, too many NaN steps
 # A checkpoint was saved because of SIGTERM / SIGUSR1 / --exit-after-minutes: requeue the job and
-# it resumes from that checkpoint. Also a hang the watchdog named (pretrain/hang.py): the requeued
+# it resumes from that checkpoint. Also a hang the watchdog named (pretrain/training/hang.py): the requeued
 # job resumes from the last complete checkpoint. 75 is EX_TEMPFAIL of sysexits.h ("try again later").
 EXIT_REQUEUE = 75
+
+
+class TrainingFault(Exception):
+    """The run stopped itself (too many non-finite steps, a dead rank, a checkpoint a rank could
+    not write): exit EXIT_FAULT. Not a `PretrainError`: the input was fine, the run was not."""
+
+    exit_code = EXIT_FAULT

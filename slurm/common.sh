@@ -92,7 +92,7 @@ prepare_ops() {
 # `--signal=B:USR1@N` signals only this shell: pass it to the ranks, which save a checkpoint and
 # exit 75 (EXIT_REQUEUE). Sets JOB_RC (the pre-flight's status when it refused: 2 for the
 # config, 75 for an allocation smaller than one model replica, which a requeue may cure).
-# Ranks the layout or the batch cannot use sit idle and exit with the job (pretrain/world_fit.py).
+# Ranks the layout or the batch cannot use sit idle and exit with the job (pretrain/resolve/world_fit.py).
 forward_usr1() { echo "[slurm] USR1: asking the ranks to checkpoint and stop"; kill -USR1 "$SRUN_PID" 2>/dev/null || true; }
 run_training() {
   JOB_RC=0

@@ -15,17 +15,18 @@ PACKAGE = REPO / "pretrain"
 # The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     ("pretrain.errors", "pretrain.files", "pretrain.terminal", "pretrain.log", "pretrain.mounts",
-     "pretrain.file_lock", "pretrain.lean_imports"),
+     "pretrain.file_lock", "pretrain.lean_imports", "pretrain.resolve", "pretrain.training"),
     ("pretrain.config",),
-    ("pretrain.layout", "pretrain.arithmetic", "pretrain.topology", "pretrain.ds_config",
-     "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data", "pretrain.world_fit",
-     "pretrain.collective_log", "pretrain.k8s", "pretrain.fsdp2_rules"),
-    ("pretrain.run",),
+    ("pretrain.resolve.layout", "pretrain.arithmetic", "pretrain.resolve.topology", "pretrain.resolve.ds_config",
+     "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data", "pretrain.resolve.world_fit",
+     "pretrain.training.collective_log", "pretrain.k8s", "pretrain.resolve.fsdp2_rules"),
+    ("pretrain.resolve.run",),
     ("pretrain.model",),
-    ("pretrain.checkpoint", "pretrain.sinks", "pretrain.profiler", "pretrain.curves",
-     "pretrain.faults", "pretrain.plan", "pretrain.hang", "pretrain.hang_verdict",
-     "pretrain.stragglers"),
-    ("pretrain.engine", "pretrain.fsdp2", "pretrain.metrics", "pretrain.telemetry", "pretrain.trainer", "pretrain.spikes",
+    ("pretrain.checkpoint", "pretrain.training.sinks", "pretrain.training.profiler", "pretrain.curves",
+     "pretrain.training.faults", "pretrain.plan", "pretrain.training.hang", "pretrain.training.hang_verdict",
+     "pretrain.training.stragglers"),
+    ("pretrain.training.engine", "pretrain.training.fsdp2", "pretrain.training.metrics", "pretrain.training.trainer", "pretrain.training.spikes",
+     "pretrain.training.evaluators",
      "pretrain.sweep_results", "pretrain.child_runs", "pretrain.tune", "pretrain.ray_train", "pretrain.testing",
      "pretrain.evaluation"),
     ("pretrain.commands",),
@@ -66,6 +67,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def _layer(name: str) -> int:
+    for index, prefixes in enumerate(LAYERS):  # a package's face by its exact name
+        if name in prefixes:
+            return index
     for index, prefixes in enumerate(LAYERS):
         if any(name == p or name.startswith(p + ".") for p in prefixes):
             return index

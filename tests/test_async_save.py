@@ -35,8 +35,8 @@ def _engine(run_dir, world_size: int):
     import deepspeed
 
     from pretrain.config import load_config
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import param_groups
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.training.engine import param_groups
     from pretrain.model import build_model
 
     cfg = load_config(REPO / "configs/tiny.yaml", _overrides(run_dir, world_size))
@@ -177,7 +177,7 @@ def _one_rank_cannot_write(rank: int, world_size: int, out: str) -> str:
     """A complete save of step 1, then a background save of step 2 that rank 1 cannot write:
     what `finish` raises on this rank."""
     from pretrain.checkpoint import Saver, writer
-    from pretrain.faults import TrainingFault
+    from pretrain.errors import TrainingFault
 
     cfg, engine = _engine(out, world_size)
     saver = Saver(engine, ckpt_dir=Path(out) / "checkpoints", keep_last=2, keep_every=0,

@@ -13,8 +13,8 @@ import pytest
 from pretrain.arithmetic import num_parameters
 from pretrain.config import MODEL_PRESETS, Precision, Recompute, load_config
 from pretrain.errors import ConfigError
-from pretrain.engine import warmup_cosine
-from pretrain.run import layout_on, resolve_ds_config
+from pretrain.training.engine import warmup_cosine
+from pretrain.resolve.run import layout_on, resolve_ds_config
 from pretrain.testing.runs import REPO
 
 
@@ -228,7 +228,7 @@ def test_the_engines_schedule_follows_the_run_config():
     min_lr, warmup_steps and steps each move the lr it sets."""
     import torch
 
-    from pretrain.engine import _lr_schedule
+    from pretrain.training.engine import _lr_schedule
     t = load_config(None, ["train.lr=2.0", "train.min_lr=0.5", "train.warmup_steps=4",
                            "train.steps=20"]).train
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=t.lr)
@@ -253,7 +253,7 @@ def _engine_against_torch_adamw(rank: int, world_size: int, ds_json: str) -> flo
     import deepspeed
     import torch
 
-    from pretrain.engine import _lr_schedule, param_groups
+    from pretrain.training.engine import _lr_schedule, param_groups
     from pretrain.model import build_model
 
     cfg = load_config(REPO / "configs/tiny.yaml", [
@@ -305,7 +305,7 @@ def test_adams_betas_and_eps_reach_the_optimizer(ds_json, tmp_path):
      "model.seq_length=63: must be divisible by parallel.tensor=2"),
 ])
 def test_forbidden_layouts_are_refused_before_launch(overrides, world, message):
-    """What `pretrain train` checks before any process group exists (pretrain.run.resolve_layout)."""
+    """What `pretrain train` checks before any process group exists (pretrain.resolve.run.resolve_layout)."""
     cfg = load_config(None, ["model.preset=tiny", *overrides])
     with pytest.raises(ConfigError) as info:
         layout_on(cfg, world_size=world)
@@ -327,7 +327,7 @@ def test_pipeline_with_sequence_parallel_gets_unpartitioned_p2p(tmp_path):
 
 
 def test_wandb_goes_online_only_with_a_project_and_a_key():
-    from pretrain.sinks import resolve_wandb_mode
+    from pretrain.training.sinks import resolve_wandb_mode
 
     assert load_config(None).logging.wandb_mode == "auto"
     assert resolve_wandb_mode("auto", project="", env={"WANDB_API_KEY": "k"}) == "offline"
@@ -338,7 +338,7 @@ def test_wandb_goes_online_only_with_a_project_and_a_key():
 
 def test_wandb_goes_online_for_a_user_who_ran_wandb_login(tmp_path):
     """`wandb login` writes the key to ~/.netrc, not to the environment."""
-    from pretrain.sinks import resolve_wandb_mode
+    from pretrain.training.sinks import resolve_wandb_mode
 
     home = tmp_path / "home"
     home.mkdir()

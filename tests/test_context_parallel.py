@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
-from pretrain.layout import Layout, check_layout
-from pretrain.run import layout_on
+from pretrain.resolve.layout import Layout, check_layout
+from pretrain.resolve.run import layout_on
 from pretrain.testing.ranks import run_on_ranks
-from pretrain.topology import Topology
+from pretrain.resolve.topology import Topology
 
 
 def tiny_model(**fields):
@@ -104,7 +104,7 @@ def test_refuses_what_is_not_implemented():
 
 
 def test_batch_arithmetic_counts_data_replicas_not_context_ranks():
-    from pretrain.run import resolve_ds_config
+    from pretrain.resolve.run import resolve_ds_config
 
     cfg = load_config(None, ["model.preset=tiny", "parallel.context=2",
                              "train.micro_batch_size=2", "train.global_batch_size=8",
@@ -382,7 +382,7 @@ def test_resume_allows_long_context_continued_pretraining(tiny_data):
 
 
 def test_layout_change_counts_context():
-    from pretrain.run import layout_change
+    from pretrain.resolve.run import layout_change
 
     one = {"tensor": 1, "pipeline": 1, "data": 2, "zero_stage": 1}  # saved before context
     assert layout_change(one, {**one, "context": 1}) is None

@@ -184,7 +184,7 @@ def _masked_model_run(rank, world_size, tensor):
     """Loss and gradients (fp64) of the packed sample with its document ids, on `world_size`
     gloo ranks: tensor x context = world_size, sequence parallel under tensor 2."""
     from pretrain.testing.numerics import replica_mean_loss_and_grads
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     context = world_size // tensor
     topo = Topology(tensor=tensor, pipeline=1, world_size=world_size, rank=rank, context=context)

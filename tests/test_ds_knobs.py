@@ -1,7 +1,7 @@
 """DeepSpeed settings of the shipped JSONs, observed in what DeepSpeed builds and does with them.
 
 Each rank function builds the tiny model's engine on one gloo rank as a run does (the run config
-through `pretrain.run.resolve_ds_config`, then `pretrain.engine.build_engine`), from a shipped
+through `pretrain.resolve.run.resolve_ds_config`, then `pretrain.training.engine.build_engine`), from a shipped
 JSON as it is and with settings moved off DeepSpeed's defaults, and reports what the engine did:
 gradient buckets reduced, parameters gathered or kept whole, optimizer kernels run, lines logged.
 Many shipped values are DeepSpeed's defaults; the moved values show that each key reaches
@@ -39,9 +39,9 @@ def _build(ds_name: str, *, zero: dict | None = None, top: dict | None = None,
     the zero_optimization keys `drop` removed after (as if the resolver had dropped them)."""
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.engine import build_engine
-    from pretrain.run import resolve_ds_config
-    from pretrain.topology import Topology
+    from pretrain.training.engine import build_engine
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.resolve.topology import Topology
 
     path = REPO / "ds_configs" / f"{ds_name}.json"
     source = json.loads(path.read_text())
@@ -385,3 +385,4 @@ def test_nvme_swappers_are_built_with_the_aio_and_buffer_settings(libaio, tmp_pa
     assert built["optimizer_buffers"] == OPTIMIZER_MOVED["buffer_count"]
     assert built["flat_cpu_buffers"] == [1] * len(built["group_sizes"]), built
     assert min(built["group_sizes"]) > 1, built
+

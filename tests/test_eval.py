@@ -178,7 +178,7 @@ def test_eval_settings_are_checked_when_the_config_loads():
 def test_context_parallel_runs_are_refused_before_launch():
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
-    from pretrain.evaluation.in_training import check_eval_config
+    from pretrain.evaluation.tasks import check_eval_config
 
     cfg = load_config(None, ["eval.tasks=[python_next_line]", "parallel.context=2"])
     with pytest.raises(ConfigError, match="parallel.context > 1"):

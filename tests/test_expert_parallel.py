@@ -16,11 +16,11 @@ import torch
 
 from pretrain.config import ModelConfig, Precision
 from pretrain.errors import ConfigError
-from pretrain.layout import Layout, check_layout
+from pretrain.resolve.layout import Layout, check_layout
 from pretrain.model.llama import fused_projections
 from pretrain.model.moe import MoE
 from pretrain.testing.ranks import run_on_ranks
-from pretrain.topology import Topology
+from pretrain.resolve.topology import Topology
 from tests.test_moe import CFG, _assert_close, _layer
 
 
@@ -40,7 +40,7 @@ def _expert_parallel_layer(cfg: ModelConfig, group, reference: MoE, *,
 def _layer_on_ranks(rank: int, world_size: int, sequence_parallel: bool) -> list[str]:
     import torch.distributed as dist
 
-    from pretrain import collective_log
+    from pretrain.training import collective_log
 
     log = collective_log.CollectiveLog()
     collective_log.install(log)
@@ -335,11 +335,11 @@ def _reductions_of_one_step(rank: int, world_size: int) -> dict:
 
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.engine import build_engine
+    from pretrain.training.engine import build_engine
     from pretrain.model import build_model
     from pretrain.model.llama import shard_range
     from pretrain.model.moe import moe_layers
-    from pretrain.run import resolve_ds_config
+    from pretrain.resolve.run import resolve_ds_config
     from pretrain.testing.runs import REPO
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)

@@ -153,7 +153,7 @@ def test_exit_after_minutes_saves_and_exits_75(tiny_data, tmp_path):
 
 def test_run_control_wall_clock_cadence_and_signals(monkeypatch):
     """One process (no collective): the clock is faked, the signal is real."""
-    from pretrain import faults
+    from pretrain.training import faults
 
     now = [1000.0]
     monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
@@ -177,7 +177,7 @@ def test_run_control_wall_clock_cadence_and_signals(monkeypatch):
 def test_run_control_owns_both_save_cadences(monkeypatch):
     """Steps and minutes: a save is due at every save_interval-th step and after
     save_interval_minutes, whichever comes first; the minutes count from the last save."""
-    from pretrain import faults
+    from pretrain.training import faults
 
     now = [1000.0]
     monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])

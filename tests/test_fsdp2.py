@@ -1,4 +1,4 @@
-"""`train.engine: fsdp2` (pretrain/fsdp2.py) trains like one process, resumes exactly (its own
+"""`train.engine: fsdp2` (pretrain/training/fsdp2.py) trains like one process, resumes exactly (its own
 checkpoints and DeepSpeed's, in both directions), and refuses what it cannot do before launch.
 
 The reference is one process of the tiny fp32 model (hidden 64, 2 layers, seq 32): 6 steps of a
@@ -18,7 +18,7 @@ import torch
 
 from pretrain.config import load_config
 from pretrain.errors import CheckpointError, ConfigError
-from pretrain.run import lay_out_as_loaded
+from pretrain.resolve.run import lay_out_as_loaded
 from pretrain.testing.faults import nan_loss_environment
 from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO, rel_diff, run_pretrain, train, train_args
@@ -124,7 +124,7 @@ def _bf16_step(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from pretrain.fsdp2 import shard_model
+    from pretrain.training.fsdp2 import shard_model
     from pretrain.model import build_model
 
     cfg = load_config("configs/tiny.yaml", overrides=["model.vocab_size=512"])

@@ -1,4 +1,4 @@
-"""Hang attribution (pretrain/hang.py): a rank that blocks forever inside a micro-batch, or
+"""Hang attribution (pretrain/training/hang.py): a rank that blocks forever inside a micro-batch, or
 SIGSTOPs itself, is named with its host in one verdict line; every rank that can still run
 Python dumps its stacks and last collectives; the job exits 75 to be requeued. The hang is
 injected through `pretrain.testing.faults.hang_inside` (deterministic: no timed kill); waits are
@@ -141,7 +141,7 @@ class _Control:
 def test_watchdog_fires_on_no_progress_and_on_an_unheeded_sigterm(monkeypatch, tmp_path):
     """The decision alone, on a fake clock: no beat for the timeout; a SIGTERM without progress
     for min(grace, timeout); never while paused (a save)."""
-    from pretrain import hang
+    from pretrain.training import hang
 
     control = _Control()
     dog = hang.Watchdog(timeout_minutes=2.0, rank=0, world_size=1, run_dir=tmp_path,
@@ -172,7 +172,7 @@ def _entry(seq, *, group="1", ranks=(0, 1, 2, 3), state="waiting", op="all_reduc
 
 
 def test_verdict_names_the_end_of_a_chain_and_a_silent_rank():
-    from pretrain.hang_verdict import verdict
+    from pretrain.training.hang_verdict import verdict
 
     # ranks 0, 1 wait in all_reduce #5 of group 1; rank 3 waits in #5 too; rank 2 never got there
     statuses = {r: _status(r, counts={"1": 5}, last=_entry(5)) for r in (0, 1, 3)}
@@ -209,7 +209,7 @@ def test_one_rank_that_stops_progressing_dumps_judges_and_exits_75(tmp_path):
     metrics record, and exits 75."""
     import threading
 
-    from pretrain import collective_log, hang
+    from pretrain.training import collective_log, hang
 
     exited: list[int] = []
     done = threading.Event()

@@ -8,10 +8,11 @@ import re
 import pytest
 import torch
 
-from pretrain import hardware, metrics
+from pretrain import hardware
+from pretrain.training import metrics
 from pretrain.config import Precision, load_config
 from pretrain.hardware import CpuInfo, bf16_slowdown, choose_precision, cpu_info, format_flops
-from pretrain.metrics import StepRecords
+from pretrain.training.metrics import StepRecords
 from pretrain.testing.runs import train
 
 EPYC_AVX2 = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse sse2 avx avx2 fma\n"

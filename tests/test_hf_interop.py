@@ -37,7 +37,7 @@ RUN_OVERRIDES = {
     # ZeRO-0: the pipeline's weights are read from its layer_XX-model_YY files (ZeRO-1
     # pipelines, through the optimizer shards, are covered in test_convert_checkpoint.py).
     # Clipping on (train.grad_clip 1.0): a ZeRO-0 pipeline must clip by the whole model's norm
-    # (pretrain.engine.clip_by_the_whole_models_norm), or its weights drift from one process's.
+    # (pretrain.training.engine.clip_by_the_whole_models_norm), or its weights drift from one process's.
     "tp2_pp2_tied": (4, ["parallel.tensor=2", "parallel.pipeline=2", "model.tie_embeddings=true",
                          "deepspeed=ds_configs/zero0.json"]),
 }

@@ -69,7 +69,7 @@ def _export_with_a_slow_writer(rank: int, world_size: int, out_dir: str, tokeniz
     from pretrain.config import load_config
     from pretrain.dist import create_io_group, init_deepspeed_comm
     from pretrain.model.build import build_for_layout
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
     create_io_group(timeout_minutes=5)
@@ -149,8 +149,8 @@ def _zero1_engine(run_dir: str, world_size: int):
     import deepspeed
 
     from pretrain.config import load_config
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import param_groups
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.training.engine import param_groups
     from pretrain.model import build_model
     from pretrain.testing.runs import REPO
 

@@ -131,7 +131,7 @@ def test_pipelined_evaluation_in_chunks_matches_single_process(tiny_data, tmp_pa
     """A pipeline evaluates in calls of PIPELINE_EVAL_CHUNK x stages micro-batches (so that a
     stop request waits for one call): 12 micro-batches at pp 2 are two calls, 8 + 4, whose
     weighted mean is the single process's validation loss."""
-    from pretrain.evaluation.in_training import PIPELINE_EVAL_CHUNK
+    from pretrain.training.evaluators import PIPELINE_EVAL_CHUNK
 
     micro_batches = 12  # eval_batches 3 x accum 4 (global batch 4, micro-batch 1, dp 1)
     assert PIPELINE_EVAL_CHUNK * 2 < micro_batches

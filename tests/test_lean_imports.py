@@ -10,7 +10,7 @@ from pretrain.testing.runs import REPO
 
 
 def test_a_rank_imports_deepspeed_without_mlflow_and_mlflow_still_imports():
-    code = ("import sys, pretrain.trainer\n"
+    code = ("import sys, pretrain.training.trainer\n"
             "import deepspeed.autotuning.autotuner as tuner\n"
             "print('mlflow' in sys.modules, tuner.has_mlflow)\n"
             "import mlflow\n"

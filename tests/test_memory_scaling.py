@@ -145,9 +145,9 @@ DEEP = ["model.preset=tiny", "model.hidden_size=1024", "model.num_heads=16", "mo
 
 
 def _build_under_zero3(rank: int, world_size: int) -> dict:
-    from pretrain.run import resolve_ds_config
+    from pretrain.resolve.run import resolve_ds_config
     from pretrain.model.build import build_for_layout
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
     cfg = load_config(None, DEEP + ["deepspeed=ds_configs/zero3.json", "train.precision=fp32",
@@ -186,7 +186,7 @@ def _save_final(rank: int, world_size: int, out_dir: str, tokenizer: str) -> dic
     from pretrain.checkpoint.engine import save_final
     from pretrain.dist import create_io_group
     from pretrain.model.build import build_for_layout
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
     create_io_group(timeout_minutes=5)

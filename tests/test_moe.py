@@ -292,7 +292,7 @@ MIXTRAL_8X7B = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, nu
 def test_parameter_and_flop_counts_of_mixtral_8x7b_by_hand():
     from pretrain.arithmetic import (model_flops_per_token, num_active_parameters,
                                      num_parameters, stage_parameters)
-    from pretrain.layout import Layout
+    from pretrain.resolve.layout import Layout
 
     attention = 2 * 4096 * 4096 + 2 * 4096 * 1024  # q, o; k, v (8 kv heads of 128)
     expert = 3 * 4096 * 14336  # gate, up, down

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pretrain.config import load_config
-from pretrain.engine import warmup_cosine
+from pretrain.training.engine import warmup_cosine
 from pretrain.errors import ConfigError
 from pretrain.model import build_model, build_flat_pipeline, canonical_parameters
 from pretrain.model import mup
@@ -261,8 +261,8 @@ def _first_update_by_kind(rank: int, world_size: int, ds_json: str, precision: s
     lr x sign(grad) elementwise, so it measures each group's lr), and the groups' lrs."""
     import deepspeed
 
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import _lr_schedule, param_groups
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.training.engine import _lr_schedule, param_groups
 
     cfg = load_config(REPO / "configs/tiny.yaml", [
         f"deepspeed={ds_json}", f"train.precision={precision}", "train.micro_batch_size=2",

@@ -10,7 +10,7 @@ import pytest
 
 from pretrain import mounts
 from pretrain.config import load_config
-from pretrain.run import resolve_ds_config
+from pretrain.resolve.run import resolve_ds_config
 from pretrain.errors import ConfigError
 
 MOUNTS = """\

@@ -16,7 +16,7 @@ import torch
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.config import load_config
 from pretrain.dist import init_deepspeed_comm
-from pretrain.ds_config import check_deepspeed_pipeline_config
+from pretrain.resolve.ds_config import check_deepspeed_pipeline_config
 from pretrain.errors import ConfigError
 from pretrain.model import (build_flat_pipeline, build_model, build_pipeline_model,
                             defer_sequence_parallel_grads)
@@ -24,7 +24,7 @@ from pretrain.model.layers import RMSNorm
 from pretrain.model.llama import torch_checkpoint
 from pretrain.model.pipeline import (DecoderLayerPipe, StageActivations, pipeline_module,
                                      pipeline_to_canonical_name, stage_state_dict)
-from pretrain.topology import Topology
+from pretrain.resolve.topology import Topology
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
@@ -178,7 +178,7 @@ def _pipeline_run(rank, world_size, variant):
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                       config=config)
     gas = engine.gradient_accumulation_steps()
-    # as pretrain.engine does: sequence-parallel norm gradients reduced once per step
+    # as pretrain.training.engine does: sequence-parallel norm gradients reduced once per step
     defer_sequence_parallel_grads(module, micro_batches=gas)
     norms = [m.weight_grad for m in module.modules() if isinstance(m, RMSNorm)]
     dp_rank = engine.grid.get_data_parallel_id()

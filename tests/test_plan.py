@@ -13,7 +13,7 @@ from pretrain.testing.runs import REPO
 from pretrain.arithmetic import num_parameters, stage_items, stage_parameters
 from pretrain.config import MODEL_PRESETS, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
-from pretrain.layout import Layout
+from pretrain.resolve.layout import Layout
 from pretrain.plan.clusters import MATMUL_EFFICIENCY, make_cluster
 from pretrain.plan.memory import layer_activation_elements
 from pretrain.plan.published import BLOOM_176B, MEGATRON_70B

@@ -1,5 +1,5 @@
 """The planner's model of `train.engine: fsdp2`: memory and data-parallel time of FSDP2 as
-`pretrain.fsdp2` shards the model (a unit per decoder layer, the root unit the embedding, final
+`pretrain.training.fsdp2` shards the model (a unit per decoder layer, the root unit the embedding, final
 norm and head), counted by hand for one small layout, and where it differs from DeepSpeed's."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from pretrain.config import Engine, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
-from pretrain.layout import Layout
+from pretrain.resolve.layout import Layout
 from pretrain.plan.clusters import COLLECTIVE_EFFICIENCY, make_cluster
 from pretrain.plan.search import estimate, search
 

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from pretrain.config import MODEL_PRESETS, ModelConfig, Recompute, load_config
-from pretrain.ds_config import shipped_ds_configs
+from pretrain.resolve.ds_config import shipped_ds_configs
 from pretrain.errors import ConfigError
-from pretrain.layout import Layout
+from pretrain.resolve.layout import Layout
 from pretrain.plan.clusters import make_cluster
 from pretrain.plan.dry_run import dry_run, settle_for_plan
 from pretrain.plan.memory import GB

@@ -93,9 +93,9 @@ def _reshard_and_save(rank: int, world_size: int, args: list[str], source: str) 
     from pretrain.config import load_config, config_overrides
     from pretrain.checkpoint import find_resume
     from pretrain.dist import discover_world, init_deepspeed_comm
-    from pretrain.faults import RunControl
-    from pretrain.run import resolve_run
-    from pretrain.trainer import Trainer
+    from pretrain.training.faults import RunControl
+    from pretrain.resolve.run import resolve_run
+    from pretrain.training.trainer import Trainer
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -124,7 +124,7 @@ def _assert_same_state(old: Path, new: Path) -> None:
 
 
 def test_layout_change_names_what_differs():
-    from pretrain.run import layout_change
+    from pretrain.resolve.run import layout_change
 
     saved = {"tensor": 1, "pipeline": 1, "data": 2, "world_size": 2, "zero_stage": 1,
              "offload": "none", "precision": "fp32"}
@@ -167,7 +167,7 @@ def _reshard_and_count(rank: int, world_size: int, args: list[str], source: str)
     keeps, checkpoint size)."""
     from pretrain.checkpoint import find_resume
     from pretrain.checkpoint.reshard import load_resharded
-    from pretrain.engine import build_engine
+    from pretrain.training.engine import build_engine
 
     cfg, ds_config, groups = _new_layout(rank, world_size, args)
     engine = build_engine(cfg, ds_config, groups, main=False)
@@ -187,8 +187,8 @@ def _new_layout(rank: int, world_size: int, args: list[str]):
     from pretrain.commands.train import add_arguments
     from pretrain.config import config_overrides, load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.run import resolve_ds_config
-    from pretrain.topology import Topology
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.resolve.topology import Topology
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -40,9 +40,9 @@ def _engine(ds_name: str, precision: str):
     """A one-rank engine of the tiny model, its torch AdamW fused as the configs make it on GPUs."""
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import build_engine
-    from pretrain.topology import Topology
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.training.engine import build_engine
+    from pretrain.resolve.topology import Topology
 
     cfg = load_config(REPO / "configs/tiny.yaml", [
         f"deepspeed=ds_configs/{ds_name}.json", f"train.precision={precision}",

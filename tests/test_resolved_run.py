@@ -1,4 +1,4 @@
-"""The resolved run is built once and handed down: nothing outside the resolver (`pretrain/run.py`)
+"""The resolved run is built once and handed down: nothing outside the resolver (`pretrain/resolve/run.py`)
 derives a layout or a `Topology` from the config, and nothing assigns to the resolved config."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 from pretrain.config import Precision, load_config
 from pretrain.errors import CheckpointError, ConfigError
-from pretrain.run import resolve_run
+from pretrain.resolve.run import resolve_run
 from pretrain.testing.runs import REPO
 
 PACKAGE = REPO / "pretrain"
-RESOLVER = PACKAGE / "run.py"
+RESOLVER = PACKAGE / "resolve" / "run.py"
 CONFIG = PACKAGE / "config.py"
 SECTIONS = {f.name for f in dataclasses.fields(load_config(None))} - {"run_dir", "deepspeed"}
 
@@ -35,7 +35,7 @@ def _calls_of(name: str, tree: ast.AST) -> list[int]:
 def test_only_the_resolver_applies_the_rules_of_a_run(rule):
     outside = [f"{path.relative_to(REPO)}:{line}" for path, tree in _trees().items()
                if path != RESOLVER for line in _calls_of(rule, tree)]
-    assert not outside, f"{rule} is called outside pretrain/run.py: {outside}"
+    assert not outside, f"{rule} is called outside pretrain/resolve/run.py: {outside}"
 
 
 def _section_assignments(tree: ast.AST) -> list[str]:

@@ -28,8 +28,8 @@ def _three_saves(rank: int, world_size: int, out: str) -> dict:
 
     from pretrain.checkpoint import Saver
     from pretrain.config import load_config
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import param_groups
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.training.engine import param_groups
     from pretrain.model import build_model
     from pretrain.testing.memory import status_bytes
     from pretrain.testing.runs import REPO

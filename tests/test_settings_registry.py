@@ -220,7 +220,7 @@ FROZEN_GAPS = frozenset([
     "zero_optimization.offload_param.pin_memory",
 ])
 
-# Keys the resolver adds beyond the shipped JSONs (pretrain/ds_config.py, pretrain/run.py).
+# Keys the resolver adds beyond the shipped JSONs (pretrain/resolve/ds_config.py, pretrain/resolve/run.py).
 RESOLVER_KEYS = ("optimizer.params.fused", "pipeline.pipe_partitioned",
                  "pipeline.grad_partitioned", "checkpoint.load_universal")
 
@@ -253,7 +253,7 @@ def deepspeed_keys() -> set[str]:
 def resolver_literal_keys() -> set[str]:
     """String keys the resolver writes: `x["key"] = ...`, `setdefault("key")`, `_fill(_, "key")`."""
     keys = set()
-    for name in ("pretrain/ds_config.py", "pretrain/run.py"):
+    for name in ("pretrain/resolve/ds_config.py", "pretrain/resolve/run.py"):
         for node in ast.walk(ast.parse((ROOT / name).read_text())):
             if isinstance(node, ast.Assign):
                 keys |= {t.slice.value for t in node.targets if isinstance(t, ast.Subscript)
@@ -303,5 +303,5 @@ def test_every_named_test_function_exists():
 def test_every_key_the_resolver_writes_is_a_registered_setting():
     names = {part for key in every_setting() for part in key.removeprefix(DS).split(".")}
     unseen = sorted(resolver_literal_keys() - names)
-    assert not unseen, (f"pretrain/ds_config.py or pretrain/run.py writes DeepSpeed keys {unseen} "
+    assert not unseen, (f"pretrain/resolve/ds_config.py or pretrain/resolve/run.py writes DeepSpeed keys {unseen} "
                         "that are not in RESOLVER_KEYS")

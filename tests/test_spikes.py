@@ -1,4 +1,4 @@
-"""Loss spikes (`pretrain.spikes`): the data stream without excluded samples, `skip` and
+"""Loss spikes (`pretrain.training.spikes`): the data stream without excluded samples, `skip` and
 `rollback` against clean runs whose data stream leaves the same samples out.
 
 The tiny config's global batch is 4 samples, so step s (from 1) reads the global sample
@@ -16,10 +16,10 @@ from pretrain.config import load_config
 from pretrain.errors import ConfigError
 from pretrain.data import DistributedPackedSampler
 from pretrain.data.samples import stream_numbers
-from pretrain.run import resolve_layout
+from pretrain.resolve.run import resolve_layout
 from pretrain.testing.faults import SPIKE_FACTOR, spike_environment
 from pretrain.testing.runs import REPO, run_pretrain, train, train_args
-from pretrain.topology import Topology
+from pretrain.resolve.topology import Topology
 
 
 def _brute_force(first: int, count: int, skip: set[int]) -> list[int]:

@@ -1,4 +1,4 @@
-"""Stragglers (`pretrain.stragglers`): the verdict from measured times, and 2-rank runs where
+"""Stragglers (`pretrain.training.stragglers`): the verdict from measured times, and 2-rank runs where
 one rank is slowed - through fake measured times (a naming no timing can move) and through a
 real delay far above a tiny step's time."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from pretrain.collective_log import CollectiveLog, _wrap
+from pretrain.training.collective_log import CollectiveLog, _wrap
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
-from pretrain.stragglers import StragglerWatch, slow_ranks
+from pretrain.training.stragglers import StragglerWatch, slow_ranks
 from pretrain.testing.faults import straggler_environment
 from pretrain.testing.runs import REPO, run_pretrain, train_args
 

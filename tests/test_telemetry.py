@@ -13,7 +13,7 @@ from pretrain.arithmetic import (hardware_flops_per_token, layer_forward_flops_p
 from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
 from pretrain.curves import PANELS
 from pretrain.errors import ConfigError
-from pretrain.metrics import format_step_line
+from pretrain.training.metrics import format_step_line
 from pretrain.testing.faults import nan_loss_environment
 
 
@@ -120,7 +120,7 @@ def test_nvml_is_opened_once_and_its_errors_turn_the_stats_off(fail, monkeypatch
 
     import torch
 
-    from pretrain.metrics import GpuStats
+    from pretrain.training.metrics import GpuStats
 
     module, calls = _fake_pynvml(fail=fail)
     monkeypatch.setitem(sys.modules, "pynvml", module)
@@ -250,7 +250,7 @@ def _mlflow_runs(uri: str, experiment: str = "pretrain"):
 
 def test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run(tmp_path):
     from pretrain.config import RunConfig
-    from pretrain.sinks import MetricsSink, mlflow_local_uri
+    from pretrain.training.sinks import MetricsSink, mlflow_local_uri
 
     run_dir = tmp_path / "mlrun"
     run_dir.mkdir()
@@ -290,7 +290,7 @@ def test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run(tmp_path):
 
 
 def test_a_failing_sink_is_turned_off_after_one_warning(tmp_path, monkeypatch, capsys):
-    from pretrain import sinks
+    from pretrain.training import sinks
 
     class Broken:
         calls = 0
@@ -324,7 +324,7 @@ def test_the_wandb_sink_opens_in_the_configured_mode(tmp_path, monkeypatch, mode
                                                      opened):
     """What the run opens, with the sink's class replaced by a recorder: logging.wandb_mode and
     logging.wandb_project decide whether wandb opens and in which mode."""
-    from pretrain import sinks
+    from pretrain.training import sinks
 
     modes = []
     monkeypatch.setitem(sinks.SINKS, "wandb", (lambda *_, mode, **__: modes.append(mode),
@@ -338,7 +338,7 @@ def test_the_wandb_sink_opens_in_the_configured_mode(tmp_path, monkeypatch, mode
 def test_a_sink_whose_package_is_missing_is_an_error_before_the_run(monkeypatch):
     import importlib.util
 
-    from pretrain.sinks import check_sinks
+    from pretrain.training.sinks import check_sinks
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -350,7 +350,7 @@ def test_a_sink_whose_package_is_missing_is_an_error_before_the_run(monkeypatch)
 
 @pytest.mark.slow
 def test_training_reports_to_mlflow_and_draws_curves(tmp_path, tiny_data):
-    from pretrain.sinks import mlflow_local_uri
+    from pretrain.training.sinks import mlflow_local_uri
 
     run = train(tmp_path, tiny_data, name="tracked",
                 overrides=["train.steps=4", "train.eval_interval=2", "logging.report_to=[mlflow]",
@@ -387,7 +387,7 @@ def test_log_level_warning_keeps_step_and_eval_lines_only(tmp_path, tiny_data):
 @pytest.mark.slow
 def test_a_diverged_run_ends_its_mlflow_run_failed(tmp_path, tiny_data):
     from pretrain.errors import EXIT_FAULT
-    from pretrain.sinks import mlflow_local_uri
+    from pretrain.training.sinks import mlflow_local_uri
 
     run_dir = tmp_path / "diverged"
     args = train_args(run_dir, tiny_data, overrides=[

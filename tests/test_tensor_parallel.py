@@ -360,7 +360,7 @@ def _decoder_layer_inputs(rank, world_size):
     """The shape of the first decoder layer's input in the model a run builds for its layout
     (`construct_for_layout`), with parallel.sequence_parallel off and on."""
     from pretrain.model.build import construct_for_layout
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     shapes = {}
     for sequence_parallel in (False, True):
@@ -412,7 +412,7 @@ def _deepspeed_run(rank, world_size, tensor_parallel):
     import deepspeed
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op

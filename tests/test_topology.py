@@ -8,11 +8,11 @@ import itertools
 import pytest
 import torch.distributed as dist
 
-import pretrain.topology
+import pretrain.resolve.topology
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.config import ParallelConfig
 from pretrain.errors import ConfigError
-from pretrain.topology import RankCoords, Topology
+from pretrain.resolve.topology import RankCoords, Topology
 
 SHAPES = [  # (tensor, pipeline, data)
     (1, 1, 4), (2, 1, 2), (1, 2, 3), (2, 2, 2), (4, 2, 3), (8, 4, 2), (2, 2, 4), (3, 1, 1)]
@@ -56,10 +56,10 @@ def test_groups_partition_the_world(tp, pp, dp):
 
 
 def test_docstring_example_is_what_the_code_computes():
-    result = doctest.testmod(pretrain.topology, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(pretrain.resolve.topology, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 6 and result.failed == 0
     topo = Topology(tensor=2, pipeline=2, world_size=16)
-    doc = pretrain.topology.__doc__
+    doc = pretrain.resolve.topology.__doc__
     for groups in (topo.tensor_groups(), topo.data_groups(), topo.pipeline_groups(),
                    topo.model_groups()):
         assert str(groups) in doc

@@ -264,9 +264,9 @@ def test_bf16_sums_128_micro_batch_gradients_in_fp32(tiny_data, tmp_path):
 def _first_bf16_zero0_update(rank: int, world_size: int, ds_json: str) -> dict:
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import build_engine
-    from pretrain.topology import Topology
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.training.engine import build_engine
+    from pretrain.resolve.topology import Topology
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)
     cfg = load_config(None, ["model.preset=tiny", "train.precision=bf16", f"deepspeed={ds_json}",
@@ -295,7 +295,7 @@ def _first_bf16_zero0_update(rank: int, world_size: int, ds_json: str) -> dict:
 
 def test_bf16_zero0_first_update_is_adams_first_step(tmp_path):
     """DeepSpeed's bf16 ZeRO-0 optimizer steps once with zero gradients while it is built;
-    pretrain.engine forgets that step: before the first update the optimizer has no state and the
+    pretrain.training.engine forgets that step: before the first update the optimizer has no state and the
     fp32 masters are the module's weights (no weight decay applied yet); after it, Adam's step
     count is 1 and an undecayed weight (the norms) moved by lr * g / (|g| + eps), ~lr, where the
     step DeepSpeed took makes it 0.735 x lr (bias correction of step 2)."""
@@ -315,9 +315,9 @@ def _bf16_pipeline_gradient_sums(rank: int, world_size: int, ds_json: str) -> di
     spacing 2**-7 at 1) rounds every 1 + 2**-10 back to 1."""
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
-    from pretrain.run import resolve_ds_config
-    from pretrain.engine import build_engine
-    from pretrain.topology import Topology
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.training.engine import build_engine
+    from pretrain.resolve.topology import Topology
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)
     cfg = load_config(None, ["model.preset=tiny", "train.precision=bf16", f"deepspeed={ds_json}",

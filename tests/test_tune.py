@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from png_check import coloured_pixels
-from pretrain.engine import warmup_cosine
+from pretrain.training.engine import warmup_cosine
 from pretrain.errors import ConfigError
 from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO

@@ -16,7 +16,7 @@ from pretrain.config import load_config
 from pretrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR
 from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO, rel_diff, run_pretrain, train, train_args
-from pretrain.world_fit import WorldTooSmall, fit_of_config, usable_node_counts, usable_world
+from pretrain.resolve.world_fit import WorldTooSmall, fit_of_config, usable_node_counts, usable_world
 
 GPUS_PER_NODE = 8
 

@@ -48,7 +48,7 @@ from pretrain.model.hf import EMBED, LM_HEAD, expected_hf_keys
 from pretrain.model.mup import comparable_model_fields
 from pretrain.model.expert_parallel import expert_owner
 from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
-from pretrain.run import layout_change
+from pretrain.resolve.run import layout_change
 
 # Model fields that do not change the saved tensors or their meaning: a resumed run may change
 # its recompute mode, and the initial weights / init scale only mattered at step 0.
@@ -66,7 +66,7 @@ def checkpoint_meta(cfg: RunConfig, *, step: int, consumed_samples: int, global_
                     layout: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(client_state, meta) of a save: what DeepSpeed stores with the engine state, and the
     `meta.json` that resuming and the readers check without loading tensors; `layout` is
-    `pretrain.run.ResolvedRun.checkpoint_layout`."""
+    `pretrain.resolve.run.ResolvedRun.checkpoint_layout`."""
     state = {"step": step, "consumed_samples": consumed_samples, "config": cfg.to_dict(),
              "tokenizer": {"path": str(tokenizer.path), "sha256": tokenizer.sha256}}
     meta = {**state, "global_batch": global_batch, "git_commit": git_commit,

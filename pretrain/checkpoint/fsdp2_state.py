@@ -1,4 +1,4 @@
-"""Checkpoints of `train.engine: fsdp2` (`pretrain.fsdp2.FSDP2Engine`), read by name.
+"""Checkpoints of `train.engine: fsdp2` (`pretrain.training.fsdp2.FSDP2Engine`), read by name.
 
 An fsdp2 step directory holds one `fsdp2_rank<R>.pt` per rank (with the usual `rng_rank<R>.pt`,
 `meta.json` and `manifest.json`): rank R's rows of its tensor-parallel shard of every parameter

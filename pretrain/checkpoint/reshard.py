@@ -144,7 +144,7 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
 @torch.no_grad()
 def load_into_fsdp2(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConfig,
                     groups) -> ReadVolume:
-    """Set an fsdp2 engine (`pretrain.fsdp2.FSDP2Engine`) to the state of `step_dir`, saved
+    """Set an fsdp2 engine (`pretrain.training.fsdp2.FSDP2Engine`) to the state of `step_dir`, saved
     by fsdp2 or DeepSpeed on any layout: each rank copies out its FSDP2 rows of its
     tensor-parallel shard of every master and Adam moment (`engine.load_state`); Adam's step,
     the schedule's position and the counters are the saved ones."""

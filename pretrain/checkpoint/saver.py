@@ -22,7 +22,7 @@ from pretrain.checkpoint.paths import MANIFEST, tag_step, write_latest, write_ma
 from pretrain.checkpoint.reshard import OPTIMIZER_NAMES, optimizer_parameter_names
 from pretrain.checkpoint.writer import ShardWriter
 from pretrain.dist import barriers_for_io, gather_for_io, wait_for_io
-from pretrain.faults import TrainingFault
+from pretrain.errors import TrainingFault
 
 # DeepSpeed's ds_to_universal refuses a checkpoint whose client state lacks this entry.
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
@@ -122,7 +122,7 @@ class Saver:
         except Exception as exc:  # noqa: BLE001 - reported to every rank by `finish`
             return f"{type(exc).__name__}: {exc}"
 
-    # ---- completing a save without collectives (`pretrain.hang`, a rank stuck in training) ---
+    # ---- completing a save without collectives (`pretrain.training.hang`, a rank stuck in training) ---
     def pending(self) -> str | None:
         """The step directory name of the save in flight, None when there is none."""
         return self.in_flight[0].name if self.in_flight else None

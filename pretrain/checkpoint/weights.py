@@ -267,7 +267,7 @@ def _zero0_optimizer_tensors(step_dir: Path, *, mp_rank: int, key: str | None,
     None; None when the optimizer keeps none, in fp32 training, where the module's weights are
     the masters) or its per-parameter state `key`. Parameters are named by the optimizer's order
     of them, saved as OPTIMIZER_NAMES; checkpoints saved without it name a flat model's by the
-    grouping `pretrain.engine.param_groups` makes (matrices, then vectors, in module order)."""
+    grouping `pretrain.training.engine.param_groups` makes (matrices, then vectors, in module order)."""
     state = load_checkpoint_file(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")
     optimizer = state.get("optimizer")
     if key is None and "fp32_groups" not in (optimizer or {}):

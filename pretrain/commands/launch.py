@@ -12,7 +12,7 @@ launcher call. What needs logic lives here, where it is unit tested:
   memory per GPU of the GPUs `nvidia-smi` lists on the node unless `--gpu-memory-gb` is given;
   exit 2 with one `error:` line for a config that does not fit, 75 for a job smaller than one
   model replica, which more nodes cure), planned for the ranks `pretrain train` will use of the
-  job's (`pretrain.world_fit`), with the recipe's usable node counts; then the resolved run
+  job's (`pretrain.resolve.world_fit`), with the recipe's usable node counts; then the resolved run
   config, the resolved DeepSpeed JSON, the plan and the git commit in the job's log directory;
   a config whose compiled DeepSpeed ops cannot load here is refused (`compiled_ops`);
 - `build-ops`: those ops built (or copied from the set-up's builds) before the ranks start:
@@ -206,7 +206,7 @@ def _fit_world(args: argparse.Namespace) -> str:
     """The node counts on which every rank of the recipe trains, and the world `pretrain
     train` will use of this job's (`args.world_size` becomes it): lines for the plan text.
     `WorldTooSmall` (exit 75, requeue) when the job cannot hold one model replica."""
-    from pretrain import world_fit
+    from pretrain.resolve import world_fit
 
     cfg = load_config(args.config, config_overrides(args))
     per_node = args.ranks_per_node or args.world_size
@@ -354,7 +354,8 @@ def pod_env() -> dict[str, str]:
 def _preflight_for_manifests(spec, *, gpu_memory_gb: float | None) -> None:
     """`preflight` with the pods' arguments, for --nodes, and a check that --min-nodes hold one
     model replica; ConfigError (exit 2, no manifest) otherwise."""
-    from pretrain import k8s, world_fit
+    from pretrain import k8s
+    from pretrain.resolve import world_fit
 
     parser = argparse.ArgumentParser(prog="pretrain launch preflight")
     add_preflight_arguments(parser)
@@ -394,7 +395,7 @@ def elastic_min_nodes(args: argparse.Namespace) -> int:
     replica (torchrun then waits for that many nodes instead of starting a world that cannot
     train), with the counts on which every rank trains on stderr. ConfigError when even
     --max-nodes cannot hold one replica."""
-    from pretrain import world_fit
+    from pretrain.resolve import world_fit
 
     cfg = load_config(args.config, config_overrides(args))
     lo, hi, per_node = args.min_nodes, args.max_nodes, args.ranks_per_node
@@ -416,7 +417,7 @@ def elastic_min_nodes(args: argparse.Namespace) -> int:
 
 
 def _holds_a_replica(cfg, ranks: int) -> bool:
-    from pretrain import world_fit
+    from pretrain.resolve import world_fit
 
     try:
         world_fit.fit_of_config(cfg, ranks)

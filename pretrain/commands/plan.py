@@ -29,7 +29,7 @@ import sys
 
 from pretrain.config import RunConfig, add_config_arguments, config_overrides, load_config
 from pretrain.errors import ConfigError
-from pretrain.layout import planned_precision
+from pretrain.resolve.layout import planned_precision
 from pretrain.plan.clusters import CLUSTER_PRESETS, Cluster, make_cluster
 
 
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, search: bool = True) -> No
 
 def _cpu_cluster(args: argparse.Namespace, cfg: RunConfig) -> Cluster:
     """This machine, measured in the precision `train.precision` settled to (as `pretrain
-    train` settles it: `pretrain.run.settle_precision`)."""
+    train` settles it: `pretrain.resolve.run.settle_precision`)."""
     from pretrain.hardware import cpu_peak_tflops, host_memory_gb
     from pretrain.model import DTYPES
     from pretrain.plan.clusters import cpu_cluster
@@ -111,7 +111,7 @@ def _cluster(args: argparse.Namespace, cfg: RunConfig) -> Cluster:
 
 def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
     from pretrain.arithmetic import num_parameters
-    from pretrain.ds_config import shipped_ds_configs
+    from pretrain.resolve.ds_config import shipped_ds_configs
     from pretrain.plan.report import current_rank, format_search, selecting_arguments
     from pretrain.plan.search import engine_key, minimum_memory_gb, search
 

@@ -109,7 +109,7 @@ def check_runs(runs: list[tuple[str, list[str]]], *, world_size: int) -> None:
     `pretrain train` would: a bad field or layout fails the sweep before any run starts."""
     from pretrain.commands import train
     from pretrain.config import config_overrides, load_config
-    from pretrain.run import lay_out_as_loaded
+    from pretrain.resolve.run import lay_out_as_loaded
 
     parser = argparse.ArgumentParser(prog="pretrain train")
     train.add_arguments(parser)

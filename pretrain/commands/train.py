@@ -10,8 +10,8 @@ Runs the same under `deepspeed`, `torchrun`, `srun` and as a plain process (a wo
 Exit statuses (pretrain/errors.py): 0 done; 2 bad config / data / checkpoint; 3 the run stopped
 itself (a rank died or a collective timed out, too many non-finite steps); 75 a checkpoint was
 saved because of SIGTERM / SIGUSR1 / --exit-after-minutes, or fewer ranks than one model replica,
-or a hung rank named (pretrain/hang.py): requeue the job and it resumes. Ranks the layout or the batch cannot use sit idle and exit with
-the others' status (pretrain/world_fit.py).
+or a hung rank named (pretrain/training/hang.py): requeue the job and it resumes. Ranks the layout or the batch cannot use sit idle and exit with
+the others' status (pretrain/resolve/world_fit.py).
 """
 from __future__ import annotations
 
@@ -51,12 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> NoReturn:
-    from pretrain import telemetry
     from pretrain.checkpoint import confirm_content, find_resume
     from pretrain.config import load_config
     from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
-    from pretrain import world_fit
-    from pretrain.faults import RunControl
+    from pretrain.log import log as log_line, set_log_level
+    from pretrain.resolve import world_fit
+    from pretrain.training.faults import RunControl
 
     # Signals are caught from here on (a SIGTERM while loading still stops after the first step);
     # the trainer gives it the run's save cadence and time limit.
@@ -69,13 +69,15 @@ def run(args: argparse.Namespace) -> NoReturn:
     # once per rank per step: the warning is DeepSpeed's to fix and would bury the step lines.
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
-    from pretrain.run import lay_out, settle_config
+    from pretrain.resolve.run import lay_out, settle_config
 
-    telemetry.set_log_level(cfg.logging.level)  # DeepSpeed, now imported, logs from here on
-    log = lambda text: telemetry.log(text, main=world.is_main)  # noqa: E731
+    set_log_level(cfg.logging.level)  # DeepSpeed, now imported, logs from here on
+    log = lambda text: log_line(text, main=world.is_main)  # noqa: E731
     # Every check that can fail does so here, before a process group or an engine exists.
-    telemetry.check_sinks(cfg.logging.report_to)
-    from pretrain.evaluation.in_training import check_eval_config
+    from pretrain.evaluation.tasks import check_eval_config
+    from pretrain.training.sinks import check_sinks
+
+    check_sinks(cfg.logging.report_to)
 
     check_eval_config(cfg)  # unknown task names, layouts the evaluation cannot run on
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
@@ -88,13 +90,13 @@ def run(args: argparse.Namespace) -> NoReturn:
     world = dataclasses.replace(world, world_size=fit.used)
     run = lay_out(settled, world_size=world.world_size, rank=world.rank, device_type=device_type,
                   same_layout_only=args.require_same_layout)
-    from pretrain import collective_log, hang
+    from pretrain.training import collective_log, hang
 
     collective_log.install()  # before DeepSpeed's backend keeps references to the collectives
     hang.flight_recorder_environment(device_type)
     init_distributed(world, timeout_minutes=run.cfg.train.collective_timeout_minutes,
                      io_timeout_minutes=run.cfg.train.io_timeout_minutes)
-    from pretrain.trainer import Trainer  # DeepSpeed's modules, once the process group exists
+    from pretrain.training.trainer import Trainer  # DeepSpeed's modules, once the process group exists
 
     groups = run.topology.create_groups()
     try:
@@ -128,7 +130,8 @@ def _exit_on_fault(exc: Exception, *, rank: int) -> None:
     gloo's threads would abort the process instead.
     """
     from pretrain.errors import EXIT_USER_ERROR, PretrainError
-    from pretrain.faults import TrainingFault, is_collective_failure
+    from pretrain.errors import TrainingFault
+    from pretrain.training.faults import is_collective_failure
 
     code = TrainingFault.exit_code
     if isinstance(exc, TrainingFault):
@@ -144,7 +147,7 @@ def _exit_on_fault(exc: Exception, *, rank: int) -> None:
     if reason is not None:
         print(f"error: {reason}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    from pretrain.world_fit import publish_exit
+    from pretrain.resolve.world_fit import publish_exit
 
     publish_exit(code, rank=rank)  # ranks left idle exit with the job's status
     os._exit(code)

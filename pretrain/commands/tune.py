@@ -76,7 +76,7 @@ def _check(args: argparse.Namespace, params, base: list[str],
     pruning, resolved."""
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
-    from pretrain.run import lay_out_as_loaded
+    from pretrain.resolve.run import lay_out_as_loaded
     from pretrain.tune import override
 
     cfg = load_config(args.config, base)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.config import did_you_mean
+from pretrain.config import RunConfig, did_you_mean
 from pretrain.errors import ConfigError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -47,6 +47,18 @@ def task_manager(names: list[str]):
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     return TaskManager(include_path=str(TASKS_DIR),
                        include_defaults=any(name not in LOCAL_TASKS for name in names))
+
+
+def check_eval_config(cfg: RunConfig) -> None:
+    """Refuse, before any process group exists, tasks lm-eval does not know and layouts the
+    evaluation cannot run on."""
+    if not cfg.eval.tasks:
+        return
+    if cfg.parallel.context > 1:
+        raise ConfigError("eval.tasks with parallel.context > 1: the evaluation does not split "
+                          "sequences over context ranks; evaluate the checkpoint with "
+                          "`pretrain eval`, or set eval.tasks=[]")
+    check_tasks(list(cfg.eval.tasks))
 
 
 def check_tasks(names: list[str], *, where: str = "eval.tasks") -> None:

@@ -19,11 +19,11 @@ import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 
 from pretrain.config import ModelConfig, Recompute, RunConfig
-from pretrain.ds_config import zero_stage
+from pretrain.resolve.ds_config import zero_stage
 from pretrain.model.form import ModelForm, init_weights
 from pretrain.model.llama import DecoderLayer, LlamaModel, fused_projections
 from pretrain.model.pipeline import SequentialPipeline, pipeline_module, sequential_pipeline
-from pretrain.topology import ProcessGroups
+from pretrain.resolve.topology import ProcessGroups
 
 
 def build_model(cfg: ModelConfig, *, seed: int, tp_group=None,

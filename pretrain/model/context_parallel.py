@@ -16,7 +16,7 @@ at c*T/N). The backward of each all-to-all is the other one.
 
 The loss of a context rank is its chunk's mean (scaled when ignored labels make the chunks'
 label counts differ), so that the average DeepSpeed takes over its data-parallel group (data x
-context ranks, `pretrain.topology`) is the gradient of the whole sequence's mean.
+context ranks, `pretrain.resolve.topology`) is the gradient of the whole sequence's mean.
 
 Nothing here holds state: layers take the context group they are given (None: no context
 parallelism, and every function is the identity).

@@ -36,7 +36,7 @@ class ModelForm(enum.Enum):
     def of(cls, module: nn.Module | DeepSpeedEngine) -> "ModelForm":
         """The form of a built model, or of the model a DeepSpeed engine wraps."""
         if isinstance(module, DeepSpeedEngine) or not isinstance(module, nn.Module):
-            module = module.module  # DeepSpeed's engine or `pretrain.fsdp2.FSDP2Engine`
+            module = module.module  # DeepSpeed's engine or `pretrain.training.fsdp2.FSDP2Engine`
         if isinstance(module, LlamaModel):
             return cls.FLAT
         if isinstance(module, (PipelineModule, SequentialPipeline)):

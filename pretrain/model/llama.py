@@ -56,7 +56,7 @@ from deepspeed.accelerator import get_accelerator
 
 from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
-from pretrain.layout import check_tensor_split
+from pretrain.resolve.layout import check_tensor_split
 import pretrain.model.mup as mup
 from pretrain.model.context_parallel import (chunk_loss_scale, chunk_offset, cp_world_size,
                                              heads_to_sequence, sequence_to_heads)

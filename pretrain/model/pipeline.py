@@ -72,7 +72,7 @@ parallelism run unchanged: no CPU-specific workaround is needed. Quirks a caller
   accepts both.
 - Tensor x pipeline parallelism with sequence parallelism needs `"pipeline":
   {"pipe_partitioned": false, "grad_partitioned": false}` in the DeepSpeed config, or the
-  losses are silently wrong (`pretrain.ds_config.check_deepspeed_pipeline_config` says so
+  losses are silently wrong (`pretrain.resolve.ds_config.check_deepspeed_pipeline_config` says so
   before start-up).
 - The DeepSpeed config's `pipeline.activation_checkpoint_interval` (if > 0) overrides the
   module's, and `pipeline.use_reentrant: false` replaces the checkpoint function by DeepSpeed's.
@@ -100,7 +100,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
-from pretrain.layout import check_pipeline_split, check_tensor_split
+from pretrain.resolve.layout import check_pipeline_split, check_tensor_split
 from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
 from pretrain.model.documents import document_positions
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
@@ -327,7 +327,7 @@ def _deepspeed_topology(topology, *, num_stages: int, tp_group):
             raise ConfigError(f"{num_stages} pipeline stages do not divide the world of {world} "
                               f"ranks: launch a multiple of {num_stages} ranks")
         return None
-    if hasattr(topology, "deepspeed_topology"):  # pretrain.topology.Topology
+    if hasattr(topology, "deepspeed_topology"):  # pretrain.resolve.topology.Topology
         topology = topology.deepspeed_topology()
     stages = topology.get_dim("pipe")
     model = max(topology.get_dim("model"), 1)  # get_dim is 0 for an absent axis
@@ -390,7 +390,7 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
     (`pretrain.model.build_pipeline_model` also initialises them).
 
     Collective: every rank of the world calls it (DeepSpeed creates process groups).
-    `topology`: a `pretrain.topology.Topology` or DeepSpeed `ProcessTopology`; required with
+    `topology`: a `pretrain.resolve.topology.Topology` or DeepSpeed `ProcessTopology`; required with
     tensor parallelism (then `tp_group` is this rank's group of it), otherwise DeepSpeed lays
     out pipe x data. Pass the result to `deepspeed.initialize(model=..., config=...)` without
     `mpu` and train with `engine.train_batch(iter_of((input_ids, labels)))`.

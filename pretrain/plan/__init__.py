@@ -11,6 +11,6 @@
 - `pretrain.plan.dry_run` and `pretrain.plan.report`: the dry run of a full run config and the
   text `pretrain plan` prints.
 
-Which layouts are valid is decided by `pretrain.layout`; parameter and FLOP counts come from
+Which layouts are valid is decided by `pretrain.resolve.layout`; parameter and FLOP counts come from
 `pretrain.arithmetic`.
 """

@@ -28,7 +28,7 @@ from pretrain.config import RunConfig
 from pretrain.dist import init_deepspeed_comm
 from pretrain.errors import ConfigError
 from pretrain.model.build import construct_for_layout
-from pretrain.run import ResolvedRun
+from pretrain.resolve.run import ResolvedRun
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The dry run of a full run config for N ranks: every check `pretrain train` makes before it
-builds the model, through the same resolver (`pretrain.run`), without launching anything or
+builds the model, through the same resolver (`pretrain.resolve.run`), without launching anything or
 creating a process group."""
 from __future__ import annotations
 
 from pretrain.config import RunConfig
-from pretrain.run import ResolvedRun, SettledConfig, lay_out, settle_config
+from pretrain.resolve.run import ResolvedRun, SettledConfig, lay_out, settle_config
 
 
 def settle_for_plan(cfg: RunConfig, *, on_this_machine: bool) -> SettledConfig:

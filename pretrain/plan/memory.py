@@ -26,7 +26,7 @@ ZeRO 2 shards gradients, ZeRO 3 also parameters; optimizer offload moves the opt
 (and, from ZeRO 2, the fp32 gradient partition) to the host, parameter offload (ZeRO 3) the
 parameters.
 
-`train.engine: fsdp2` (`fsdp2_stage_memory`, after `pretrain.fsdp2.shard_model` and torch's
+`train.engine: fsdp2` (`fsdp2_stage_memory`, after `pretrain.training.fsdp2.shard_model` and torch's
 FSDP2): each decoder layer is one `fully_shard` unit and the root unit holds the embedding, the
 final norm and the head; every unit is sharded over the data x context ranks (the rows' padding
 to a multiple of the ranks is not counted). The shards are fp32 and are the optimizer's masters
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from pretrain.arithmetic import layer_parameters, layout_recomputed_layers, stage_parameters
 from pretrain.config import ModelConfig, Precision
-from pretrain.fsdp2_rules import layout_refusals, raise_refusals
-from pretrain.layout import Layout
+from pretrain.resolve.fsdp2_rules import layout_refusals, raise_refusals
+from pretrain.resolve.layout import Layout
 
 GB = 2**30
 
@@ -202,7 +202,7 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
 # ---- train.engine: fsdp2 --------------------------------------------------------------------
 
 def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
-    """ConfigError for what fsdp2 does not run (the rules `pretrain.fsdp2_rules` applies to a
+    """ConfigError for what fsdp2 does not run (the rules `pretrain.resolve.fsdp2_rules` applies to a
     run config), so that no plan is made of it."""
     raise_refusals(layout_refusals(
         pipeline=layout.pipeline, sequence_parallel=layout.sequence_parallel,

@@ -5,7 +5,7 @@ cluster and the throughput its authors reported.
 from __future__ import annotations
 
 from pretrain.config import ModelConfig, Recompute
-from pretrain.layout import Layout
+from pretrain.resolve.layout import Layout
 from pretrain.plan.clusters import make_cluster
 
 # Megatron-Core's 70B GPT benchmark: TP 8, PP 2, DP 48, vocab 131072, seq 4096, global batch 384

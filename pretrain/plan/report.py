@@ -4,11 +4,11 @@ from __future__ import annotations
 from pretrain.arithmetic import (expert_parameters_per_rank, model_flops_per_token,
                                  num_active_parameters, num_parameters)
 from pretrain.config import Engine, ModelConfig, RunConfig
-from pretrain.ds_config import shipped_ds_configs
+from pretrain.resolve.ds_config import shipped_ds_configs
 from pretrain.hardware import format_flops
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
 from pretrain.plan.memory import GB
-from pretrain.layout import Layout
+from pretrain.resolve.layout import Layout
 from pretrain.plan.search import MEMORY_MARGIN_REASON, Plan, engine_key, keeps_margin, search
 
 

@@ -1,11 +1,11 @@
 """Plan one layout (`estimate`) or rank every layout of a cluster that fits (`search`).
 
 `estimate(model, layout, cluster)` checks the layout with the stack's rulebook
-(`pretrain.layout.check_layout`), then combines the memory model (`pretrain.plan.memory`) and the
+(`pretrain.resolve.layout.check_layout`), then combines the memory model (`pretrain.plan.memory`) and the
 time model (`pretrain.plan.step_time`) into a `Plan`: per-GPU memory of the heaviest stage,
 step time, tokens/s, model FLOPs utilisation (MFU) and hardware FLOPs utilisation (HFU, counting
 recomputation). `engine` is the run's `train.engine`: DeepSpeed's, or FSDP2's sharding of the
-same layout (its ZeRO stage and offload read from the DeepSpeed JSON as `pretrain.fsdp2_rules`
+same layout (its ZeRO stage and offload read from the DeepSpeed JSON as `pretrain.resolve.fsdp2_rules`
 reads them).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from pretrain.arithmetic import stage_items
 from pretrain.config import Engine, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
-from pretrain.layout import Layout, check_layout
+from pretrain.resolve.layout import Layout, check_layout
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
 from pretrain.plan.memory import GB, MemoryBreakdown, fsdp2_stage_memory, stage_memory
 from pretrain.plan.step_time import TimeBreakdown, estimate_time

@@ -23,7 +23,7 @@ from typing import ClassVar
 from pretrain.arithmetic import (layout_recomputed_layers, model_flops_per_token,
                                  stage_flops_per_token, stage_parameters)
 from pretrain.config import Engine, ModelConfig, Precision
-from pretrain.layout import Layout
+from pretrain.resolve.layout import Layout
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
                                     MATMUL_EFFICIENCY, Cluster)
 from pretrain.plan.memory import bytes_per_param, fsdp2_offloads

@@ -1,6 +1,6 @@
 """Fault injection for tests, the one way in: production code reads no test switch.
 
-The seams are in `pretrain.faults`:
+The seams are in `pretrain.training.faults`:
 - `NonFiniteGuard.corrupt_loss` returns a micro-batch's loss unchanged. `inject_nan_losses(steps)`
   replaces it in this process, so that global rank 0's first micro-batch loss of each optimizer
   step in `steps` is multiplied by NaN (flat models; the pipeline engine computes its loss inside
@@ -10,13 +10,13 @@ The seams are in `pretrain.faults`:
   models) or of the evaluation after step `step` ("eval"; a pipeline's first chunk) starts.
 - `hang_inside(step, rank, how)` replaces the same seam, so that global rank `rank` hangs as the
   first micro-batch of step `step` starts: it blocks forever in `blocked_forever` ("block") or
-  SIGSTOPs itself ("stop"), for the hang watchdog (`pretrain.hang`) to find.
-- `LossSpikes.observed_loss` (`pretrain.spikes`) returns a replica's step loss unchanged.
+  SIGSTOPs itself ("stop"), for the hang watchdog (`pretrain.training.hang`) to find.
+- `LossSpikes.observed_loss` (`pretrain.training.spikes`) returns a replica's step loss unchanged.
   `inject_loss_spikes(data=, transient=)` replaces it, so that data-parallel replica 0's loss
   is multiplied by 100 in every step whose global batch holds one of the sample numbers `data`
   (a data problem: a replay spikes again), and in the first step run that holds one of
   `transient` (a transient fault: a replay does not).
-- `StragglerWatch.step_started` and `StragglerWatch.measured` (`pretrain.stragglers`) do
+- `StragglerWatch.step_started` and `StragglerWatch.measured` (`pretrain.training.stragglers`) do
   nothing. `delay_rank(rank, seconds)` makes one rank sleep as each step starts;
   `fake_step_times(rank, from_step=)` replaces every rank's measured times by fixed ones, that
   rank's compute 3x longer from a step on.
@@ -42,7 +42,7 @@ import torch
 
 def inject_nan_losses(steps: Iterable[int]) -> None:
     """From now on in this process, rank 0's first micro-batch loss of `steps` is NaN."""
-    from pretrain.faults import NonFiniteGuard
+    from pretrain.training.faults import NonFiniteGuard
 
     chosen = frozenset(steps)
 
@@ -61,7 +61,7 @@ def inject_loss_spikes(*, data: Iterable[int] = (), transient: Iterable[int] = (
     """From now on in this process, replica 0's step loss is SPIKE_FACTOR x larger in every step
     whose samples include one of `data`, and in the first step run that includes one of
     `transient`."""
-    from pretrain.spikes import LossSpikes
+    from pretrain.training.spikes import LossSpikes
 
     always, once = frozenset(data), frozenset(transient)
     fired: list[int] = []
@@ -81,7 +81,7 @@ def inject_loss_spikes(*, data: Iterable[int] = (), transient: Iterable[int] = (
 def signal_inside(where: str, step: int) -> None:
     """From now on in this process, global rank 0 sends itself SIGUSR1 as the first micro-batch
     of step `step` (`where` "step") or of the evaluation after step `step` ("eval") starts."""
-    from pretrain.faults import RunControl
+    from pretrain.training.faults import RunControl
 
     def micro_batch_started(self, at: str, *, step: int, micro: int, rank: int) -> None:
         if (at, step, micro, rank) == (where, chosen, 0, 0):
@@ -99,7 +99,7 @@ def blocked_forever() -> None:
 def hang_inside(step: int, rank: int, how: str) -> None:
     """From now on in this process, global rank `rank` hangs as the first micro-batch of step
     `step` starts: `how` "block" (forever, in `blocked_forever`) or "stop" (SIGSTOP)."""
-    from pretrain.faults import RunControl
+    from pretrain.training.faults import RunControl
 
     if how not in ("block", "stop"):
         raise ValueError(how)
@@ -143,7 +143,7 @@ def delay_rank(rank: int, seconds: float) -> None:
     real straggler: its data wait and compute stay, the others wait in collectives)."""
     import time
 
-    from pretrain.stragglers import StragglerWatch
+    from pretrain.training.stragglers import StragglerWatch
 
     def step_started(self, *, step: int, rank: int) -> None:
         if rank == slowed:
@@ -157,7 +157,7 @@ def fake_step_times(slow_rank: int, *, from_step: int, factor: float = 3.0) -> N
     """From now on in this process, every rank reports the same measured times (compute 1 s,
     data wait 0.1 s, collective wait 0.2 s per check) except `slow_rank`, whose compute is
     `factor` x longer at the checks after steps >= `from_step`: a naming that no timing moves."""
-    from pretrain.stragglers import StragglerWatch
+    from pretrain.training.stragglers import StragglerWatch
 
     def measured(self, times, *, step: int, rank: int):
         slow = rank == slow_rank and step >= from_step

@@ -38,7 +38,7 @@ from pretrain.dist import create_io_group
 
 
 # What the fork server imports once; a rank imports the rest (its test module) itself.
-PRELOAD = ["pretrain.testing.ranks", "deepspeed", "pretrain.engine", "pretrain.model"]
+PRELOAD = ["pretrain.testing.ranks", "deepspeed", "pretrain.training.engine", "pretrain.model"]
 
 
 def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, result_dir: str,

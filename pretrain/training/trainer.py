@@ -2,7 +2,7 @@
 
 One optimizer step consumes one global batch of `micro_batch_size * grad_accum * dp` packed
 samples in a fixed global order (`pretrain.data.DistributedPackedSampler`), so a run's data stream
-does not depend on how many ranks it used. The engine comes from `pretrain.engine`; this module
+does not depend on how many ranks it used. The engine comes from `pretrain.training.engine`; this module
 owns the loop, the data, the telemetry and when to save.
 """
 from __future__ import annotations
@@ -20,23 +20,27 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
-from pretrain import checkpoint, curves, faults, hang, spikes, stragglers, telemetry
+from pretrain import checkpoint, curves
 from pretrain.config import Precision
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
 from pretrain.data.loader import micro_batches
 from pretrain.data.samples import stream_numbers
 from pretrain.dist import World, same_on_every_rank, wait_for_io
-from pretrain.engine import TimedBatches, build_engine, engine_loss
 from pretrain.errors import EXIT_REQUEUE, ConfigError
-from pretrain.evaluation.in_training import TaskEvaluator, ValidationLoss
 from pretrain.files import git_commit
 from pretrain.hardware import PrecisionChoice
-from pretrain.metrics import StepRecords, announce_run, global_grad_norm
+from pretrain.log import log
 from pretrain.model import ModelForm, compile_report, moe
-from pretrain.run import ResolvedRun
+from pretrain.resolve.run import ResolvedRun
+from pretrain.resolve.topology import ProcessGroups
 from pretrain.terminal import show_progress_bar
-from pretrain.topology import ProcessGroups
+from pretrain.training import faults, hang, spikes, stragglers
+from pretrain.training.engine import TimedBatches, build_engine, engine_loss
+from pretrain.training.evaluators import TaskEvaluator, ValidationLoss
+from pretrain.training.metrics import StepRecords, announce_run, format_step_line, global_grad_norm
+from pretrain.training.profiler import StepProfiler
+from pretrain.training.sinks import MetricsSink
 
 @dataclass
 class TrainResult:
@@ -50,7 +54,7 @@ class TrainResult:
 class Trainer:
     def __init__(self, run: ResolvedRun, world: World, groups: ProcessGroups, *,
                  resume: checkpoint.ResumePoint | None, control: faults.RunControl):
-        """`run` is the resolved run (`pretrain.run.resolve_run`: its frozen config, layout and
+        """`run` is the resolved run (`pretrain.resolve.run.resolve_run`: its frozen config, layout and
         DeepSpeed config); `groups` this rank's process groups (`run.topology.create_groups()`);
         `resume` the checkpoint to start from, its content confirmed
         (`pretrain.checkpoint.confirm_content`), whose `checkpoint.load_universal` the DeepSpeed
@@ -105,21 +109,21 @@ class Trainer:
         self.watchdog = hang.Watchdog(
             timeout_minutes=cfg.train.hang_timeout, rank=world.rank, world_size=world.world_size,
             run_dir=self.run_dir, store=hang.default_store() if world.world_size > 1 else None,
-            control=control, log=lambda line: telemetry.log(line, level="warning"),
+            control=control, log=lambda line: log(line, level="warning"),
             on_verdict=self._record_hang, saver=self.saver)
         self.guard = faults.NonFiniteGuard(
             self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
             spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
-            log=lambda text: telemetry.log(text, main=self.main, level="warning"),
+            log=lambda text: log(text, main=self.main, level="warning"),
             spikes_kept_out=self.spikes.action is not spikes.SpikeAction.LOG)
         self._git_commit = git_commit()  # recorded in every checkpoint's meta.json
         self.stragglers = stragglers.StragglerWatch(
             interval=cfg.train.straggler_interval, margin=cfg.train.straggler_margin,
             patience=cfg.train.straggler_patience, rank=world.rank,
-            log=lambda text: telemetry.log(text, main=self.main, level="warning"))
+            log=lambda text: log(text, main=self.main, level="warning"))
         self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
                                    main=self.main)
-        self.metrics = telemetry.MetricsSink(self.run_dir, enabled=self.main,
+        self.metrics = MetricsSink(self.run_dir, enabled=self.main,
                                              settings=cfg.logging, run_config=cfg.to_dict())
         self._curves_step: int | None = None  # the step curves.png shows; -1: drawing failed
         self.validation = ValidationLoss(self)  # every train.eval_interval steps and the last
@@ -135,9 +139,9 @@ class Trainer:
             raise ConfigError(f"train.precision=auto chose {choice.precision.value} on rank "
                               f"{self.world.rank} ({choice.reason}) but not on every rank: the "
                               "ranks run on different hardware; set train.precision explicitly")
-        telemetry.log(f"[precision] {choice.precision.value}: {choice.reason}", main=self.main)
+        log(f"[precision] {choice.precision.value}: {choice.reason}", main=self.main)
         if choice.warning:
-            telemetry.log(f"warning: {choice.warning}", main=self.main, level="warning")
+            log(f"warning: {choice.warning}", main=self.main, level="warning")
 
     def _load_data(self) -> tuple[Tokenizer, Samples, Samples | None]:
         d, m = self.cfg.data, self.cfg.model
@@ -148,7 +152,7 @@ class Trainer:
         train, valid = build_datasets(
             d, seq_length=m.seq_length, train_samples=self.cfg.train.steps * self.global_batch,
             with_valid=self.cfg.train.eval_interval > 0,
-            log=lambda message: telemetry.log(message, main=self.main))
+            log=lambda message: log(message, main=self.main))
         if self.main:
             wait_for_io()
         return tokenizer, train, valid
@@ -156,7 +160,7 @@ class Trainer:
     def _loader(self, dataset: Samples, *, consumed: int,
                 workers: int) -> Iterator[dict[str, torch.Tensor]]:
         """Micro-batches of `dataset` from `consumed` on; the training data leaves out the
-        quarantined sample numbers (`pretrain.spikes`), the validation data nothing."""
+        quarantined sample numbers (`pretrain.training.spikes`), the validation data nothing."""
         skip = self.spikes.quarantine if dataset is self.train_data else ()
         return micro_batches(dataset, micro_batch_size=self.cfg.train.micro_batch_size,
                              dp_rank=self.dp_rank, dp_size=self.dp_size,
@@ -188,7 +192,7 @@ class Trainer:
                               f"train.global_batch_size={point.meta['global_batch']}")
         how = (", universal" if point.universal else "") + (f", resharded {change}" if change
                                                              else "")
-        telemetry.log(f"[resume] from {point.path} at step {self.step} ({self.consumed_samples} "
+        log(f"[resume] from {point.path} at step {self.step} ({self.consumed_samples} "
                       f"samples consumed{how}) in {time.perf_counter() - start:.1f}s",
                       main=self.main)
 
@@ -218,8 +222,8 @@ class Trainer:
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float | None, float]:
         """One optimizer step over `grad_accum` micro-batches; returns (mean loss, data wait).
         The loss is None when a stop request came between two micro-batches: the partial step
-        is abandoned (`pretrain.faults`: the engine state is still the last completed step's).
-        With train.on_loss_spike=skip a spike's update is dropped (`pretrain.spikes`)."""
+        is abandoned (`pretrain.training.faults`: the engine state is still the last completed step's).
+        With train.on_loss_spike=skip a spike's update is dropped (`pretrain.training.spikes`)."""
         timed = TimedBatches(batches)
         self._step_samples = stream_numbers(self.consumed_samples, self.global_batch,
                                             skip=self.spikes.quarantine)
@@ -285,7 +289,7 @@ class Trainer:
         batches = self._loader(self.train_data, consumed=self.consumed_samples,
                                workers=self.cfg.data.num_workers)
         bar = self._progress_bar()
-        profiler = telemetry.StepProfiler(self.cfg.logging.profile_range(), run_dir=self.run_dir,
+        profiler = StepProfiler(self.cfg.logging.profile_range(), run_dir=self.run_dir,
                                           rank=self.world.rank)
         while self.step < self.cfg.train.steps:
             record = self._run_step(batches, profiler, result)
@@ -312,7 +316,7 @@ class Trainer:
                     dynamic_ncols=True, disable=not show)
 
     def _run_step(self, batches: Iterator[dict[str, torch.Tensor]],
-                  profiler: telemetry.StepProfiler, result: TrainResult) -> dict[str, Any] | None:
+                  profiler: StepProfiler, result: TrainResult) -> dict[str, Any] | None:
         """One optimizer step, profiled and timed; its loss into `result`; its step record,
         written to the metric sinks (the non-finite guard's fields in it). None when a stop
         request abandoned the step."""
@@ -333,7 +337,7 @@ class Trainer:
         self.consumed_samples += self.global_batch
         elapsed = time.perf_counter() - start
         if profiler.end(self.step):
-            telemetry.log(f"[profile] Chrome trace of steps {self.cfg.logging.profile_steps} in "
+            log(f"[profile] Chrome trace of steps {self.cfg.logging.profile_steps} in "
                           f"{profiler.path}", main=self.main)
         result.losses.append(loss)
         if self.cfg.model.compile and len(result.losses) == 1:
@@ -357,7 +361,7 @@ class Trainer:
 
     def _log_compile(self, elapsed: float) -> None:
         report = compile_report()
-        telemetry.log(f"[compile] {report.seconds:.1f} s of the first step ({elapsed:.1f} s) "
+        log(f"[compile] {report.seconds:.1f} s of the first step ({elapsed:.1f} s) "
                       f"compiling {report.graphs} graphs ({report.graph_breaks} graph breaks); "
                       f"inductor cache: {report.cache_hits} reused, {report.cache_misses} built",
                       main=self.main)
@@ -369,7 +373,7 @@ class Trainer:
         bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
         if self.main and (self.step % self.cfg.logging.log_interval == 0 or self.step == steps
                           or record.get("stragglers")):
-            bar.write(telemetry.format_step_line(record, steps))
+            bar.write(format_step_line(record, steps))
 
     def _stop_or_save(self, result: TrainResult) -> bool:
         """What the ranks agreed on after this step (`faults.RunControl`, the one owner of when
@@ -389,8 +393,8 @@ class Trainer:
     def _finish(self, result: TrainResult) -> TrainResult:
         """After the loop: the last step saved (and the final weights), curves, sinks closed."""
         result.final_step = self.step
-        log = functools.partial(telemetry.log, main=self.main, level="warning")
-        self.spikes.write_summary(self.metrics, step=self.step, log=log)
+        warn = functools.partial(log, main=self.main, level="warning")
+        self.spikes.write_summary(self.metrics, step=self.step, log=warn)
         self.stragglers.write_summary(self.metrics, step=self.step)
         if result.stop_reason:
             self._draw_curves()
@@ -404,7 +408,7 @@ class Trainer:
                 result.final_dir = checkpoint.save_final(
                     self.engine, cfg=self.cfg, groups=self.groups, tokenizer=self.tokenizer,
                     run_dir=self.run_dir, step=self.step, main=self.main)
-            telemetry.log(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
+            warn(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
         self._draw_curves()
         self.metrics.close()
         return result
@@ -412,7 +416,7 @@ class Trainer:
     def _stop(self, result: TrainResult, stop: str) -> None:
         """A stop request: save the last completed step (unless saved), mark the run stopped."""
         result.stop_reason = stop
-        telemetry.log(f"[stop] {stop}: saving step {self.step}, then exiting to be requeued",
+        log(f"[stop] {stop}: saving step {self.step}, then exiting to be requeued",
                       main=self.main, level="warning")
         if self._saved_step != self.step:
             self.save()
@@ -431,7 +435,7 @@ class Trainer:
             self._curves_step = self.step
         except Exception as exc:  # noqa: BLE001 - matplotlib missing or failing
             self._curves_step = -1
-            telemetry.log(f"warning: curves.png off for this run: {type(exc).__name__}: {exc}",
+            log(f"warning: curves.png off for this run: {type(exc).__name__}: {exc}",
                           level="warning")
 
     def save(self) -> None:
@@ -451,7 +455,7 @@ class Trainer:
         self.control.mark_saved()
         self._saved_step = self.step
         took = f"{time.perf_counter() - self._save_started:.1f}s"
-        telemetry.log(f"[checkpoint] {path}: state copied in {took}, written in the background"
+        log(f"[checkpoint] {path}: state copied in {took}, written in the background"
                       if self.saver.in_flight else f"[checkpoint] {path} in {took}", main=self.main)
 
     def _finish_save(self) -> None:
@@ -460,6 +464,6 @@ class Trainer:
         with self.watchdog.paused():  # its waits have train.io_timeout_minutes
             path = self.saver.finish()
         if path is not None:
-            telemetry.log(f"[checkpoint] {path} complete, "
+            log(f"[checkpoint] {path} complete, "
                           f"{time.perf_counter() - self._save_started:.1f}s after the save began",
                           main=self.main)

@@ -12,7 +12,7 @@ hung loop never polls) - is a hang. Then every rank that can still run Python:
 1. raises the alarm in the rendezvous store (the launcher's TCPStore, which works while
    NCCL / gloo are wedged), which the other ranks' watchdogs see at their next poll;
 2. writes `<run_dir>/hang/rank<N>.txt`: every thread's Python stack (faulthandler) and its last
-   collectives (`pretrain.collective_log`); on NCCL also torch's flight recorder
+   collectives (`pretrain.training.collective_log`); on NCCL also torch's flight recorder
    (`hang/flight_recorder_rank<N>.pkl`);
 3. answers in the store with its status: host, last finished step, collectives entered per
    group, the one it is in.
@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pretrain import collective_log
+from pretrain.training import collective_log
 from pretrain.errors import EXIT_REQUEUE
-from pretrain.hang_verdict import verdict
+from pretrain.training.hang_verdict import verdict
 
 SIGTERM_GRACE_S = 30.0  # Slurm's default KillWait: it SIGKILLs this long after SIGTERM anyway
 _KEY = "pretrain/hang"
@@ -203,7 +203,7 @@ class Watchdog:
         self._set(f"left/{self.rank}", "1")
         if self.rank == 0:  # it holds the store under most launchers: leave last
             self._wait_for_all([f"left/{r}" for r in answered], self.window)
-            from pretrain.world_fit import publish_exit  # ranks left idle exit with this code
+            from pretrain.resolve.world_fit import publish_exit  # ranks left idle exit with this code
 
             publish_exit(EXIT_REQUEUE, rank=0)
 

@@ -18,7 +18,7 @@
   and bf16 optimizers skip it themselves; the plain torch optimizer of ZeRO-0 is wrapped to do
   the same), counted and logged; after `max_in_a_row` such steps in a row the run stops with
   `TrainingFault` (EXIT_FAULT). Loss spikes and fp16 loss-scale changes are logged; what a
-  spike does beyond that (skip, rollback) is `pretrain.spikes`'.
+  spike does beyond that (skip, rollback) is `pretrain.training.spikes`'.
 - `is_collective_failure`: tells a peer's death or a collective timeout from other errors, so
   `pretrain train` exits with EXIT_FAULT and a one-line reason instead of a traceback or a hang.
 
@@ -36,15 +36,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as torch_dist
 
-from pretrain.errors import EXIT_FAULT
+from pretrain.errors import TrainingFault
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class TrainingFault(Exception):
-    """The run stopped itself (too many non-finite steps, a dead rank): exit EXIT_FAULT."""
-
-    exit_code = EXIT_FAULT
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -161,7 +155,7 @@ class NonFiniteGuard:
     def __init__(self, engine, *, max_in_a_row: int, spike_factor: float, device: str,
                  rank: int, log: Callable[[str], None], spikes_kept_out: bool = False):
         """`spikes_kept_out`: a spike's loss stays out of the running mean (its update was
-        skipped or rolled back, `pretrain.spikes`); otherwise every finite loss enters it."""
+        skipped or rolled back, `pretrain.training.spikes`); otherwise every finite loss enters it."""
         self.engine, self.max_in_a_row, self.spike_factor = engine, max_in_a_row, spike_factor
         self.spikes_kept_out = spikes_kept_out
         self.log, self.rank = log, rank
@@ -201,7 +195,7 @@ class NonFiniteGuard:
                    spike_skipped: bool = False) -> dict[str, Any]:
         """Account for the step just taken; the fields it adds to the step record.
         `spike_skipped`: the trainer dropped this step's update for a loss spike (through the
-        non-finite path: `pretrain.spikes`), which is then no non-finite step."""
+        non-finite path: `pretrain.training.spikes`), which is then no non-finite step."""
         skipped = self.engine.skipped_steps > skipped_before
         nonfinite = not spike_skipped and (
             not math.isfinite(loss) or (skipped and self.loss_scale is None))

@@ -1,7 +1,7 @@
 """Loss spikes: what `train.on_loss_spike` does once `NonFiniteGuard` sees one.
 
 A spike is a step whose loss (the mean over the global batch) exceeds `train.loss_spike_factor`
-times the running mean of the losses before it (`pretrain.faults.NonFiniteGuard.is_spike`).
+times the running mean of the losses before it (`pretrain.training.faults.NonFiniteGuard.is_spike`).
 
 - `log` (the default): a `[fault] ... loss spike` line; the update is applied.
 - `skip`: the update is dropped through the non-finite path. The step's loss is reduced over
@@ -10,7 +10,7 @@ times the running mean of the losses before it (`pretrain.faults.NonFiniteGuard.
   ZeRO and bf16 optimizers; `NonFiniteGuard`'s wrapper of ZeRO-0's plain optimizer) drops the
   update on every rank and the lr schedule does not advance. The data is consumed. Under fp16
   the overflow also halves the loss scale, as any overflow does. Flat models only: a pipeline's
-  update happens inside DeepSpeed's schedule before the loss is known (`pretrain.run` refuses it).
+  update happens inside DeepSpeed's schedule before the loss is known (`pretrain.resolve.run` refuses it).
 - `rollback`: the step was applied; the run loads its last checkpoint, replays the steps from
   there up to the spike from the same state and data, and compares the spiking step's loss:
   * the replay differs: a transient fault (hardware, not data). The line names the ranks whose
@@ -37,10 +37,11 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from pretrain import checkpoint, telemetry
+from pretrain import checkpoint
 from pretrain.checkpoint.paths import read_meta
 from pretrain.config import SpikeAction
 from pretrain.dist import gather_for_io
+from pretrain.log import log
 
 QUARANTINE_KEY = "quarantined_samples"  # in a checkpoint's meta.json
 
@@ -106,14 +107,14 @@ class LossSpikes:
 def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
               losses: list[float]) -> Iterator:
     """`rollback` for the step of `record`, a spike that `trainer` (the run's
-    `pretrain.trainer.Trainer`, whose engine, step, data position and checkpoints this moves)
+    `pretrain.training.trainer.Trainer`, whose engine, step, data position and checkpoints this moves)
     just took: replay it from the last checkpoint, then keep the replay (transient) or
     quarantine the step's samples and go back to that checkpoint (data); the steps undone leave
     `losses`. Collective. Returns the data iterator to go on with (`batches` is closed)."""
     step, spikes = record["step"], trainer.spikes
     samples, first_local = trainer._step_samples, trainer._local_loss
     if trainer._saved_step is None:
-        telemetry.log(f"[spike] step {step}: no checkpoint to roll back to yet; the update is "
+        log(f"[spike] step {step}: no checkpoint to roll back to yet; the update is "
                       "kept", main=trainer.main, level="warning")
         return batches
     trainer._finish_save()
@@ -132,7 +133,7 @@ def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
     if replay_mean != record["loss"]:
         spikes.counts.transient += 1
         where = ", ".join(f"rank {r} (host {h})" for r, h in differing) or "no single rank"
-        telemetry.log(f"[spike] step {step}: replayed from step {point.step}, the loss is now "
+        log(f"[spike] step {step}: replayed from step {point.step}, the loss is now "
                       f"{replay_mean:.4f} (was {record['loss']:.4f}): a transient fault on "
                       f"{where}; going on from the replayed step", main=trainer.main,
                       level="warning")
@@ -147,7 +148,7 @@ def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
     spikes.counts.quarantined += len(samples)
     _restore(trainer)
     del losses[len(losses) - min(len(losses), step - trainer.step):]
-    telemetry.log(f"[spike] step {step}: the replay from step {point.step} gives the same loss "
+    log(f"[spike] step {step}: the replay from step {point.step} gives the same loss "
                   f"{replay_mean:.4f}: a data problem. Rolled back to step {point.step}; "
                   f"quarantined its {len(samples)} samples (numbers {_ranges(samples)}), left "
                   "out of the data stream and listed in every later checkpoint",

@@ -14,9 +14,9 @@ machine-readable record. Fields:
     step_time_s, consumed_samples, skipped_steps (cumulative, fp16 overflow), loss_scale (fp16),
     and on GPUs gpu_util_pct, gpu_temp_c, gpu_mem_used_gb (NVML, rank 0's device); update_skipped,
     nonfinite_steps, loss_spike, and the spike counts spikes_skipped, spikes_rolled_back,
-    spikes_transient, samples_quarantined (`pretrain.spikes`); with straggler checks
+    spikes_transient, samples_quarantined (`pretrain.training.spikes`); with straggler checks
     stragglers_named, and at a check straggler_max_slowdown and stragglers (the ranks named:
-    rank, host, slowdown, compute_s, data_wait_s, collective_wait_s; `pretrain.stragglers`);
+    rank, host, slowdown, compute_s, data_wait_s, collective_wait_s; `pretrain.training.stragglers`);
     with a mixture of experts moe_aux_loss and moe_z_loss (unweighted, mean per layer forward),
     moe_dropped_fraction, moe_load_max_mean_worst and per MoE layer the lists moe_expert_tokens,
     moe_load_max_mean, moe_dropped, moe_layer_aux_loss, moe_layer_z_loss (`pretrain.model.moe`).

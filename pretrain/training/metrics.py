@@ -21,11 +21,11 @@ from pretrain.data.build import Samples
 from pretrain.dist import World, wait_for_io
 from pretrain.hardware import (cpu_mfu_peak, device_peak_tflops, format_flops,
                                measure_matmul_tflops)
-from pretrain.layout import Layout
+from pretrain.resolve.layout import Layout
 from pretrain.log import log
 from pretrain.model import DTYPES
-from pretrain.sinks import MetricsSink
-from pretrain.topology import ProcessGroups
+from pretrain.training.sinks import MetricsSink
+from pretrain.resolve.topology import ProcessGroups
 
 
 def global_grad_norm(parameters, groups: ProcessGroups, *, device: str) -> float:
@@ -217,7 +217,7 @@ def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
             parts.append(f"dropped {100 * rec['moe_dropped_fraction']:.1f}%")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
-    for slow in rec.get("stragglers", ()):  # pretrain.stragglers
+    for slow in rec.get("stragglers", ()):  # pretrain.training.stragglers
         parts.append(f"straggler rank {slow['rank']} ({slow['host']}) {slow['slowdown']:.2f}x")
     return " | ".join(parts)
 

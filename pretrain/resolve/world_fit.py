@@ -95,7 +95,7 @@ def usable_world(launched: int, *, model_parallel: int, micro_batch: int,
 def fit_of_config(cfg: Any, launched: int) -> WorldFit:
     """`usable_world` of a `RunConfig` (its parallel sizes, micro and global batch). A model
     the parallel sizes cannot split is bad input (ConfigError, exit 2) whatever the world."""
-    from pretrain.layout import check_pipeline_split, check_tensor_split
+    from pretrain.resolve.layout import check_pipeline_split, check_tensor_split
 
     p, t = cfg.parallel, cfg.train
     check_tensor_split(cfg.model, p.tensor)

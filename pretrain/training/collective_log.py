@@ -11,7 +11,7 @@ wrapped: `isend` / `irecv` / `batch_isend_irecv` (torch checks a P2POp's functio
 they only issue work) - a pipeline's blocking `send` / `recv` are.
 
 The same wrapper times the blocking calls of one thread (`time_thread`): the training loop's
-seconds spent waiting in collectives, which the straggler checks (`pretrain.stragglers`) take
+seconds spent waiting in collectives, which the straggler checks (`pretrain.training.stragglers`) take
 as a rank's collective wait.
 
 Each call costs a dict lookup, a list store and a clock read (about a microsecond, measured in

@@ -21,14 +21,14 @@ import torch
 from pretrain import lean_imports
 from pretrain.config import Engine, ModelConfig, RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
-from pretrain.ds_config import zero_stage
-from pretrain.fsdp2 import build_fsdp2_engine
+from pretrain.resolve.ds_config import zero_stage
+from pretrain.training.fsdp2 import build_fsdp2_engine
 from pretrain.log import log
-from pretrain.metrics import global_grad_norm
+from pretrain.training.metrics import global_grad_norm
 from pretrain.model import (ModelForm, build_for_layout, compile_blocks,
                             defer_sequence_parallel_grads, tensor_parallel_group)
 from pretrain.model.mup import describe, is_mup, optimizer_groups
-from pretrain.topology import ProcessGroups
+from pretrain.resolve.topology import ProcessGroups
 
 def warmup_cosine(update: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
     """Learning rate of optimizer update number `update` (1-based).
@@ -180,7 +180,7 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
                  main: bool) -> deepspeed.DeepSpeedEngine:
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
     `model.init_from` when set. `ds_config` is the resolved DeepSpeed config. Collective.
-    With `train.engine: fsdp2` it is `pretrain.fsdp2.FSDP2Engine`, which answers the same calls."""
+    With `train.engine: fsdp2` it is `pretrain.training.fsdp2.FSDP2Engine`, which answers the same calls."""
     fsdp2, t = cfg.train.engine is Engine.FSDP2, cfg.train
     factor = lr_factor(t)  # the schedule; each group's lr (muP: hidden matrices lr/m) it scales
     # fsdp2 shards the whole model once it is built: no deepspeed.zero.Init

@@ -2,10 +2,10 @@
 
 A `Layout` is how one training run is spread over `tensor * context * pipeline * data` ranks: the
 parallel sizes, the batch arithmetic, the DeepSpeed engine's ZeRO stage, offload and buckets,
-recomputation and sequence parallelism. `pretrain.run.resolve_layout` derives it, once per
+recomputation and sequence parallelism. `pretrain.resolve.run.resolve_layout` derives it, once per
 process, from the run config and its `Topology` (the data-parallel size is computed there and
 nowhere else); `check_layout(model, layout)` is the rulebook itself. Every caller asks the same
-rules: the run's resolver (`pretrain.run`), the planner's search, and the model builders
+rules: the run's resolver (`pretrain.resolve.run`), the planner's search, and the model builders
 (`check_tensor_split`, `check_pipeline_split`). Every refusal is a ConfigError naming the field, its value and the fix.
 """
 from __future__ import annotations

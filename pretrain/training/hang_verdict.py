@@ -1,6 +1,6 @@
 """The hang verdict: from every rank's status, which rank(s) the others wait for.
 
-A status (`pretrain.hang.Watchdog.status`) says, for one rank: its host, last finished step,
+A status (`pretrain.training.hang.Watchdog.status`) says, for one rank: its host, last finished step,
 how many collectives it entered per process group (`counts`), the last one (`last`: op, group,
 its ranks, sequence number, state) and whether it answered the alarm (`answered`; a rank that did
 not is known only by its last heartbeat, or not at all).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pretrain.collective_log import rank_list
+from pretrain.training.collective_log import rank_list
 
 WAITING = ("waiting", "issued")
 

@@ -4,9 +4,9 @@ The JSON files choose *how* to shard and offload (ZeRO stage, offload devices, b
 config chooses *what* to train (batch, optimizer, precision). Every ``"auto"`` value in the JSON is
 filled from the run config here; an explicit value that contradicts the run config is an error,
 raised before any process group exists. Which ZeRO stage / offload / pipeline combinations
-DeepSpeed supports is decided by the layout rulebook (`pretrain.layout.check_engine`), asked here
+DeepSpeed supports is decided by the layout rulebook (`pretrain.resolve.layout.check_engine`), asked here
 with the JSON's stage and offload devices; what `train.engine: fsdp2` cannot honour of the JSON
-by `pretrain.fsdp2_rules.check_fsdp2`, asked as the JSON is read (`read_run_json`). More things
+by `pretrain.resolve.fsdp2_rules.check_fsdp2`, asked as the JSON is read (`read_run_json`). More things
 DeepSpeed would silently get wrong are refused here:
 
 - the pipeline's partitioned point-to-point transfers under sequence parallelism
@@ -16,7 +16,7 @@ DeepSpeed would silently get wrong are refused here:
   keys, anything DeepSpeed's own config models reject in the sections they model, and "aio"
   keys DeepSpeed does not read (`thread_count`, renamed `intra_op_parallelism`), are refused
   with the nearest valid name (`check_top_level_keys`, `check_sections`);
-- the learning-rate schedule is ours (`pretrain.engine.warmup_cosine`), so a ``"scheduler"``
+- the learning-rate schedule is ours (`pretrain.training.engine.warmup_cosine`), so a ``"scheduler"``
   block is refused rather than silently fighting it. DeepSpeed's WarmupCosineLR applies lr = 0 to
   the first update, which we do not want.
 """
@@ -34,8 +34,8 @@ from typing import Any
 
 from pretrain.config import Engine, Precision, RunConfig, did_you_mean
 from pretrain.errors import ConfigError
-from pretrain.fsdp2_rules import check_fsdp2
-from pretrain.layout import DEEPSPEED_DEFAULT_BUCKET, Layout
+from pretrain.resolve.fsdp2_rules import check_fsdp2
+from pretrain.resolve.layout import DEEPSPEED_DEFAULT_BUCKET, Layout
 from pretrain.mounts import mount_of, network_filesystem, node_local_scratch
 
 AUTO = "auto"
@@ -95,7 +95,7 @@ DEEPSPEED_MODELS = {
 }
 
 
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
 
 def shipped_ds_configs() -> dict[tuple[int, str, str], str]:
@@ -258,7 +258,7 @@ def offload_devices(ds: dict[str, Any]) -> tuple[str, str]:
 
 
 def engine_fields(ds: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed JSON's part of a `pretrain.layout.Layout`: ZeRO stage, offload devices and
+    """The DeepSpeed JSON's part of a `pretrain.resolve.layout.Layout`: ZeRO stage, offload devices and
     bucket sizes (DeepSpeed's defaults where the JSON has none)."""
     zero = ds.get("zero_optimization", {})
     stage = zero_stage(ds)
@@ -308,7 +308,7 @@ def _gradient_dtype(precision: Precision, *, zero_stage: int, pipeline: bool = F
     """The dtype micro-batch gradients are summed and reduced in: fp32 for bf16 under ZeRO and
     in pipelines (like Megatron-LM: bf16's 8-bit mantissa drops the small terms of a long sum),
     else the model's. A bf16 pipeline at ZeRO-0 steps in DeepSpeed's BF16_Optimizer, whose
-    gradient buffer has this dtype (`pretrain.engine` lets DeepSpeed build it with fp32 there);
+    gradient buffer has this dtype (`pretrain.training.engine` lets DeepSpeed build it with fp32 there);
     the flat ZeRO-0 engine (FP16_UnfusedOptimizer) cannot: it sums in bf16. fp16 keeps its own
     dtype and loss scaling."""
     if precision == Precision.BF16 and (zero_stage >= 1 or pipeline):
@@ -335,7 +335,7 @@ def _resolve_gradient_dtypes(ds: dict[str, Any], precision: Precision, *, zero_s
 def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
                    accelerator: str = "cpu") -> dict[str, Any]:
     """Fill every "auto" of the DeepSpeed JSON `ds` (a copy of it: changed in place and
-    returned) from `cfg` and its checked `layout` (`pretrain.run.resolve_layout`); raise
+    returned) from `cfg` and its checked `layout` (`pretrain.resolve.run.resolve_layout`); raise
     ConfigError on conflicts. `accelerator` is DeepSpeed's accelerator name ("cpu", "cuda",
     ...): it decides whether the optimizer is torch's AdamW (CPU, no offload) or DeepSpeed's
     fused / CPU Adam.

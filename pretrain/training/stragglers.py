@@ -4,7 +4,7 @@ Every step each rank adds up three times (`StragglerWatch.begin_step` / `end_ste
 - data wait: waiting for its data loader;
 - collective wait: time inside torch.distributed's blocking calls (all-reduce, all-gather,
   reduce-scatter, broadcast, send / recv, barrier - DeepSpeed's gradient reductions and
-  pipeline transfers included: `pretrain.collective_log`'s wrapper of them times the training
+  pipeline transfers included: `pretrain.training.collective_log`'s wrapper of them times the training
   thread's calls), where a
   rank that is ahead waits for the one behind;
 - compute: the rest of the step.
@@ -31,7 +31,7 @@ import statistics
 import threading
 from typing import Any, Callable
 
-from pretrain import collective_log
+from pretrain.training import collective_log
 from pretrain.dist import gather_for_io
 
 def slow_ranks(own: list[float], *, margin: float) -> list[int]:

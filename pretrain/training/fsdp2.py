@@ -6,7 +6,7 @@ norm and the head (one unit: a tied head is the embedding's parameter). Units sh
 data-parallel group - every replica of a tensor-parallel shard, data x context ranks, as ZeRO
 partitions - so the stack's own tensor parallelism (plain tensors, sharded by name) composes
 with it: each tensor-parallel rank's FSDP2 mesh is its data group, and the two form the 2-D
-(tensor x data) grid. `pretrain.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
+(tensor x data) grid. `pretrain.resolve.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
 offload mean here and what is refused.
 
 What a step does matches DeepSpeed's engine: the loss of each micro-batch is divided by the
@@ -37,11 +37,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from pretrain.config import Precision, RunConfig
-from pretrain.ds_config import zero_stage
-from pretrain.fsdp2_rules import offloads_to_cpu, reshards_after_forward
+from pretrain.resolve.ds_config import zero_stage
+from pretrain.resolve.fsdp2_rules import offloads_to_cpu, reshards_after_forward
 from pretrain.model import canonical_parameters
 from pretrain.model.llama import DecoderLayer
-from pretrain.topology import ProcessGroups
+from pretrain.resolve.topology import ProcessGroups
 
 FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
 

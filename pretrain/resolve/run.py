@@ -23,11 +23,11 @@ from typing import Any, Callable
 
 from pretrain.config import Engine, Precision, RunConfig, SpikeAction, freeze
 from pretrain.data.build import check_run_data
-from pretrain.ds_config import engine_fields, fill_ds_config, read_run_json
+from pretrain.resolve.ds_config import engine_fields, fill_ds_config, read_run_json
 from pretrain.errors import CheckpointError, ConfigError
 from pretrain.hardware import PrecisionChoice, choose_precision
-from pretrain.layout import Layout, check_engine, check_layout, planned_precision
-from pretrain.topology import Topology
+from pretrain.resolve.layout import Layout, check_engine, check_layout, planned_precision
+from pretrain.resolve.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -17,23 +17,7 @@ import time
 
 import torch
 
-from pretrain import telemetry
-from pretrain.config import RunConfig
-from pretrain.errors import ConfigError
-
-
-def check_eval_config(cfg: RunConfig) -> None:
-    """Refuse, before any process group exists, tasks lm-eval does not know and layouts the
-    evaluation cannot run on."""
-    if not cfg.eval.tasks:
-        return
-    if cfg.parallel.context > 1:
-        raise ConfigError("eval.tasks with parallel.context > 1: the evaluation does not split "
-                          "sequences over context ranks; evaluate the checkpoint with "
-                          "`pretrain eval`, or set eval.tasks=[]")
-    from pretrain.evaluation.tasks import check_tasks
-
-    check_tasks(list(cfg.eval.tasks))
+from pretrain.log import log
 
 
 # A pipeline evaluates this many micro-batches per stage in one call (a stop waits for one call)
@@ -44,7 +28,7 @@ class ValidationLoss:
     """The run's validation loss; `after_step` is the trainer's one call."""
 
     def __init__(self, trainer) -> None:
-        """`trainer`: the run's `pretrain.trainer.Trainer` (its engine, validation data and
+        """`trainer`: the run's `pretrain.training.trainer.Trainer` (its engine, validation data and
         loader, stop control, watchdog, metrics and curves)."""
         self.trainer = trainer
         self.cfg = trainer.cfg
@@ -61,13 +45,13 @@ class ValidationLoss:
         trainer = self.trainer
         loss = self.loss()
         if loss is None:  # stopped inside: the poll after the step stops the run
-            telemetry.log(f"[eval] step {step}: interrupted by a stop request",
+            log(f"[eval] step {step}: interrupted by a stop request",
                           main=trainer.main, level="warning")
             return
         eval_losses.append((step, loss))
         ppl = math.exp(min(loss, 50.0))
         trainer.metrics.write({"kind": "eval", "step": step, "loss": loss, "ppl": ppl})
-        telemetry.log(f"[eval] step {step} | valid loss {loss:.4f} | ppl {ppl:.2f}",
+        log(f"[eval] step {step} | valid loss {loss:.4f} | ppl {ppl:.2f}",
                       main=trainer.main, level="result")
         trainer._draw_curves()
 
@@ -76,7 +60,7 @@ class ValidationLoss:
         """The validation loss; None when a stop request came between two micro-batches (a
         pipeline's: between two chunks of PIPELINE_EVAL_CHUNK x stages micro-batches)."""
         # the engine module imports DeepSpeed's: not before `pretrain train` has its process group
-        from pretrain.engine import TimedBatches, engine_loss
+        from pretrain.training.engine import TimedBatches, engine_loss
 
         trainer = self.trainer
         engine, device, control = trainer.engine, trainer.device, trainer.control
@@ -115,7 +99,7 @@ class TaskEvaluator:
     """The run's downstream evaluation; `after_step` is the trainer's one call."""
 
     def __init__(self, trainer) -> None:
-        """`trainer`: the run's `pretrain.trainer.Trainer` (its engine, groups, tokenizer,
+        """`trainer`: the run's `pretrain.training.trainer.Trainer` (its engine, groups, tokenizer,
         metrics, watchdog and curves)."""
         self.trainer = trainer
         self.cfg = trainer.cfg
@@ -150,7 +134,7 @@ class TaskEvaluator:
         seconds = time.perf_counter() - start
         trainer.metrics.write({"kind": "tasks", "step": step, **scores, "seconds": seconds})
         shown = " | ".join(f"{name} {value:.4f}" for name, value in scores.items())
-        telemetry.log(f"[tasks] step {step} | {shown} | {seconds:.1f}s", main=True,
+        log(f"[tasks] step {step} | {shown} | {seconds:.1f}s", main=True,
                       level="result")
         trainer._draw_curves()
 
