@@ -386,3 +386,43 @@ def test_nvme_swappers_are_built_with_the_aio_and_buffer_settings(libaio, tmp_pa
     assert built["flat_cpu_buffers"] == [1] * len(built["group_sizes"]), built
     assert min(built["group_sizes"]) > 1, built
 
+
+# ---- offload: page-locked host buffers -----------------------------------------------------------
+def _pinned_buffers(rank: int, world_size: int) -> dict:
+    """Per engine (shipped zero3_offload_cpu.json: both pin_memory on; and both off): where
+    DeepSpeed asked its accelerator to pin a buffer while building the engine and taking a step,
+    as (ZeRO module, function). A CPU accelerator pins nothing, but DeepSpeed asks for what the
+    settings tell it to pin: the requests are what a GPU node page-locks."""
+    import inspect
+
+    from deepspeed.accelerator import get_accelerator
+
+    asked: list[str] = []
+
+    def record(*args, **kwargs):
+        caller = inspect.stack()[2]
+        asked.append((caller.filename.rsplit("/", 1)[-1].removesuffix(".py"), caller.function))
+
+    report = {}
+    with _counting(type(get_accelerator()), "pin_memory", record):
+        for name, pin in (("shipped", None), ("off", False)):
+            moved = {} if pin is None else {
+                "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+                "offload_param": {"device": "cpu", "pin_memory": pin}}
+            asked.clear()
+            cfg, engine = _build("zero3_offload_cpu", zero=moved)
+            _step(engine, cfg, seed=0)
+            report[name] = sorted(set(asked))
+    return report
+
+
+def test_offload_pins_the_host_buffers_its_pin_memory_settings_name(tmp_path):
+    shipped = json.loads((REPO / "ds_configs/zero3_offload_cpu.json").read_text())
+    zero = shipped["zero_optimization"]
+    assert zero["offload_optimizer"]["pin_memory"] and zero["offload_param"]["pin_memory"]
+    [report] = run_on_ranks(_pinned_buffers, world_size=1, tmp_path=tmp_path, timeout_s=300)
+    shipped, off = ({tuple(site) for site in report[name]} for name in ("shipped", "off"))
+    assert off < shipped, report  # off (DeepSpeed's default) asks at fewer places, none new
+    # each setting reaches DeepSpeed: offload_param pins the parameters' partitions
+    # (partition_parameters), offload_optimizer the optimizer's gradient buffers (stage3)
+    assert {module for module, _ in shipped - off} == {"partition_parameters", "stage3"}, report

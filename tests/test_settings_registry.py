@@ -28,6 +28,7 @@ T_MOE_LAYER = ("tests/test_moe.py::"
                "test_moe_layer_matches_a_per_token_reference_in_output_losses_and_gradients")
 T_EVAL = "tests/test_eval.py::test_in_run_scores_equal_hflms_on_the_exported_checkpoint"
 T_E2E = "tests/test_e2e.py::test_deepspeed_launcher_zero2_trains_checkpoints_and_generates"
+T_PINNED = "tests/test_ds_knobs.py::test_offload_pins_the_host_buffers_its_pin_memory_settings_name"
 T_ZERO2_BUFFERS = ("tests/test_ds_knobs.py::"
                    "test_zero2_contiguous_gradients_and_overlap_comm_build_the_bucket_buffers")
 T_LOGGED = "tests/test_ds_knobs.py::test_steps_per_print_sets_deepspeeds_progress_line_cadence"
@@ -185,6 +186,8 @@ REGISTRY: dict[str, str] = {
         "tests/test_ds_knobs.py::test_zero3_16bit_save_follows_gather_16bit_weights_on_model_save",
     DS + "zero_optimization.offload_optimizer.buffer_count": T_NVME,
     DS + "zero_optimization.offload_param.buffer_count": T_NVME,
+    DS + "zero_optimization.offload_optimizer.pin_memory": T_PINNED,
+    DS + "zero_optimization.offload_param.pin_memory": T_PINNED,
     DS + "zero_optimization.offload_param.buffer_size": T_NVME,
     DS + "zero_optimization.offload_param.max_in_cpu": T_NVME,
     DS + "aio.block_size": T_NVME,
@@ -196,9 +199,6 @@ REGISTRY: dict[str, str] = {
 
 # Settings without a biting test yet, each with why. Only ever remove entries.
 _FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (see fp16.enabled)"
-_CPU_PINNING = ("DeepSpeed's CPU accelerator pins nothing (its pin_memory returns the tensor "
-                "as it is unless DS_PIN_MEMORY_BACKEND=native, which runs never set): on, off "
-                "and dropped build the same buffers on a CPU")
 GAPS: dict[str, str] = {
     DS + "fp16.enabled": ("no fp16 training test: DeepSpeed refuses fp16 on a CPU without "
                           "oneDNN fp16 (AVX2 machines like CI's)"),
@@ -207,8 +207,6 @@ GAPS: dict[str, str] = {
     DS + "fp16.loss_scale_window": _FP16_SCALER,
     DS + "fp16.hysteresis": _FP16_SCALER,
     DS + "fp16.min_loss_scale": _FP16_SCALER,
-    DS + "zero_optimization.offload_optimizer.pin_memory": _CPU_PINNING,
-    DS + "zero_optimization.offload_param.pin_memory": _CPU_PINNING,
 }
 
 # GAPS as written when the registry was made (DeepSpeed keys without the prefix): GAPS must stay
@@ -216,8 +214,6 @@ GAPS: dict[str, str] = {
 FROZEN_GAPS = frozenset([
     "fp16.enabled", "fp16.hysteresis", "fp16.initial_scale_power", "fp16.loss_scale",
     "fp16.loss_scale_window", "fp16.min_loss_scale", "logging.peak_tflops",
-    "zero_optimization.offload_optimizer.pin_memory",
-    "zero_optimization.offload_param.pin_memory",
 ])
 
 # Keys the resolver adds beyond the shipped JSONs (pretrain/resolve/ds_config.py, pretrain/resolve/run.py).
