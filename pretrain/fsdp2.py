@@ -6,7 +6,9 @@ norm and the head (one unit: a tied head is the embedding's parameter). Units sh
 data-parallel group - every replica of a tensor-parallel shard, data x context ranks, as ZeRO
 partitions - so the stack's own tensor parallelism (plain tensors, sharded by name) composes
 with it: each tensor-parallel rank's FSDP2 mesh is its data group, and the two form the 2-D
-(tensor x data) grid. `pretrain.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
+(tensor x data) grid. Under sequence parallelism the norms' gradients are partial sums over
+each tensor rank's tokens; the engine sums their shards over the tensor group once per step
+(`_sum_sequence_parallel_grads`), where DeepSpeed's engine has hooks on the weights. `pretrain.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
 offload mean here and what is refused.
 
 What a step does matches DeepSpeed's engine: the loss of each micro-batch is divided by the
@@ -41,6 +43,7 @@ from pretrain.ds_config import zero_stage
 from pretrain.fsdp2_rules import offloads_to_cpu, reshards_after_forward
 from pretrain.model import canonical_parameters
 from pretrain.model.llama import DecoderLayer
+from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_world_size
 from pretrain.topology import ProcessGroups
 
 FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
@@ -92,6 +95,7 @@ class FSDP2Engine:
         self._norm: float | None = None
         self.checkpoint_engine = None  # the Saver's writer, set before save_checkpoint
         self._tensor_parallel = tensor_parallel
+        self._sequence_parallel_norms = sequence_parallel_norms(model)
 
     # ---- what DeepSpeed's engine answers ----------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -147,6 +151,7 @@ class FSDP2Engine:
         if self._micro < self._micro_batches:
             return
         self._micro = 0
+        self._sum_sequence_parallel_grads()
         self._norm = self.grad_norm()
         if math.isfinite(self._norm):
             if self._clip > 0 and self._norm > self._clip:
@@ -163,6 +168,19 @@ class FSDP2Engine:
 
     def _grads(self):
         return [p for p in self.module.parameters() if p.grad is not None]
+
+    @torch.no_grad()
+    def _sum_sequence_parallel_grads(self) -> None:
+        """Sum the sequence-parallel norms' gradients over the tensor group, once per step.
+
+        Each tensor rank's norm saw only its T/tp tokens, so its gradient is a partial sum; the
+        hooks that reduce it under DeepSpeed (`SequenceShardedWeightGrad`) sat on the weights
+        `fully_shard` replaced. FSDP2 has summed the step's micro-batches into this rank's shard
+        (over the data group, the same rows on every tensor rank), and sums are linear, so one
+        all-reduce of the shard over the tensor group gives each rank its rows of the total."""
+        for norm in self._sequence_parallel_norms:
+            if norm.weight.grad is not None:
+                torch_dist.all_reduce(_local(norm.weight.grad), group=self.groups.tensor)
 
     @torch.no_grad()
     def grad_norm(self) -> float:
@@ -245,6 +263,15 @@ class FSDP2Engine:
             from pretrain.checkpoint.reshard import _resume_schedule
 
             _resume_schedule(self.lr_scheduler, schedule, self.optimizer.param_groups)
+
+
+def sequence_parallel_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` whose `weight` is whole on every tensor rank while their input is
+    a sequence shard (RMSNorms under sequence parallelism): their gradients need the sum over
+    the tensor group."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "weight_grad", None), SequenceShardedWeightGrad)
+            and tp_world_size(m.weight_grad.group) > 1]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -105,15 +105,19 @@ def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, refere
 
 
 @pytest.mark.slow
-def test_tp2_dp2_with_recompute_and_cpu_offload_trains_like_one_process(tiny_data, tmp_path,
-                                                                       reference):
-    """4 ranks: fully_shard over each tensor rank's data group; every layer recomputed; the
-    ZeRO-3 JSON's CPU offload as CPUOffloadPolicy (the optimizer steps the host shards)."""
+def test_tp2_sp_dp2_with_recompute_and_cpu_offload_trains_like_one_process(tiny_data, tmp_path,
+                                                                          reference):
+    """4 ranks: fully_shard over each tensor rank's data group; sequence parallelism (each
+    tensor rank's norms see half the tokens: their gradient shards are summed over the tensor
+    group at the step's end); every layer recomputed; the ZeRO-3 JSON's CPU offload as
+    CPUOffloadPolicy (the optimizer steps the host shards)."""
     run = train(tmp_path, tiny_data, nprocs=4, name="tp2dp2", overrides=[
         f"train.steps={STEPS}", "train.engine=fsdp2", "parallel.tensor=2",
-        "deepspeed=ds_configs/zero3_offload_cpu.json", "model.activation_checkpointing=full"])
+        "parallel.sequence_parallel=true", "deepspeed=ds_configs/zero3_offload_cpu.json",
+        "model.activation_checkpointing=full"])
     head = run.records[0]
     assert (head["engine"], head["tensor"], head["data_parallel"]) == ("fsdp2", 2, 2)
+    assert head["sequence_parallel"] is True
     assert (head["offload_optimizer"], head["offload_param"]) == ("cpu", "cpu")
     _assert_trains_like(run, reference)
 
@@ -235,8 +239,6 @@ def _refusal(overrides: list[str], *, world_size: int = 2) -> str:
     (["deepspeed=ds_configs/zero3_offload_nvme.json"], "offloads to cpu only"),
     (["deepspeed=ds_configs/zero0.json"], "ZeRO stage 0"),
     (["train.precision=fp16", "deepspeed=ds_configs/zero3.json"], "no loss scaling"),
-    (["parallel.tensor=2", "parallel.sequence_parallel=true",
-      "deepspeed=ds_configs/zero3.json"], "sequence_parallel"),
 ])
 def test_settings_fsdp2_cannot_honour_are_refused(overrides, reason):
     assert reason in _refusal(overrides)

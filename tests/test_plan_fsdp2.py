@@ -130,8 +130,7 @@ def test_fsdp2_offload_copies_shards_every_micro_batch_and_steps_on_the_host():
 
 def test_fsdp2_refuses_what_it_does_not_run():
     refused = [(replace(ZERO3, pipeline=2, data=1, zero_stage=1), "parallel.pipeline=2"),
-               (replace(ZERO3, zero_stage=0), "ZeRO stage 0"),
-               (replace(ZERO3, tensor=2, data=1, sequence_parallel=True), "sequence_parallel")]
+               (replace(ZERO3, zero_stage=0), "ZeRO stage 0")]
     for layout, reason in refused:
         with pytest.raises(ConfigError,
                            match=f"train.engine=fsdp2 cannot run this config: .*{reason}"):
@@ -144,6 +143,9 @@ def test_the_search_under_fsdp2_ranks_only_what_fsdp2_runs():
                    engine=Engine.FSDP2)
     assert plans and all(p.engine is Engine.FSDP2 for p in plans)
     assert {p.layout.zero_stage for p in plans} == {2, 3}  # ZeRO-1's JSON is ZeRO-2's here
-    assert all(p.layout.pipeline == 1 and not p.layout.sequence_parallel for p in plans)
+    assert all(p.layout.pipeline == 1 for p in plans)
+    # sequence parallelism wherever the tensor is split, as under DeepSpeed
+    assert all(p.layout.sequence_parallel == (p.layout.tensor > 1) for p in plans)
+    assert any(p.layout.tensor > 1 for p in plans)
     assert any(p.layout.recompute is Recompute.FULL for p in plans)
     assert plans[0].to_dict()["engine"] == "fsdp2"

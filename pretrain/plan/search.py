@@ -147,7 +147,7 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
             layout = replace(base, tensor=tp, pipeline=pp, data=dp, context=cp, micro_batch=mbs,
                              expert=ep,
                              zero_stage=stage, recompute=recompute,
-                             sequence_parallel=tp > 1 and engine is Engine.DEEPSPEED,
+                             sequence_parallel=tp > 1,
                              offload_optimizer="none" if offload == "none" else "cpu",
                              offload_param="cpu" if offload == "opt+param" else "none")
             if engines is not None and engine_key(layout) not in engines:
