@@ -123,8 +123,8 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     and for a mixture of experts expert parallelism over the tensor ranks or none
     (`expert_sizes`).
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
-    passes those a shipped DeepSpeed JSON selects). Under fsdp2: no pipelines, ZeRO 0 or
-    sequence parallelism (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
+    passes those a shipped DeepSpeed JSON selects). Under fsdp2: no pipelines or ZeRO 0
+    (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
     of the same offload is allowed (both mean the same FSDP2).
     """
     check_margin(memory_margin)
