@@ -227,6 +227,27 @@ def test_a_deepspeed_checkpoint_resumes_under_fsdp2_and_back(fsdp2_dp2, referenc
     _assert_trains_like(into_deepspeed, reference, first_step=SAVE_AT + 1)
 
 
+@pytest.mark.slow
+def test_hsdp_trains_like_one_process_and_its_checkpoint_resumes_on_other_layouts(
+        tiny_data, tmp_path, reference):
+    """dp 4 as 2 replica groups x 2 shards (HSDP: reduce-scatter in a group, all-reduce across
+    the groups): one process's steps; the first group alone writes the checkpoint, which
+    resumes under plain fsdp2 at dp 2 and under DeepSpeed on one process, each continuing the
+    uninterrupted HSDP run."""
+    run = train(tmp_path, tiny_data, nprocs=4, name="hsdp", overrides=[
+        *SAVES, *FSDP2, "train.fsdp2_replicas=2", "train.micro_batch_size=1"])
+    head = run.records[0]
+    assert (head["engine"], head["data_parallel"]) == ("fsdp2", 4)
+    _assert_trains_like(run, reference)
+    saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    assert sorted(p.name for p in saved.glob("fsdp2_rank*.pt")) == \
+        ["fsdp2_rank00000.pt", "fsdp2_rank00001.pt"]
+    for nprocs, overrides in ((2, FSDP2), (1, [])):
+        resumed = _resume(tmp_path / f"on{nprocs}", tiny_data, run, nprocs=nprocs,
+                          overrides=overrides)
+        _assert_trains_like(resumed, run, first_step=SAVE_AT + 1)
+
+
 def _refusal(overrides: list[str], *, world_size: int = 2) -> str:
     cfg = load_config("configs/tiny.yaml", overrides=["train.engine=fsdp2", *overrides])
     with pytest.raises(ConfigError) as error:
@@ -239,9 +260,16 @@ def _refusal(overrides: list[str], *, world_size: int = 2) -> str:
     (["deepspeed=ds_configs/zero3_offload_nvme.json"], "offloads to cpu only"),
     (["deepspeed=ds_configs/zero0.json"], "ZeRO stage 0"),
     (["train.precision=fp16", "deepspeed=ds_configs/zero3.json"], "no loss scaling"),
+    (["train.fsdp2_replicas=3", "deepspeed=ds_configs/zero3.json"],
+     "must divide the 2 data-parallel ranks"),
 ])
 def test_settings_fsdp2_cannot_honour_are_refused(overrides, reason):
     assert reason in _refusal(overrides)
+
+
+def test_hsdp_replicas_need_the_fsdp2_engine():
+    with pytest.raises(ConfigError, match="only with train.engine=fsdp2"):
+        load_config("configs/tiny.yaml", overrides=["train.fsdp2_replicas=2"])
 
 
 def test_the_default_engine_is_deepspeed_and_its_layout_is_unchanged():
