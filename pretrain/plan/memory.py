@@ -220,6 +220,12 @@ def fsdp2_units(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[int, 
     return layer, stage_parameters(m, layout, items) - layers * layer, layers
 
 
+def fsdp2_shard_ranks(layout: Layout) -> int:
+    """The ranks each FSDP2 unit is sharded over: the data x context ranks, or under HSDP
+    (`train.fsdp2_replicas`) those of one replica group."""
+    return layout.data * layout.context // layout.fsdp2_replicas
+
+
 def fsdp2_offloads(layout: Layout) -> bool:
     """CPUOffloadPolicy: either offload of the DeepSpeed JSON on cpu (`fsdp2_rules`)."""
     return "cpu" in (layout.offload_optimizer, layout.offload_param)
@@ -255,7 +261,7 @@ def fsdp2_stage_memory(m: ModelConfig, layout: Layout, items: list[str]) -> Memo
     """Per-GPU bytes under train.engine: fsdp2 (one stage: fsdp2 runs no pipeline)."""
     check_fsdp2_layout(m, layout)
     n = stage_parameters(m, layout, items)
-    ranks = layout.data * layout.context
+    ranks = fsdp2_shard_ranks(layout)
     params, grads, optimizer = 4 * n / ranks, 4 * n / ranks, 8 * n / ranks
     host = 0.0
     if fsdp2_offloads(layout):
