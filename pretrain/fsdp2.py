@@ -6,16 +6,17 @@ norm and the head (one unit: a tied head is the embedding's parameter). Units sh
 data-parallel group - every replica of a tensor-parallel shard, data x context ranks, as ZeRO
 partitions - so the stack's own tensor parallelism (plain tensors, sharded by name) composes
 with it: each tensor-parallel rank's FSDP2 mesh is its data group, and the two form the 2-D
-(tensor x data) grid. Under sequence parallelism the norms' gradients are partial sums over
-each tensor rank's tokens; the engine sums their shards over the tensor group once per step
-(`_sum_sequence_parallel_grads`), where DeepSpeed's engine has hooks on the weights.
+(tensor x data) grid. `pretrain.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
+offload mean here and what is refused. Under sequence parallelism the norms' gradients are
+partial sums over each tensor rank's tokens; the engine sums their shards over the tensor group
+once per step (`_sum_sequence_parallel_grads`), where DeepSpeed's engine has hooks on the
+weights.
 
 HSDP (`train.fsdp2_replicas` > 1): the data group's ranks form a 2-D ("replicate", "shard")
 mesh (`data_mesh`); each unit is sharded over a row of it and replicated over its columns, so
 FSDP2 reduce-scatters a gradient in the row and all-reduces the shard over the column. The
 replica groups hold the same shards: the gradient norm sums over one row, and the first row
-alone writes checkpoints (files as at dp = the row's size). `pretrain.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
-offload mean here and what is refused.
+alone writes checkpoints (files as at dp = the row's size).
 
 What a step does matches DeepSpeed's engine: the loss of each micro-batch is divided by the
 gradient accumulation before backward, FSDP2 reduce-scatters the gradients (averaged over the
@@ -25,11 +26,11 @@ skips the update and the schedule, counted in `skipped_steps`. The optimizer is 
 over `engine.param_groups` (muP's groups included), stepped on the fp32 shards; the schedule
 `engine.warmup_cosine`.
 
-Checkpoints (`save_checkpoint`/`load_checkpoint`, the `Saver`'s interface): every rank writes
-one file, `fsdp2_rank<RANK>.pt`, of its pieces of each parameter and of Adam's moments by
-Hugging Face name (rows of the tensor-parallel shard), with the schedule and counters.
-`weights.engine_tensors` reads them back as whole tensors by name, which is what resuming on any
-layout reads (`pretrain.checkpoint.fsdp2_state`, `reshard.load_into_fsdp2`).
+Checkpoints (`save_checkpoint`/`load_checkpoint`, the `Saver`'s interface): every rank (of the
+first replica group) writes one file, `fsdp2_rank<RANK>.pt`, of its pieces of each parameter and
+of Adam's moments by Hugging Face name (rows of the tensor-parallel shard), with the schedule
+and counters. `weights.engine_tensors` reads them back as whole tensors by name, which is what
+resuming on any layout reads (`pretrain.checkpoint.fsdp2_state`, `reshard.load_into_fsdp2`).
 """
 from __future__ import annotations
 
