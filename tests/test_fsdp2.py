@@ -232,17 +232,17 @@ def test_hsdp_trains_like_one_process_and_its_checkpoint_resumes_on_other_layout
         tiny_data, tmp_path, reference):
     """dp 4 as 2 replica groups x 2 shards (HSDP: reduce-scatter in a group, all-reduce across
     the groups): one process's steps; the first group alone writes the checkpoint, which
-    resumes under plain fsdp2 at dp 2 and under DeepSpeed on one process, each continuing the
-    uninterrupted HSDP run."""
-    run = train(tmp_path, tiny_data, nprocs=4, name="hsdp", overrides=[
-        *SAVES, *FSDP2, "train.fsdp2_replicas=2", "train.micro_batch_size=1"])
+    resumes under HSDP again, under plain fsdp2 at dp 2 and under DeepSpeed on one process,
+    each continuing the uninterrupted HSDP run."""
+    hsdp = [*FSDP2, "train.fsdp2_replicas=2", "train.micro_batch_size=1"]
+    run = train(tmp_path, tiny_data, nprocs=4, name="hsdp", overrides=[*SAVES, *hsdp])
     head = run.records[0]
     assert (head["engine"], head["data_parallel"]) == ("fsdp2", 4)
     _assert_trains_like(run, reference)
     saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
     assert sorted(p.name for p in saved.glob("fsdp2_rank*.pt")) == \
         ["fsdp2_rank00000.pt", "fsdp2_rank00001.pt"]
-    for nprocs, overrides in ((2, FSDP2), (1, [])):
+    for nprocs, overrides in ((4, hsdp), (2, FSDP2), (1, [])):
         resumed = _resume(tmp_path / f"on{nprocs}", tiny_data, run, nprocs=nprocs,
                           overrides=overrides)
         _assert_trains_like(resumed, run, first_step=SAVE_AT + 1)
