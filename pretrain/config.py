@@ -399,6 +399,10 @@ class TrainConfig(_Freezable):
     # schedule and checkpoints directory (pretrain/training/fsdp2.py; the DeepSpeed JSON still says the
     # ZeRO stage and offload, and settings fsdp2 cannot honour are refused before launch)
     engine: Engine = Engine.DEEPSPEED
+    # fsdp2 only, HSDP: the data-parallel ranks (data x context) split into this many replica
+    # groups; each unit is sharded over the ranks of one group and its gradient shard
+    # all-reduced over the groups (pretrain/training/fsdp2.py). Must divide data x context; 1: one group
+    fsdp2_replicas: int = 1
     seed: int = 1234  # model init and dropout
     eval_interval: int = 100  # steps between validation passes; 0 disables
     eval_batches: int = 10  # global batches per validation pass (capped by the validation set)
@@ -443,6 +447,11 @@ class TrainConfig(_Freezable):
                   (self.straggler_interval, self.straggler_margin, self.straggler_patience),
                   "need straggler_interval >= 0 (0: off), straggler_margin > 0 (a fraction of "
                   "the median: 0.2 is 20% slower) and straggler_patience >= 1")
+        if self.fsdp2_replicas < 1 or (self.fsdp2_replicas > 1
+                                       and Engine(self.engine) is not Engine.FSDP2):
+            _fail("train", "fsdp2_replicas", self.fsdp2_replicas,
+                  "must be >= 1, and above 1 only with train.engine=fsdp2 (HSDP is FSDP2's; "
+                  "DeepSpeed's ZeRO shards over every data-parallel rank)")
         for name in ("steps", "micro_batch_size", "eval_batches"):
             if getattr(self, name) < 1:
                 _fail("train", name, getattr(self, name), "must be a positive integer")

@@ -6,8 +6,14 @@
 #
 #   sbatch slurm/zero_sweep.sh           # --array=0-6: ds_configs/*.json
 #   DS_CONFIGS="ds_configs/zero1.json ds_configs/zero3.json" sbatch --array=0-1 slurm/zero_sweep.sh
+#   DS_CONFIGS="ds_configs/zero2.json ds_configs/zero3.json" ENGINES="deepspeed fsdp2" \
+#     sbatch --array=0-3 slurm/zero_sweep.sh   # DeepSpeed's ZeRO against PyTorch's FSDP2
 #
-# Overrides (besides slurm/common.sh's): DS_CONFIGS (the list, sorted; task i runs the i-th),
+# Overrides (besides slurm/common.sh's): DS_CONFIGS (the list, sorted), ENGINES (train.engine
+# values: every config runs once per engine, in runs named <engine>_<config> as `pretrain sweep
+# --engines` names them; unset: DeepSpeed's engine, runs named <config>); task i runs config
+# i / (number of engines) under engine i % (number of engines). fsdp2 refuses ZeRO-0 and NVMe
+# JSONs before launch (exit 2): leave them out of DS_CONFIGS when ENGINES has fsdp2.
 # SWEEP_DIR (default runs/zero_sweep-<array job id>), SWEEP_STEPS (default 50). Each task's log:
 # zero_sweep-<array id>_<task>.out where sbatch ran, copied to runs/slurm/ (slurm/job_log.sh).
 #SBATCH --job-name=zero_sweep
@@ -29,17 +35,38 @@ read -r -a SWEEP_CONFIGS <<< "$(printf '%s\n' ${DS_CONFIGS:-ds_configs/*.json} |
 for ds in "${SWEEP_CONFIGS[@]}"; do
   [[ -f $ds ]] || { echo "error: DeepSpeed config $ds (from DS_CONFIGS) does not exist" >&2; exit 2; }
 done
-TASK="${SLURM_ARRAY_TASK_ID:-0}"
-if (( TASK >= ${#SWEEP_CONFIGS[@]} )); then
-  echo "error: array task $TASK but only ${#SWEEP_CONFIGS[@]} configs (${SWEEP_CONFIGS[*]}):" \
-       "submit with --array=0-$(( ${#SWEEP_CONFIGS[@]} - 1 ))" >&2
+read -r -a SWEEP_ENGINES <<< "${ENGINES:-deepspeed}"
+for engine in "${SWEEP_ENGINES[@]}"; do
+  case $engine in
+    deepspeed|fsdp2) ;;
+    *) echo "error: engine $engine (from ENGINES) is not a train.engine: deepspeed or fsdp2" >&2
+       exit 2 ;;
+  esac
+done
+if (( $(printf '%s\n' "${SWEEP_ENGINES[@]}" | sort -u | wc -l) < ${#SWEEP_ENGINES[@]} )); then
+  echo "error: ENGINES=\"$ENGINES\" names an engine twice: each once" >&2
   exit 2
 fi
-DS="${SWEEP_CONFIGS[$TASK]}"
+TASK="${SLURM_ARRAY_TASK_ID:-0}"
+TASKS=$(( ${#SWEEP_CONFIGS[@]} * ${#SWEEP_ENGINES[@]} ))
+if (( TASK >= TASKS )); then
+  echo "error: array task $TASK but only ${#SWEEP_CONFIGS[@]} configs (${SWEEP_CONFIGS[*]})" \
+       "x ${#SWEEP_ENGINES[@]} engines (${SWEEP_ENGINES[*]}):" \
+       "submit with --array=0-$(( TASKS - 1 ))" >&2
+  exit 2
+fi
+DS="${SWEEP_CONFIGS[$(( TASK / ${#SWEEP_ENGINES[@]} ))]}"
+ENGINE="${SWEEP_ENGINES[$(( TASK % ${#SWEEP_ENGINES[@]} ))]}"
+NAME="$(basename "$DS" .json)"
+ENGINE_ARGS=()
+if [[ -n ${ENGINES:-} ]]; then  # as `pretrain sweep --engines`: the engine names the run
+  NAME="${ENGINE}_$NAME"
+  ENGINE_ARGS=(--set "train.engine=$ENGINE")
+fi
 SWEEP_DIR="${SWEEP_DIR:-runs/zero_sweep-${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}"
-RUN_DIR="$SWEEP_DIR/$(basename "$DS" .json)"
+RUN_DIR="$SWEEP_DIR/$NAME"
 LOG_DIR="$RUN_DIR/job"
-set -- --deepspeed-config "$DS" --set "train.steps=${SWEEP_STEPS:-50}" "$@"
+set -- --deepspeed-config "$DS" --set "train.steps=${SWEEP_STEPS:-50}" "${ENGINE_ARGS[@]}" "$@"
 source "${PRETRAIN_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
 run_training
 # flock: the last task to finish writes last, so the table ends with every run in it.

@@ -105,15 +105,19 @@ def test_dp2_trains_like_one_process_and_writes_the_same_final(fsdp2_dp2, refere
 
 
 @pytest.mark.slow
-def test_tp2_dp2_with_recompute_and_cpu_offload_trains_like_one_process(tiny_data, tmp_path,
-                                                                       reference):
-    """4 ranks: fully_shard over each tensor rank's data group; every layer recomputed; the
-    ZeRO-3 JSON's CPU offload as CPUOffloadPolicy (the optimizer steps the host shards)."""
+def test_tp2_sp_dp2_with_recompute_and_cpu_offload_trains_like_one_process(tiny_data, tmp_path,
+                                                                          reference):
+    """4 ranks: fully_shard over each tensor rank's data group; sequence parallelism (each
+    tensor rank's norms see half the tokens: their gradient shards are summed over the tensor
+    group at the step's end); every layer recomputed; the ZeRO-3 JSON's CPU offload as
+    CPUOffloadPolicy (the optimizer steps the host shards)."""
     run = train(tmp_path, tiny_data, nprocs=4, name="tp2dp2", overrides=[
         f"train.steps={STEPS}", "train.engine=fsdp2", "parallel.tensor=2",
-        "deepspeed=ds_configs/zero3_offload_cpu.json", "model.activation_checkpointing=full"])
+        "parallel.sequence_parallel=true", "deepspeed=ds_configs/zero3_offload_cpu.json",
+        "model.activation_checkpointing=full"])
     head = run.records[0]
     assert (head["engine"], head["tensor"], head["data_parallel"]) == ("fsdp2", 2, 2)
+    assert head["sequence_parallel"] is True
     assert (head["offload_optimizer"], head["offload_param"]) == ("cpu", "cpu")
     _assert_trains_like(run, reference)
 
@@ -223,6 +227,27 @@ def test_a_deepspeed_checkpoint_resumes_under_fsdp2_and_back(fsdp2_dp2, referenc
     _assert_trains_like(into_deepspeed, reference, first_step=SAVE_AT + 1)
 
 
+@pytest.mark.slow
+def test_hsdp_trains_like_one_process_and_its_checkpoint_resumes_on_other_layouts(
+        tiny_data, tmp_path, reference):
+    """dp 4 as 2 replica groups x 2 shards (HSDP: reduce-scatter in a group, all-reduce across
+    the groups): one process's steps; the first group alone writes the checkpoint, which
+    resumes under HSDP again, under plain fsdp2 at dp 2 and under DeepSpeed on one process,
+    each continuing the uninterrupted HSDP run."""
+    hsdp = [*FSDP2, "train.fsdp2_replicas=2", "train.micro_batch_size=1"]
+    run = train(tmp_path, tiny_data, nprocs=4, name="hsdp", overrides=[*SAVES, *hsdp])
+    head = run.records[0]
+    assert (head["engine"], head["data_parallel"]) == ("fsdp2", 4)
+    _assert_trains_like(run, reference)
+    saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    assert sorted(p.name for p in saved.glob("fsdp2_rank*.pt")) == \
+        ["fsdp2_rank00000.pt", "fsdp2_rank00001.pt"]
+    for nprocs, overrides in ((4, hsdp), (2, FSDP2), (1, [])):
+        resumed = _resume(tmp_path / f"on{nprocs}", tiny_data, run, nprocs=nprocs,
+                          overrides=overrides)
+        _assert_trains_like(resumed, run, first_step=SAVE_AT + 1)
+
+
 def _refusal(overrides: list[str], *, world_size: int = 2) -> str:
     cfg = load_config("configs/tiny.yaml", overrides=["train.engine=fsdp2", *overrides])
     with pytest.raises(ConfigError) as error:
@@ -235,11 +260,16 @@ def _refusal(overrides: list[str], *, world_size: int = 2) -> str:
     (["deepspeed=ds_configs/zero3_offload_nvme.json"], "offloads to cpu only"),
     (["deepspeed=ds_configs/zero0.json"], "ZeRO stage 0"),
     (["train.precision=fp16", "deepspeed=ds_configs/zero3.json"], "no loss scaling"),
-    (["parallel.tensor=2", "parallel.sequence_parallel=true",
-      "deepspeed=ds_configs/zero3.json"], "sequence_parallel"),
+    (["train.fsdp2_replicas=3", "deepspeed=ds_configs/zero3.json"],
+     "must divide the 2 data-parallel ranks"),
 ])
 def test_settings_fsdp2_cannot_honour_are_refused(overrides, reason):
     assert reason in _refusal(overrides)
+
+
+def test_hsdp_replicas_need_the_fsdp2_engine():
+    with pytest.raises(ConfigError, match="only with train.engine=fsdp2"):
+        load_config("configs/tiny.yaml", overrides=["train.fsdp2_replicas=2"])
 
 
 def test_the_default_engine_is_deepspeed_and_its_layout_is_unchanged():

@@ -276,3 +276,57 @@ def test_job_scripts_set_up_the_log_before_anything_else():
         proc = subprocess.run(["bash", "-n", str(REPO / "slurm" / script)], capture_output=True,
                               text=True)
         assert proc.returncode == 0, proc.stderr
+
+
+def _zero_sweep_task(tmp_path: Path, task: int, **env: str) -> subprocess.CompletedProcess:
+    """slurm/zero_sweep.sh as array task `task` in a copy of the repository's ds_configs/ whose
+    slurm/common.sh only records, per task, the run directory and the arguments it got (a
+    stand-in for the training job, which test_slurm runs for real), and whose `python` records
+    the aggregation."""
+    root = tmp_path / "root"
+    if not root.exists():
+        (root / "slurm").mkdir(parents=True)
+        (root / "ds_configs").symlink_to(REPO / "ds_configs")
+        (root / "slurm" / "common.sh").write_text(
+            'ARGS="$*"  # what the real one hands `pretrain train` (RUN_ARGS)\n'
+            'run_training() { mkdir -p "$RUN_DIR"\n'
+            '  echo "$RUN_DIR|$ARGS" >> "$PRETRAIN_ROOT/runs.txt"; }\n'
+            "finish_job() { :; }\n")
+        (root / "bin").mkdir()
+        (root / "bin" / "python").write_text(
+            '#!/bin/bash\necho "$*" >> "$PRETRAIN_ROOT/aggregated.txt"\n')
+        (root / "bin" / "python").chmod(0o755)
+    full = {**_env(PRETRAIN_ROOT=str(root), SWEEP_DIR="sweep", SLURM_ARRAY_TASK_ID=str(task),
+                   **env)}
+    full["PATH"] = f"{root / 'bin'}:{full['PATH']}"
+    return subprocess.run(["bash", str(REPO / "slurm" / "zero_sweep.sh"), "--set", "x=1"],
+                          env=full, capture_output=True, text=True, timeout=60)
+
+
+def test_zero_sweep_runs_every_config_once_per_engine(tmp_path):
+    """ENGINES: task i runs config i // engines under engine i % engines, named as `pretrain
+    sweep --engines` names its runs; without it the runs are DeepSpeed's, named by config."""
+    configs = {"DS_CONFIGS": "ds_configs/zero3.json ds_configs/zero2.json"}
+    for task in range(4):
+        proc = _zero_sweep_task(tmp_path, task, ENGINES="deepspeed fsdp2", **configs)
+        assert proc.returncode == 0, proc.stderr
+    runs = (tmp_path / "root" / "runs.txt").read_text().splitlines()
+    expected = [("deepspeed_zero2", "zero2", "deepspeed"), ("fsdp2_zero2", "zero2", "fsdp2"),
+                ("deepspeed_zero3", "zero3", "deepspeed"), ("fsdp2_zero3", "zero3", "fsdp2")]
+    assert len(runs) == 4, runs
+    for line, (name, ds, engine) in zip(runs, expected):
+        run_dir, args = line.split("|")
+        assert run_dir == f"sweep/{name}", line
+        assert args == (f"--deepspeed-config ds_configs/{ds}.json --set train.steps=50 "
+                        f"--set train.engine={engine} --set x=1"), line
+    aggregated = (tmp_path / "root" / "aggregated.txt").read_text().splitlines()
+    assert aggregated == ["-m pretrain sweep --aggregate sweep"] * 4
+    too_far = _zero_sweep_task(tmp_path, 4, ENGINES="deepspeed fsdp2", **configs)
+    assert too_far.returncode == 2 and "submit with --array=0-3" in too_far.stderr
+    for engines, reason in (("fsdp3", "not a train.engine"), ("fsdp2 fsdp2", "twice")):
+        refused = _zero_sweep_task(tmp_path, 0, ENGINES=engines, **configs)
+        assert refused.returncode == 2 and reason in refused.stderr, refused.stderr
+    plain = _zero_sweep_task(tmp_path / "plain", 1, **configs)
+    assert plain.returncode == 0, plain.stderr
+    assert (tmp_path / "plain" / "root" / "runs.txt").read_text() == \
+        "sweep/zero3|--deepspeed-config ds_configs/zero3.json --set train.steps=50 --set x=1\n"

@@ -130,8 +130,7 @@ def test_fsdp2_offload_copies_shards_every_micro_batch_and_steps_on_the_host():
 
 def test_fsdp2_refuses_what_it_does_not_run():
     refused = [(replace(ZERO3, pipeline=2, data=1, zero_stage=1), "parallel.pipeline=2"),
-               (replace(ZERO3, zero_stage=0), "ZeRO stage 0"),
-               (replace(ZERO3, tensor=2, data=1, sequence_parallel=True), "sequence_parallel")]
+               (replace(ZERO3, zero_stage=0), "ZeRO stage 0")]
     for layout, reason in refused:
         with pytest.raises(ConfigError,
                            match=f"train.engine=fsdp2 cannot run this config: .*{reason}"):
@@ -144,6 +143,25 @@ def test_the_search_under_fsdp2_ranks_only_what_fsdp2_runs():
                    engine=Engine.FSDP2)
     assert plans and all(p.engine is Engine.FSDP2 for p in plans)
     assert {p.layout.zero_stage for p in plans} == {2, 3}  # ZeRO-1's JSON is ZeRO-2's here
-    assert all(p.layout.pipeline == 1 and not p.layout.sequence_parallel for p in plans)
+    assert all(p.layout.pipeline == 1 for p in plans)
+    # sequence parallelism wherever the tensor is split, as under DeepSpeed
+    assert all(p.layout.sequence_parallel == (p.layout.tensor > 1) for p in plans)
+    assert any(p.layout.tensor > 1 for p in plans)
     assert any(p.layout.recompute is Recompute.FULL for p in plans)
     assert plans[0].to_dict()["engine"] == "fsdp2"
+
+
+def test_hsdp_shards_within_a_replica_group_and_all_reduces_across_the_groups():
+    """dp 4 as 2 replica groups x 2 shards (one node, ZeRO-3's JSON, bf16, one micro-batch):
+    the states of 2 ranks' shards, not 4; per micro-batch the bf16 gathers (forward and
+    backward) and the fp32 reduce-scatter over 2 ranks, then an all-reduce (2 passes of the
+    ring) of each rank's fp32 gradient shard, N / 2 elements, over the 2 groups."""
+    dp4 = replace(ZERO3, data=4, micro_batch=1)
+    hsdp = replace(dp4, fsdp2_replicas=2)
+    assert _fsdp2(dp4).memory.model_states == 16 * N / 4
+    assert _fsdp2(hsdp).memory.model_states == 16 * N / 2
+    assert _fsdp2(hsdp).memory.buffers == _fsdp2(dp4).memory.buffers
+    assert _fsdp2(hsdp, NO_COMPUTE).time.data_comm == pytest.approx(
+        _seconds(2 * N * 2) + _seconds(N * 4) + 2 * _seconds(N / 2 * 4), rel=1e-6)
+    with pytest.raises(ConfigError, match="train.fsdp2_replicas=3: must divide the 4"):
+        _fsdp2(replace(dp4, fsdp2_replicas=3))

@@ -108,6 +108,8 @@ REGISTRY: dict[str, str] = {
     "train.grad_clip": "tests/test_hf_interop.py::test_first_training_step_after_import_matches_transformers",
     "train.precision": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",
     "train.engine": "tests/test_fsdp2.py::test_dp2_trains_like_one_process_and_writes_the_same_final",
+    "train.fsdp2_replicas": ("tests/test_fsdp2.py::"
+                             "test_hsdp_trains_like_one_process_and_its_checkpoint_resumes_on_other_layouts"),
     "train.seed": "tests/test_model.py::test_same_seed_same_weights_different_seed_different",
     "train.eval_interval": T_E2E,
     "train.eval_batches": T_E2E,

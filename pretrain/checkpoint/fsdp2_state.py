@@ -1,10 +1,11 @@
 """Checkpoints of `train.engine: fsdp2` (`pretrain.training.fsdp2.FSDP2Engine`), read by name.
 
 An fsdp2 step directory holds one `fsdp2_rank<R>.pt` per rank (with the usual `rng_rank<R>.pt`,
-`meta.json` and `manifest.json`): rank R's rows of its tensor-parallel shard of every parameter
-and of Adam's two moments, by Hugging Face name. `fsdp2_tensors` merges them back into whole
-tensors (`fsdp2_shards`, merged by `weights.engine_tensors` into the same `MergedShards` view
-DeepSpeed's files give), so that:
+`meta.json` and `manifest.json`): rank R's rows of its tensor-parallel shard of every parameter and
+of Adam's two moments, by Hugging Face name. Under HSDP only the first replica group's ranks write
+(the other groups hold the same shards), so the files are those of a run at dp = one group's size.
+`fsdp2_tensors` merges them back into whole tensors (`fsdp2_shards`, merged by
+`weights.engine_tensors` into the same `MergedShards` view DeepSpeed's files give), so that:
 
 - an fsdp2 run resumes from its own checkpoint on any tensor or data-parallel size
   (`reshard.load_into_fsdp2`: each rank copies out its rows of its new shard);

@@ -205,8 +205,8 @@ def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
     """ConfigError for what fsdp2 does not run (the rules `pretrain.resolve.fsdp2_rules` applies to a
     run config), so that no plan is made of it."""
     raise_refusals(layout_refusals(
-        pipeline=layout.pipeline, sequence_parallel=layout.sequence_parallel,
-        num_experts=m.num_experts, fp16=layout.precision == Precision.FP16,
+        pipeline=layout.pipeline, num_experts=m.num_experts,
+        fp16=layout.precision == Precision.FP16,
         zero_stage=layout.zero_stage, offload=[layout.offload_optimizer, layout.offload_param],
         where="the DeepSpeed config"))
 
@@ -218,6 +218,12 @@ def fsdp2_units(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[int, 
     layer = sharded // layout.tensor + replicated
     layers = items.count("layer")
     return layer, stage_parameters(m, layout, items) - layers * layer, layers
+
+
+def fsdp2_shard_ranks(layout: Layout) -> int:
+    """The ranks each FSDP2 unit is sharded over: the data x context ranks, or under HSDP
+    (`train.fsdp2_replicas`) those of one replica group."""
+    return layout.data * layout.context // layout.fsdp2_replicas
 
 
 def fsdp2_offloads(layout: Layout) -> bool:
@@ -255,7 +261,7 @@ def fsdp2_stage_memory(m: ModelConfig, layout: Layout, items: list[str]) -> Memo
     """Per-GPU bytes under train.engine: fsdp2 (one stage: fsdp2 runs no pipeline)."""
     check_fsdp2_layout(m, layout)
     n = stage_parameters(m, layout, items)
-    ranks = layout.data * layout.context
+    ranks = fsdp2_shard_ranks(layout)
     params, grads, optimizer = 4 * n / ranks, 4 * n / ranks, 8 * n / ranks
     host = 0.0
     if fsdp2_offloads(layout):

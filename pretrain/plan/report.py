@@ -43,7 +43,9 @@ def _engine(plan: Plan) -> str:
     if plan.engine is not Engine.FSDP2:
         return f"ZeRO-{stage}"
     kept = "resharded after forward" if stage == 3 else "kept gathered from forward to backward"
-    return f"fsdp2 (fully_shard per decoder layer, the JSON's ZeRO-{stage}: {kept})"
+    replicas = plan.layout.fsdp2_replicas
+    hsdp = f", HSDP {replicas} replica groups" if replicas > 1 else ""
+    return f"fsdp2 (fully_shard per decoder layer, the JSON's ZeRO-{stage}: {kept}{hsdp})"
 
 
 def _active(m) -> str:

@@ -123,8 +123,8 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     and for a mixture of experts expert parallelism over the tensor ranks or none
     (`expert_sizes`).
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
-    passes those a shipped DeepSpeed JSON selects). Under fsdp2: no pipelines, ZeRO 0 or
-    sequence parallelism (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
+    passes those a shipped DeepSpeed JSON selects). Under fsdp2: no pipelines or ZeRO 0
+    (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
     of the same offload is allowed (both mean the same FSDP2).
     """
     check_margin(memory_margin)
@@ -147,7 +147,7 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
             layout = replace(base, tensor=tp, pipeline=pp, data=dp, context=cp, micro_batch=mbs,
                              expert=ep,
                              zero_stage=stage, recompute=recompute,
-                             sequence_parallel=tp > 1 and engine is Engine.DEEPSPEED,
+                             sequence_parallel=tp > 1,
                              offload_optimizer="none" if offload == "none" else "cpu",
                              offload_param="cpu" if offload == "opt+param" else "none")
             if engines is not None and engine_key(layout) not in engines:

@@ -13,7 +13,9 @@ FSDP2's: every micro-batch all-gathers each unit (`pretrain.plan.memory.fsdp2_un
 forward and, resharded after forward (ZeRO-3's JSON), again in backward, and reduce-scatters
 every gradient in fp32 (there is no accumulation without communication): the volume grows with
 the micro-batches, where DeepSpeed's ZeRO-0/1 reduce once per step. It overlaps as ZeRO-3's
-prefetch does, behind the micro-batch's forward and backward.
+prefetch does, behind the micro-batch's forward and backward. Under HSDP
+(`train.fsdp2_replicas`) those collectives run within a replica group, and every micro-batch
+adds an all-reduce of each rank's fp32 gradient shard across the groups.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pretrain.config import Engine, ModelConfig, Precision
 from pretrain.resolve.layout import Layout
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
                                     MATMUL_EFFICIENCY, Cluster)
-from pretrain.plan.memory import bytes_per_param, fsdp2_offloads
+from pretrain.plan.memory import bytes_per_param, fsdp2_offloads, fsdp2_shard_ranks
 
 
 @dataclass
@@ -162,12 +164,16 @@ def fsdp2_bytes_per_micro_batch(layout: Layout, *, stage_params: int) -> tuple[f
 
 def _fsdp2_data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *,
                      stage_params: int) -> float:
-    """Seconds of FSDP2's exposed collectives: those of every micro-batch, less its compute."""
-    replicas = layout.data * layout.context
-    gbps = _link_gbps(cluster, layout.tensor * replicas)
+    """Seconds of FSDP2's exposed collectives: those of every micro-batch, less its compute.
+    The shard group is consecutive data x context ranks (every tensor rank's between them);
+    HSDP's replica groups stride across all the data x context ranks."""
+    shards = fsdp2_shard_ranks(layout)
+    gbps = _link_gbps(cluster, layout.tensor * shards)
     gathered, reduced = fsdp2_bytes_per_micro_batch(layout, stage_params=stage_params)
-    per_micro_batch = (_ring_seconds(gathered, replicas, gbps, passes=1)
-                       + _ring_seconds(reduced, replicas, gbps, passes=1))
+    per_micro_batch = (_ring_seconds(gathered, shards, gbps, passes=1)
+                       + _ring_seconds(reduced, shards, gbps, passes=1)
+                       + _ring_seconds(reduced / shards, layout.fsdp2_replicas,
+                                       _link_gbps(cluster, layout.world_size), passes=2))
     return layout.grad_accum * max(0.0, per_micro_batch - mb.compute)
 
 
@@ -177,7 +183,7 @@ def _fsdp2_offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> fl
     host (at the rate assumed for DeepSpeed's CPU Adam)."""
     if not fsdp2_offloads(layout):
         return 0.0
-    shard = stage_params / (layout.data * layout.context)
+    shard = stage_params / fsdp2_shard_ranks(layout)
     copies = (2 if layout.zero_stage == 3 else 1) + 1
     return (layout.grad_accum * copies * shard * 4 / (cluster.pcie_gbps * 1e9)
             + shard / CPU_ADAM_PARAMS_PER_S)

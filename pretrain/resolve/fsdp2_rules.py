@@ -37,7 +37,7 @@ def check_fsdp2(cfg, ds: dict[str, Any], *, where: str) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     zero = ds.get("zero_optimization", {})
     refusals = layout_refusals(
-        pipeline=p.pipeline, sequence_parallel=p.sequence_parallel, num_experts=m.num_experts,
+        pipeline=p.pipeline, num_experts=m.num_experts,
         fp16=t.precision.value == "fp16",  # `auto` is settled before a run lays out
         zero_stage=int(zero.get("stage", 0)),
         offload=[zero.get(key, {}).get("device", "none")
@@ -54,17 +54,14 @@ def raise_refusals(refusals: list[str]) -> None:
         raise ConfigError("train.engine=fsdp2 cannot run this config: " + "; ".join(refusals))
 
 
-def layout_refusals(*, pipeline: int, sequence_parallel: bool, num_experts: int, fp16: bool,
-                    zero_stage: int, offload: list[str], where: str) -> list[str]:
+def layout_refusals(*, pipeline: int, num_experts: int, fp16: bool, zero_stage: int,
+                    offload: list[str], where: str) -> list[str]:
     """Why fsdp2 cannot run a layout (empty: it can): what the planner checks of a layout it
     plans, and `check_fsdp2` of a run config."""
     refusals = []
     if pipeline > 1:
         refusals.append(f"parallel.pipeline={pipeline}: pipelines are DeepSpeed's (its 1F1B "
                         "schedule); use train.engine=deepspeed or parallel.pipeline=1")
-    if sequence_parallel:
-        refusals.append("parallel.sequence_parallel=true: its norm-gradient hooks sit on the "
-                        "weights fully_shard replaces; use train.engine=deepspeed")
     if num_experts:
         refusals.append(f"model.num_experts={num_experts}: the mixture of experts is not "
                         "sharded by fsdp2 yet; use train.engine=deepspeed")

@@ -39,6 +39,7 @@ class Layout:
     max_live_parameters: int = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters
     context: int = 1  # context-parallel ranks per sequence (parallel.context, Ulysses)
     expert: int = 1  # expert-parallel ranks (parallel.expert): 1 or the tensor group
+    fsdp2_replicas: int = 1  # train.fsdp2_replicas: HSDP replica groups of data x context ranks
 
     @property
     def world_size(self) -> int:
@@ -88,7 +89,18 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
         raise ConfigError(f"model.activation_checkpointing={lay.recompute.value!r}: with "
                           "parallel.pipeline > 1 use none or full (DeepSpeed's pipeline "
                           "recomputes every decoder layer of a stage)")
+    check_fsdp2_replicas(lay)
     check_engine(lay)
+
+
+def check_fsdp2_replicas(layout: Layout) -> None:
+    """HSDP splits the data x context ranks into equal replica groups."""
+    ranks, replicas = layout.data * layout.context, layout.fsdp2_replicas
+    if ranks % replicas:
+        raise ConfigError(
+            f"train.fsdp2_replicas={replicas}: must divide the {ranks} data-parallel ranks "
+            f"(data {layout.data} x context {layout.context}), which HSDP splits into equal "
+            f"replica groups; choose a divisor of {ranks}, or 1 to shard over all of them")
 
 
 def check_tensor_split(model: ModelConfig, tensor: int) -> None:

@@ -7,7 +7,16 @@ data-parallel group - every replica of a tensor-parallel shard, data x context r
 partitions - so the stack's own tensor parallelism (plain tensors, sharded by name) composes
 with it: each tensor-parallel rank's FSDP2 mesh is its data group, and the two form the 2-D
 (tensor x data) grid. `pretrain.resolve.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
-offload mean here and what is refused.
+offload mean here and what is refused. Under sequence parallelism the norms' gradients are
+partial sums over each tensor rank's tokens; the engine sums their shards over the tensor group
+once per step (`_sum_sequence_parallel_grads`), where DeepSpeed's engine has hooks on the
+weights.
+
+HSDP (`train.fsdp2_replicas` > 1): the data group's ranks form a 2-D ("replicate", "shard")
+mesh (`data_mesh`); each unit is sharded over a row of it and replicated over its columns, so
+FSDP2 reduce-scatters a gradient in the row and all-reduces the shard over the column. The
+replica groups hold the same shards: the gradient norm sums over one row, and the first row
+alone writes checkpoints (files as at dp = the row's size).
 
 What a step does matches DeepSpeed's engine: the loss of each micro-batch is divided by the
 gradient accumulation before backward, FSDP2 reduce-scatters the gradients (averaged over the
@@ -17,11 +26,11 @@ skips the update and the schedule, counted in `skipped_steps`. The optimizer is 
 over `engine.param_groups` (muP's groups included), stepped on the fp32 shards; the schedule
 `engine.warmup_cosine`.
 
-Checkpoints (`save_checkpoint`/`load_checkpoint`, the `Saver`'s interface): every rank writes
-one file, `fsdp2_rank<RANK>.pt`, of its pieces of each parameter and of Adam's moments by
-Hugging Face name (rows of the tensor-parallel shard), with the schedule and counters.
-`weights.engine_tensors` reads them back as whole tensors by name, which is what resuming on any
-layout reads (`pretrain.checkpoint.fsdp2_state`, `reshard.load_into_fsdp2`).
+Checkpoints (`save_checkpoint`/`load_checkpoint`, the `Saver`'s interface): every rank (of the
+first replica group) writes one file, `fsdp2_rank<RANK>.pt`, of its pieces of each parameter and
+of Adam's moments by Hugging Face name (rows of the tensor-parallel shard), with the schedule
+and counters. `weights.engine_tensors` reads them back as whole tensors by name, which is what
+resuming on any layout reads (`pretrain.checkpoint.fsdp2_state`, `reshard.load_into_fsdp2`).
 """
 from __future__ import annotations
 
@@ -34,13 +43,14 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from pretrain.config import Precision, RunConfig
 from pretrain.resolve.ds_config import zero_stage
 from pretrain.resolve.fsdp2_rules import offloads_to_cpu, reshards_after_forward
 from pretrain.model import canonical_parameters
 from pretrain.model.llama import DecoderLayer
+from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
 
 FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
@@ -49,7 +59,7 @@ FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step director
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
                 bf16: bool, offload: bool) -> torch.nn.Module:
     """`fully_shard` each decoder layer of `model`, then the model itself (embedding, final norm
-    and head: the root unit), in place; returns it."""
+    and head: the root unit), in place; returns it. A 2-D `mesh` ("replicate", "shard"): HSDP."""
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if bf16:  # bf16 compute, fp32 reduce-scatter; the sharded fp32 parameters are the masters
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -71,11 +81,12 @@ class FSDP2Engine:
 
     def __init__(self, cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups,
                  model: torch.nn.Module, *, param_groups: list[dict[str, Any]],
-                 lr_factor: Callable[[int], float], tensor_parallel: set[str]) -> None:
+                 lr_factor: Callable[[int], float], tensor_parallel: set[str],
+                 mesh: DeviceMesh) -> None:
         """`param_groups`: the optimizer's groups over the sharded parameters; `lr_factor(i)`:
         the schedule's factor of each group's lr after `i` updates; `tensor_parallel`: the
         names of the parameters that are tensor-parallel shards (fully_shard's replacements
-        carry no `tensor_model_parallel`)."""
+        carry no `tensor_model_parallel`); `mesh`: the one `shard_model` sharded over."""
         t = cfg.train
         self.cfg, self.groups, self.ds_config = cfg, groups, ds_config
         self.device = torch.device(get_accelerator().current_device_name())
@@ -92,6 +103,11 @@ class FSDP2Engine:
         self._norm: float | None = None
         self.checkpoint_engine = None  # the Saver's writer, set before save_checkpoint
         self._tensor_parallel = tensor_parallel
+        self._sequence_parallel_norms = sequence_parallel_norms(model)
+        hsdp = mesh.ndim == 2
+        self._shard_group = mesh.get_group("shard" if hsdp else 0)
+        # HSDP's replica groups hold the same shards: the first one's ranks write checkpoints
+        self._writes_checkpoints = not hsdp or mesh.get_local_rank("replicate") == 0
 
     # ---- what DeepSpeed's engine answers ----------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -147,6 +163,7 @@ class FSDP2Engine:
         if self._micro < self._micro_batches:
             return
         self._micro = 0
+        self._sum_sequence_parallel_grads()
         self._norm = self.grad_norm()
         if math.isfinite(self._norm):
             if self._clip > 0 and self._norm > self._clip:
@@ -165,19 +182,33 @@ class FSDP2Engine:
         return [p for p in self.module.parameters() if p.grad is not None]
 
     @torch.no_grad()
+    def _sum_sequence_parallel_grads(self) -> None:
+        """Sum the sequence-parallel norms' gradients over the tensor group, once per step.
+
+        Each tensor rank's norm saw only its T/tp tokens, so its gradient is a partial sum; the
+        hooks that reduce it under DeepSpeed (`SequenceShardedWeightGrad`) sat on the weights
+        `fully_shard` replaced. FSDP2 has summed the step's micro-batches into this rank's shard
+        (over the data group, the same rows on every tensor rank), and sums are linear, so one
+        all-reduce of the shard over the tensor group gives each rank its rows of the total."""
+        for norm in self._sequence_parallel_norms:
+            if norm.weight.grad is not None:
+                torch_dist.all_reduce(_local(norm.weight.grad), group=self.groups.tensor)
+
+    @torch.no_grad()
     def grad_norm(self) -> float:
         """L2 norm of the whole model's gradient, each element counted once: this rank's FSDP2
-        shard of each gradient summed over the data group; tensor-parallel shards on every
-        tensor rank, replicated weights (norms) on tensor rank 0 only, summed over the tensor
-        group (`metrics.global_grad_norm`'s rule)."""
+        shard of each gradient summed over its shard group (the data group, or one HSDP replica
+        group: the others hold the same shards); tensor-parallel shards on every tensor rank,
+        replicated weights (norms) on tensor rank 0 only, summed over the tensor group
+        (`metrics.global_grad_norm`'s rule)."""
         tp_rank0 = self.groups.topology.my_coords.tensor == 0
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for name, p in canonical_parameters(self.module, self.cfg.model):
             if p.grad is None or not (name in self._tensor_parallel or tp_rank0):
                 continue
             total += _local(p.grad).float().pow(2).sum().to(self.device)
-        if self.groups.topology.replicas > 1:
-            torch_dist.all_reduce(total, group=self.groups.data)
+        if torch_dist.get_world_size(self._shard_group) > 1:
+            torch_dist.all_reduce(total, group=self._shard_group)
         if self.groups.topology.tensor > 1:
             torch_dist.all_reduce(total, group=self.groups.tensor)
         return total.sqrt().item()
@@ -208,7 +239,8 @@ class FSDP2Engine:
     def save_checkpoint(self, save_dir: str, *, tag: str, save_latest: bool = False,
                         client_state: dict[str, Any] | None = None) -> None:
         """This rank's file into `save_dir/tag` through `checkpoint_engine` (the Saver's
-        writer: now or in the background); rank 0's carries `client_state`."""
+        writer: now or in the background), from the ranks of the first HSDP replica group only
+        (every rank without HSDP); rank 0's carries `client_state`."""
         del save_latest  # the Saver writes `latest` once every rank's files are on disk
         step_dir = Path(save_dir) / tag
         rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
@@ -216,6 +248,8 @@ class FSDP2Engine:
             step_dir.mkdir(parents=True, exist_ok=True)
         if torch_dist.is_initialized():
             torch_dist.barrier()
+        if not self._writes_checkpoints:
+            return
         state = self.state_pieces()
         if rank == 0:
             state["client_state"] = client_state or {}
@@ -247,19 +281,56 @@ class FSDP2Engine:
             _resume_schedule(self.lr_scheduler, schedule, self.optimizer.param_groups)
 
 
+def sequence_parallel_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` whose `weight` is whole on every tensor rank while their input is
+    a sequence shard (RMSNorms under sequence parallelism): their gradients need the sum over
+    the tensor group."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "weight_grad", None), SequenceShardedWeightGrad)
+            and tp_world_size(m.weight_grad.group) > 1]
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _first_row(param: torch.Tensor) -> int:
-    """The row of the tensor-parallel shard this rank's FSDP2 shard starts at (`Shard(0)`:
-    torch.chunk's split, the last ranks' pieces shorter or empty)."""
+    """The row of the tensor-parallel shard this rank's FSDP2 shard starts at (`Shard(0)` over
+    the mesh's shard dimension, replicated over HSDP's other one: torch.chunk's split, the last
+    ranks' pieces shorter or empty)."""
     if not isinstance(param, DTensor) or param.dim() == 0:
         return 0
     mesh = param.device_mesh
-    rows, ranks = param.shape[0], mesh.size()
+    dim = next(i for i, p in enumerate(param.placements) if isinstance(p, Shard))
+    rows, ranks = param.shape[0], mesh.size(dim)
     chunk = -(-rows // ranks)
-    return min(chunk * mesh.get_local_rank(), rows)
+    return min(chunk * mesh.get_local_rank(dim), rows)
+
+
+def data_mesh(groups: ProcessGroups, *, replicas: int, device_type: str) -> DeviceMesh:
+    """FSDP2's mesh over this rank's data group (data x context ranks): 1-D at one replica
+    group; for HSDP (`replicas` > 1) 2-D ("replicate", "shard"), the group's ranks in order
+    split into `replicas` rows of consecutive ranks, each row a shard group, each column a
+    replicate group. Collective: every rank creates every data group's groups, in order."""
+    if replicas == 1:
+        return DeviceMesh.from_group(groups.data, device_type=device_type)
+    known = dict(groups.by_ranks)  # a rank list create_groups made keeps its communicator
+    rank, mine = torch_dist.get_rank(), {}
+    for data_ranks in groups.topology.data_groups():
+        shards = len(data_ranks) // replicas
+        grid = [data_ranks[row * shards:(row + 1) * shards] for row in range(replicas)]
+        for kind, lists in (("shard", grid), ("replicate", [list(c) for c in zip(*grid)])):
+            for ranks in lists:
+                key = tuple(sorted(ranks))
+                if key not in known:
+                    known[key] = torch_dist.new_group(ranks=ranks)
+                if rank in ranks:
+                    mine[kind] = known[key]
+        if rank in data_ranks:
+            mine["grid"] = grid
+    return DeviceMesh.from_group([mine["replicate"], mine["shard"]], device_type=device_type,
+                                 mesh=torch.tensor(mine["grid"]),
+                                 mesh_dim_names=("replicate", "shard"))
 
 
 def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
@@ -273,10 +344,11 @@ def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: Proces
     device = get_accelerator().current_device_name()
     if not offload:  # under CPUOffloadPolicy the shards stay in host memory
         model.to(device)
-    mesh = DeviceMesh.from_group(groups.data, device_type=torch.device(device).type)
+    mesh = data_mesh(groups, replicas=cfg.train.fsdp2_replicas,
+                     device_type=torch.device(device).type)
     tensor_parallel = {name for name, p in canonical_parameters(model, cfg.model)
                        if getattr(p, "tensor_model_parallel", False)}
     shard_model(model, mesh, reshard_after_forward=reshards_after_forward(zero_stage(ds_config)),
                 bf16=cfg.train.precision is Precision.BF16, offload=offload)
     return FSDP2Engine(cfg, ds_config, groups, model, param_groups=optimizer_groups(model),
-                       lr_factor=lr_factor, tensor_parallel=tensor_parallel)
+                       lr_factor=lr_factor, tensor_parallel=tensor_parallel, mesh=mesh)
