@@ -105,26 +105,12 @@ class Trainer:
         control.schedule(save_interval_steps=cfg.checkpoint.save_interval,
                          save_interval_minutes=cfg.checkpoint.save_interval_minutes,
                          exit_after_minutes=cfg.train.exit_after_minutes)
-        # started with the loop: a rank without progress for train.hang_timeout_minutes is named
-        self.watchdog = hang.Watchdog(
-            timeout_minutes=cfg.train.hang_timeout, rank=world.rank, world_size=world.world_size,
-            run_dir=self.run_dir, store=hang.default_store() if world.world_size > 1 else None,
-            control=control, log=lambda line: log(line, level="warning"),
-            on_verdict=self._record_hang, saver=self.saver)
-        self.guard = faults.NonFiniteGuard(
-            self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
-            spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
-            log=lambda text: log(text, main=self.main, level="warning"),
-            spikes_kept_out=self.spikes.action is not spikes.SpikeAction.LOG)
+        self.watchdog, self.guard, self.stragglers = self._watchers()
         self._git_commit = git_commit()  # recorded in every checkpoint's meta.json
-        self.stragglers = stragglers.StragglerWatch(
-            interval=cfg.train.straggler_interval, margin=cfg.train.straggler_margin,
-            patience=cfg.train.straggler_patience, rank=world.rank,
-            log=lambda text: log(text, main=self.main, level="warning"))
         self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
                                    main=self.main)
-        self.metrics = MetricsSink(self.run_dir, enabled=self.main,
-                                             settings=cfg.logging, run_config=cfg.to_dict())
+        self.metrics = MetricsSink(self.run_dir, enabled=self.main, settings=cfg.logging,
+                                   run_config=cfg.to_dict())
         self._curves_step: int | None = None  # the step curves.png shows; -1: drawing failed
         self.validation = ValidationLoss(self)  # every train.eval_interval steps and the last
         self.tasks = TaskEvaluator(self)  # eval.tasks (lm-eval), after the steps it is due
@@ -132,6 +118,26 @@ class Trainer:
                      train_data=self.train_data, run_dir=self.run_dir)
 
     # ---- setup ------------------------------------------------------------------------------
+    def _watchers(self) -> tuple[hang.Watchdog, faults.NonFiniteGuard, stragglers.StragglerWatch]:
+        """What watches every step of this rank: the hang watchdog (started with the loop: a rank
+        without progress for train.hang_timeout_minutes is named), the non-finite and spike
+        guard, the straggler check."""
+        cfg, world = self.cfg, self.world
+        warn = functools.partial(log, main=self.main, level="warning")
+        watchdog = hang.Watchdog(
+            timeout_minutes=cfg.train.hang_timeout, rank=world.rank, world_size=world.world_size,
+            run_dir=self.run_dir, store=hang.default_store() if world.world_size > 1 else None,
+            control=self.control, log=lambda line: log(line, level="warning"),
+            on_verdict=self._record_hang, saver=self.saver)
+        guard = faults.NonFiniteGuard(
+            self.engine, max_in_a_row=cfg.train.max_nonfinite_steps,
+            spike_factor=cfg.train.loss_spike_factor, device=self.device, rank=world.rank,
+            log=warn, spikes_kept_out=self.spikes.action is not spikes.SpikeAction.LOG)
+        watch = stragglers.StragglerWatch(
+            interval=cfg.train.straggler_interval, margin=cfg.train.straggler_margin,
+            patience=cfg.train.straggler_patience, rank=world.rank, log=warn)
+        return watchdog, guard, watch
+
     def _agree_on_precision(self, choice: PrecisionChoice) -> None:
         """Every rank must have chosen the same precision (ranks on different CPUs might not);
         then the run says which and why."""
