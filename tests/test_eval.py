@@ -81,7 +81,6 @@ def _counted_phases(rank: int, world_size: int, final: str,
     driving, and the head calls (forwards, decoding steps) this rank made in each phase. On
     2 ranks: data parallelism, each rank a replica."""
     from pretrain.checkpoint.generate import load_for_inference
-    from pretrain.evaluation.adapter import PretrainLM
     from pretrain.evaluation.runner import ModelRunner, Replicas
     from pretrain.topology import Topology
 
@@ -96,7 +95,12 @@ def _counted_phases(rank: int, world_size: int, final: str,
                          distributed=world_size > 1, replicas=replicas, decode=tokenizer.decode)
     calls = _head_calls(model)
     answers, counts = [], []
-    for phase in _phases(PretrainLM(runner, tokenizer) if rank == 0 else None, until):
+    lm = None
+    if rank == 0:  # lm-eval is imported by the driver only
+        from pretrain.evaluation.adapter import PretrainLM
+
+        lm = PretrainLM(runner, tokenizer)
+    for phase in _phases(lm, until):
         before = calls[0]
         if rank == 0:
             answers.append(phase())
