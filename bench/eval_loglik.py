@@ -104,7 +104,7 @@ def replica_rank(rank: int, world_size: int) -> tuple[float, int] | None:
     loglikelihood over DP_EXAMPLES examples, driven by rank 0; rank 0's (seconds, requests)."""
     from pretrain.evaluation.adapter import PretrainLM
     from pretrain.evaluation.runner import ModelRunner, Replicas
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     cfg, model, tokenizer = quickstart_model()
     replicas = Replicas()

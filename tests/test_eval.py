@@ -82,7 +82,7 @@ def _counted_phases(rank: int, world_size: int, final: str,
     2 ranks: data parallelism, each rank a replica."""
     from pretrain.checkpoint.generate import load_for_inference
     from pretrain.evaluation.runner import ModelRunner, Replicas
-    from pretrain.topology import Topology
+    from pretrain.resolve.topology import Topology
 
     model, tokenizer, weights, _ = load_for_inference(final, device="cpu", dtype="fp32")
     replicas = Replicas()

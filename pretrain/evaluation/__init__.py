@@ -5,7 +5,7 @@
   `Replicas`; `GreedyBatch` stops at its `until` strings);
 - `adapter.PretrainLM`: lm-eval's `LM` over a runner (rank 0);
 - `tasks`: task names (local tasks in tasks/, lm-eval's own), `evaluate` on every rank;
-- `in_training.TaskEvaluator`: eval.tasks every eval.interval steps of a run;
+- eval.tasks every eval.interval steps of a run: `pretrain.training.evaluators.TaskEvaluator`;
 - `next_line`: builds the local task python_next_line from the bundled corpus.
 
 lm-eval is imported only when an evaluation runs.

@@ -65,8 +65,9 @@ class Replicas:
 
     @classmethod
     def of_mpu(cls, mpu) -> "Replicas":
-        """From a model-parallel unit (`pretrain.topology.DeepSpeedMPU`, DeepSpeed's pipeline
-        grid): its data-parallel rank and size, its model-parallel (tensor x pipeline) group."""
+        """From a model-parallel unit (`pretrain.resolve.topology.DeepSpeedMPU`, DeepSpeed's
+        pipeline grid): its data-parallel rank and size, its model-parallel (tensor x pipeline)
+        group."""
         count = mpu.get_data_parallel_world_size()
         if count == 1:
             return cls()
