@@ -215,6 +215,26 @@ def test_data_parallel_replicas_share_the_batches(runs, one_process, tmp_path):
         assert counts0[phase] == (alone[phase] + 1) // 2, (counts0, alone)
 
 
+def test_replicas_share_batches_only_where_each_holds_whole_weights():
+    """A DeepSpeed engine's replicas come from its mpu; under ZeRO-3 (weights partitioned over
+    the data-parallel ranks: every forward gathers from every replica) and for a bare model or
+    an engine without an mpu (FSDP2's), there is one: every rank runs every batch."""
+    from types import SimpleNamespace
+
+    from pretrain.evaluation.runner import Replicas
+
+    mpu = SimpleNamespace(get_data_parallel_world_size=lambda: 2,
+                          get_data_parallel_rank=lambda: 1, get_model_parallel_group=lambda: "g")
+
+    def engine(zero3: bool):
+        return SimpleNamespace(mpu=mpu, zero_optimization_partition_weights=lambda: zero3)
+
+    assert Replicas.of_model(engine(False)) == Replicas(index=1, count=2, group="g")
+    assert Replicas.of_model(engine(True)) == Replicas()
+    assert Replicas.of_model(SimpleNamespace(module=None)) == Replicas()
+    assert Replicas.of_model(torch.nn.Linear(1, 1)) == Replicas()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_in_run_scores_equal_hflms_on_the_exported_checkpoint(runs, layout):
