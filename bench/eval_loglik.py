@@ -1,18 +1,26 @@
 """Time per 1,000 log-likelihood requests of the lm-eval adapter (`pretrain.evaluation`) at the
 quickstart's shape: configs/quickstart.yaml's model (the `small` preset: 6 layers, hidden 384,
-seq 256, vocabulary 8192, tied) in fp32 on the CPU, one process, batches of 8, on the
-multiple-choice requests of the local task python_next_line (its first 50 examples x 4
-choices; the quickstart's tokenizer, made once under .build/bench). The weights are the initial ones: the
-time does not depend on them.
+seq 256, vocabulary 8192, tied) in fp32 on the CPU, batches of 8, on the multiple-choice
+requests of the local task python_next_line (the quickstart's tokenizer, made once under
+.build/bench). The weights are the initial ones: the time does not depend on them.
 
-Baseline, measured in the same run: the same windows (the same token ids, batched in the same
-order) through the bare model, log-softmax and gather, without lm-eval, the adapter or the
-runner. The ratio is the adapter's overhead (tokenization, batching, bookkeeping).
+Two measurements, each against a baseline measured in the same run:
 
-    .venv/bin/python bench/eval_loglik.py        # ~5 minutes on 2 shared, loaded cores
+- `overhead` (one process, the task's first 50 examples x 4 choices): the adapter against the
+  same windows (the same token ids, batched in the same order) through the bare model,
+  log-softmax and gather, without lm-eval, the adapter or the runner. The ratio is the
+  adapter's overhead (tokenization, batching, bookkeeping).
+- `dp` (the same 50 examples): the adapter on 1 gloo rank against 2 ranks, each a
+  data-parallel replica running half the batches (one thread per rank, so that dp 2 uses the
+  two cores dp 1 leaves idle). The ratio dp 1 / dp 2 is the speed-up of sharing the batches.
+
+    .venv/bin/python bench/eval_loglik.py             # both: ~6 minutes on 2 shared cores
+    .venv/bin/python bench/eval_loglik.py --part dp   # ~2 minutes
 """
 from __future__ import annotations
 
+import argparse
+import tempfile
 import time
 
 import torch
@@ -23,15 +31,30 @@ from common import REPO, machine, median, stdlib_dataset
 ROUNDS = 3
 BATCH = 8
 EXAMPLES = 50  # of the task's 200: 200 requests, timed per 1,000
+DP_EXAMPLES = 50  # 200 requests per data-parallel round: 25 batches
+DP_ROUNDS = 3
 
 
-def requests(tokenizer):
+def requests(examples: int = EXAMPLES):
     from pretrain.evaluation.tasks import task_manager
 
     task = task_manager(["python_next_line"]).load(["python_next_line"])["tasks"]
     task = task["python_next_line"]
-    task.build_all_requests(limit=EXAMPLES, rank=0, world_size=1)
+    task.build_all_requests(limit=examples, rank=0, world_size=1)
     return task.instances
+
+
+def quickstart_model():
+    """(model config, model with its initial weights, tokenizer) of the quickstart."""
+    from pretrain.config import load_config
+    from pretrain.data import Tokenizer
+    from pretrain.model import build_model
+
+    data = stdlib_dataset()
+    cfg = load_config(REPO / "configs/quickstart.yaml",
+                      [f"data.tokenizer={data['tokenizer']}", f"data.dataset={data['dataset']}",
+                       "model.vocab_size=8192"])
+    return cfg.model, build_model(cfg.model, seed=0).eval(), Tokenizer.load(data["tokenizer"])
 
 
 def bare_forwards(model, rows) -> float:
@@ -52,22 +75,14 @@ def bare_forwards(model, rows) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    from pretrain.config import load_config
-    from pretrain.data import Tokenizer
+def overhead() -> None:
     from pretrain.evaluation.adapter import PretrainLM
     from pretrain.evaluation.runner import ModelRunner
-    from pretrain.model import build_model
 
-    data = stdlib_dataset()
-    cfg = load_config(REPO / "configs/quickstart.yaml",
-                      [f"data.tokenizer={data['tokenizer']}", f"data.dataset={data['dataset']}",
-                       "model.vocab_size=8192"])
-    model = build_model(cfg.model, seed=0).eval()
-    tokenizer = Tokenizer.load(data["tokenizer"])
-    lm = PretrainLM(ModelRunner(model, vocab_size=cfg.model.vocab_size,
-                                seq_length=cfg.model.seq_length, batch_size=BATCH), tokenizer)
-    reqs = requests(tokenizer)
+    cfg, model, tokenizer = quickstart_model()
+    lm = PretrainLM(ModelRunner(model, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length,
+                                batch_size=BATCH), tokenizer)
+    reqs = requests()
     rows = [lm._window(*lm._encode_pair(*req.args)) for req in reqs]
     adapter, bare = [], []
     for _ in range(ROUNDS):  # alternate, so that a change of load hits both
@@ -77,12 +92,66 @@ def main() -> None:
         bare.append(bare_forwards(model, rows))
     per_k = 1000 / len(reqs)
     tokens = sum(len(r.tokens) - 1 for r in rows) / len(rows)
-    print(f"machine: {machine()}")
     print(f"{len(reqs)} requests (mean {tokens:.0f} input tokens), batch {BATCH}, fp32, "
           f"median of {ROUNDS}")
     print(f"adapter (lm-eval loglikelihood): {median(adapter) * per_k:.1f} s per 1,000 requests")
     print(f"bare model forwards:             {median(bare) * per_k:.1f} s per 1,000 requests")
     print(f"ratio adapter / bare: {median(adapter) / median(bare):.3f}")
+
+
+def replica_rank(rank: int, world_size: int) -> tuple[float, int] | None:
+    """On each of `world_size` ranks (each a data-parallel replica): the adapter's
+    loglikelihood over DP_EXAMPLES examples, driven by rank 0; rank 0's (seconds, requests)."""
+    from pretrain.evaluation.adapter import PretrainLM
+    from pretrain.evaluation.runner import ModelRunner, Replicas
+    from pretrain.resolve.topology import Topology
+
+    cfg, model, tokenizer = quickstart_model()
+    replicas = Replicas()
+    if world_size > 1:
+        groups = Topology(tensor=1, pipeline=1, world_size=world_size, rank=rank).create_groups()
+        replicas = Replicas.of_mpu(groups.mpu)
+    runner = ModelRunner(model, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length,
+                         batch_size=BATCH, distributed=world_size > 1, replicas=replicas)
+    if rank > 0:
+        runner.serve()
+        return None
+    reqs = requests(DP_EXAMPLES)
+    lm = PretrainLM(runner, tokenizer)
+    start = time.perf_counter()
+    lm.loglikelihood(reqs)
+    seconds = time.perf_counter() - start
+    runner.stop()
+    return seconds, len(reqs)
+
+
+def data_parallel() -> None:
+    from pretrain.testing.ranks import run_on_ranks
+
+    stdlib_dataset()  # made once, before the ranks read it
+    times: dict[int, list[float]] = {1: [], 2: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(DP_ROUNDS):  # alternate, so that a change of load hits both
+            for dp in times:
+                seconds, n = run_on_ranks(replica_rank, world_size=dp, tmp_path=tmp,
+                                          timeout_s=1800)[0]
+                times[dp].append(seconds * 1000 / n)
+    print(f"{n} requests, batch {BATCH}, fp32, one thread per rank, median of {DP_ROUNDS}")
+    for dp, per_k in times.items():
+        print(f"dp {dp} ({dp} gloo rank{'s' * (dp > 1)}): {median(per_k):.1f} s per 1,000 "
+              f"requests")
+    print(f"ratio dp 1 / dp 2: {median(times[1]) / median(times[2]):.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["overhead", "dp", "all"], default="all")
+    part = parser.parse_args().part
+    print(f"machine: {machine()}")
+    if part in ("overhead", "all"):
+        overhead()
+    if part in ("dp", "all"):
+        data_parallel()
 
 
 if __name__ == "__main__":

@@ -52,44 +52,187 @@ def _requests(task_name: str):
     return task.instances
 
 
-@pytest.mark.slow
-def test_adapter_gives_hflms_log_likelihoods_and_generations(runs):
-    """One process: each request's log-likelihood, greedy flag, rolling log-likelihood and
-    greedy generation as lm-eval's HFLM gives them on the exported checkpoint."""
+def _head_calls(model) -> list[int]:
+    """[calls of the model's head so far]: one per scoring forward and per decoding step."""
+    calls = [0]
+    model.lm_head.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def _generation_requests(until: list[str] | None = None):
+    """python_line_completion's requests; with `until`, request i stops at until[i] instead of
+    at the end of its line (which the tiny model does not reach in max_gen_toks tokens)."""
+    requests = _requests("python_line_completion")
+    for request, stop in zip(requests, until or []):
+        request.arguments = (request.args[0], {**request.args[1], "until": [stop]})
+    return requests
+
+
+def _phases(lm, until: list[str]) -> list:
+    """What each test asks of an adapter, in this order: the phases of `_counted_phases`."""
+    return [lambda: lm.loglikelihood(_requests("python_next_line")),
+            lambda: lm.loglikelihood_rolling(_requests("python_passages")),
+            lambda: lm.generate_until(_generation_requests(until))]
+
+
+def _counted_phases(rank: int, world_size: int, final: str,
+                    until: list[str]) -> tuple[list, list[int]]:
+    """The adapter's answers to `_phases` on the checkpoint `final`, batches of 3, rank 0
+    driving, and the head calls (forwards, decoding steps) this rank made in each phase. On
+    2 ranks: data parallelism, each rank a replica."""
+    from pretrain.checkpoint.generate import load_for_inference
+    from pretrain.evaluation.runner import ModelRunner, Replicas
+    from pretrain.resolve.topology import Topology
+
+    model, tokenizer, weights, _ = load_for_inference(final, device="cpu", dtype="fp32")
+    replicas = Replicas()
+    if world_size > 1:
+        groups = Topology(tensor=1, pipeline=1, world_size=world_size, rank=rank).create_groups()
+        replicas = Replicas.of_mpu(groups.mpu)
+    # batch 3: batches of mixed lengths, padded differently from HFLM's batches of 4
+    runner = ModelRunner(model, vocab_size=weights.model.vocab_size,
+                         seq_length=weights.model.seq_length, batch_size=3,
+                         distributed=world_size > 1, replicas=replicas, decode=tokenizer.decode)
+    calls = _head_calls(model)
+    answers, counts = [], []
+    lm = None
+    if rank == 0:  # lm-eval is imported by the driver only
+        from pretrain.evaluation.adapter import PretrainLM
+
+        lm = PretrainLM(runner, tokenizer)
+    for phase in _phases(lm, until):
+        before = calls[0]
+        if rank == 0:
+            answers.append(phase())
+            runner.stop()
+        else:
+            runner.serve()
+        counts.append(calls[0] - before)
+    return answers, counts
+
+
+@pytest.fixture(scope="module")
+def one_process(runs) -> dict:
+    """The adapter on the pp 2 run's final checkpoint in one process (its answers, the head
+    calls of each phase, the generation batches with their decoding steps), and HFLM's answers
+    on its export (generation: transformers' greedy ids, max_gen_toks of them, per prompt)."""
     from pretrain.checkpoint.generate import load_for_inference
     from pretrain.evaluation.adapter import PretrainLM
     from pretrain.evaluation.runner import ModelRunner
 
-    run_dir = runs["pp2"].run_dir
-    model, tokenizer, weights, _ = load_for_inference(str(run_dir / "final"), device="cpu",
-                                                      dtype="fp32")
-    # batch 3: batches of mixed lengths, padded differently from HFLM's batches of 4
-    ours = PretrainLM(ModelRunner(model, vocab_size=weights.model.vocab_size,
-                                  seq_length=weights.model.seq_length, batch_size=3), tokenizer)
+    final = str(runs["pp2"].run_dir / "final")
+    model, tokenizer, weights, _ = load_for_inference(final, device="cpu", dtype="fp32")
+    runner = ModelRunner(model, vocab_size=weights.model.vocab_size,
+                         seq_length=weights.model.seq_length, batch_size=3)
+    ours = PretrainLM(runner, tokenizer)
     theirs = _hflm(runs["tmp"] / "pp2_hf")
-    choices = _requests("python_next_line")
-    a, b = ours.loglikelihood(choices), theirs.loglikelihood(choices)
+    full, until = {}, []  # prompt -> transformers' greedy ids (max_gen_toks, or up to EOS)
+    for i, request in enumerate(_generation_requests()):
+        prompt, max_new, _ = ours._generation_job(request.args[0], dict(request.args[1]))
+        out = theirs.model.generate(torch.tensor([prompt]), max_new_tokens=max_new,
+                                    do_sample=False, eos_token_id=tokenizer.eos_id,
+                                    pad_token_id=tokenizer.eos_id)
+        full[tuple(prompt)] = out[0, len(prompt):].tolist()
+        # a stop string the model writes by token 3, 7, 11, ...: rows stop at different steps
+        until.append(tokenizer.decode(full[tuple(prompt)][:3 + 4 * i])[-3:].strip("\ufffd"))
+    calls, steps = _head_calls(model), []  # (batch, decoding steps) of each generation batch
+    run_batch = runner._greedy
+
+    def counted(batch):
+        before = calls[0]
+        out = run_batch(batch)
+        steps.append((batch, calls[0] - before))
+        return out
+
+    runner._greedy = counted
+    ours.generate_until(_generation_requests(until))
+    answers, counts = _counted_phases(0, 1, final, until)
+    return {"ours": answers, "counts": counts, "steps": steps, "full": full, "until": until,
+            "ours_lm": ours, "theirs": [phase() for phase in _phases(theirs, until)[:2]],
+            "eos": tokenizer.eos_id}
+
+
+def _assert_hflms(answers: list, one_process: dict) -> None:
+    """`answers` to `_phases` are HFLM's: log-likelihoods and greedy flags, rolling
+    log-likelihoods, and the generations (transformers' greedy ids cut as the adapter cuts them:
+    HFLM's strings differ only where a cut falls inside a UTF-8 byte sequence)."""
+    a, b = answers[0], one_process["theirs"][0]
     assert len(a) == LIMIT * 4
     assert [greedy for _, greedy in a] == [greedy for _, greedy in b]
     for (x, _), (y, _) in zip(a, b):
         assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-4), (x, y)
-    passages = _requests("python_passages")
-    for x, y in zip(ours.loglikelihood_rolling(passages), theirs.loglikelihood_rolling(passages)):
+    for x, y in zip(answers[1], one_process["theirs"][1]):
         assert math.isclose(x, y, rel_tol=1e-5), (x, y)
-    # generation: transformers' greedy ids of the same prompts, cut as the adapter cuts them
-    # (HFLM's strings differ only where a cut falls inside a UTF-8 byte sequence)
-    lines = _requests("python_line_completion")
-    expected = []
-    for request in lines:
-        prompt, max_new, until = ours._generation_job(request.args[0], dict(request.args[1]))
-        out = theirs.model.generate(torch.tensor([prompt]), max_new_tokens=max_new,
-                                    do_sample=False, eos_token_id=tokenizer.eos_id,
-                                    pad_token_id=tokenizer.eos_id)
-        expected.append(ours._cut(out[0, len(prompt):].tolist(), until=until,
-                                  eos=tokenizer.eos_id))
-    generated = ours.generate_until(lines)
-    assert generated == expected
-    assert any(generated), "every generation was empty: nothing compared"
+    ours, expected = one_process["ours_lm"], []
+    for request in _generation_requests(one_process["until"]):
+        prompt, _, until = ours._generation_job(request.args[0], dict(request.args[1]))
+        tokens = one_process["full"][tuple(prompt)]
+        expected.append(ours._cut(tokens, until=until, eos=one_process["eos"]))
+    assert answers[2] == expected
+    assert any(answers[2]), "every generation was empty: nothing compared"
+
+
+@pytest.mark.slow
+def test_adapter_gives_hflms_log_likelihoods_and_generations(one_process):
+    """One process: each request's log-likelihood, greedy flag, rolling log-likelihood and
+    greedy generation as lm-eval's HFLM gives them on the exported checkpoint."""
+    _assert_hflms(one_process["ours"], one_process)
+
+
+@pytest.mark.slow
+def test_generation_stops_at_its_until_strings(one_process):
+    """A generation batch decodes until every row has written one of its `until` strings (or
+    the end-of-document token), not max_gen_toks tokens: its decoding steps are the latest of
+    its rows' stops in transformers' greedy ids."""
+    decode = one_process["ours_lm"].tok_decode
+    eos, full = one_process["eos"], one_process["full"]
+    for batch, steps in one_process["steps"]:
+        stops = []
+        for prompt, until in zip(batch.prompts, batch.until):
+            tokens = full[prompt]
+            stop = next((n for n in range(1, len(tokens) + 1) if tokens[n - 1] == eos
+                         or any(s in decode(tokens[:n]) for s in until if s)), len(tokens))
+            stops.append(stop)
+        assert steps == max(stops), (steps, stops, batch.max_new_tokens)
+    assert any(steps < batch.max_new_tokens for batch, steps in one_process["steps"]), (
+        "no batch stopped early: nothing checked")
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_share_the_batches(runs, one_process, tmp_path):
+    """dp 2 (two replicas of one rank each): the answers are HFLM's, as in one process, and
+    each replica ran about half the forwards: together, one process's count."""
+    from pretrain.testing.ranks import run_on_ranks
+
+    final = str(runs["pp2"].run_dir / "final")
+    (answers, counts0), (_, counts1) = run_on_ranks(
+        _counted_phases, world_size=2, tmp_path=tmp_path, args=(final, one_process["until"]))
+    _assert_hflms(answers, one_process)
+    alone = one_process["counts"]
+    for phase, (mine, theirs, total) in enumerate(zip(counts0, counts1, alone)):
+        assert mine + theirs == total and 0 < mine < total, (phase, counts0, counts1, alone)
+    for phase in (0, 1):  # scoring: one forward per batch, batches dealt alternately
+        assert counts0[phase] == (alone[phase] + 1) // 2, (counts0, alone)
+
+
+def test_replicas_share_batches_only_where_each_holds_whole_weights():
+    """A DeepSpeed engine's replicas come from its mpu; under ZeRO-3 (weights partitioned over
+    the data-parallel ranks: every forward gathers from every replica) and for a bare model or
+    an engine without an mpu (FSDP2's), there is one: every rank runs every batch."""
+    from types import SimpleNamespace
+
+    from pretrain.evaluation.runner import Replicas
+
+    mpu = SimpleNamespace(get_data_parallel_world_size=lambda: 2,
+                          get_data_parallel_rank=lambda: 1, get_model_parallel_group=lambda: "g")
+
+    def engine(zero3: bool):
+        return SimpleNamespace(mpu=mpu, zero_optimization_partition_weights=lambda: zero3)
+
+    assert Replicas.of_model(engine(False)) == Replicas(index=1, count=2, group="g")
+    assert Replicas.of_model(engine(True)) == Replicas()
+    assert Replicas.of_model(SimpleNamespace(module=None)) == Replicas()
+    assert Replicas.of_model(torch.nn.Linear(1, 1)) == Replicas()
 
 
 @pytest.mark.slow

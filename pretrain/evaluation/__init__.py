@@ -1,15 +1,17 @@
 """Downstream evaluation with lm-eval-harness on the model as it is sharded in the run.
 
 - `runner.ModelRunner`: batched log-likelihoods and greedy decoding on any layout, every rank
-  taking part (rank 0 broadcasts each batch);
+  taking part (rank 0 broadcasts the batches, the data-parallel replicas share them:
+  `Replicas`; `GreedyBatch` stops at its `until` strings);
 - `adapter.PretrainLM`: lm-eval's `LM` over a runner (rank 0);
 - `tasks`: task names (local tasks in tasks/, lm-eval's own), `evaluate` on every rank;
-- `in_training.TaskEvaluator`: eval.tasks every eval.interval steps of a run;
+- eval.tasks every eval.interval steps of a run: `pretrain.training.evaluators.TaskEvaluator`;
 - `next_line`: builds the local task python_next_line from the bundled corpus.
 
 lm-eval is imported only when an evaluation runs.
 """
-from pretrain.evaluation.runner import ModelRunner, ScoreRow
+from pretrain.evaluation.runner import GreedyBatch, ModelRunner, Replicas, ScoreRow
 from pretrain.evaluation.tasks import LOCAL_TASKS, TASKS_DIR, check_tasks, evaluate
 
-__all__ = ["LOCAL_TASKS", "TASKS_DIR", "ModelRunner", "ScoreRow", "check_tasks", "evaluate"]
+__all__ = ["LOCAL_TASKS", "TASKS_DIR", "GreedyBatch", "ModelRunner", "Replicas", "ScoreRow",
+           "check_tasks", "evaluate"]

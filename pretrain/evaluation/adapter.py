@@ -11,7 +11,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 
 from pretrain.data import Tokenizer
-from pretrain.evaluation.runner import ModelRunner, ScoreRow
+from pretrain.evaluation.runner import GreedyBatch, ModelRunner, ScoreRow
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default, when a task names none
 
@@ -24,6 +24,8 @@ class PretrainLM(TemplateLM):
         super().__init__()
         self.runner, self.tok = runner, tokenizer
         self.max_length = runner.seq_length
+        if runner.decode is None:  # a one-process runner: it stops generations with ours
+            runner.decode = tokenizer.decode
 
     # ---- tokenization ---------------------------------------------------------------------
     @property
@@ -86,36 +88,40 @@ class PretrainLM(TemplateLM):
         return totals
 
     def _in_batches(self, items: list, *, key, run) -> list:
-        """run(batch) over `items` sorted by `key` in batches of the runner's size; results in
-        the items' order."""
+        """run(batches) over `items` sorted by `key`, in batches of the runner's size (one
+        command: the data-parallel replicas share them); results in the items' order."""
         order = sorted(range(len(items)), key=lambda i: key(items[i]))
-        results: list = [None] * len(items)
         size = self.runner.batch_size
-        for start in range(0, len(order), size):
-            chosen = order[start:start + size]
-            for i, result in zip(chosen, run([items[i] for i in chosen])):
+        chosen = [order[start:start + size] for start in range(0, len(order), size)]
+        results: list = [None] * len(items)
+        for indices, outs in zip(chosen, run([[items[i] for i in idx] for idx in chosen])):
+            for i, result in zip(indices, outs):
                 results[i] = result
         return results
 
     # ---- generation -----------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, cut at the first of the request's `until` strings (and the
-        end-of-document token). Prompts keep their last max_length - max_gen_toks tokens."""
+        """Greedy continuations, stopped and cut at the first of the request's `until` strings
+        (and the end-of-document token). Prompts keep their last max_length - max_gen_toks
+        tokens."""
         jobs = [self._generation_job(context, dict(kwargs)) for context, kwargs in
                 (req.args for req in requests)]
         # one batch: prompts of one length and one max_gen_toks
         by_shape: dict[tuple[int, int], list[int]] = {}
         for i, (prompt, max_new, _) in enumerate(jobs):
             by_shape.setdefault((len(prompt), max_new), []).append(i)
-        texts: list[str] = [""] * len(jobs)
         eos = self.tok.eos_id if self.tok.eos_id >= 0 else None
-        for (_, max_new), members in sorted(by_shape.items()):
-            for start in range(0, len(members), self.runner.batch_size):
-                chosen = members[start:start + self.runner.batch_size]
-                outs = self.runner.greedy([jobs[i][0] for i in chosen], max_new_tokens=max_new,
-                                          eos_id=eos)
-                for i, tokens in zip(chosen, outs):
-                    texts[i] = self._cut(tokens, until=jobs[i][2], eos=eos)
+        size = self.runner.batch_size
+        chosen = [members[start:start + size] for (_, _), members in sorted(by_shape.items())
+                  for start in range(0, len(members), size)]
+        batches = [GreedyBatch(prompts=tuple(tuple(jobs[i][0]) for i in indices),
+                               max_new_tokens=jobs[indices[0]][1],
+                               until=tuple(tuple(jobs[i][2]) for i in indices), eos_id=eos)
+                   for indices in chosen]
+        texts: list[str] = [""] * len(jobs)
+        for indices, outs in zip(chosen, self.runner.greedy(batches)):
+            for i, tokens in zip(indices, outs):
+                texts[i] = self._cut(tokens, until=jobs[i][2], eos=eos)
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return texts

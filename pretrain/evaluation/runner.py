@@ -1,23 +1,32 @@
 """The forwards of an evaluation, on the model as it is sharded in the run, every rank taking
 part.
 
-Rank 0 drives lm-eval (`pretrain.evaluation.adapter`); each batch it scores or decodes is a
-collective: rank 0 broadcasts it as a command, and every rank (the other ranks in `serve`) runs
-the same forward with the same inputs. Tensor parallelism therefore sees the same ids on every
-rank of a group (as it requires), ZeRO-3 gathers each parameter with every rank present, and a
-pipeline runs its inference schedule on every stage. Every data-parallel replica runs the same
-batches: simple, and exact, at the price of no data-parallel speed-up.
+Rank 0 drives lm-eval (`pretrain.evaluation.adapter`) and hands the runner all the batches of a
+request type at once; that is one collective: rank 0 broadcasts them as a command, and every
+rank (the other ranks in `serve`) takes part. The data-parallel replicas share the batches
+(`Replicas`: replica r runs batches r, r + R, r + 2R, ... of R replicas); every rank of a
+replica (its tensor and pipeline ranks) runs the same forwards with the same inputs, so tensor
+parallelism sees the same ids on every rank of a group, as it requires, and a pipeline runs its
+inference schedule on every stage. The results then reach rank 0 in the batches' order (one
+all-gather of Python objects). Where the weights are partitioned over the data-parallel ranks
+(ZeRO-3, FSDP2) every forward gathers them from every replica: there every replica runs every
+batch.
+
+Greedy decoding stops a row at the end-of-document token or once its decoded text contains one
+of its `until` strings (every rank decodes: `decode`), and a batch once all its rows have
+stopped; each row's tokens end where it stopped.
 
 Shapes: a flat model (one process, tensor parallel, ZeRO) takes each batch right-padded to its
 longest row (a multiple of the tensor-parallel size under sequence parallelism): causal attention
 keeps every real position exact. A pipeline takes batches of exactly its training shape
 (train.micro_batch_size x model.seq_length), because DeepSpeed's stages keep the activation
-buffers of their first send; its last stage computes the results, which reach every rank
-through one all-reduce (MAX over identical values and -inf/-1 elsewhere: exact).
+buffers of their first send; its last stage computes the results, which reach every rank of
+the replica through one all-reduce (MAX over identical values and -inf/-1 elsewhere: exact).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -36,17 +45,60 @@ class ScoreRow:
     continuation: int
 
 
+@dataclasses.dataclass(frozen=True)
+class GreedyBatch:
+    """Prompts of one length to continue greedily by at most `max_new_tokens`; row i stops at
+    `eos_id` or once its decoded continuation contains one of `until[i]`."""
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: int
+    until: tuple[tuple[str, ...], ...]
+    eos_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """This rank's data-parallel replica: `index` of `count`, and `group`, the process group of
+    the replica's ranks (tensor x pipeline; None: every rank, when there is one replica)."""
+    index: int = 0
+    count: int = 1
+    group: Any = None
+
+    @classmethod
+    def of_mpu(cls, mpu) -> "Replicas":
+        """From a model-parallel unit (`pretrain.resolve.topology.DeepSpeedMPU`, DeepSpeed's
+        pipeline grid): its data-parallel rank and size, its model-parallel (tensor x pipeline)
+        group."""
+        count = mpu.get_data_parallel_world_size()
+        if count == 1:
+            return cls()
+        return cls(index=mpu.get_data_parallel_rank(), count=count,
+                   group=mpu.get_model_parallel_group())
+
+    @classmethod
+    def of_model(cls, model) -> "Replicas":
+        """The replicas of a DeepSpeed engine (its `mpu`); one for a bare model, an engine
+        without one, or weights partitioned over the data-parallel ranks (ZeRO-3, FSDP2 has no
+        mpu), whose every forward needs every rank."""
+        mpu = getattr(model, "mpu", None)
+        partitioned = getattr(model, "zero_optimization_partition_weights", lambda: False)()
+        return cls() if mpu is None or partitioned else cls.of_mpu(mpu)
+
+
 class ModelRunner:
     """Batched log-likelihoods and greedy decoding of `model`: a `LlamaModel`, a DeepSpeed engine
-    over one (flat), or a DeepSpeed `PipelineEngine`. `world`: whether several processes take
-    part (then every rank must construct one and the others call `serve`). `batch_size` is the
-    rows per forward of a flat model; a pipeline uses `pipeline_shape` (rows, length);
-    `tp_multiple`: a flat model's padded length is a multiple of it (sequence parallelism)."""
+    over one (flat), or a DeepSpeed `PipelineEngine`. `distributed`: whether several processes
+    take part (then every rank must construct one and the others call `serve`); `replicas`: how
+    they share the batches (default: read from the engine, `Replicas.of_model`). `batch_size` is
+    the rows per forward of a flat model; a pipeline uses `pipeline_shape` (rows, length);
+    `tp_multiple`: a flat model's padded length is a multiple of it (sequence parallelism).
+    `decode` (token ids to text) is needed on every rank to stop generations at their `until`
+    strings (`pretrain.evaluation.tasks.evaluate` sets it from the run's tokenizer)."""
 
     def __init__(self, model, *, vocab_size: int, seq_length: int, batch_size: int,
                  device: str = "cpu", tp_multiple: int = 1, distributed: bool = False,
                  pipeline_shape: tuple[int, int] | None = None, tp_group=None,
-                 document_mask: bool = False) -> None:
+                 document_mask: bool = False, replicas: Replicas | None = None,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.model, self.vocab_size, self.seq_length = model, vocab_size, seq_length
         self.device, self.tp_multiple, self.distributed = device, tp_multiple, distributed
         self.pipelined = ModelForm.of(model) is ModelForm.PIPELINE
@@ -55,31 +107,34 @@ class ModelRunner:
         self.batch_size = pipeline_shape[0] if self.pipelined else batch_size
         if self.pipelined and pipeline_shape is None:
             raise ValueError("a pipeline engine needs pipeline_shape=(micro_batch_size, seq_length)")
+        if replicas is None:
+            replicas = Replicas.of_model(model) if distributed else Replicas()
+        self.replicas, self.decode = replicas, decode
 
     @property
     def is_driver(self) -> bool:
         return not self.distributed or torch_dist.get_rank() == 0
 
     # ---- the commands (rank 0) -------------------------------------------------------------
-    def score(self, rows: list[ScoreRow]) -> list[tuple[float, bool]]:
-        """(sum of the continuation's log-probabilities, whether greedy decoding gives it) per
-        row; at most `batch_size` rows."""
-        return self._command("score", rows)
+    def score(self, batches: list[list[ScoreRow]]) -> list[list[tuple[float, bool]]]:
+        """Per batch (at most `batch_size` rows each), per row: (sum of the continuation's
+        log-probabilities, whether greedy decoding gives it)."""
+        return self._command("score", batches)
 
-    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int,
-               eos_id: int | None) -> list[list[int]]:
-        """The greedy continuation of each prompt (equal lengths; at most `batch_size`)."""
-        return self._command("greedy", (prompts, max_new_tokens, eos_id))
+    def greedy(self, batches: list[GreedyBatch]) -> list[list[list[int]]]:
+        """Per batch (at most `batch_size` rows each), each row's greedy continuation up to where
+        it stopped (the end-of-document token left out)."""
+        return self._command("greedy", batches)
 
     def stop(self, error: str | None = None) -> None:
         """End the other ranks' `serve` (with `error`: they raise it too)."""
         if self.distributed:
             self._broadcast((_ERROR, error) if error else (_STOP, None))
 
-    def _command(self, name: str, payload):
+    def _command(self, name: str, batches: list):
         if self.distributed:
-            self._broadcast((name, payload))
-        return self._run(name, payload)
+            self._broadcast((name, batches))
+        return self._run(name, batches)
 
     # ---- the other ranks ------------------------------------------------------------------
     def serve(self) -> None:
@@ -97,12 +152,18 @@ class ModelRunner:
         torch_dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _run(self, name: str, payload):
+    def _run(self, name: str, batches: list) -> list:
+        """This replica's share of `batches` run, everyone's results in the batches' order."""
+        run = self._score if name == "score" else self._greedy
+        share = range(self.replicas.index, len(batches), self.replicas.count)
         with torch.no_grad():
-            if name == "score":
-                return self._score(payload)
-            prompts, max_new_tokens, eos_id = payload
-            return self._greedy(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id)
+            mine = {i: run(batches[i]) for i in share}
+        if self.replicas.count > 1:  # every rank of a replica holds its results: any will do
+            everyone: list[dict] = [{} for _ in range(torch_dist.get_world_size())]
+            torch_dist.all_gather_object(everyone, mine)
+            for results in everyone:
+                mine.update(results)
+        return [mine[i] for i in range(len(batches))]
 
     # ---- forwards ----------------------------------------------------------------------------
     def _padded(self, sequences: list[list[int]]) -> torch.Tensor:
@@ -152,7 +213,7 @@ class ModelRunner:
         if values is None:
             values = torch.full(shape, fill, dtype=dtype, device=self.device)
         values = values.to(self.device).contiguous()
-        torch_dist.all_reduce(values, op=torch_dist.ReduceOp.MAX)
+        torch_dist.all_reduce(values, op=torch_dist.ReduceOp.MAX, group=self.replicas.group)
         return values
 
     def _score(self, rows: list[ScoreRow]) -> list[tuple[float, bool]]:
@@ -172,22 +233,22 @@ class ModelRunner:
                                        fill=float("-inf"))
         return [(float(v), bool(g)) for v, g in result.tolist()]
 
-    def _greedy(self, prompts: list[list[int]], *, max_new_tokens: int,
-                eos_id: int | None) -> list[list[int]]:
-        if not self.pipelined:
+    def _greedy(self, batch: GreedyBatch) -> list[list[int]]:
+        prompts = [list(p) for p in batch.prompts]
+        stops = _Stops(batch, decode=self.decode)
+        if self.pipelined:
+            self._pipeline_greedy(prompts, max_new_tokens=batch.max_new_tokens, stops=stops)
+        else:
             module = getattr(self.model, "module", self.model)  # a DeepSpeed engine's model
             ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
-            out = module.generate(ids, max_new_tokens=max_new_tokens, eos_id=eos_id)
-            return [row[len(prompts[0]):] for row in out.tolist()]
-        return self._pipeline_greedy(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id)
+            module.generate(ids, max_new_tokens=batch.max_new_tokens, stop=stops)
+        return stops.kept
 
     def _pipeline_greedy(self, prompts: list[list[int]], *, max_new_tokens: int,
-                         eos_id: int | None) -> list[list[int]]:
+                         stops: "_Stops") -> None:
         """Greedy decoding through the pipeline's fixed shape: no key/value cache, each new
-        token is one whole forward (the last seq_length tokens)."""
+        token is one whole forward (the last seq_length tokens), until `stops` says so."""
         sequences = [list(p) for p in prompts]
-        new: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
         for _ in range(max_new_tokens):
             windows = [seq[-self.seq_length:] for seq in sequences]
             logits = self._logits(self._padded(windows))
@@ -197,12 +258,36 @@ class ModelRunner:
                 picked = logits[torch.arange(len(windows), device=logits.device), last].argmax(-1)
             picked = self._from_last_stage(picked, shape=(len(windows),), dtype=torch.long,
                                            fill=-1).tolist()
-            for i, token in enumerate(picked):
-                if done[i]:
-                    continue
-                sequences[i].append(token)
-                new[i].append(token)
-                done[i] = eos_id is not None and token == eos_id
-            if all(done):
-                break
-        return new
+            for seq, token in zip(sequences, picked):
+                seq.append(token)
+            if stops(torch.tensor(sequences)):
+                return
+
+
+class _Stops:
+    """Where each row of a `GreedyBatch` stops, as its ids grow: `__call__(ids)` (B, prompt +
+    new) after each new token says whether every row has stopped; `kept` is each row's new
+    tokens up to its stop (all of them for a row that has not stopped). Every rank of a replica
+    sees the same ids, hence makes the same decision."""
+
+    def __init__(self, batch: GreedyBatch, *, decode: Callable[[list[int]], str] | None) -> None:
+        if decode is None and any(any(row) for row in batch.until):
+            raise ValueError("stopping at `until` strings needs the runner's `decode` (the "
+                             "tokenizer's) on every rank")
+        self.prompt_length = len(batch.prompts[0])
+        self.until = [[s for s in row if s] for row in batch.until]
+        self.eos_id, self.decode = batch.eos_id, decode
+        self.stopped = [False] * len(batch.prompts)
+        self.kept: list[list[int]] = [[] for _ in batch.prompts]
+
+    def __call__(self, ids: torch.Tensor) -> bool:
+        for i, row in enumerate(ids[:, self.prompt_length:].tolist()):
+            if self.stopped[i]:
+                continue
+            if self.eos_id is not None and row[-1] == self.eos_id:
+                self.kept[i], self.stopped[i] = row[:-1], True
+            else:
+                self.kept[i] = row
+                self.stopped[i] = bool(self.until[i]) and any(
+                    s in self.decode(row) for s in self.until[i])
+        return all(self.stopped)

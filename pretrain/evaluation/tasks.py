@@ -107,6 +107,8 @@ def evaluate(runner, tokenizer, *, tasks: list[str], limit: int | None = None,
              manager=None) -> dict[str, float] | None:
     """Evaluate `tasks` with `runner` (collective: every rank calls it). Rank 0 returns the
     scores {"task/metric": value}; the other ranks serve its forwards and return None."""
+    if runner.decode is None:  # every rank decodes, to stop generations at their strings
+        runner.decode = tokenizer.decode
     if not runner.is_driver:
         runner.serve()
         return None

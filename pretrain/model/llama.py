@@ -46,6 +46,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -439,7 +440,8 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 eos_id: int | None = None) -> torch.Tensor:
+                 eos_id: int | None = None,
+                 stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
         """Append up to `max_new_tokens` tokens to input_ids (B, T); returns (B, T + new).
 
         temperature 0 is greedy; otherwise sample from softmax(logits / temperature), restricted
@@ -448,7 +450,8 @@ class LlamaModel(nn.Module):
         under sequence parallelism, each step recomputes the last `seq_length`. A row that produced
         `eos_id` keeps producing it; generation stops when every row has. Under tensor
         parallelism every rank of the group calls it with the same arguments (and generator
-        state) and gets the same tokens.
+        state) and gets the same tokens. `stop(ids)`, called with the ids after each new token,
+        ends generation when it says True (e.g. once every row decodes to a stop string).
         """
         vocab = self.cfg.vocab_size
         ids = input_ids
@@ -476,6 +479,8 @@ class LlamaModel(nn.Module):
                 finished |= next_ids == eos_id
             ids = torch.cat((ids, next_ids[:, None]), dim=1)  # (B, T + 1)
             if eos_id is not None and bool(finished.all()):
+                break
+            if stop is not None and stop(ids):
                 break
         return ids
 
