@@ -112,6 +112,29 @@ def test_changing_one_document_leaves_the_others_logits_bitwise_unchanged(model)
     assert not torch.equal(model(tokens[:, :-1])[0, last], model(changed[:, :-1])[0, last])
 
 
+@torch.no_grad()
+def test_a_mixture_of_experts_keeps_documents_apart_when_dropless():
+    """Routing is per token, so a dropless mixture of experts keeps documents apart as the dense
+    MLP does; with a capacity, the tokens an expert drops depend on the whole batch's routing, so
+    one document's tokens can change another's (documented)."""
+    tokens, ids = packed_sample()
+    first, middle, last = spans()
+    changed = tokens.clone()
+    changed[0, middle.start:middle.stop - 1] = torch.randint(
+        3, 512, (middle.stop - 1 - middle.start,), generator=torch.Generator().manual_seed(1))
+
+    def logits(capacity: float) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = build_model(tiny_cfg(seq_length=64, num_experts=4, experts_per_token=2,
+                                   moe_capacity_factor=capacity), seed=3).eval()
+        return moe(tokens[:, :-1], document_ids=ids), moe(changed[:, :-1], document_ids=ids)
+
+    a, b = logits(0.0)
+    assert torch.equal(a[0, first], b[0, first]) and torch.equal(a[0, last], b[0, last])
+    assert not torch.allclose(a[0, middle], b[0, middle])
+    a, b = logits(0.5)  # half the tokens' slots: some are dropped, which ones depends on all
+    assert not (torch.equal(a[0, first], b[0, first]) and torch.equal(a[0, last], b[0, last]))
+
+
 def hf_twin(model) -> transformers.LlamaForCausalLM:
     cfg = model.cfg
     hf = transformers.LlamaForCausalLM(to_hf_config(cfg, attn_implementation="eager",
