@@ -165,3 +165,28 @@ def test_hsdp_shards_within_a_replica_group_and_all_reduces_across_the_groups():
         _seconds(2 * N * 2) + _seconds(N * 4) + 2 * _seconds(N / 2 * 4), rel=1e-6)
     with pytest.raises(ConfigError, match="train.fsdp2_replicas=3: must divide the 4"):
         _fsdp2(replace(dp4, fsdp2_replicas=3))
+
+
+def test_the_search_under_fsdp2_tries_hsdp_groups_of_whole_nodes_and_names_them():
+    """On 4 nodes x 8 GPUs at tp 1, the data ranks split into replica groups whose shard group is
+    one node (4 groups) or whole nodes (2), or a part of one node (8, 16, 32); on 3 nodes into 3
+    groups of a node (no power of two); a layout's arguments carry train.fsdp2_replicas where it
+    is HSDP, and its description says hsdp<R>."""
+    from pretrain.plan.report import selecting_arguments
+    from pretrain.plan.search import hsdp_replicas
+
+    cluster = make_cluster("h100-80gb", nodes=4)
+    assert hsdp_replicas(Layout(data=32), cluster) == (1, 2, 4, 8, 16, 32)
+    assert hsdp_replicas(Layout(tensor=2, data=16), cluster) == (1, 2, 4, 8, 16)
+    assert hsdp_replicas(Layout(data=24), make_cluster("h100-80gb", nodes=3)) == \
+        (1, 3, 6, 12, 24)  # not 2 (12 ranks: a node and a half) nor 4 or 8 (6 or 3 ranks)
+    plans = search(MODEL, cluster, global_batch=64, engine=Engine.FSDP2)
+    replicas = {p.layout.fsdp2_replicas for p in plans}
+    assert 1 in replicas and len(replicas) > 1
+    for plan in plans[:20]:
+        r = plan.layout.fsdp2_replicas
+        assert (f"train.fsdp2_replicas={r}" in selecting_arguments(
+            plan.layout, "ds.json", engine=Engine.FSDP2)) == (r > 1)
+        assert (f"hsdp{r}" in plan.layout.describe()) == (r > 1)
+    # under DeepSpeed there is no HSDP
+    assert {p.layout.fsdp2_replicas for p in search(MODEL, cluster, global_batch=64)} == {1}

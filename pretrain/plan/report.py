@@ -100,6 +100,8 @@ def selecting_arguments(layout: Layout, ds_config: str, *,
     """The `pretrain train` / `plan` arguments that select `layout` under `engine` (with
     `ds_config`, the JSON of its ZeRO stage and offload)."""
     sets = [*([f"train.engine={engine.value}"] if engine is not Engine.DEEPSPEED else []),
+            *([f"train.fsdp2_replicas={layout.fsdp2_replicas}"]
+              if layout.fsdp2_replicas > 1 else []),
             f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
             *([f"parallel.context={layout.context}"] if layout.context > 1 else []),
             *([f"parallel.expert={layout.expert}"] if layout.expert > 1 else []),

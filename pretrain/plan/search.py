@@ -125,7 +125,8 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
     passes those a shipped DeepSpeed JSON selects). Under fsdp2: no pipelines or ZeRO 0
     (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
-    of the same offload is allowed (both mean the same FSDP2).
+    of the same offload is allowed (both mean the same FSDP2); HSDP's replica groups as
+    `hsdp_replicas` gives them.
     """
     check_margin(memory_margin)
     world = cluster.world_size
@@ -155,14 +156,27 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
             if engine is Engine.FSDP2 and stage == 1 and (
                     engines is None or engine_key(replace(layout, zero_stage=2)) in engines):
                 continue
-            try:
-                plan = estimate(model, layout, cluster, engine=engine)
-            except ConfigError:
-                continue
-            if plan.fits and keeps_margin(plan, memory_margin):
-                plans.append(plan)
+            for replicas in hsdp_replicas(layout, cluster) if engine is Engine.FSDP2 else (1,):
+                try:
+                    plan = estimate(model, replace(layout, fsdp2_replicas=replicas), cluster,
+                                    engine=engine)
+                except ConfigError:
+                    continue
+                if plan.fits and keeps_margin(plan, memory_margin):
+                    plans.append(plan)
     plans.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     return plans
+
+
+def hsdp_replicas(layout: Layout, cluster: Cluster) -> tuple[int, ...]:
+    """The HSDP replica-group counts a search tries under fsdp2: 1 (plain FSDP2) and each count
+    that leaves shard groups of whole nodes' data x context ranks or of a part of one node, so
+    that every group's gathers run inside nodes or across the fewest of them."""
+    ranks = layout.data * layout.context
+    per_node = max(1, cluster.gpus_per_node // layout.tensor)  # data x context ranks of a node
+    return tuple(replicas for replicas in _divisors(ranks)
+                 if replicas == 1 or (ranks // replicas) % per_node == 0
+                 or per_node % (ranks // replicas) == 0)
 
 
 def expert_sizes(model: ModelConfig, tensor: int) -> tuple[int, ...]:

@@ -60,6 +60,7 @@ class Layout:
         off += [f"param={self.offload_param}"] if self.offload_param != "none" else []
         cp = f" cp{self.context}" if self.context > 1 else ""
         cp += f" ep{self.expert}" if self.expert > 1 else ""
+        cp += f" hsdp{self.fsdp2_replicas}" if self.fsdp2_replicas > 1 else ""
         return (f"tp{self.tensor} pp{self.pipeline}{cp} dp{self.data} mbs{self.micro_batch} "
                 f"ZeRO-{self.zero_stage}{' offload ' + ','.join(off) if off else ''} "
                 f"recompute={self.recompute.value}{' sp' if self.sequence_parallel else ''}")
