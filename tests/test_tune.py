@@ -28,7 +28,7 @@ from pretrain.training.engine import warmup_cosine
 from pretrain.errors import ConfigError
 from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO
-from pretrain.tune import parse_space
+from pretrain.tune.space import parse_space
 
 SPACE = REPO / "configs" / "tune" / "space.yaml"
 
@@ -111,7 +111,8 @@ def test_contour_interpolates_the_complete_trials_without_scipy(tmp_path):
     from optuna.distributions import CategoricalDistribution, FloatDistribution
     from optuna.trial import TrialState, create_trial
 
-    from pretrain.tune import Settings, write_plots
+    from pretrain.tune.results import write_plots
+    from pretrain.tune.study import Settings
 
     params = [p for p in parse_space(yaml.safe_load(SPACE.read_text()))
               if p.key in ("train.lr", "train.warmup_steps")]
@@ -133,7 +134,7 @@ def test_contour_interpolates_the_complete_trials_without_scipy(tmp_path):
         assert coloured_pixels(path) > 200, name  # drawn, not an empty frame
 
     import matplotlib.pyplot as plt
-    from pretrain.tune import contour
+    from pretrain.tune.results import contour
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     ax = contour(complete, "train.lr", "train.warmup_steps", settings)
     filled = [c for c in ax.collections if hasattr(c, "levels")]

@@ -16,7 +16,7 @@ at the end; the last line printed is the best trial as a `pretrain train` comman
 The space's keys are checked against the config before any trial starts: every choice and both
 ends of every range are loaded with `--set` and dry-run for the trial's ranks, as `pretrain
 train` would (a typo or a layout that does not fit is one `error:` line and exit 2). The study
-logic is in `pretrain.tune`.
+logic is in `pretrain.tune` (its space, study, worker and results).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _check(args: argparse.Namespace, params, base: list[str],
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
     from pretrain.resolve.run import lay_out_as_loaded
-    from pretrain.tune import override
+    from pretrain.tune.space import override
 
     cfg = load_config(args.config, base)
     lay_out_as_loaded(cfg, world_size=world_size)
@@ -106,7 +106,7 @@ def _enqueued(args: argparse.Namespace, params, base: list[str]) -> list[dict]:
 
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
-    from pretrain.tune import override, parse_enqueued
+    from pretrain.tune.space import override, parse_enqueued
 
     if not args.enqueue:
         return []
@@ -132,7 +132,7 @@ def _worker(settings, index: int) -> None:
     import signal
 
     from pretrain.child_runs import die_with_parent
-    from pretrain.tune import work
+    from pretrain.tune.worker import work
 
     def stop(signum: int, frame) -> None:
         raise SystemExit(128 + signum)  # run_trial stops the run, work() retries the trial
@@ -173,8 +173,10 @@ def run(args: argparse.Namespace) -> None:
     from pretrain.child_runs import STOP_GRACE_S, sigterm_raises
     from pretrain.config import config_overrides
     from pretrain.errors import EXIT_FAULT, ConfigError
-    from pretrain.tune import (Settings, load_space, load_study, prepare, study_lock, summary,
-                               work, write_results)
+    from pretrain.tune.results import summary, write_results
+    from pretrain.tune.space import load_space
+    from pretrain.tune.study import Settings, load_study, prepare, study_lock
+    from pretrain.tune.worker import work
 
     for name in ("trials", "workers", "nprocs"):
         if getattr(args, name) < 1:
