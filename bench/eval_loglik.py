@@ -14,8 +14,16 @@ Two measurements, each against a baseline measured in the same run:
   data-parallel replica running half the batches (one thread per rank, so that dp 2 uses the
   two cores dp 1 leaves idle). The ratio dp 1 / dp 2 is the speed-up of sharing the batches.
 
-    .venv/bin/python bench/eval_loglik.py             # both: ~6 minutes on 2 shared cores
-    .venv/bin/python bench/eval_loglik.py --part dp   # ~2 minutes
+- `pp_generate` (2 gloo ranks, one thread each): greedy decoding through a 2-stage pipeline
+  of the same model, GEN_ROWS prompts of GEN_PROMPT random tokens continued by GEN_TOKENS
+  tokens: with the key/value cache (`ModelRunner.greedy`: the prompt once, then one position
+  per token) against the decoding it replaced (one whole forward of the pipeline's training
+  shape through DeepSpeed's `eval_batch` per new token). The ratio uncached / cached is the
+  cache's speed-up per generated token.
+
+    .venv/bin/python bench/eval_loglik.py                      # all three: ~8 minutes
+    .venv/bin/python bench/eval_loglik.py --part dp            # ~2 minutes
+    .venv/bin/python bench/eval_loglik.py --part pp_generate   # ~2 minutes on 2 shared cores
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ BATCH = 8
 EXAMPLES = 50  # of the task's 200: 200 requests, timed per 1,000
 DP_EXAMPLES = 50  # 200 requests per data-parallel round: 25 batches
 DP_ROUNDS = 3
+GEN_ROWS, GEN_PROMPT, GEN_TOKENS, GEN_ROUNDS = 4, 64, 16, 3
 
 
 def requests(examples: int = EXAMPLES):
@@ -143,15 +152,89 @@ def data_parallel() -> None:
     print(f"ratio dp 1 / dp 2: {median(times[1]) / median(times[2]):.3f}")
 
 
+def uncached_greedy(runner, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The pipeline's greedy decoding before the cache: per new token one forward of the
+    training shape (the last seq_length tokens) through DeepSpeed's `eval_batch`."""
+    sequences = [list(p) for p in prompts]
+    for _ in range(max_new_tokens):
+        windows = [seq[-runner.seq_length:] for seq in sequences]
+        logits = runner._logits(runner._padded(windows))
+        picked = None
+        if logits is not None:
+            picked = logits[torch.arange(len(windows)), [len(w) - 1 for w in windows]].argmax(-1)
+        picked = runner._from_last_stage(picked, shape=(len(windows),), dtype=torch.long,
+                                         fill=-1).tolist()
+        for seq, token in zip(sequences, picked):
+            seq.append(token)
+    return [seq[len(prompts[0]):] for seq in sequences]
+
+
+def pipeline_rank(rank: int, world_size: int) -> dict | None:
+    """A 2-stage pipeline engine of the quickstart's model; rank 0's seconds per generated
+    token, cached and uncached, rounds alternating (both stages take part in each)."""
+    import logging
+
+    import deepspeed
+
+    from pretrain.dist import init_deepspeed_comm
+    from pretrain.evaluation.runner import GreedyBatch, ModelRunner
+    from pretrain.model import build_pipeline_model
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)
+    cfg = quickstart_model()[0]
+    module = build_pipeline_model(cfg, seed=0, num_stages=2)
+    engine, *_ = deepspeed.initialize(model=module, config={
+        "train_batch_size": GEN_ROWS, "train_micro_batch_size_per_gpu": GEN_ROWS,
+        "steps_per_print": 10**9})
+    runner = ModelRunner(engine, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length,
+                         batch_size=GEN_ROWS, distributed=True,
+                         pipeline_shape=(GEN_ROWS, cfg.seq_length))
+    prompts = torch.randint(0, cfg.vocab_size, (GEN_ROWS, GEN_PROMPT),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    batch = GreedyBatch(prompts=tuple(map(tuple, prompts)), max_new_tokens=GEN_TOKENS,
+                        until=((),) * GEN_ROWS)
+    times: dict[str, list[float]] = {"cached": [], "uncached": []}
+    tokens = {}
+    for _ in range(GEN_ROUNDS):
+        for kind in times:
+            start = time.perf_counter()
+            with torch.no_grad():
+                if kind == "cached":
+                    tokens[kind] = runner._greedy(batch)
+                else:
+                    tokens[kind] = uncached_greedy(runner, prompts, GEN_TOKENS)
+            times[kind].append((time.perf_counter() - start) / GEN_TOKENS)
+    if tokens["cached"] != tokens["uncached"]:
+        raise AssertionError("the cached and the uncached decoding chose different tokens")
+    return times if rank == 0 else None
+
+
+def pipeline_generation() -> None:
+    from pretrain.testing.ranks import run_on_ranks
+
+    stdlib_dataset()  # made once, before the ranks read it
+    with tempfile.TemporaryDirectory() as tmp:
+        times = run_on_ranks(pipeline_rank, world_size=2, tmp_path=tmp, timeout_s=1800)[0]
+    print(f"pp 2 (2 gloo ranks, one thread each), {GEN_ROWS} rows, prompt {GEN_PROMPT}, "
+          f"{GEN_TOKENS} new tokens, fp32, median of {GEN_ROUNDS} (same tokens both ways)")
+    for kind, seconds in times.items():
+        print(f"{kind + ':':<10} {median(seconds) * 1000:.1f} ms per generated token")
+    print(f"ratio uncached / cached: {median(times['uncached']) / median(times['cached']):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["overhead", "dp", "all"], default="all")
+    parser.add_argument("--part", choices=["overhead", "dp", "pp_generate", "all"],
+                        default="all")
     part = parser.parse_args().part
     print(f"machine: {machine()}")
     if part in ("overhead", "all"):
         overhead()
     if part in ("dp", "all"):
         data_parallel()
+    if part in ("pp_generate", "all"):
+        pipeline_generation()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Generation with a KV cache: the same logits and tokens as running the whole prefix again,
-one new position per step after the prompt; bf16 and device placement."""
+one new position per step after the prompt, in one process and through a 2-stage pipeline;
+bf16 and device placement."""
 from __future__ import annotations
 
 import pytest
@@ -14,10 +15,14 @@ from pretrain.model.llama import LayerCache
 PROMPT = torch.tensor([[5, 17, 3, 99, 250, 7]])
 
 
-def _model(**fields):
+def _config(**fields):
     overrides = ["model.preset=tiny", "model.seq_length=32"]  # tiny: 4 heads, 2 kv heads (GQA)
     overrides += [f"model.{k}={v}" for k, v in fields.items()]
-    return build_model(load_config(None, overrides).model, seed=7).eval()
+    return load_config(None, overrides).model
+
+
+def _model(**fields):
+    return build_model(_config(**fields), seed=7).eval()
 
 
 @torch.no_grad()
@@ -58,6 +63,68 @@ def test_generation_past_the_rotary_table_recomputes_the_window():
     for _ in range(6):
         ids = torch.cat((ids, model(ids[:, -8:])[:, -1].argmax(-1, keepdim=True)), dim=1)
     assert torch.equal(out, ids)
+
+
+# the pipeline's batches: 8 new tokens after a prompt of 6, cached; after one of 28, cached
+# until the rotary table's 32 positions are full, then the window of 32 recomputed
+PIPELINE_PROMPTS = [[[5, 17, 3, 99, 250, 7], [9, 9, 41, 2, 77, 130]],
+                    [list(range(40, 68)), list(range(90, 118))]]
+PIPELINE_NEW_TOKENS = 8
+
+
+def _pipeline_greedy(rank: int, world_size: int) -> dict:
+    """`ModelRunner.greedy` on a 2-stage pipeline engine of `_model`'s weights (rank 0 driving):
+    the tokens, and the input lengths each pass gave this stage's decoder layers."""
+    import logging
+
+    import deepspeed
+
+    from pretrain.dist import init_deepspeed_comm
+    from pretrain.evaluation.runner import GreedyBatch, ModelRunner
+    from pretrain.model import build_pipeline_model
+    from pretrain.model.pipeline import DecoderLayerPipe, StageActivations
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)
+    cfg = _config()
+    module = build_pipeline_model(cfg, seed=7, num_stages=2)
+    engine, *_ = deepspeed.initialize(model=module, config={
+        "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9})
+    layers = [f for f in module.forward_funcs if isinstance(f, DecoderLayerPipe)]
+    lengths: list[int] = []
+    layers[0].register_forward_hook(lambda layer, args, out: lengths.append(
+        StageActivations.from_tuple(args[0]).hidden.shape[1]))
+    runner = ModelRunner(engine, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length,
+                         batch_size=2, distributed=True, pipeline_shape=(2, cfg.seq_length))
+    tokens = None
+    if rank == 0:
+        batches = [GreedyBatch(prompts=tuple(map(tuple, prompts)), until=((), ()),
+                               max_new_tokens=PIPELINE_NEW_TOKENS) for prompts in PIPELINE_PROMPTS]
+        tokens = runner.greedy(batches)
+        runner.stop()
+    else:
+        runner.serve()
+    return {"stage": engine.stage_id, "tokens": tokens, "lengths": lengths,
+            "caches_left": [layer.kv_cache for layer in layers]}
+
+
+@pytest.mark.slow
+def test_a_pipeline_decodes_with_the_cache_the_flat_models_tokens(tmp_path):
+    """pp 2: the tokens of `generate` on the flat model of the same weights, each stage running
+    the prompt once and then one position per token (until the window is recomputed)."""
+    from pretrain.testing.ranks import run_on_ranks
+
+    results = run_on_ranks(_pipeline_greedy, world_size=2, tmp_path=tmp_path)
+    model = _model()
+    expected = []
+    for prompts in PIPELINE_PROMPTS:
+        ids = model.generate(torch.tensor(prompts), max_new_tokens=PIPELINE_NEW_TOKENS)
+        expected.append(ids[:, len(prompts[0]):].tolist())
+    assert results[0]["tokens"] == expected
+    assert sorted(r["stage"] for r in results) == [0, 1]
+    for result in results:  # 6 + 8 <= 32; 28 + 4 <= 32, then 33 > 32: the last 32 again
+        assert result["lengths"] == [6] + [1] * 7 + [28] + [1] * 4 + [32] * 3, result
+        assert result["caches_left"] == [None] * len(result["caches_left"])
 
 
 @torch.no_grad()

@@ -18,10 +18,13 @@ stopped; each row's tokens end where it stopped.
 
 Shapes: a flat model (one process, tensor parallel, ZeRO) takes each batch right-padded to its
 longest row (a multiple of the tensor-parallel size under sequence parallelism): causal attention
-keeps every real position exact. A pipeline takes batches of exactly its training shape
-(train.micro_batch_size x model.seq_length), because DeepSpeed's stages keep the activation
-buffers of their first send; its last stage computes the results, which reach every rank of
-the replica through one all-reduce (MAX over identical values and -inf/-1 elsewhere: exact).
+keeps every real position exact. A pipeline scores batches of exactly its training shape
+(train.micro_batch_size x model.seq_length) through DeepSpeed's `eval_batch`, because its
+stages keep the activation buffers of their first send; its last stage computes the results,
+which reach every rank of the replica through one all-reduce (MAX over identical values and
+-inf/-1 elsewhere: exact). A pipeline decodes with a key/value cache, the prompt once and then
+(B, 1) per token, its stages sending hidden states to each other outside DeepSpeed's schedule
+(`pretrain.evaluation.pipeline_decoding`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
+from pretrain.evaluation.pipeline_decoding import PipelineDecoder, from_last_stage
 from pretrain.model.form import ModelForm
 
 _STOP, _ERROR = "stop", "error"
@@ -110,6 +114,7 @@ class ModelRunner:
         if replicas is None:
             replicas = Replicas.of_model(model) if distributed else Replicas()
         self.replicas, self.decode = replicas, decode
+        self._decoder: PipelineDecoder | None = None  # a pipeline's greedy decoding
 
     @property
     def is_driver(self) -> bool:
@@ -206,15 +211,11 @@ class ModelRunner:
 
     def _from_last_stage(self, values: torch.Tensor | None, *, shape, dtype,
                          fill) -> torch.Tensor:
-        """`values` of a pipeline's last stage on every rank (identical on each last-stage
-        rank, `fill` elsewhere: MAX keeps them exactly)."""
+        """`values` of a pipeline's last stage on every rank of the replica."""
         if not self.pipelined:
             return values
-        if values is None:
-            values = torch.full(shape, fill, dtype=dtype, device=self.device)
-        values = values.to(self.device).contiguous()
-        torch_dist.all_reduce(values, op=torch_dist.ReduceOp.MAX, group=self.replicas.group)
-        return values
+        return from_last_stage(values, shape=shape, dtype=dtype, fill=fill, device=self.device,
+                               group=self.replicas.group)
 
     def _score(self, rows: list[ScoreRow]) -> list[tuple[float, bool]]:
         ids = self._padded([list(row.tokens[:-1]) for row in rows])
@@ -237,31 +238,21 @@ class ModelRunner:
         prompts = [list(p) for p in batch.prompts]
         stops = _Stops(batch, decode=self.decode)
         if self.pipelined:
-            self._pipeline_greedy(prompts, max_new_tokens=batch.max_new_tokens, stops=stops)
+            self._pipeline_decoder().greedy(prompts, max_new_tokens=batch.max_new_tokens,
+                                            stop=stops)
         else:
             module = getattr(self.model, "module", self.model)  # a DeepSpeed engine's model
             ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
             module.generate(ids, max_new_tokens=batch.max_new_tokens, stop=stops)
         return stops.kept
 
-    def _pipeline_greedy(self, prompts: list[list[int]], *, max_new_tokens: int,
-                         stops: "_Stops") -> None:
-        """Greedy decoding through the pipeline's fixed shape: no key/value cache, each new
-        token is one whole forward (the last seq_length tokens), until `stops` says so."""
-        sequences = [list(p) for p in prompts]
-        for _ in range(max_new_tokens):
-            windows = [seq[-self.seq_length:] for seq in sequences]
-            logits = self._logits(self._padded(windows))
-            picked = None
-            if logits is not None:
-                last = torch.tensor([len(w) - 1 for w in windows], device=logits.device)
-                picked = logits[torch.arange(len(windows), device=logits.device), last].argmax(-1)
-            picked = self._from_last_stage(picked, shape=(len(windows),), dtype=torch.long,
-                                           fill=-1).tolist()
-            for seq, token in zip(sequences, picked):
-                seq.append(token)
-            if stops(torch.tensor(sequences)):
-                return
+    def _pipeline_decoder(self) -> PipelineDecoder:
+        if self._decoder is None:
+            self._decoder = PipelineDecoder(
+                self.model, vocab_size=self.vocab_size, seq_length=self.seq_length,
+                tp_group=self.tp_group, replica_group=self.replicas.group,
+                sequence_shards=self.tp_multiple, device=self.device)
+        return self._decoder
 
 
 class _Stops:

@@ -104,7 +104,7 @@ from pretrain.resolve.layout import check_pipeline_split, check_tensor_split
 from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
 from pretrain.model.documents import document_positions
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
-from pretrain.model.llama import DecoderLayer, torch_checkpoint
+from pretrain.model.llama import DecoderLayer, LayerCache, torch_checkpoint
 from pretrain.model.loss import LMHead, lm_head_loss, scaled_head_input
 from pretrain.model.mup import output_multiplier
 from pretrain.model.tensor_parallel import column_parallel_input, gather_from_tp, tp_world_size
@@ -184,7 +184,13 @@ class EmbeddingPipe(nn.Module):
 
 
 class DecoderLayerPipe(DecoderLayer):
-    """`DecoderLayer` (same parameter names) on StageActivations, with its stage's rotary table."""
+    """`DecoderLayer` (same parameter names) on StageActivations, with its stage's rotary table.
+
+    `kv_cache` (generation only, set by `pretrain.evaluation.pipeline_decoding` while a batch
+    decodes): the keys and values of the positions before the input's, extended here; the
+    input's rotary positions continue after them."""
+
+    kv_cache: LayerCache | None = None
 
     def __init__(self, cfg: ModelConfig, *, rotary: RotaryEmbedding, tp_group=None,
                  sequence_parallel: bool = False, cp_group=None, expert_parallel: bool = False,
@@ -206,11 +212,12 @@ class DecoderLayerPipe(DecoderLayer):
             cos, sin = self.rotary_emb.at(positions, state.hidden.dtype)
             hidden = super().forward(state.hidden, cos, sin, None, state.document_ids)
             return dataclasses.replace(state, hidden=hidden).to_tuple()
-        if self.cp_group is None:
-            cos, sin = self.rotary_emb(T, state.hidden.dtype)  # (T, hd) each
-        else:  # this context rank's chunk: its global positions
-            cos, sin = (t[first:] for t in self.rotary_emb(first + T, state.hidden.dtype))
-        hidden = super().forward(state.hidden, cos, sin)
+        cache = self.kv_cache
+        if cache is not None and cache.keys is not None:  # positions after the cached ones
+            first = cache.keys.shape[2]
+        # (T, hd) each: the positions of this input (or of this context rank's chunk)
+        cos, sin = (t[first:] for t in self.rotary_emb(first + T, state.hidden.dtype))
+        hidden = super().forward(state.hidden, cos, sin, cache)
         return dataclasses.replace(state, hidden=hidden).to_tuple()
 
 
