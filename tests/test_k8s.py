@@ -1,7 +1,7 @@
 """`pretrain launch k8s`: the manifests validated against the Kubernetes OpenAPI schemas
 (kubernetes-validate, offline) and the training operator's published PyTorchJob CRD
 (tests/k8s/, v1.9.0); the pod's exit statuses; and the pod's command line run as two local pods
-against the deepspeed launcher's run. No Kubernetes cluster runs here."""
+against a run of 2 ranks with the deepspeed launcher's environment. No Kubernetes cluster runs here."""
 from __future__ import annotations
 
 import copy
@@ -22,6 +22,7 @@ from pretrain import k8s
 from pretrain.commands.launch import RANK_ENV, pod_env
 from pretrain.cli import build_parser
 from pretrain.commands.launch_k8s import ranks_exit_status, spec_of
+from pretrain.testing.runs import train
 
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "tests" / "k8s" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
@@ -254,11 +255,9 @@ def test_pod_command_trains_like_the_deepspeed_launcher(tiny_data, tmp_path):
     pod_run = tmp_path / "vol" / "runs" / "tiny"
     assert (pod_run / "k8s" / "pretrain-tiny-worker-1" / "plan.txt").exists()  # pre-flight ran
 
-    ds_run = tmp_path / "deepspeed"
-    ref = subprocess.run(["bash", "launch/single_node.sh", *TRAIN, *data, "--set",
-                          f"run_dir={ds_run}"], cwd=REPO, capture_output=True, text=True,
-                         env={**base, "LAUNCHER": "deepspeed", "NPROC": "2", "OMP_NUM_THREADS": "1"},
-                         timeout=600)
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    # the reference: 2 ranks with the environment the deepspeed launcher gives them, forked from
+    # the test's fork server (the launcher itself is tested in tests/test_launch.py)
+    ds_run = train(tmp_path, tiny_data, nprocs=2, name="deepspeed", overrides=["train.steps=3"],
+                   timeout=600).run_dir
     assert len(_losses(pod_run)) == 3
     assert _losses(pod_run) == _losses(ds_run)
