@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pretrain import file_lock, mounts, tune
+from pretrain import file_lock, mounts
+from pretrain.tune.study import study_lock
 
 MOUNTS = """\
 /dev/nvme0n1p2 / ext4 rw,relatime 0 0
@@ -54,7 +55,7 @@ def test_study_lock_falls_back_to_a_lock_file_where_flock_is_refused(tmp_path, m
     monkeypatch.setattr(file_lock.fcntl, "flock", no_flock)
     settings = SimpleNamespace(study_dir=tmp_path / "study")
     owner = settings.study_dir / ".tune.lock.owner"
-    with tune.study_lock(settings):
+    with study_lock(settings):
         host, pid, _ = owner.read_text().split()
         assert (host, int(pid)) == (socket.gethostname(), file_lock.os.getpid())
     assert not owner.exists()
