@@ -11,17 +11,43 @@ run's newest complete checkpoint on whatever worker count comes back (`pretrain 
 The child's exit status decides: 0 done; 2 bad input: the group returns and the command exits 2
 (no retry: Ray's FailureConfig cannot tell errors apart); 3 (fault), 75 (saved for a requeue) or
 anything else: the worker raises, and Ray restarts the group while failures remain.
+
+When Ray stops a worker group (a restart after a failure, or the job ending), it asks each worker
+to shut down and kills it 5 s later (Ray Train 2.60's patience); a child that got only the
+SIGTERM its dead parent leaves it would go on holding its GPU while the group restarts. So each
+worker's shutdown hook (`StopRank`, Ray Train's worker callback) stops its child and every process
+group below it (`child_runs.stop_run`: SIGTERM, SIGKILL after `STOP_GRACE_S`), and returns once
+the child is reaped, before Ray's kill.
+
+Which Ray: `--address` (`auto`: the cluster running on this host), else $RAY_ADDRESS, else a Ray
+started for the job (`ray.init(address="local")`; a bare `ray.init()` would join whichever cluster
+was started last on the host).
+
+Ray Train's placement-group cleaner polls the controller's state through Ray's state API every
+second; without Ray's dashboard, which serves that API (not installed with `ray[train]`, and off
+here), each poll warns "Failed to query Ray Train Controller actor state": `quiet_ray_train`, run
+in every Ray worker process, drops that one message of that one logger.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
-from pretrain.child_runs import child_env, die_with_parent
+from pretrain.child_runs import child_env, die_with_parent, stop_run
 from pretrain.errors import EXIT_OK, EXIT_USER_ERROR, ConfigError
+
+# Seconds between a stopped rank's SIGTERM and its SIGKILL: inside the 5 s Ray Train gives a
+# worker between asking it to shut down and killing it, so the child is gone before its worker
+STOP_GRACE_S = 4.0
+# The logger and message of Ray Train's placement-group cleaner polling an unavailable state API
+CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+CLEANER_NOISE = "Failed to query Ray Train Controller actor state"
 
 
 @dataclass
@@ -30,7 +56,7 @@ class RayJob:
     num_workers: int
     cpus_per_worker: float | None = None
     gpus_per_worker: float | None = None
-    address: str | None = None  # an existing cluster (ray://... or host:port); None: local Ray
+    address: str | None = None  # a cluster to join (ray://..., host:port, auto); None: local Ray
     max_failures: int = 3
     storage_path: str | None = None  # Ray Train's own records (default <run_dir>/ray)
 
@@ -43,6 +69,80 @@ class RayJob:
 
 class RankFailed(RuntimeError):
     """A rank's `pretrain train` exited 3, 75 or otherwise non-zero: Ray restarts the group."""
+
+
+def ray_address(address: str | None, env: Mapping[str, str]) -> str:
+    """The `ray.init` address of a job: `--address` (`auto`: the cluster running on this host),
+    else $RAY_ADDRESS, else `local`: a Ray started for the job."""
+    return address or env.get("RAY_ADDRESS") or "local"
+
+
+class RankProcess:
+    """This worker's `pretrain train`: started in a session of its own (a signal to the worker's
+    process group does not reach it), SIGTERM to it when the worker dies, and stopped with every
+    process group below it by `stop`."""
+
+    _running: set[RankProcess] = set()  # this worker process's ranks, for its shutdown hook
+    _lock = threading.Lock()
+
+    def __init__(self, command: list[str], *, cwd: str, env: dict[str, str],
+                 grace_s: float = STOP_GRACE_S):
+        self.grace_s = grace_s
+        self.proc = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True,
+                                     preexec_fn=die_with_parent)
+        with self._lock:
+            self._running.add(self)
+
+    def wait(self) -> int:
+        """The child's exit status (negative: the signal that ended it)."""
+        try:
+            return self.proc.wait()
+        finally:
+            with self._lock:
+                self._running.discard(self)
+
+    def stop(self) -> None:
+        """SIGTERM to the child's process groups, SIGKILL after the grace; returns once the child
+        is reaped (at once when it had exited)."""
+        if self.proc.poll() is not None:
+            return  # reaped: its pid, and the process group it led, may be another's by now
+        print(f"[ray] stopping pretrain train (pid {self.proc.pid}): SIGTERM, SIGKILL after "
+              f"{self.grace_s:g} s", file=sys.stderr, flush=True)
+        stop_run(self.proc, grace_s=self.grace_s)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Stop every rank this worker process started (Ray is stopping the worker group)."""
+        with cls._lock:
+            running = list(cls._running)
+        for rank in running:
+            rank.stop()
+
+
+def stop_on_shutdown():
+    """A Ray Train worker callback whose `before_worker_shutdown` stops the worker's ranks (the
+    class needs Ray Train, an optional dependency: made when asked for)."""
+    from ray.train.v2._internal.execution.callback import WorkerCallback
+
+    class StopRank(WorkerCallback):
+        def before_worker_shutdown(self) -> None:
+            RankProcess.stop_all()
+
+    return StopRank()
+
+
+class _DropCleanerNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(CLEANER_NOISE)
+
+
+def quiet_ray_train() -> None:
+    """Every Ray worker process's set-up hook: the placement-group cleaner's warning that Ray's
+    state API is unavailable (once a second without the dashboard) is dropped; its other lines,
+    and every other logger's, are kept."""
+    logger = logging.getLogger(CLEANER_LOGGER)
+    if not any(isinstance(f, _DropCleanerNoise) for f in logger.filters):
+        logger.addFilter(_DropCleanerNoise())
 
 
 def run_rank(config: dict) -> None:
@@ -64,14 +164,12 @@ def run_rank(config: dict) -> None:
            "PRETRAIN_LAUNCHER": "ray"}  # the launcher metrics.jsonl names
     if not config["gpus"]:
         env.setdefault("OMP_NUM_THREADS", str(max(1, int(config["cpus"] or 1))))
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "pretrain", "train", *config["argv"]],
-                            cwd=config["cwd"], env=env, preexec_fn=die_with_parent)
+    child = RankProcess([sys.executable, "-u", "-m", "pretrain", "train", *config["argv"]],
+                        cwd=config["cwd"], env=env)
     try:
-        status = proc.wait()
+        status = child.wait()
     finally:
-        if proc.poll() is None:  # Ray is tearing the group down: let the rank save and exit
-            proc.terminate()
-            proc.wait()
+        child.stop()  # a no-op once it exited; else (this thread raised) it must not outlive us
     if rank == 0:  # for the driver: Ray Train keeps no worker's return value or metrics
         Path(config["status_file"]).write_text(f"{status}\n")
     if status not in (EXIT_OK, EXIT_USER_ERROR):
@@ -90,9 +188,11 @@ def fit(job: RayJob, *, run_dir: Path) -> int:
         raise ConfigError(f"pretrain launch ray needs Ray Train ({exc}): pip install -c "
                           "launch/constraints.txt -e '.[ray]'") from None
     if not ray.is_initialized():
-        ray.init(address=job.address, include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
-                 if os.environ.get("PYTHONPATH") else None)
+        runtime_env: dict = {"worker_process_setup_hook": f"{__name__}.quiet_ray_train"}
+        if os.environ.get("PYTHONPATH"):
+            runtime_env["env_vars"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
+        ray.init(address=ray_address(job.address, os.environ), include_dashboard=False,
+                 runtime_env=runtime_env)
     per_worker = ({"GPU": job.gpus_per_worker} if job.gpus_per_worker else {}) | (
         {"CPU": job.cpus_per_worker} if job.cpus_per_worker else {})
     storage = Path(job.storage_path or run_dir / "ray").resolve()
@@ -108,6 +208,7 @@ def fit(job: RayJob, *, run_dir: Path) -> int:
                                      use_gpu=bool(job.gpus_per_worker),
                                      resources_per_worker=per_worker or None),
         run_config=RunConfig(name=run_dir.name, storage_path=str(storage),
-                             failure_config=FailureConfig(max_failures=job.max_failures)))
+                             failure_config=FailureConfig(max_failures=job.max_failures),
+                             callbacks=[stop_on_shutdown()]))
     trainer.fit()  # raises TrainingFailedError once max_failures restarts failed too
     return int(status_file.read_text()) if status_file.exists() else EXIT_OK

@@ -275,8 +275,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     per = r.add_mutually_exclusive_group()
     per.add_argument("--cpus-per-worker", type=float, help="CPU ranks: cores each (default 1)")
     per.add_argument("--gpus-per-worker", type=float, help="GPU ranks: GPUs each (1)")
-    r.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local "
-                                     "Ray started for the job)")
+    r.add_argument("--address", help="Ray cluster to join: HOST:PORT, ray://HOST:PORT, or auto "
+                                     "(the cluster running on this host); default $RAY_ADDRESS, "
+                                     "else a Ray started for the job on this machine (never a "
+                                     "cluster that happens to run here)")
     r.add_argument("--max-failures", type=int, default=3,
                    help="worker-group restarts after a failure (-1: no limit); each resumes "
                         "from the newest complete checkpoint")
