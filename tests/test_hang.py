@@ -161,6 +161,57 @@ def test_watchdog_fires_on_no_progress_and_on_an_unheeded_sigterm(monkeypatch, t
     assert dog.due(2140.0).startswith("SIGTERM not acted on: no progress for 30.0 s")
 
 
+def _measured(tmp_path, *, step_s: float, save_s: float, platform_grace_s: float | None = None,
+              control=None):
+    """A watchdog on a fake clock after three steps: the first (warm-up, not measured), a step
+    of `step_s` followed by a save of `save_s`, and another step of `step_s`."""
+    from pretrain.training import hang
+
+    now = [0.0]
+    dog = hang.Watchdog(timeout_minutes=30.0, rank=0, world_size=1, run_dir=tmp_path,
+                        control=control, clock=lambda: now[0], platform_grace_s=platform_grace_s)
+    now[0] = 100.0
+    dog.beat(1)
+    now[0] += step_s
+    dog.beat(2)
+    with dog.paused():  # the save after step 2
+        now[0] += save_s
+    now[0] += step_s
+    dog.beat(3)
+    return dog, now[0]
+
+
+def test_sigterm_grace_follows_the_runs_measured_step_and_save(tmp_path):
+    """After a SIGTERM the loop may be silent for what finishing a step and saving took so far,
+    GRACE_MARGIN times over (at least 30 s): a long step is not called a hang."""
+    control = _Control()
+    fast, _ = _measured(tmp_path, step_s=2.0, save_s=3.0)
+    assert fast.sigterm_grace() == 30.0  # the floor
+    dog, end = _measured(tmp_path, step_s=80.0, save_s=40.0, control=control)
+    assert (dog.longest_step, dog.longest_pauses) == (80.0, 40.0)  # the save apart from the step
+    assert dog.sigterm_grace() == 1.5 * (80.0 + 40.0)
+    control.received = "SIGTERM"
+    assert dog.due(end) is None  # first seen now, inside step 4
+    assert dog.due(end + 179.0) is None  # the old fixed 30 s would have exited 75 here
+    assert dog.due(end + 180.0).startswith("SIGTERM not acted on: no progress for 180.0 s")
+
+
+def test_sigterm_grace_never_exceeds_the_platforms(tmp_path, monkeypatch):
+    """The pod's grace (PRETRAIN_TERMINATION_GRACE_S) bounds the watchdog's, less the answer
+    window its dump and verdict take, however slow the run's steps."""
+    from pretrain.training import hang
+
+    dog, _ = _measured(tmp_path, step_s=80.0, save_s=40.0, platform_grace_s=120.0)
+    assert dog.window == 30.0 and dog.sigterm_grace() == 120.0 - 30.0
+    short, _ = _measured(tmp_path, step_s=1.0, save_s=1.0, platform_grace_s=20.0)
+    assert short.sigterm_grace() <= 20.0  # below the 30 s floor: the platform kills at 20
+    monkeypatch.setenv("PRETRAIN_TERMINATION_GRACE_S", "600")
+    assert hang.Watchdog(timeout_minutes=30.0, rank=0, world_size=1,
+                         run_dir=tmp_path).platform_grace_s == 600.0
+    assert hang.platform_grace({}) is None
+    assert hang.platform_grace({"PRETRAIN_TERMINATION_GRACE_S": "soon"}) is None
+
+
 def _status(rank, *, step=1, counts=None, last=None, answered=True, at=100.0):
     return {"rank": rank, "host": f"node{rank // 2}", "pid": 1, "step": step, "at": at,
             "answered": answered, "counts": counts or {}, "last": last}

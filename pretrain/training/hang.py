@@ -6,8 +6,12 @@ evaluation chunks) and after every step (a pipeline's 1F1B schedule runs its mic
 DeepSpeed): micro-batches, not steps, because a step of a long accumulation may legitimately run
 for minutes while a micro-batch is bounded like a collective. Checkpoint saves run `paused`
 (their waits have `train.io_timeout_minutes`). No beat for `train.hang_timeout_minutes` - or a
-SIGTERM the loop has not acted on within `SIGTERM_GRACE_S` (its handler only sets a flag that a
-hung loop never polls) - is a hang. Then every rank that can still run Python:
+SIGTERM the loop has not acted on within its grace (its handler only sets a flag that a hung loop
+never polls) - is a hang. The grace (`Watchdog.sigterm_grace`) is what finishing a step and saving
+has taken this run, GRACE_MARGIN times over, at least SIGTERM_GRACE_S, and never more than the
+platform leaves between its SIGTERM and its SIGKILL (`$PRETRAIN_TERMINATION_GRACE_S`: a Kubernetes
+pod's grace, Slurm's KillWait), less the time the verdict takes. Then every rank that can still
+run Python:
 
 1. raises the alarm in the rendezvous store (the launcher's TCPStore, which works while
    NCCL / gloo are wedged), which the other ranks' watchdogs see at their next poll;
@@ -42,7 +46,10 @@ from pretrain.training import collective_log
 from pretrain.errors import EXIT_REQUEUE
 from pretrain.training.hang_verdict import verdict
 
-SIGTERM_GRACE_S = 30.0  # Slurm's default KillWait: it SIGKILLs this long after SIGTERM anyway
+SIGTERM_GRACE_S = 30.0  # the least grace after a SIGTERM (Slurm's default KillWait)
+GRACE_MARGIN = 1.5  # the longest step and save measured so far, this many times over
+# the platform's seconds from SIGTERM to SIGKILL, as its launcher tells the ranks
+PLATFORM_GRACE_ENV = "PRETRAIN_TERMINATION_GRACE_S"
 _KEY = "pretrain/hang"
 
 
@@ -51,6 +58,18 @@ def intervals(timeout_s: float) -> tuple[float, float]:
     old; the judge waits up to the window for every rank's answer."""
     interval = min(max(timeout_s / 6, 0.2), 10.0)
     return interval, max(10.0, 3 * interval)
+
+
+def platform_grace(env: dict[str, str] | os._Environ) -> float | None:
+    """Seconds between the platform's SIGTERM and its SIGKILL (`PLATFORM_GRACE_ENV`), or None
+    where the launcher did not say."""
+    text = env.get(PLATFORM_GRACE_ENV, "").strip()
+    try:
+        return float(text) if text else None
+    except ValueError:
+        print(f"warning: {PLATFORM_GRACE_ENV}={text!r} is not a number of seconds: ignored",
+              file=sys.stderr)
+        return None
 
 
 def flight_recorder_environment(device_type: str) -> None:
@@ -92,20 +111,32 @@ class Watchdog:
                  on_verdict: Callable[[dict[str, Any]], None] | None = None,
                  exit: Callable[[int], None] = os._exit,
                  collectives: collective_log.CollectiveLog = collective_log.LOG,
-                 saver: Any = None):
+                 saver: Any = None, clock: Callable[[], float] = time.monotonic,
+                 platform_grace_s: float | None = None):
         """`store` the rendezvous store (a `torch.distributed.Store`; None in a world of one);
         `control` the `faults.RunControl` whose SIGTERM flag counts; `on_verdict` called on rank
         0 with the metrics record before the exit; `exit` ends the process; `saver` the run's
         `checkpoint.Saver`, whose background save in flight is completed before the exit when
-        every rank has written its files."""
+        every rank has written its files; `clock` the monotonic time of beats and pauses;
+        `platform_grace_s` the platform's SIGTERM-to-SIGKILL seconds (default from the
+        environment, `platform_grace`)."""
         self.timeout_s, self.rank, self.world_size = timeout_minutes * 60.0, rank, world_size
         self.dir, self.store, self.control = Path(run_dir) / "hang", store, control
         self.log, self.on_verdict, self.exit, self.collectives = log, on_verdict, exit, collectives
         self.saver = saver
         self.interval, self.window = intervals(self.timeout_s)
         self.host, self.step = socket.gethostname(), 0
-        self.last_progress = time.monotonic()
+        self.clock = clock
+        self.platform_grace_s = (platform_grace_s if platform_grace_s is not None
+                                 else platform_grace(os.environ))
+        self.last_progress = clock()
         self._paused, self._sigterm_at = 0, None
+        # the SIGTERM grace's measurements: the longest step (without its pauses) and the
+        # longest pause of one step (its saves, evaluations) since the first step
+        self.longest_step = self.longest_pauses = 0.0
+        self._step_beat: float | None = None  # when the last step ended
+        self._paused_since_step = 0.0
+        self._pause_began = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._prefix = f"{_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -127,19 +158,44 @@ class Watchdog:
 
     def beat(self, step: int | None = None) -> None:
         """Progress: a micro-batch ran, or step `step` completed."""
-        self.last_progress = time.monotonic()
+        self.last_progress = self.clock()
         if step is not None:
             self.step = step
+            self._measure_step(self.last_progress)
+
+    def _measure_step(self, now: float) -> None:
+        """A step ended at `now`: the time since the previous one, split into the step and the
+        pauses (saves, evaluations) between them. The first step (warm-up) is not measured."""
+        if self._step_beat is not None:
+            self.longest_pauses = max(self.longest_pauses, self._paused_since_step)
+            self.longest_step = max(self.longest_step,
+                                    now - self._step_beat - self._paused_since_step)
+        self._step_beat, self._paused_since_step = now, 0.0
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """No alarm from this rank inside the block (a save: its waits have their own timeout)."""
+        if not self._paused:
+            self._pause_began = self.clock()
         self._paused += 1
         try:
             yield
         finally:
             self._paused -= 1
+            if not self._paused:
+                self._paused_since_step += self.clock() - self._pause_began
             self.beat()
+
+    def sigterm_grace(self) -> float:
+        """Seconds a rank may make no progress after a SIGTERM before it counts as hung: the
+        longest step and the longest pauses of one step measured so far (finishing the step in
+        flight and saving), GRACE_MARGIN times over, at least SIGTERM_GRACE_S; never more than
+        the platform's grace less the answer window (the dump and the verdict must end before
+        its SIGKILL), nor than the hang timeout."""
+        grace = max(SIGTERM_GRACE_S, GRACE_MARGIN * (self.longest_step + self.longest_pauses))
+        if self.platform_grace_s is not None:
+            grace = min(grace, max(self.platform_grace_s - self.window, 1.0))
+        return min(grace, self.timeout_s)
 
     # ---- the thread ------------------------------------------------------------------------
     def due(self, now: float) -> str | None:
@@ -154,14 +210,16 @@ class Watchdog:
             if self._sigterm_at is None:
                 self._sigterm_at = now
             waited = now - max(self._sigterm_at, self.last_progress)
-            if waited >= min(SIGTERM_GRACE_S, self.timeout_s):
-                return f"SIGTERM not acted on: no progress for {waited:.1f} s after it arrived"
+            grace = self.sigterm_grace()
+            if waited >= grace:
+                return (f"SIGTERM not acted on: no progress for {waited:.1f} s after it arrived "
+                        f"(its grace: {grace:.0f} s)")
         return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                reason = self.due(time.monotonic())
+                reason = self.due(self.clock())
                 alarm = self._get("alarm")
                 if not (reason or alarm):
                     self._set(f"beat/{self.rank}", json.dumps(self.status()))
