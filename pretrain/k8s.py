@@ -15,6 +15,16 @@ exit status (torchrun itself exits 1 whatever a rank returned). Exit statuses in
 3 and 75 are raised by 128 because Kubeflow's training operator (v1.9) restarts a replica with
 `restartPolicy: ExitCode` only for exit codes >= 128; the Indexed Job's podFailurePolicy uses the
 same codes, so both kinds read one table.
+
+A pod's termination grace (`terminationGracePeriodSeconds`, SIGTERM to SIGKILL) is what a rank
+has to finish its step and save after a preemption; the pods get it in their environment
+(`GRACE_ENV`) too, so the hang watchdog never waits past it (`pretrain.training.hang`). Its
+default comes from the planner's step time and an estimate of the save (`grace_from_plan`).
+
+For NCCL over RDMA (InfiniBand, RoCE) instead of TCP on the pod network, a pod needs the RDMA
+devices (`pod_resources`, e.g. `rdma/hca_shared_devices_a: 1` of the RDMA shared device plugin),
+the right to lock memory for them (`ipc_lock`: the IPC_LOCK capability), and a network that
+reaches them: the host's (`host_network`) or a Multus secondary network (`networks`).
 """
 from __future__ import annotations
 
@@ -32,6 +42,15 @@ POD_EXIT = {EXIT_USER_ERROR: EXIT_USER_ERROR, EXIT_FAULT: RETRY_OFFSET + EXIT_FA
             EXIT_REQUEUE: RETRY_OFFSET + EXIT_REQUEUE}
 RDZV_PORT = 29400
 CONTAINER = "pytorch"  # the training operator finds the training container by this name
+GRACE_ENV = "PRETRAIN_TERMINATION_GRACE_S"  # the pod's grace, for the run's hang watchdog
+# --termination-grace without a plan: a 70B step (tens of seconds on 64 GPUs) and its save
+# (~20 GB of model and optimizer state per GPU) twice over, and the watchdog's verdict
+DEFAULT_TERMINATION_GRACE_S = 600
+SAVE_GBPS_PER_GPU = 0.5  # a save's assumed write rate per GPU (a node's 8 to a shared file system)
+PLAN_MARGIN = 2.0  # the planner's step time is a prediction: twice it
+GRACE_RESERVE_S = 60  # the hang watchdog's dump and verdict, the pod's own shutdown
+MIN_TERMINATION_GRACE_S = 120
+MULTUS_NETWORKS = "k8s.v1.cni.cncf.io/networks"
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 
 
@@ -58,6 +77,11 @@ class JobSpec:
     backoff_limit: int = 10  # pod restarts of the job
     cpu: str | None = None
     memory: str | None = None
+    termination_grace_s: int = DEFAULT_TERMINATION_GRACE_S  # SIGTERM to SIGKILL of a pod
+    pod_resources: dict[str, str] = field(default_factory=dict)  # extra limits, e.g. RDMA devices
+    ipc_lock: bool = False  # the IPC_LOCK capability: RDMA pins (locks) its buffers
+    host_network: bool = False  # the node's network (and its RDMA interfaces) for the pod
+    networks: str | None = None  # Multus secondary networks (the pod annotation's value)
 
     def check(self) -> None:
         if not _DNS_LABEL.match(self.name):
@@ -76,6 +100,12 @@ class JobSpec:
                               "--scheduler volcano or --scheduler kueue")
         if self.pvc and self.volume:
             raise ConfigError("--pvc and --volume both given: the run directory lives on one")
+        if self.termination_grace_s < 1:
+            raise ConfigError(f"--termination-grace {self.termination_grace_s}: need >= 1 s")
+        for name in self.pod_resources:
+            if name in ("cpu", "memory", "nvidia.com/gpu"):
+                raise ConfigError(f"--pod-resource {name}: set it with --cpu, --memory or "
+                                  "--gpus-per-node")
 
     @property
     def procs_per_node(self) -> int:
@@ -102,6 +132,25 @@ def parse_volume(text: str) -> dict:
         raise ConfigError(f"--volume {text!r}: give one volume source, e.g. "
                           "'{nfs: {server: nfs1, path: /runs}}' or '{hostPath: {path: /data}}'")
     return volume
+
+
+def parse_pod_resource(text: str) -> tuple[str, str]:
+    """`--pod-resource NAME=COUNT`, e.g. rdma/hca_shared_devices_a=1."""
+    name, sep, count = text.partition("=")
+    if not sep or not name.strip() or not count.strip():
+        raise ConfigError(f"--pod-resource {text!r}: write NAME=COUNT, e.g. "
+                          "rdma/hca_shared_devices_a=1")
+    return name.strip(), count.strip()
+
+
+def grace_from_plan(plan) -> int:
+    """A pod's termination grace from a plan (`pretrain.plan.search.Plan`): finishing a step and
+    saving this GPU's model and optimizer state, PLAN_MARGIN times over, plus GRACE_RESERVE_S;
+    at least MIN_TERMINATION_GRACE_S."""
+    memory = plan.memory
+    save_s = (memory.params + memory.optimizer + memory.host) / (SAVE_GBPS_PER_GPU * 1e9)
+    need = PLAN_MARGIN * (plan.time.step + save_s) + GRACE_RESERVE_S
+    return max(MIN_TERMINATION_GRACE_S, int(need + 0.999))
 
 
 def preflight_argv(spec: JobSpec) -> list[str]:
@@ -216,29 +265,38 @@ def _container(spec: JobSpec, rank_env: dict[str, str]) -> dict:
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     env += [{"name": k, "value": v} for k, v in rank_env.items()]
     env.append({"name": "DS_ACCELERATOR", "value": "cuda" if spec.gpus_per_node else "cpu"})
+    env.append({"name": GRACE_ENV, "value": str(spec.termination_grace_s)})
     if not spec.gpus_per_node:
         env.append({"name": "OMP_NUM_THREADS", "value": spec.cpu or "1"})
     limits = {"nvidia.com/gpu": spec.gpus_per_node} if spec.gpus_per_node else {}
+    limits.update(spec.pod_resources)  # extended resources are limits (requests follow them)
     requests = {k: v for k, v in (("cpu", spec.cpu), ("memory", spec.memory)) if v}
     resources = {k: v for k, v in (("limits", {**requests, **limits}), ("requests", requests)) if v}
+    security = {"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}} if spec.ipc_lock else {}
     return {"name": CONTAINER, "image": spec.image, "command": ["bash", "-c", container_script(spec)],
             "env": env, "ports": [{"name": "pytorchjob-port", "containerPort": RDZV_PORT}],
-            **({"resources": resources} if resources else {}),
+            **({"resources": resources} if resources else {}), **security,
             "volumeMounts": [{"name": "runs", "mountPath": spec.mount_path},
                              {"name": "dshm", "mountPath": "/dev/shm"}]}
 
 
 def _pod_template(spec: JobSpec, rank_env: dict[str, str], **pod: object) -> dict:
     source = spec.volume or {"persistentVolumeClaim": {"claimName": _claim_name(spec)}}
-    pod_spec = {**pod, "containers": [_container(spec, rank_env)],
+    pod_spec = {**pod, "terminationGracePeriodSeconds": spec.termination_grace_s,
+                "containers": [_container(spec, rank_env)],
                 "volumes": [{"name": "runs", **source},
                             # NCCL's and the data loaders' shared memory: the default is 64 MiB
                             {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
+    if spec.host_network:  # and the cluster's DNS still, for the rendezvous Service's name
+        pod_spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     meta: dict = {"labels": _meta(spec, spec.name)["labels"]}
+    annotations = {MULTUS_NETWORKS: spec.networks} if spec.networks else {}
     if spec.scheduler == "volcano":
         pod_spec["schedulerName"] = "volcano"
         if spec.kind == "indexed-job":
-            meta["annotations"] = {"scheduling.k8s.io/group-name": spec.name}
+            annotations["scheduling.k8s.io/group-name"] = spec.name
+    if annotations:
+        meta["annotations"] = annotations
     return {"metadata": meta, "spec": pod_spec}
 
 

@@ -84,6 +84,10 @@ CASES = {
                                    volume={"nfs": {"server": "nfs1", "path": "/runs"}}),
     "indexed-kueue-cpu": dict(kind="indexed-job", scheduler="kueue", queue="q", gpus_per_node=0,
                               cpu="8", memory="32Gi", storage_class="fast", namespace="ml"),
+    "pytorchjob-rdma": dict(pod_resources={"rdma/hca_shared_devices_a": "1"}, ipc_lock=True,
+                            host_network=True, networks="default/ib", termination_grace_s=900),
+    "indexed-volcano-rdma": dict(kind="indexed-job", scheduler="volcano", ipc_lock=True,
+                                 pod_resources={"nvidia.com/hostdev": "8"}, networks="ib-a,ib-b"),
 }
 
 
@@ -158,14 +162,168 @@ def test_pods_get_the_environment_the_slurm_scripts_set():
     assert k8s.env_of(job).items() >= RANK_ENV.items()
 
 
+def _pod(doc: dict) -> dict:
+    """The pod template of a generated job."""
+    if doc["kind"] == "PyTorchJob":
+        return doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    return doc["spec"]["template"]
+
+
+# each option for NCCL over RDMA: (JobSpec field and value, where it lands in the pod template)
+RDMA_OPTIONS = {
+    "pod_resources": ({"rdma/hca_shared_devices_a": "1", "nvidia.com/hostdev": "2"},
+                      lambda pod: {k: v for k, v in pod["spec"]["containers"][0]["resources"]
+                                   ["limits"].items() if k != "nvidia.com/gpu"}),
+    "ipc_lock": (True, lambda pod: pod["spec"]["containers"][0].get("securityContext")),
+    "host_network": (True, lambda pod: (pod["spec"].get("hostNetwork"),
+                                        pod["spec"].get("dnsPolicy"))),
+    "networks": ("default/ib-sriov",
+                 lambda pod: pod["metadata"].get("annotations", {}).get(k8s.MULTUS_NETWORKS)),
+}
+RDMA_EXPECTED = {
+    "pod_resources": {"rdma/hca_shared_devices_a": "1", "nvidia.com/hostdev": "2"},
+    "ipc_lock": {"capabilities": {"add": ["IPC_LOCK"]}},
+    "host_network": (True, "ClusterFirstWithHostNet"),  # the Service's DNS name still resolves
+    "networks": "default/ib-sriov",
+}
+RDMA_ABSENT = {"pod_resources": {}, "ipc_lock": None, "host_network": (None, None),
+               "networks": None}
+
+
+@pytest.mark.parametrize("kind", ["pytorchjob", "indexed-job"])
+@pytest.mark.parametrize("option", RDMA_OPTIONS)
+def test_each_rdma_option_reaches_the_pods(option, kind):
+    value, where = RDMA_OPTIONS[option]
+    job = k8s.manifests(_spec(kind=kind, pvc="x", **{option: value}), rank_env=ENV)[-1]
+    assert where(_pod(job)) == RDMA_EXPECTED[option]
+    plain = k8s.manifests(_spec(kind=kind, pvc="x"), rank_env=ENV)[-1]
+    assert where(_pod(plain)) == RDMA_ABSENT[option]  # nothing of it unless asked
+    assert _pod(job)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def test_multus_networks_and_volcanos_group_share_the_annotations():
+    job = k8s.manifests(_spec(kind="indexed-job", scheduler="volcano", networks="ib"),
+                        rank_env=ENV)[-1]
+    assert _pod(job)["metadata"]["annotations"] == {k8s.MULTUS_NETWORKS: "ib",
+                                                   "scheduling.k8s.io/group-name": "pretrain-tiny"}
+
+
+def _k8s_args(*extra: str):
+    return build_parser().parse_args(["launch", "k8s", "--config", "configs/tiny.yaml", "--nodes",
+                                      "2", "--gpus-per-node", "8", "--image", "img", *extra])
+
+
+def test_rdma_and_grace_options_of_the_command_line():
+    spec = spec_of(_k8s_args("--pod-resource", "rdma/hca_shared_devices_a=1", "--pod-resource",
+                             "nvidia.com/hostdev=8", "--ipc-lock", "--host-network",
+                             "--network", "default/ib", "--termination-grace", "900"))
+    assert spec.pod_resources == {"rdma/hca_shared_devices_a": "1", "nvidia.com/hostdev": "8"}
+    assert (spec.ipc_lock, spec.host_network, spec.networks) == (True, True, "default/ib")
+    assert spec.termination_grace_s == 900
+    plain = spec_of(_k8s_args())
+    assert (plain.pod_resources, plain.ipc_lock, plain.host_network, plain.networks) == \
+        ({}, False, False, None)
+    assert plain.termination_grace_s == k8s.DEFAULT_TERMINATION_GRACE_S == 600
+    with pytest.raises(k8s.ConfigError, match="NAME=COUNT"):
+        spec_of(_k8s_args("--pod-resource", "rdma/hca_shared_devices_a"))
+    with pytest.raises(k8s.ConfigError, match="--gpus-per-node"):
+        k8s.manifests(_spec(pod_resources={"nvidia.com/gpu": "4"}), rank_env=ENV)
+
+
+@pytest.mark.parametrize("kind", ["pytorchjob", "indexed-job"])
+def test_pods_get_the_termination_grace_and_the_run_knows_it(kind):
+    """terminationGracePeriodSeconds is the SIGTERM-to-SIGKILL time the ranks have to finish a
+    step and save; the run's hang watchdog reads it from PRETRAIN_TERMINATION_GRACE_S."""
+    from pretrain.training.hang import PLATFORM_GRACE_ENV, platform_grace
+
+    job = k8s.manifests(_spec(kind=kind, termination_grace_s=900), rank_env=ENV)[-1]
+    assert _pod(job)["spec"]["terminationGracePeriodSeconds"] == 900
+    assert k8s.env_of(job)[PLATFORM_GRACE_ENV] == "900"
+    assert platform_grace(k8s.env_of(job)) == 900.0
+    default = k8s.manifests(_spec(kind=kind), rank_env=ENV)[-1]
+    assert _pod(default)["spec"]["terminationGracePeriodSeconds"] == 600  # not Kubernetes' 30
+
+
+def test_grace_from_the_plan_covers_a_step_and_a_save():
+    from types import SimpleNamespace
+
+    def plan(step_s: float, state_gb: float):
+        return SimpleNamespace(time=SimpleNamespace(step=step_s), memory=SimpleNamespace(
+            params=state_gb * 1e9 / 4, optimizer=state_gb * 1e9 * 3 / 4, host=0.0))
+
+    # 20 s steps, 20 GB of state a GPU (40 s at 0.5 GB/s): twice (20 + 40), plus 60 s
+    assert k8s.grace_from_plan(plan(20.0, 20.0)) == 2 * (20 + 40) + 60
+    assert k8s.grace_from_plan(plan(0.1, 0.1)) == k8s.MIN_TERMINATION_GRACE_S  # a tiny model
+    offloaded = plan(20.0, 4.0)
+    offloaded.memory.host = 16e9  # the optimizer state in host memory is saved too
+    assert k8s.grace_from_plan(offloaded) == k8s.grace_from_plan(plan(20.0, 20.0))
+
+
+# ---- what each exit status makes the job do, read from the manifests ------------------------
+def _indexed_job_action(job: dict, exit_code: int, *, disrupted: bool = False) -> str:
+    """The Indexed Job's podFailurePolicy as Kubernetes applies it to a failed pod: the first
+    rule that matches, else Count (against backoffLimit)."""
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes and codes["containerName"] == k8s.CONTAINER and codes["operator"] == "In" \
+                and exit_code in codes["values"]:
+            return rule["action"]
+        conditions = rule.get("onPodConditions", [])
+        if disrupted and {"type": "DisruptionTarget", "status": "True"} in conditions:
+            return rule["action"]
+    return "Count"
+
+
+@pytest.mark.parametrize("status, pod_status, indexed_action, operator_restarts", [
+    (2, 2, "FailJob", False),  # bad input: never restarted, the job fails
+    (3, 131, "Count", True),  # a fault: restarted, counted against --backoff-limit
+    (75, 203, "Ignore", True),  # saved for a requeue (preemption, hang): restarted, not counted
+    (137 - 128, 137, "Count", True),  # a pod SIGKILLed (OOM): a failure like a fault
+])
+def test_each_exit_status_restarts_or_fails_the_job(status, pod_status, indexed_action,
+                                                    operator_restarts):
+    assert k8s.POD_EXIT.get(status, pod_status) == pod_status
+    job, = k8s.manifests(_spec(pvc="x"), rank_env=ENV)
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["restartPolicy"] == "ExitCode"  # the operator restarts codes >= 128 only
+    assert (pod_status >= 128) == operator_restarts
+    indexed = k8s.manifests(_spec(kind="indexed-job", pvc="x"), rank_env=ENV)[-1]
+    assert _indexed_job_action(indexed, pod_status) == indexed_action
+    assert indexed["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_an_evicted_pod_is_not_counted_whatever_its_status():
+    indexed = k8s.manifests(_spec(kind="indexed-job", pvc="x"), rank_env=ENV)[-1]
+    assert _indexed_job_action(indexed, 143, disrupted=True) == "Ignore"
+    assert _indexed_job_action(indexed, 2, disrupted=True) == "FailJob"  # bad input still fails
+
+
+@pytest.mark.parametrize("preflight, pod_status", [(0, 0), (2, 2), (3, 131), (75, 203), (1, 1)])
+def test_the_pod_script_raises_the_preflights_restartable_statuses(preflight, pod_status,
+                                                                  tmp_path):
+    """The container script run by bash with `python` replaced by a stub that exits with
+    `preflight` (and 0 for torchrun): 3 and 75 leave the pod as 131 and 203."""
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/bash\n[[ "$*" == *"launch preflight"* ]] && exit "$PREFLIGHT"\n'
+                    "exit 0\n")
+    stub.chmod(0o755)
+    job, = k8s.manifests(_spec(pvc="x"), rank_env=ENV)
+    proc = subprocess.run(["bash", "-c", k8s.script_of(job)], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+                               "PREFLIGHT": str(preflight), "POD_NAME": "p0"}, timeout=60)
+    assert proc.returncode == pod_status, proc.stderr
+
+
 # launch/k8s/: the shipped examples and the arguments they were generated with
 EXAMPLES = {
     "pytorchjob.yaml": ["--config", "configs/llama_125m.yaml", "--nodes", "2", "--gpus-per-node",
-                        "8", "--min-nodes", "1", "--image", "ghcr.io/example/pretrain:latest"],
+                        "8", "--min-nodes", "1", "--image", "ghcr.io/example/pretrain:latest",
+                        "--termination-grace", "600"],
     "indexed-job-kueue.yaml": ["--config", "configs/llama_125m.yaml", "--nodes", "2",
                                "--gpus-per-node", "8", "--min-nodes", "1", "--image",
                                "ghcr.io/example/pretrain:latest", "--kind", "indexed-job",
-                               "--scheduler", "kueue", "--queue", "team-a"],
+                               "--scheduler", "kueue", "--queue", "team-a",
+                               "--termination-grace", "600"],
 }
 
 

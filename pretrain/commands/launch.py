@@ -169,7 +169,7 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            _, run = plan_command.plan_run(args)
+            args.plan, run = plan_command.plan_run(args)  # the plan: for `launch k8s`'s grace
     except ConfigError:
         sys.stdout.write(gpus_seen + out.getvalue())  # the plan that does not fit, then why
         raise
@@ -325,7 +325,11 @@ def k8s_manifests(args: argparse.Namespace) -> None:
 
     spec = launch_k8s.spec_of(args)
     spec.check()
-    _preflight_for_manifests(spec, gpu_memory_gb=args.gpu_memory_gb)
+    plan = _preflight_for_manifests(spec, gpu_memory_gb=args.gpu_memory_gb)
+    if args.termination_grace is None:
+        spec.termination_grace_s = k8s.grace_from_plan(plan)
+        print(f"[launch] pods' termination grace {spec.termination_grace_s} s (the plan's step "
+              "and save; --termination-grace sets it)", file=sys.stderr)
     sys.stdout.write(k8s.to_yaml(k8s.manifests(spec, rank_env=pod_env())))
 
 
@@ -353,9 +357,9 @@ def pod_env() -> dict[str, str]:
     return {**RANK_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def _preflight_for_manifests(spec, *, gpu_memory_gb: float | None) -> None:
+def _preflight_for_manifests(spec, *, gpu_memory_gb: float | None):
     """`preflight` with the pods' arguments, for --nodes, and a check that --min-nodes hold one
-    model replica; ConfigError (exit 2, no manifest) otherwise."""
+    model replica; ConfigError (exit 2, no manifest) otherwise. The plan (`Plan`)."""
     from pretrain import k8s
     from pretrain.resolve import world_fit
 
@@ -373,6 +377,7 @@ def _preflight_for_manifests(spec, *, gpu_memory_gb: float | None) -> None:
     except world_fit.WorldTooSmall as exc:
         raise ConfigError(f"--min-nodes {spec.min_nodes} x {spec.procs_per_node} ranks: {exc}") \
             from None
+    return args.plan
 
 
 def build_ops(args: argparse.Namespace) -> None:

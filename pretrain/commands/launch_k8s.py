@@ -15,6 +15,10 @@ example:
       --image registry.example.com/pretrain:latest --min-nodes 2 > job.yaml
   kubectl apply -f job.yaml
 
+  # NCCL over RDMA (the RDMA shared device plugin's devices, a Multus network):
+  pretrain launch k8s ... --pod-resource rdma/hca_shared_devices_a=1 --ipc-lock \
+      --network default/ib-sriov > job.yaml
+
 Exit statuses of a pod: 0 done; 2 bad input (never restarted); 131 a rank faulted (pretrain's 3)
 and 203 a checkpoint saved for a requeue (pretrain's 75): restarted. The training operator
 restarts `restartPolicy: ExitCode` replicas only on codes >= 128, hence 3 and 75 + 128."""
@@ -59,6 +63,22 @@ def add_k8s_arguments(sub) -> None:
     k.add_argument("--backoff-limit", type=int, default=10, help="failed pods before the job fails")
     k.add_argument("--gpu-memory-gb", type=float, help="plan for GPUs of this size at "
                    "generation (the pods' pre-flight plans for the GPUs nvidia-smi lists)")
+    k.add_argument("--termination-grace", type=int, metavar="SECONDS",
+                   help="a pod's terminationGracePeriodSeconds: SIGTERM (preemption, eviction) "
+                   "to SIGKILL, in which the ranks finish their step and save; also the most "
+                   "the hang watchdog waits for that (default: twice the planner's step time "
+                   "and a save of each GPU's state at 0.5 GB/s, plus 60 s, at least 120 s)")
+    k.add_argument("--pod-resource", action="append", default=[], metavar="NAME=COUNT",
+                   help="an extra resource limit of each pod (repeatable), e.g. the RDMA "
+                   "devices NCCL needs for InfiniBand/RoCE: rdma/hca_shared_devices_a=1, or "
+                   "nvidia.com/hostdev=8")
+    k.add_argument("--ipc-lock", action="store_true", help="add the IPC_LOCK capability (RDMA "
+                   "locks its memory: NCCL over InfiniBand/RoCE needs it)")
+    k.add_argument("--host-network", action="store_true", help="hostNetwork: true (the node's "
+                   "network interfaces, RDMA ones included; the rendezvous port 29400 must be "
+                   "free on the nodes)")
+    k.add_argument("--network", metavar="NETS", help="Multus secondary network(s) of each pod "
+                   "(the k8s.v1.cni.cncf.io/networks annotation), e.g. default/ib-sriov")
     t = sub.add_parser("torchrun", help="torchrun, exiting with the ranks' status: 2 when a rank "
                                         "exited 2, 75 when one saved for a requeue, else 3")
     t.add_argument("--retry-offset", type=int, default=0, metavar="N",
@@ -81,7 +101,10 @@ def spec_of(args: argparse.Namespace):
         volume=k8s.parse_volume(args.volume) if args.volume else None, storage=args.storage,
         storage_class=args.storage_class, scheduler=args.scheduler, queue=args.queue,
         namespace=args.namespace, max_restarts=args.max_restarts,
-        backoff_limit=args.backoff_limit, cpu=args.cpu, memory=args.memory)
+        backoff_limit=args.backoff_limit, cpu=args.cpu, memory=args.memory,
+        termination_grace_s=args.termination_grace or k8s.DEFAULT_TERMINATION_GRACE_S,
+        pod_resources=dict(map(k8s.parse_pod_resource, args.pod_resource)),
+        ipc_lock=args.ipc_lock, host_network=args.host_network, networks=args.network)
 
 
 def _relative(run_dir) -> str:
