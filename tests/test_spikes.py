@@ -17,7 +17,7 @@ from pretrain.errors import ConfigError
 from pretrain.data import DistributedPackedSampler
 from pretrain.data.samples import stream_numbers
 from pretrain.resolve.run import resolve_layout
-from pretrain.testing.faults import SPIKE_FACTOR, spike_environment
+from pretrain.testing.faults import SPIKE_FACTOR, slow_spike_environment, spike_environment
 from pretrain.testing.runs import REPO, run_pretrain, train, train_args
 from pretrain.resolve.topology import Topology
 
@@ -171,3 +171,38 @@ def test_rollback_replays_then_quarantines_a_bad_batch(nprocs, layout, tiny_data
             + ["--resume-from", str(run_dir / "checkpoints" / "step4")],
             run_dir=resumed_dir).check()
         assert resumed.losses == [_last_loss_per_step(clean)[5]]
+
+
+# A pipeline whose steps outlast the hang timeout while its micro-batches do not: 2 stages, 4
+# micro-batches a step, rank 0 spending SLOW_MICRO_S as each starts. Every step, the replay's
+# included, lasts at least 4 x SLOW_MICRO_S = 8 s, longer than the timeout by construction; the
+# beats of micro-batches come every SLOW_MICRO_S plus a tiny model's compute, which has the other
+# 4 s of the timeout.
+SLOW_MICRO_S = 2.0
+SLOW_PIPELINE = ["parallel.pipeline=2", "train.micro_batch_size=1", "train.global_batch_size=4",
+                 f"train.hang_timeout_minutes={3 * SLOW_MICRO_S / 60}", "train.steps=2",
+                 "checkpoint.save_interval=1", "checkpoint.keep_last=3"]
+
+
+@pytest.mark.slow
+def test_pipeline_rollback_whose_replay_outlasts_the_hang_timeout(tiny_data, tmp_path):
+    """Step 2's samples spike every time, and reruns differ in the last bits (as on GPUs): the
+    pipeline replays step 2 from step 1's checkpoint, for longer than the hang timeout, finds it
+    spikes again, quarantines step 2's samples and trains step 2 on the next ones, with no hang
+    called: the stages beat per micro-batch, the replay per step."""
+    run_dir = tmp_path / "run"
+    run = run_pretrain(
+        train_args(run_dir, tiny_data, overrides=SLOW_PIPELINE + ["train.on_loss_spike=rollback"]),
+        run_dir=run_dir, nprocs=2, timeout=300,
+        env=slow_spike_environment(0, SLOW_MICRO_S, data=[5], directory=tmp_path,
+                                   nondeterministic=True)).check()
+    assert not (run_dir / "hang").exists() and "[hang]" not in run.stdout
+    records = _train_records(run)
+    assert [r["step"] for r in records] == [1, 2, 2]
+    assert min(r["step_time_s"] for r in records) > 3 * SLOW_MICRO_S  # each outlasted the timeout
+    [spike] = [r for r in run.records if r["kind"] == "spike"]
+    assert (spike["step"], spike["verdict"], spike["to_step"]) == (2, "data", 1)
+    assert spike["samples"] == [4, 5, 6, 7] and spike["replay_loss"] != records[1]["loss"]
+    assert records[-1]["spikes_rolled_back"] == 1 and not records[-1]["loss_spike"]
+    meta = json.loads((run_dir / "checkpoints" / "step2" / "meta.json").read_text())
+    assert meta["quarantined_samples"] == [4, 5, 6, 7]
