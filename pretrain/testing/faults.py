@@ -11,6 +11,8 @@ The seams are in `pretrain.training.faults`:
 - `hang_inside(step, rank, how)` replaces the same seam, so that global rank `rank` hangs as the
   first micro-batch of step `step` starts: it blocks forever in `blocked_forever` ("block") or
   SIGSTOPs itself ("stop"), for the hang watchdog (`pretrain.training.hang`) to find.
+  `slow_micro_batches(rank, seconds)` replaces it too, so that rank `rank` sleeps as each
+  micro-batch of a step starts (a pipeline's as DeepSpeed's schedule takes it from the data).
 - `LossSpikes.observed_loss` (`pretrain.training.spikes`) returns a replica's step loss unchanged.
   `inject_loss_spikes(data=, transient=)` replaces it, so that data-parallel replica 0's loss
   is multiplied by 100 in every step whose global batch holds one of the sample numbers `data`
@@ -21,7 +23,9 @@ The seams are in `pretrain.training.faults`:
   `fake_step_times(rank, from_step=)` replaces every rank's measured times by fixed ones, that
   rank's compute 3x longer from a step on.
 A `pretrain` process a test spawns gets the same through `nan_loss_environment(steps,
-directory=)`, `spike_environment(data=, transient=, directory=)`, `straggler_environment(call,
+directory=)`, `spike_environment(data=, transient=, directory=, nondeterministic=)` (with reruns
+in other last bits: `pretrain.testing.nondeterminism`), `slow_spike_environment(rank, seconds,
+data=, directory=)`, `straggler_environment(call,
 directory=)`, `signal_environment(where, step, directory=)` or `hang_environment(step, rank,
 how, directory=)`: a `sitecustomize.py` in
 `directory`, put first on PYTHONPATH, which Python imports at start-up in every process of the
