@@ -25,7 +25,7 @@ The seams are in `pretrain.training.faults`:
 A `pretrain` process a test spawns gets the same through `nan_loss_environment(steps,
 directory=)`, `spike_environment(data=, transient=, directory=, nondeterministic=)` (with reruns
 in other last bits: `pretrain.testing.nondeterminism`), `slow_spike_environment(rank, seconds,
-data=, directory=)`, `straggler_environment(call,
+from_step=, data=, directory=)`, `straggler_environment(call,
 directory=)`, `signal_environment(where, step, directory=)` or `hang_environment(step, rank,
 how, directory=)`: a `sitecustomize.py` in
 `directory`, put first on PYTHONPATH, which Python imports at start-up in every process of the
@@ -145,27 +145,30 @@ def spike_environment(*, data: Iterable[int] = (), transient: Iterable[int] = ()
                         nondeterministic=nondeterministic)
 
 
-def slow_micro_batches(rank: int, seconds: float) -> None:
+def slow_micro_batches(rank: int, seconds: float, *, from_step: int = 1) -> None:
     """From now on in this process, global rank `rank` sleeps `seconds` as each micro-batch of a
-    training step starts (a pipeline's: as DeepSpeed's schedule takes it): steps far longer than
-    their micro-batches, whatever the machine's speed."""
+    training step from `from_step` on starts (a pipeline's: as DeepSpeed's schedule takes it):
+    steps far longer than their micro-batches, whatever the machine's speed."""
     import time
 
     from pretrain.training.faults import RunControl
 
     def micro_batch_started(self, at: str, *, step: int, micro: int, rank: int) -> None:
-        if at == "step" and rank == slowed:
+        if at == "step" and rank == slowed and step >= from_step:
             time.sleep(seconds)
 
     slowed = rank
     RunControl.micro_batch_started = micro_batch_started
 
 
-def slow_spike_environment(rank: int, seconds: float, *, data: Iterable[int] = (),
-                           directory: Path, nondeterministic: bool = False) -> dict[str, str]:
-    """The environment under which a spawned process calls `slow_micro_batches(rank, seconds)`
-    and `inject_loss_spikes(data=data)` (and `rerun_in_last_bits` with `nondeterministic`)."""
-    return _environment("slow_micro_batches", f"slow_micro_batches({int(rank)}, {float(seconds)!r})"
+def slow_spike_environment(rank: int, seconds: float, *, from_step: int = 1,
+                           data: Iterable[int] = (), directory: Path,
+                           nondeterministic: bool = False) -> dict[str, str]:
+    """The environment under which a spawned process calls `slow_micro_batches(rank, seconds,
+    from_step=)` and `inject_loss_spikes(data=data)` (and `rerun_in_last_bits` with
+    `nondeterministic`)."""
+    return _environment("slow_micro_batches", f"slow_micro_batches({int(rank)}, {float(seconds)!r}, "
+                        f"from_step={int(from_step)})"
                         f"\nfrom pretrain.testing.faults import inject_loss_spikes\n"
                         f"inject_loss_spikes(data={sorted(set(data))!r})", directory=directory,
                         nondeterministic=nondeterministic)
