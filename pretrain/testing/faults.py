@@ -167,10 +167,10 @@ def slow_spike_environment(rank: int, seconds: float, *, from_step: int = 1,
     """The environment under which a spawned process calls `slow_micro_batches(rank, seconds,
     from_step=)` and `inject_loss_spikes(data=data)` (and `rerun_in_last_bits` with
     `nondeterministic`)."""
-    return _environment("slow_micro_batches", f"slow_micro_batches({int(rank)}, {float(seconds)!r}, "
-                        f"from_step={int(from_step)})"
-                        f"\nfrom pretrain.testing.faults import inject_loss_spikes\n"
-                        f"inject_loss_spikes(data={sorted(set(data))!r})", directory=directory,
+    call = (f"slow_micro_batches({int(rank)}, {float(seconds)!r}, from_step={int(from_step)})\n"
+            "from pretrain.testing.faults import inject_loss_spikes\n"
+            f"inject_loss_spikes(data={sorted(set(data))!r})")
+    return _environment("slow_micro_batches", call, directory=directory,
                         nondeterministic=nondeterministic)
 
 
