@@ -11,6 +11,8 @@ The seams are in `pretrain.training.faults`:
 - `hang_inside(step, rank, how)` replaces the same seam, so that global rank `rank` hangs as the
   first micro-batch of step `step` starts: it blocks forever in `blocked_forever` ("block") or
   SIGSTOPs itself ("stop"), for the hang watchdog (`pretrain.training.hang`) to find.
+  `slow_micro_batches(rank, seconds)` replaces it too, so that rank `rank` sleeps as each
+  micro-batch of a step starts (a pipeline's as DeepSpeed's schedule takes it from the data).
 - `LossSpikes.observed_loss` (`pretrain.training.spikes`) returns a replica's step loss unchanged.
   `inject_loss_spikes(data=, transient=)` replaces it, so that data-parallel replica 0's loss
   is multiplied by 100 in every step whose global batch holds one of the sample numbers `data`
@@ -21,7 +23,9 @@ The seams are in `pretrain.training.faults`:
   `fake_step_times(rank, from_step=)` replaces every rank's measured times by fixed ones, that
   rank's compute 3x longer from a step on.
 A `pretrain` process a test spawns gets the same through `nan_loss_environment(steps,
-directory=)`, `spike_environment(data=, transient=, directory=)`, `straggler_environment(call,
+directory=)`, `spike_environment(data=, transient=, directory=, nondeterministic=)` (with reruns
+in other last bits: `pretrain.testing.nondeterminism`), `slow_spike_environment(rank, seconds,
+from_step=, data=, directory=)`, `straggler_environment(call,
 directory=)`, `signal_environment(where, step, directory=)` or `hang_environment(step, rank,
 how, directory=)`: a `sitecustomize.py` in
 `directory`, put first on PYTHONPATH, which Python imports at start-up in every process of the
@@ -132,10 +136,42 @@ def nan_loss_environment(steps: Iterable[int], *, directory: Path) -> dict[str, 
 
 
 def spike_environment(*, data: Iterable[int] = (), transient: Iterable[int] = (),
-                      directory: Path) -> dict[str, str]:
-    """The environment (PYTHONPATH) under which a spawned process calls `inject_loss_spikes`."""
+                      directory: Path, nondeterministic: bool = False) -> dict[str, str]:
+    """The environment (PYTHONPATH) under which a spawned process calls `inject_loss_spikes`;
+    with `nondeterministic`, reruns of a step also differ in the last bits, as on GPUs
+    (`pretrain.testing.nondeterminism`)."""
     return _environment("inject_loss_spikes", f"inject_loss_spikes(data={sorted(set(data))!r}, "
-                        f"transient={sorted(set(transient))!r})", directory=directory)
+                        f"transient={sorted(set(transient))!r})", directory=directory,
+                        nondeterministic=nondeterministic)
+
+
+def slow_micro_batches(rank: int, seconds: float, *, from_step: int = 1) -> None:
+    """From now on in this process, global rank `rank` sleeps `seconds` as each micro-batch of a
+    training step from `from_step` on starts (a pipeline's: as DeepSpeed's schedule takes it):
+    steps far longer than their micro-batches, whatever the machine's speed."""
+    import time
+
+    from pretrain.training.faults import RunControl
+
+    def micro_batch_started(self, at: str, *, step: int, micro: int, rank: int) -> None:
+        if at == "step" and rank == slowed and step >= from_step:
+            time.sleep(seconds)
+
+    slowed = rank
+    RunControl.micro_batch_started = micro_batch_started
+
+
+def slow_spike_environment(rank: int, seconds: float, *, from_step: int = 1,
+                           data: Iterable[int] = (), directory: Path,
+                           nondeterministic: bool = False) -> dict[str, str]:
+    """The environment under which a spawned process calls `slow_micro_batches(rank, seconds,
+    from_step=)` and `inject_loss_spikes(data=data)` (and `rerun_in_last_bits` with
+    `nondeterministic`)."""
+    call = (f"slow_micro_batches({int(rank)}, {float(seconds)!r}, from_step={int(from_step)})\n"
+            "from pretrain.testing.faults import inject_loss_spikes\n"
+            f"inject_loss_spikes(data={sorted(set(data))!r})")
+    return _environment("slow_micro_batches", call, directory=directory,
+                        nondeterministic=nondeterministic)
 
 
 def delay_rank(rank: int, seconds: float) -> None:
@@ -180,12 +216,18 @@ def signal_environment(where: str, step: int, *, directory: Path) -> dict[str, s
                         directory=directory)
 
 
-def _environment(name: str, call: str, *, directory: Path) -> dict[str, str]:
+def _environment(name: str, call: str, *, directory: Path, module: str = "pretrain.testing.faults",
+                 nondeterministic: bool = False) -> dict[str, str]:
+    """A `sitecustomize.py` that imports `name` from `module` and makes `call`; with
+    `nondeterministic`, then `pretrain.testing.nondeterminism.rerun_in_last_bits()`."""
     from pretrain.testing.runs import REPO
 
-    directory = Path(directory) / name
+    directory = Path(directory) / (name + ("_nondeterministic" if nondeterministic else ""))
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sitecustomize.py").write_text(
-        f"from pretrain.testing.faults import {name}\n{call}\n")
+    lines = [f"from {module} import {name}", call]
+    if nondeterministic:
+        lines += ["from pretrain.testing.nondeterminism import rerun_in_last_bits",
+                  "rerun_in_last_bits()"]
+    (directory / "sitecustomize.py").write_text("\n".join(lines) + "\n")
     path = [str(directory), str(REPO), os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(p for p in path if p)}

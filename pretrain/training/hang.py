@@ -2,9 +2,10 @@
 
 `Watchdog` is a daemon thread started when training starts. The training loop calls `beat`
 after every micro-batch it runs itself (a flat model's accumulation and evaluation, a pipeline's
-evaluation chunks) and after every step (a pipeline's 1F1B schedule runs its micro-batches inside
-DeepSpeed): micro-batches, not steps, because a step of a long accumulation may legitimately run
-for minutes while a micro-batch is bounded like a collective. Checkpoint saves run `paused`
+evaluation chunks), after every forward of a pipeline stage (a hook: DeepSpeed's 1F1B schedule
+runs a step's micro-batches) and after every step, a rollback's replayed ones included:
+micro-batches, not steps, because a step of a long accumulation may legitimately run for minutes
+while a micro-batch is bounded like a collective. Saves and a rollback's loads run `paused`
 (their waits have `train.io_timeout_minutes`). No beat for `train.hang_timeout_minutes` - or a
 SIGTERM the loop has not acted on within its grace (its handler only sets a flag that a hung loop
 never polls) - is a hang. The grace (`Watchdog.sigterm_grace`) is what finishing a step and saving

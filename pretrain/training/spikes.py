@@ -12,17 +12,32 @@ times the running mean of the losses before it (`pretrain.training.faults.NonFin
   the overflow also halves the loss scale, as any overflow does. Flat models only: a pipeline's
   update happens inside DeepSpeed's schedule before the loss is known (`pretrain.resolve.run` refuses it).
 - `rollback`: the step was applied; the run loads its last checkpoint, replays the steps from
-  there up to the spike from the same state and data, and compares the spiking step's loss:
-  * the replay differs: a transient fault (hardware, not data). The line names the ranks whose
-    own loss changed, with their hosts; training goes on from the replayed state.
-  * the replay agrees: a data problem. The run loads the checkpoint again and quarantines the
-    global sample numbers of the spiking step's global batch (every micro-batch of it: the
+  there up to the spike from the same state and data, and asks whether the spiking step spikes
+  again: its replayed loss judged by the same rule against the same running mean
+  (`NonFiniteGuard.is_spike`; the mean has not moved since, a spike staying out of it), or not
+  finite. Not whether the replayed loss equals the first: GPU kernels (FlashAttention's backward,
+  `index_add`, atomics, NCCL's reductions) do not repeat bitwise, so a replay differs in the last
+  bits, and after many replayed steps in more, whatever the cause of the spike; a spike, though,
+  is a loss `train.loss_spike_factor` (> 1) times the mean, which no rounding makes or unmakes.
+  * the replay does not spike: a transient fault (hardware, not data). The line names the ranks
+    whose own loss changed (below), with their hosts; training goes on from the replayed state.
+  * the replay spikes again: a data problem. The run loads the checkpoint again and quarantines
+    the global sample numbers of the spiking step's global batch (every micro-batch of it: the
     spike is a mean over them): the data stream leaves them out from now on
     (`pretrain.data.samples.stream_numbers`), every later checkpoint's meta.json lists them
     (`quarantined_samples`), and a resume honours the list. The run then equals one that never
-    had those samples (`data.exclude_samples`), bitwise in fp32.
+    had those samples (`data.exclude_samples`): bitwise in fp32 on CPU ranks, to the last bits
+    that a GPU's replays differ in.
+  A rank's own loss changed when one of its first and replayed losses exceeds the other more
+  than `train.loss_spike_factor` F times (a relative change above F - 1): that is the spike rule
+  applied to one rank with its replay as the reference, far above what a replay's rounding moves
+  a loss, and it names at least one rank whenever the first step's loss exceeds F times the
+  replay's (the step's loss is the mean of the ranks' positive losses, and a ratio of two sums
+  is at most the largest ratio of their terms).
   Without a checkpoint yet, a spike is only logged. Replaying costs the steps since the last
-  checkpoint (at most `checkpoint.save_interval`).
+  checkpoint (at most `checkpoint.save_interval`); each replayed step beats the hang watchdog
+  with its number, as a step does, and the checkpoint loads run with the watchdog paused, as
+  saves do (`pretrain.training.hang`).
 
 Counts go into every step record (`spikes_skipped`, `spikes_rolled_back`, `spikes_transient`,
 `samples_quarantined`), a `{"kind": "spike"}` record marks each rollback, and the run ends with a
@@ -31,6 +46,7 @@ summary line when a spike was handled. Tests inject spikes through the seam
 """
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -128,9 +144,12 @@ def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
         if replay_mean is None:  # a stop request: the loop stops at this step (not quarantined)
             return batches
         trainer.step += 1
+        trainer.watchdog.beat(trainer.step)
         trainer.consumed_samples += trainer.global_batch
-    differing = _ranks_whose_loss_changed(first_local, trainer._local_loss)
-    if replay_mean != record["loss"]:
+    guard = trainer.guard
+    differing = _ranks_whose_loss_changed(first_local, trainer._local_loss,
+                                          factor=guard.spike_factor)
+    if not spikes_again(guard, replay_mean):
         spikes.counts.transient += 1
         where = ", ".join(f"rank {r} (host {h})" for r, h in differing) or "no single rank"
         log(f"[spike] step {step}: replayed from step {point.step}, the loss is now "
@@ -148,8 +167,9 @@ def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
     spikes.counts.quarantined += len(samples)
     _restore(trainer)
     del losses[len(losses) - min(len(losses), step - trainer.step):]
-    log(f"[spike] step {step}: the replay from step {point.step} gives the same loss "
-                  f"{replay_mean:.4f}: a data problem. Rolled back to step {point.step}; "
+    log(f"[spike] step {step}: the replay from step {point.step} spikes again (loss "
+                  f"{replay_mean:.4f}, was {record['loss']:.4f}): a data problem. Rolled back "
+                  f"to step {point.step}; "
                   f"quarantined its {len(samples)} samples (numbers {_ranges(samples)}), left "
                   "out of the data stream and listed in every later checkpoint",
                   main=trainer.main, level="warning")
@@ -159,20 +179,39 @@ def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
                            workers=trainer.cfg.data.num_workers)
 
 
+def spikes_again(guard: Any, replay_loss: float) -> bool:
+    """Whether the replayed loss of a spiking step is a spike too (or not finite), by `guard`'s
+    rule and running mean (a `pretrain.training.faults.NonFiniteGuard`): the data verdict."""
+    return not math.isfinite(replay_loss) or guard.is_spike(replay_loss)
+
+
+def loss_changed(first: float, replay: float, *, factor: float) -> bool:
+    """Whether one rank's loss changed between a run and its replay: one of the two (positive
+    losses) exceeds the other more than `factor` times, or one is not finite."""
+    if not (math.isfinite(first) and math.isfinite(replay)):
+        return not (first == replay or (math.isnan(first) and math.isnan(replay)))
+    return max(first, replay) > factor * min(first, replay)
+
+
 def _restore(trainer: Any) -> checkpoint.ResumePoint:
-    """Load the newest checkpoint this run saved into the engine (collective)."""
+    """Load the newest checkpoint this run saved into the engine (collective), with the hang
+    watchdog paused (its waits have train.io_timeout_minutes, as a save's)."""
     path = trainer.run_dir / "checkpoints" / f"step{trainer._saved_step}"
     point = checkpoint.ResumePoint(path, read_meta(path))
-    checkpoint.load(trainer.engine, point, cfg=trainer.cfg, groups=trainer.groups,
-                    layout=trainer.checkpoint_layout, rank=trainer.world.rank)
+    with trainer.watchdog.paused():
+        checkpoint.load(trainer.engine, point, cfg=trainer.cfg, groups=trainer.groups,
+                        layout=trainer.checkpoint_layout, rank=trainer.world.rank)
     trainer.step, trainer.consumed_samples = point.step, point.meta["consumed_samples"]
+    trainer.watchdog.beat(point.step)  # the last finished step is the checkpoint's again
     return point
 
 
-def _ranks_whose_loss_changed(first: float, replay: float) -> list[tuple[int, str]]:
-    """(rank, host) of every rank whose own replica loss differs between the two runs."""
+def _ranks_whose_loss_changed(first: float, replay: float, *,
+                              factor: float) -> list[tuple[int, str]]:
+    """(rank, host) of every rank whose own replica loss changed between the two runs
+    (`loss_changed`; collective)."""
     mine = (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
-            socket.gethostname(), first != replay)
+            socket.gethostname(), loss_changed(first, replay, factor=factor))
     return [(rank, host) for rank, host, changed in gather_for_io(mine) if changed]
 
 

@@ -106,6 +106,9 @@ class Trainer:
                          save_interval_minutes=cfg.checkpoint.save_interval_minutes,
                          exit_after_minutes=cfg.train.exit_after_minutes)
         self.watchdog, self.guard, self.stragglers = self._watchers()
+        if self.pipelined:  # DeepSpeed's schedule runs the micro-batches: every stage beats
+            # as each forward of its own ends (middle stages read no data to beat on)
+            self.engine.module.register_forward_hook(lambda *_: self.watchdog.beat())
         self._git_commit = git_commit()  # recorded in every checkpoint's meta.json
         self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
                                    main=self.main)
@@ -235,7 +238,7 @@ class Trainer:
                                             skip=self.spikes.quarantine)
         self._spike_skipped = False
         if self.pipelined:  # DeepSpeed's 1F1B schedule pulls the micro-batches itself
-            loss = self.engine.train_batch(data_iter=timed)
+            loss = self.engine.train_batch(data_iter=self._pipeline_micro_batches(timed))
             return self._step_loss(loss), timed.wait
         engine, total = self.engine, torch.zeros((), device=self.device)
         self._grad_norm = None
@@ -268,6 +271,15 @@ class Trainer:
         if mean is None:
             mean = self._step_loss(total / self.grad_accum)
         return mean, timed.wait
+
+    def _pipeline_micro_batches(self, pairs: TimedBatches) -> Iterator:
+        """The (inputs, labels) pairs of a pipeline step, each announced to the run control's
+        seam as DeepSpeed's schedule takes it (on the first and last stages, which read data),
+        as a flat step announces its micro-batches."""
+        for micro, pair in enumerate(pairs):
+            self.control.micro_batch_started("step", step=self.step + 1, micro=micro,
+                                             rank=self.world.rank)
+            yield pair
 
     def train(self) -> TrainResult:
         """Train to train.steps or a stop request. The metric sinks are closed on every way out:
