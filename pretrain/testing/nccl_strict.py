@@ -19,10 +19,11 @@ a storage with one of them (a view of an offloaded shard is one); a copy (`torch
 Allowed: the groups that are gloo on GPUs too - the I/O group (`pretrain.dist.create_io_group`)
 and any group made with backend "gloo" inside the block.
 
-The wrapper sits on `torch.distributed`'s collectives (the `collective_log.OPS`, plus
-`MORE_OPS`: FSDP2's `all_gather_single` and `reduce_scatter_single`, `batch_isend_irecv`) and on the two DeepSpeed's communication backend captured when it was made
-(`all_gather_into_tensor`, `reduce_scatter_tensor`); `collective_log`'s hook passes an
-operation and a group, not the tensors, so it cannot serve here. Limits: code that moves a host
+The wrapper sits on `torch.distributed`'s collectives (`collective_log.OPS`, plus `MORE_OPS`:
+FSDP2's `all_gather_single` and `reduce_scatter_single`, `batch_isend_irecv`) and on the two
+that DeepSpeed's communication backend captured when it was made (`all_gather_into_tensor`,
+`reduce_scatter_tensor`); `collective_log`'s hook passes an operation and a group, not the
+tensors, so it cannot serve here. Limits: code that moves a host
 tensor with a plain `.to(device)` gets the same tensor back on a CPU rank, so such a tensor
 reads as host memory here although a GPU would copy it. DeepSpeed moves its offloaded
 parameter partitions that way (ZeRO-3's all-gathers): `deepspeed_host_tensors` leaves them out.

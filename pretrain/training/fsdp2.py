@@ -9,8 +9,14 @@ with it: each tensor-parallel rank's FSDP2 mesh is its data group, and the two f
 (tensor x data) grid. `pretrain.resolve.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
 offload mean here and what is refused. Under sequence parallelism the norms' gradients are
 partial sums over each tensor rank's tokens; the engine sums their shards over the tensor group
-once per step (`_sum_sequence_parallel_grads`), where DeepSpeed's engine has hooks on the
-weights.
+once per step (`_sum_sequence_parallel_grads`, through one accelerator buffer: under CPU offload
+the shards live in host memory, which NCCL does not take), where DeepSpeed's engine has hooks on
+the weights.
+
+The model is built on the meta device and sharded before it has memory (`build_fsdp2_engine`):
+each rank allocates only its FSDP2 shard of its tensor-parallel shard, where it lives, and draws
+its rows of the block-seeded initial model there (`init_rows`), bitwise one process's - no rank
+holds its whole tensor-parallel shard, as `deepspeed.zero.Init` keeps DeepSpeed's ranks from it.
 
 HSDP (`train.fsdp2_replicas` > 1): the data group's ranks form a 2-D ("replicate", "shard")
 mesh (`data_mesh`); each unit is sharded over a row of it and replicated over its columns, so
