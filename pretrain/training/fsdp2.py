@@ -390,7 +390,7 @@ def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: Proces
     tensor-parallel shard, on the accelerator or, under CPUOffloadPolicy, in host memory, which
     `init_shards` fills with its rows of the seeded initial model - bitwise those `init_weights`
     gives one process, so every layout starts from the same model. No rank holds its whole
-    tensor-parallel shard at any time (as `deepspeed.zero.Init` does for DeepSpeed's engine);
+    tensor-parallel shard at any time (what `deepspeed.zero.Init` gives DeepSpeed's engine);
     `optimizer_groups(model)` gives the optimizer's groups once it is sharded. `model.init_from`
     is read afterwards (`FSDP2Engine.load_initial_weights`). Collective."""
     offload = offloads_to_cpu(ds_config)
