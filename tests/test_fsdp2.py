@@ -21,6 +21,7 @@ from pretrain.errors import CheckpointError, ConfigError
 from pretrain.resolve.run import lay_out_as_loaded
 from pretrain.testing.faults import nan_loss_environment
 from pretrain.testing.cli import run_cli
+from pretrain.testing.ranks import run_on_ranks
 from pretrain.testing.runs import REPO, rel_diff, run_pretrain, train, train_args
 
 STEPS, SAVE_AT = 6, 3
@@ -246,6 +247,95 @@ def test_hsdp_trains_like_one_process_and_its_checkpoint_resumes_on_other_layout
         resumed = _resume(tmp_path / f"on{nprocs}", tiny_data, run, nprocs=nprocs,
                           overrides=overrides)
         _assert_trains_like(resumed, run, first_step=SAVE_AT + 1)
+
+
+# vocabulary 500: tensor 2 pads it, so one tensor rank's shard ends in zero rows
+SHARDED_BUILD = ["model.vocab_size=500", "model.tie_embeddings=false", "parallel.tensor=2",
+                 "train.micro_batch_size=1", "train.global_batch_size=2", *FSDP2]
+
+
+def _sharded_build(rank: int, world_size: int, init_from: str | None) -> dict:
+    """Build the fsdp2 engine at tensor 2 x data 2 as a run does (`build_engine`), recording
+    whether `fully_shard` met only meta-device parameters and the largest storage any operation
+    created on a real device (a DTensor's: its local shard's); this rank's FSDP2 rows of each
+    parameter, from the seed or from `init_from`."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from pretrain.dist import init_deepspeed_comm
+    from pretrain.model import canonical_parameters
+    from pretrain.resolve.run import resolve_ds_config
+    from pretrain.resolve.topology import Topology
+    from pretrain.training import fsdp2
+    from pretrain.training.engine import build_engine
+
+    class Largest(TorchDispatchMode):
+        size = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                if isinstance(local, torch.Tensor) and not local.is_meta:
+                    self.size = max(self.size, local.untyped_storage().nbytes())
+            return out
+
+    cfg = load_config(REPO / "configs/tiny.yaml", [
+        *SHARDED_BUILD, f"run_dir={REPO}/runs/unused",
+        *([f"model.init_from={init_from}"] if init_from else [])])
+    init_deepspeed_comm(dist_backend="gloo", verbose=False)
+    ds_config = resolve_ds_config(cfg, world_size=world_size)
+    groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
+                                           rank=rank).create_groups()
+    met, shard = [], fsdp2.fully_shard
+
+    def recording(module, **options):
+        met.extend(p.is_meta for p in module.parameters())
+        return shard(module, **options)
+
+    fsdp2.fully_shard, largest = recording, Largest()
+    try:
+        with largest:
+            engine = build_engine(cfg, ds_config, groups, main=False)
+    finally:
+        fsdp2.fully_shard = shard
+    return {"tensor_rank": groups.topology.my_coords.tensor, "meta": met,
+            "largest": largest.size,
+            "rows": {name: (fsdp2._first_row(p), fsdp2._local(p.detach()).clone())
+                     for name, p in canonical_parameters(engine.module, cfg.model)}}
+
+
+def test_fsdp2_builds_each_rank_its_shard_only_bitwise_as_one_process(tmp_path):
+    """tensor 2 x data 2: `fully_shard` meets only meta-device parameters, and building the
+    seeded model creates no storage larger than the largest FSDP2 shard or one initialisation
+    block (the whole tensor-parallel model was built on every rank before, its embedding
+    twice the bound); `init_from` reads one whole tensor at a time. Each rank's rows are
+    bitwise those of one process's model, seeded or read from `init_from`."""
+    from pretrain.checkpoint.weights import Weights, write_final
+    from pretrain.model import build_model
+    from pretrain.model.llama import INIT_BLOCK, gather_full_state_dict, shard_of
+
+    cfg = load_config(REPO / "configs/tiny.yaml", SHARDED_BUILD)
+    seeded = gather_full_state_dict(build_model(cfg.model, seed=cfg.train.seed))
+    other = gather_full_state_dict(build_model(cfg.model, seed=cfg.train.seed + 7))
+    write_final(Weights(model=cfg.model, state=other, tokenizer=None, source="seed + 7"),
+                tmp_path / "final")
+    for init_from, full in ((None, seeded), (str(tmp_path / "final"), other)):
+        results = run_on_ranks(_sharded_build, world_size=4, tmp_path=tmp_path,
+                               args=(init_from,))
+        shards = [rows for r in results for _, rows in r["rows"].values()]
+        block = INIT_BLOCK * cfg.model.hidden_size * 4  # the widest block drawn: fp32 rows
+        bound = max(block, max(t.numel() * 4 for t in shards))
+        if init_from:  # `load_initial_weights` reads one whole tensor at a time, at most
+            bound = max(bound, max(t.numel() * 4 for t in full.values()))
+        for result in results:
+            assert result["meta"] and all(result["meta"]), result["meta"]
+            assert result["largest"] <= bound, (result["largest"], bound)
+            for name, (first, rows) in result["rows"].items():
+                mine = shard_of(full[name], name, cfg=cfg.model, tp_rank=result["tensor_rank"],
+                                tp_size=2)
+                assert torch.equal(rows, mine[first:first + len(rows)]), (name, init_from)
 
 
 def _refusal(overrides: list[str], *, world_size: int = 2) -> str:

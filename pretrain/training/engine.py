@@ -183,18 +183,20 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     With `train.engine: fsdp2` it is `pretrain.training.fsdp2.FSDP2Engine`, which answers the same calls."""
     fsdp2, t = cfg.train.engine is Engine.FSDP2, cfg.train
     factor = lr_factor(t)  # the schedule; each group's lr (muP: hidden matrices lr/m) it scales
-    # fsdp2 shards the whole model once it is built: no deepspeed.zero.Init
-    model = build_for_layout(cfg, groups, ds_config=None if fsdp2 else ds_config)
+    if is_mup(cfg.model):
+        log(f"[mup] parametrization {describe(cfg.model)}", main=main)
+    if fsdp2:  # built on the meta device, sharded, each rank's shards initialised where they live
+        engine = build_fsdp2_engine(
+            cfg, ds_config, groups, lr_factor=factor,
+            optimizer_groups=lambda sharded: optimizer_groups(
+                sharded, lr=t.lr, weight_decay=t.weight_decay, cfg=cfg.model))
+        if cfg.model.init_from:
+            log(f"[init] weights from {engine.load_initial_weights()}", main=main)
+        return engine
+    model = build_for_layout(cfg, groups, ds_config=ds_config)
     if cfg.model.init_from:  # one parameter at a time (gathered under ZeRO-3), before the engine
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         log(f"[init] weights from {source}", main=main)
-    if is_mup(cfg.model):
-        log(f"[mup] parametrization {describe(cfg.model)}", main=main)
-    if fsdp2:
-        return build_fsdp2_engine(
-            cfg, ds_config, groups, model=model, lr_factor=factor,
-            optimizer_groups=lambda sharded: optimizer_groups(
-                sharded, lr=t.lr, weight_decay=t.weight_decay, cfg=cfg.model))
     flat = ModelForm.of(model) is ModelForm.FLAT
     lean_imports.import_muon_uncompiled()
     with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32():

@@ -9,8 +9,14 @@ with it: each tensor-parallel rank's FSDP2 mesh is its data group, and the two f
 (tensor x data) grid. `pretrain.resolve.fsdp2_rules` says what the DeepSpeed JSON's ZeRO stage and
 offload mean here and what is refused. Under sequence parallelism the norms' gradients are
 partial sums over each tensor rank's tokens; the engine sums their shards over the tensor group
-once per step (`_sum_sequence_parallel_grads`), where DeepSpeed's engine has hooks on the
-weights.
+once per step (`_sum_sequence_parallel_grads`, through one accelerator buffer: under CPU offload
+the shards live in host memory, which NCCL does not take), where DeepSpeed's engine has hooks on
+the weights.
+
+The model is built on the meta device and sharded before it has memory (`build_fsdp2_engine`):
+each rank allocates only its FSDP2 shard of its tensor-parallel shard, where it lives, and draws
+its rows of the block-seeded initial model there (`init_rows`), bitwise one process's - no rank
+holds its whole tensor-parallel shard, as `deepspeed.zero.Init` keeps DeepSpeed's ranks from it.
 
 HSDP (`train.fsdp2_replicas` > 1): the data group's ranks form a 2-D ("replicate", "shard")
 mesh (`data_mesh`); each unit is sharded over a row of it and replicated over its columns, so
@@ -44,13 +50,16 @@ from deepspeed.accelerator import get_accelerator
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental import implicit_replication
 
-from pretrain.config import Precision, RunConfig
+from pretrain.config import ModelConfig, Precision, RunConfig
 from pretrain.resolve.ds_config import zero_stage
 from pretrain.resolve.fsdp2_rules import offloads_to_cpu, reshards_after_forward
 from pretrain.model import canonical_parameters
-from pretrain.model.llama import DecoderLayer
-from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_world_size
+from pretrain.model.build import construct_for_layout, tensor_parallel_group
+from pretrain.model.layers import RotaryEmbedding
+from pretrain.model.llama import INIT_BLOCK, DecoderLayer, _draw_init, shard_range
+from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_rank, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
 
 FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
@@ -141,6 +150,33 @@ class FSDP2Engine:
             return ["bfloat16"]
         return sorted({str(p.dtype).removeprefix("torch.") for p in self.module.parameters()})
 
+    @torch.no_grad()
+    def load_initial_weights(self) -> str:
+        """Set the shards to the weights of `model.init_from` (`weights.load_initial_weights`,
+        its checks included: each rank reads its tensor-parallel shard of one tensor at a time)
+        and return the source read. Each tensor is handed to the sharded parameter as a plain
+        tensor, which DTensor takes as replicated over the data group: copying it keeps this
+        rank's rows, no collective."""
+        from pretrain.checkpoint.weights import load_initial_weights
+
+        with implicit_replication():
+            return load_initial_weights(self.module, cfg=self.cfg.model,
+                                        tp_group=tensor_parallel_group(self.groups))
+
+    def host_resident_tensors(self):
+        """(what, tensor) of each tensor this rank keeps in host memory on a GPU node: under
+        CPUOffloadPolicy its FSDP2 shards, their gradients and Adam's moments (none without
+        offload). What `pretrain.testing.nccl_strict` refuses to send through NCCL."""
+        if not self.offload:
+            return
+        for name, p in canonical_parameters(self.module, self.cfg.model):
+            yield f"the offloaded fp32 shard of {name}", _local(p.data)
+            if p.grad is not None:
+                yield f"the offloaded gradient shard of {name}", _local(p.grad)
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    yield f"the offloaded Adam {key} of {name}", _local(value)
+
     def offload_targets(self) -> tuple[str, str]:
         """(optimizer state, parameters) outside accelerator memory, as `metrics` reports
         DeepSpeed's: CPUOffloadPolicy keeps both (and the gradients) in host memory."""
@@ -189,10 +225,21 @@ class FSDP2Engine:
         hooks that reduce it under DeepSpeed (`SequenceShardedWeightGrad`) sat on the weights
         `fully_shard` replaced. FSDP2 has summed the step's micro-batches into this rank's shard
         (over the data group, the same rows on every tensor rank), and sums are linear, so one
-        all-reduce of the shard over the tensor group gives each rank its rows of the total."""
-        for norm in self._sequence_parallel_norms:
-            if norm.weight.grad is not None:
-                torch_dist.all_reduce(_local(norm.weight.grad), group=self.groups.tensor)
+        all-reduce of the shards over the tensor group gives each rank its rows of the totals.
+
+        The shards are copied into one flat buffer on the accelerator, all-reduced there and
+        copied back: under CPUOffloadPolicy they live in host memory, which NCCL does not take
+        (moved after FSDP2's offload copy rather than reduced before it: FSDP2 has no hook
+        between its reduce-scatter and that copy, and the norms are a few thousand values per
+        layer - one collective for all of them, not one per norm)."""
+        grads = [_local(norm.weight.grad) for norm in self._sequence_parallel_norms
+                 if norm.weight.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).to(self.device) for g in grads])  # a new device buffer
+        torch_dist.all_reduce(flat, group=self.groups.tensor)
+        for grad, total in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(total.view_as(grad))
 
     @torch.no_grad()
     def grad_norm(self) -> float:
@@ -334,21 +381,89 @@ def data_mesh(groups: ProcessGroups, *, replicas: int, device_type: str) -> Devi
 
 
 def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
-                       model: torch.nn.Module,
                        optimizer_groups: Callable[[torch.nn.Module], list[dict[str, Any]]],
                        lr_factor: Callable[[int], float]) -> FSDP2Engine:
-    """This rank's FSDP2 engine over `model` (`build_for_layout`'s, not partitioned by ZeRO,
-    initial weights in it), sharded in place; `optimizer_groups(model)` gives the optimizer's
-    groups once it is sharded. Collective."""
+    """This rank's FSDP2 engine over the run's model, sharded before it has any memory.
+
+    The model is constructed on the meta device (`construct_for_layout`: nothing allocated),
+    `fully_shard`ed, and only then given storage (`to_empty`): each rank its FSDP2 shard of its
+    tensor-parallel shard, on the accelerator or, under CPUOffloadPolicy, in host memory, which
+    `init_shards` fills with its rows of the seeded initial model - bitwise those `init_weights`
+    gives one process, so every layout starts from the same model. No rank holds its whole
+    tensor-parallel shard at any time (what `deepspeed.zero.Init` gives DeepSpeed's engine);
+    `optimizer_groups(model)` gives the optimizer's groups once it is sharded. `model.init_from`
+    is read afterwards (`FSDP2Engine.load_initial_weights`). Collective."""
     offload = offloads_to_cpu(ds_config)
-    device = get_accelerator().current_device_name()
-    if not offload:  # under CPUOffloadPolicy the shards stay in host memory
-        model.to(device)
-    mesh = data_mesh(groups, replicas=cfg.train.fsdp2_replicas,
-                     device_type=torch.device(device).type)
+    device = torch.device(get_accelerator().current_device_name())
+    with torch.device("meta"):
+        model = construct_for_layout(cfg, groups)
+    mesh = data_mesh(groups, replicas=cfg.train.fsdp2_replicas, device_type=device.type)
     tensor_parallel = {name for name, p in canonical_parameters(model, cfg.model)
                        if getattr(p, "tensor_model_parallel", False)}
     shard_model(model, mesh, reshard_after_forward=reshards_after_forward(zero_stage(ds_config)),
                 bf16=cfg.train.precision is Precision.BF16, offload=offload)
+    # under CPUOffloadPolicy the shards live in host memory, the buffers beside the compute
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    rotary_tables(model, cfg.model, device=device)
+    tp_group = tensor_parallel_group(groups)
+    init_shards(model, cfg.model, seed=cfg.train.seed, tp_rank=tp_rank(tp_group),
+                tp_size=tp_world_size(tp_group))
     return FSDP2Engine(cfg, ds_config, groups, model, param_groups=optimizer_groups(model),
                        lr_factor=lr_factor, tensor_parallel=tensor_parallel, mesh=mesh)
+
+
+@torch.no_grad()
+def init_shards(model: torch.nn.Module, cfg: ModelConfig, *, seed: int, tp_rank: int,
+                tp_size: int) -> None:
+    """Fill each parameter's FSDP2 shard (its `to_local()` rows, from `_first_row`) with its
+    rows of tensor-parallel rank `tp_rank`'s seeded initial shard (`init_rows`)."""
+    for name, p in canonical_parameters(model, cfg):
+        init_rows(name, cfg, seed=seed, tp_rank=tp_rank, tp_size=tp_size,
+                  first_row=_first_row(p), out=_local(p.data))
+
+
+def init_rows(name: str, cfg: ModelConfig, *, seed: int, tp_rank: int, tp_size: int,
+              first_row: int, out: torch.Tensor) -> None:
+    """Rows `first_row` .. `first_row + len(out)` of `llama.shard_init(name, ...)` (rank
+    `tp_rank`'s tensor-parallel shard of the seeded initial value) into `out`, on its device:
+    bitwise those rows, drawn from the same `INIT_BLOCK` blocks. A shard split along its rows
+    (vocabulary, column-parallel projections, norms) draws only the blocks `out` overlaps
+    (padded vocabulary rows 0); a matrix split along its columns (o_proj, down_proj) is drawn
+    one block of columns at a time, whole rows, of which `out`'s are kept: one block in memory
+    besides `out`."""
+    if out.numel() == 0:  # more data-parallel ranks than rows
+        return
+    part = shard_range(name, cfg, tp_rank=tp_rank, tp_size=tp_size)
+    rows = out.shape[0]
+    if part.dim == 0:
+        start = part.start + first_row
+        real = min(max(part.real_stop - start, 0), rows)
+        out.narrow(0, real, rows - real).zero_()
+        if real:
+            _draw_init(name, cfg, seed=seed, dim=0, start=start, out=out.narrow(0, 0, real))
+        return
+    column = part.start
+    while column < part.stop:
+        stop = min(part.stop, (column // INIT_BLOCK + 1) * INIT_BLOCK)
+        block = torch.empty(part.shape[0], stop - column)
+        _draw_init(name, cfg, seed=seed, dim=1, start=column, out=block)
+        out.narrow(1, column - part.start, stop - column).copy_(block.narrow(0, first_row, rows))
+        column = stop
+
+
+def rotary_tables(model: torch.nn.Module, cfg: ModelConfig, *, device: torch.device) -> None:
+    """Compute the rotary tables (the model's only buffers, a function of the config) of a model
+    constructed on the meta device, onto `device`; an error for any other buffer."""
+    for module in model.modules():
+        buffers = dict(module.named_buffers(recurse=False))
+        if not buffers:
+            continue
+        if not isinstance(module, RotaryEmbedding):
+            raise RuntimeError(f"{type(module).__name__} holds buffers {sorted(buffers)}: "
+                               "build_fsdp2_engine computes only the rotary tables")
+        table = RotaryEmbedding(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+        for key, value in table.named_buffers():
+            if value.shape != buffers[key].shape:
+                raise RuntimeError(f"rotary table {key}: {tuple(buffers[key].shape)} built, "
+                                   f"{tuple(value.shape)} computed")
+            setattr(module, key, value.to(device))
