@@ -68,12 +68,15 @@ def _engine_step(rank: int, world_size: int, ds_name: str, overrides: list[str],
     from pretrain.resolve.run import resolve_ds_config
     from pretrain.resolve.topology import Topology
     from pretrain.testing.nccl_strict import deepspeed_host_tensors, nccl_strict
+    from pretrain.training import collective_log
     from pretrain.training.engine import build_engine
     from pretrain.training.fsdp2 import _local
 
     cfg = load_config(REPO / "configs/tiny.yaml", [
         f"deepspeed={REPO}/ds_configs/{ds_name}.json", "model.vocab_size=512",
         "train.micro_batch_size=1", f"run_dir={run_dir}", *overrides])
+    log = collective_log.CollectiveLog(size=4096)
+    collective_log.install(log)  # as `train` does: the hang dumps name FSDP2's collectives too
     init_deepspeed_comm(dist_backend="gloo", verbose=False)
     ds_config = resolve_ds_config(cfg, world_size=world_size)
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
@@ -90,6 +93,7 @@ def _engine_step(rank: int, world_size: int, ds_name: str, overrides: list[str],
             engine.step()
     norm = dict(canonical_parameters(engine.module, cfg.model))["model.norm.weight"]
     return {"grad_norm": engine.get_global_grad_norm(), "checked": strict.checked,
+            "ops": sorted({entry[1] for entry in log.entries if entry is not None}),
             "norm": _local(norm.detach()).clone() if fsdp2 else None}
 
 
@@ -107,6 +111,8 @@ def test_fsdp2_offload_with_sequence_parallelism_sends_no_host_tensor(tmp_path):
                                         args=(ds_name, TP2_SP, str(tmp_path / ds_name)))
     for offloaded, on_device in zip(results["zero3_offload_cpu"], results["zero3"]):
         assert offloaded["checked"] > 10, offloaded  # FSDP2's all-gathers, reduce-scatters...
+        # ... which the collective log (the hang dumps, the straggler's wait) records as well
+        assert {"all_gather_single", "reduce_scatter_single"} <= set(offloaded["ops"]), offloaded
         assert offloaded["grad_norm"] == pytest.approx(on_device["grad_norm"], rel=1e-6)
         assert torch.allclose(offloaded["norm"], on_device["norm"], rtol=0, atol=1e-7)
 

@@ -35,7 +35,8 @@ from torch.compiler import is_compiling
 OPS = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
        "all_gather_object", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
        "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
-       "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv")
+       "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv",
+       "all_gather_single", "reduce_scatter_single")  # the last two: FSDP2's, in recent torch
 SIZE = 64  # entries kept
 
 
