@@ -77,7 +77,7 @@ class Check:
 
         self.dry_run = dry_run
         self.cuda = torch.cuda.is_available() and not dry_run
-        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self.half = torch.bfloat16 if self.cuda else torch.float32  # CPU: fp32, tiny shapes
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
         self.group_backend: str | None = None
@@ -100,7 +100,10 @@ class Check:
             kwargs = {"device_id": self.device} if self.cuda else {}
             if self.cuda:
                 torch.cuda.set_device(self.device)
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            # one rank as a launcher would describe it (DeepSpeed's engine asserts LOCAL_RANK)
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                               ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29512")):
+                os.environ.setdefault(key, value)
             dist.init_process_group(backend, init_method=f"file://{self.tmp / 'store'}",
                                     rank=0, world_size=1, **kwargs)
             self.group_backend = backend
@@ -108,7 +111,8 @@ class Check:
 
 
 def _relative_error(a, b) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _tiny_model_cfg(**fields):
@@ -162,11 +166,11 @@ def row_varlen_documents(c: Check, r: Result) -> None:
     c.need_gpu(f"varlen_attn is FlashAttention's kernel (binding: {described})")
     kernel = documents.document_kernel("cuda", torch.bfloat16)
     g = torch.Generator(device=c.device).manual_seed(1)
-    lengths = [300, 17, 1, 450, 256, 1024, 1000, 24]  # two rows of 1024, documents in each
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).view(2, 1024)
+    lengths = [300, 17, 1, 450, 256, 1024, 1000, 24]  # three rows of 1024 tokens
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).view(3, 1024)
     ids = ids.to(c.device)
-    q = torch.randn(2, 8, 1024, 64, device=c.device, generator=g)
-    k, v = (torch.randn(2, 2, 1024, 64, device=c.device, generator=g) for _ in range(2))
+    q = torch.randn(3, 8, 1024, 64, device=c.device, generator=g)
+    k, v = (torch.randn(3, 2, 1024, 64, device=c.device, generator=g) for _ in range(2))
     scale = 0.1  # muP's attention scale is not 1/sqrt(head_dim)
     half = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
     y = documents.document_attention(*half, ids, scale=scale)
@@ -407,7 +411,7 @@ def _train_1b(c: Check) -> dict[str, Any]:
         loss = engine(tokens[:, :-1], labels=tokens[:, 1:])
         engine.backward(loss)
         engine.step()
-        return float(loss)
+        return float(loss.detach())
 
     first = step()  # warm-up: the optimizer state exists from here on
     torch.cuda.synchronize()
@@ -434,7 +438,9 @@ def row_peak_memory_1b(c: Check, r: Result) -> None:
     ratio = run["peak_bytes"] / predicted
     r.ran = True
     r.matched = abs(ratio - 1) <= MEMORY_TOLERANCE and all(map(math.isfinite, run["losses"]))
-    r.detail = (f"{plan.memory.parameters_count / 1e9:.2f}B parameters, ZeRO-1 bf16, seq 4096: "
+    r.detail = (f"{plan.memory.parameters_count / 1e9:.2f}B parameters, ZeRO-"
+                f"{plan.layout.zero_stage} {plan.layout.precision.value}, sequence "
+                f"{cfg.model.seq_length}: "
                 f"measured {run['peak_bytes'] / 2**30:.1f} GiB, predicted "
                 f"{predicted / 2**30:.1f} GiB (x{ratio:.2f})")
     r.values.update(measured_gib=run["peak_bytes"] / 2**30, ratio=ratio)
