@@ -59,7 +59,7 @@ from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
 from pretrain.resolve.layout import check_tensor_split
 import pretrain.model.mup as mup
-from pretrain.model import documents
+import pretrain.model.documents as documents
 from pretrain.model.context_parallel import (chunk_loss_scale, chunk_offset, cp_world_size,
                                              heads_to_sequence, sequence_to_heads)
 from pretrain.model.documents import Boundaries, document_attention, document_positions

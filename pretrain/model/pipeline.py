@@ -106,7 +106,7 @@ from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.resolve.layout import check_pipeline_split, check_tensor_split
 from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
-from pretrain.model import documents
+import pretrain.model.documents as documents
 from pretrain.model.documents import Boundaries, document_positions
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
 from pretrain.model.llama import DecoderLayer, LayerCache, torch_checkpoint
