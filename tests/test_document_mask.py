@@ -503,3 +503,17 @@ def test_boundaries_are_computed_once_per_forward_not_per_layer(monkeypatch, for
     varlen = model(tokens[:, :-1], tokens[:, 1:], document_ids=ids)
     assert len(calls) == 1  # one micro-batch, three layers
     assert abs(varlen.item() - masked.item()) <= 1e-5 * masked.item()
+
+
+def test_boundaries_stay_inside_a_stage():
+    """A stage's layers hand each other the boundaries; what DeepSpeed sends to the next stage
+    (`wire`) has the two tensors of before, whose shapes do not change between micro-batches."""
+    from pretrain.model.pipeline import StageActivations
+
+    hidden, ids = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
+    boundaries = (torch.tensor([0, 3, 6], dtype=torch.int32), 3)
+    inside = StageActivations(hidden=hidden, document_ids=ids, boundaries=boundaries).to_tuple()
+    assert len(inside) == 4 and inside[2] is boundaries[0] and inside[3] == 3
+    state = StageActivations.from_tuple(inside)
+    assert state.boundaries == boundaries and state.document_ids is ids
+    assert state.wire() == (hidden, ids)
