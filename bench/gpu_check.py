@@ -194,9 +194,9 @@ def row_fused_adamw(c: Check, r: Result) -> None:
     import torch
 
     from pretrain.checkpoint.reshard import adam_step_tensor
-    from pretrain.testing.cuda_calls import _adamw_arguments
+    from pretrain.testing.cuda_calls import adamw_arguments
 
-    _, kwargs = _adamw_arguments()  # the keywords the stack passes
+    _, kwargs = adamw_arguments()  # the keywords the stack passes
     updates, steps = [], []
     for fused in (True, False):
         g = torch.Generator(device=c.device).manual_seed(2)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_ONLY = {"sdpa_flash", "varlen_documents", "peak_memory_1b", "mfu_4096"}

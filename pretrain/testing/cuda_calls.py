@@ -107,7 +107,7 @@ def _run_varlen(function) -> str:
     return "meta"
 
 
-def _adamw_arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
+def adamw_arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
     """DeepSpeed's torch AdamW with the keywords `resolve.ds_config.fill_ds_config` sets on a
     GPU (optimizer.params: lr, betas, eps, weight_decay, fused)."""
     return ([],), {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
@@ -125,7 +125,7 @@ def _run_fused_adamw(adamw) -> str:
     results = []
     for fused in (True, False):
         p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3))
-        args, kwargs = _adamw_arguments()
+        _, kwargs = adamw_arguments()
         opt = adamw([p], **{**kwargs, "fused": fused})
         state = opt.state[p]
         state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
@@ -163,7 +163,7 @@ CUDA_CALLS: tuple[CudaCall, ...] = (
     CudaCall("varlen attention", "torch.nn.attention.varlen:varlen_attn", _varlen_arguments,
              sites=(("model/documents.py", "varlen_attn"),), run=_run_varlen,
              note="document masking on CUDA in 16 bits (`model.documents`)"),
-    CudaCall("fused AdamW", "torch.optim:AdamW", _adamw_arguments,
+    CudaCall("fused AdamW", "torch.optim:AdamW", adamw_arguments,
              sites=(("resolve/ds_config.py", "fused"), ("checkpoint/reshard.py", "fused")),
              run=_run_fused_adamw,
              note="DeepSpeed's torch_adam on GPUs: AdamW(fused=True)"),
