@@ -390,3 +390,130 @@ def test_stage_activations_carry_integer_document_ids():
     assert StageActivations(hidden=hidden).to_tuple() == (hidden,)  # off: the wire of before
     with pytest.raises(ValueError, match="expected 1 .hidden., or 2"):
         StageActivations.from_tuple((hidden, hidden, ids))
+
+
+# ---- the installed `varlen_attn`, whatever its release -------------------------------------------
+
+def _varlen_reference(query, key, value, cu_seq_q, max_q, *, causal, scale, gqa):
+    """What FlashAttention's variable-length kernel computes, on the CPU: each [start, stop) of
+    the cumulative lengths attends itself (causally), packed (tokens, heads, head_dim)."""
+    assert cu_seq_q.dtype == torch.int32 and max_q >= int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    if key.shape[1] != query.shape[1]:
+        assert gqa, "kv heads differ from q heads without enable_gqa: the kernel would refuse"
+    out = torch.empty_like(query)
+    for start, stop in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        q, k, v = (t[start:stop].transpose(0, 1)[None] for t in (query, key, value))
+        out[start:stop] = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
+    return out
+
+
+def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                     return_aux=None):
+    """torch 2.10's signature: causal by `is_causal`, no scale, no GQA."""
+    return _varlen_reference(query, key, value, cu_seq_q, max_q, causal=is_causal, scale=None,
+                             gqa=False)
+
+
+def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     scale=None, window_size=(-1, -1)):
+    """torch 2.11's signature: causal by `window_size=(-1, 0)`, a scale, no GQA."""
+    assert tuple(window_size) in ((-1, -1), (-1, 0))
+    return _varlen_reference(query, key, value, cu_seq_q, max_q,
+                             causal=tuple(window_size) == (-1, 0), scale=scale, gqa=False)
+
+
+def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None,
+                     block_table=None, num_splits=None):
+    """torch 2.12/2.13's signature: window size, scale and GQA."""
+    assert tuple(window_size) in ((-1, -1), (-1, 0))
+    return _varlen_reference(query, key, value, cu_seq_q, max_q,
+                             causal=tuple(window_size) == (-1, 0), scale=scale, gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("release", [varlen_attn_2_10, varlen_attn_2_11, varlen_attn_2_13],
+                         ids=["2.10", "2.11", "2.13"])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_the_bound_varlen_attn_equals_the_masked_reference(release, scale):
+    """Each release's signature is called with what it takes (its causal keyword, GQA by
+    repeated kv heads and the scale folded into q where it has none) and computes the masked
+    path's attention."""
+    from pretrain.model import documents
+
+    binding = documents.bind_varlen(release)
+    assert binding.problem is None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1]])
+    q = torch.randn(2, 4, 8, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 8, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    boundaries = varlen_boundaries(ids)
+    got = documents.varlen_attention(q, k, v, boundaries, scale=scale, binding=binding)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(ids),
+                                              enable_gqa=True, scale=scale)
+    assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_an_unusable_varlen_attn_falls_back_to_the_mask_with_one_warning(monkeypatch):
+    from pretrain.model import documents
+
+    def no_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+        raise AssertionError("never called")
+
+    assert "torch" in documents.bind_varlen(None).problem  # missing from this torch
+    binding = documents.bind_varlen(no_causal)
+    assert "causal" in binding.problem
+    monkeypatch.setattr(documents, "VARLEN", binding)
+    monkeypatch.setattr(documents, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="causal") as caught:
+        assert documents.document_kernel("cuda", torch.bfloat16) == "masked"
+        assert documents.document_kernel("cuda", torch.bfloat16) == "masked"
+    assert len(caught) == 1
+    assert documents.document_kernel("cpu", torch.float32) == "masked"
+
+
+def _count_boundaries(monkeypatch) -> list[int]:
+    """Makes the CPU take the variable-length path (through a reference `varlen_attn` of the
+    installed signature) and counts `varlen_boundaries` calls."""
+    from pretrain.model import documents
+
+    calls = []
+    real = documents.varlen_boundaries
+
+    def counted(ids):
+        calls.append(1)
+        return real(ids)
+
+    monkeypatch.setattr(documents, "VARLEN", documents.bind_varlen(varlen_attn_2_13))
+    monkeypatch.setattr(documents, "uses_varlen", lambda device_type, dtype: True)
+    monkeypatch.setattr(documents, "varlen_boundaries", counted)
+    return calls
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", ["flat", "pipeline"])
+def test_boundaries_are_computed_once_per_forward_not_per_layer(monkeypatch, form):
+    cfg = tiny_cfg(seq_length=64, num_layers=3)
+    build = build_model if form == "flat" else build_flat_pipeline
+    model = build(cfg, seed=3).eval()
+    tokens, ids = packed_sample(seed=4)
+    masked = model(tokens[:, :-1], tokens[:, 1:], document_ids=ids)
+    calls = _count_boundaries(monkeypatch)
+    varlen = model(tokens[:, :-1], tokens[:, 1:], document_ids=ids)
+    assert len(calls) == 1  # one micro-batch, three layers
+    assert abs(varlen.item() - masked.item()) <= 1e-5 * masked.item()
+
+
+def test_boundaries_stay_inside_a_stage():
+    """A stage's layers hand each other the boundaries; what DeepSpeed sends to the next stage
+    (`wire`) has the two tensors of before, whose shapes do not change between micro-batches."""
+    from pretrain.model.pipeline import StageActivations
+
+    hidden, ids = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
+    boundaries = (torch.tensor([0, 3, 6], dtype=torch.int32), 3)
+    inside = StageActivations(hidden=hidden, document_ids=ids, boundaries=boundaries).to_tuple()
+    assert len(inside) == 4 and inside[2] is boundaries[0] and inside[3] == 3
+    state = StageActivations.from_tuple(inside)
+    assert state.boundaries == boundaries and state.document_ids is ids
+    assert state.wire() == (hidden, ids)

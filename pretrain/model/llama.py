@@ -59,9 +59,10 @@ from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
 from pretrain.resolve.layout import check_tensor_split
 import pretrain.model.mup as mup
+import pretrain.model.documents as documents
 from pretrain.model.context_parallel import (chunk_loss_scale, chunk_offset, cp_world_size,
                                              heads_to_sequence, sequence_to_heads)
-from pretrain.model.documents import document_attention, document_positions
+from pretrain.model.documents import Boundaries, document_attention, document_positions
 from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
                                    row_linear, vocab_embedding)
@@ -163,10 +164,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                boundaries: Boundaries | None = None) -> torch.Tensor:
         """`cache` (generation only): keys and values of the positions before x's, extended
         here; x is then the whole prompt (empty cache) or one new token. `document_ids` (B, T)
-        of the whole sequence: attention stays inside each document (`documents`)."""
+        of the whole sequence: attention stays inside each document (`documents`);
+        `boundaries`: the micro-batch's `documents.document_boundaries` of them."""
         # (B, T, C) on every TP rank; under sequence parallelism gathered from (B, T/tp, C)
         x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         B, T, _ = x.shape
@@ -189,7 +192,8 @@ class Attention(nn.Module):
         if document_ids is not None:
             if cache is not None:
                 raise ValueError("document masking is for training: a prompt is one document")
-            y = document_attention(q, k, v, document_ids, scale=self.softmax_scale)
+            y = document_attention(q, k, v, document_ids, scale=self.softmax_scale,
+                                   boundaries=boundaries)
             return self._output(y, B, T)
         causal = True
         if cache is not None:
@@ -287,8 +291,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, document_ids)
+                document_ids: torch.Tensor | None = None,
+                boundaries: Boundaries | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, document_ids,
+                               boundaries)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -395,12 +401,16 @@ class LlamaModel(nn.Module):
             positions = document_positions(document_ids)[:, past:past + T]
             cos, sin = self.model.rotary_emb.at(positions, x.dtype)
         checkpointing = torch.is_grad_enabled()  # nothing to save for backward otherwise
-        masked = () if document_ids is None else (None, document_ids)  # (no cache, the ids)
+        # the variable-length kernel's boundaries: once per micro-batch, not once per layer
+        boundaries = (None if document_ids is None
+                      else documents.document_boundaries(document_ids, x))
+        masked = () if document_ids is None else (None, document_ids, boundaries)  # no cache
         for i, layer in enumerate(self.model.layers):
             if checkpointing and self.recomputes_layer(i):
                 x = self.checkpoint_fn(layer, x, cos, sin, *masked)
             else:
-                x = layer(x, cos, sin, None if cache is None else cache[i], document_ids)
+                x = layer(x, cos, sin, None if cache is None else cache[i], document_ids,
+                          boundaries)
         return self.model.norm(x)
 
     def _last_hidden_recomputed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,11 @@
   the last stage through DeepSpeed's `(input_ids, labels)` batch tuple (first stage reads
   element 0, last stage element 1). With `data.document_mask` element 0 is the pair
   `(input_ids, document_ids)` and the ids travel with the activations to every stage (an
-  int64 tensor: DeepSpeed sends it forward and no gradient back).
+  int64 tensor: DeepSpeed sends it forward and no gradient back). On the variable-length
+  kernel each stage's first decoder layer computes the ids' boundaries once per micro-batch
+  and the stage's activations carry them to its other layers; they never leave the stage
+  (`_PipelineStages.forward` sends `StageActivations.wire()`: their length changes with each
+  micro-batch, and DeepSpeed sizes its receive buffers once).
 - Tied embeddings (`cfg.tie_embeddings`): the embedding and the head are `TiedLayerSpec`s with
   the key "embed"; the head runs `EmbeddingPipe.project_to_vocab` on the embedding module.
   DeepSpeed broadcasts the tied weight at start-up and all-reduces its gradient across the
@@ -102,7 +106,8 @@ from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.resolve.layout import check_pipeline_split, check_tensor_split
 from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
-from pretrain.model.documents import document_positions
+import pretrain.model.documents as documents
+from pretrain.model.documents import Boundaries, document_positions
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
 from pretrain.model.llama import DecoderLayer, LayerCache, torch_checkpoint
 from pretrain.model.loss import LMHead, lm_head_loss, scaled_head_input
@@ -121,28 +126,38 @@ class StageActivations:
     hidden: torch.Tensor  # residual stream (B, T, C); (B, T/tp, C) under sequence parallelism
     # data.document_mask: each position's document (B, whole sequence), int64, no gradient
     document_ids: torch.Tensor | None = None
+    # the variable-length kernel's boundaries of the ids (`documents.document_boundaries`):
+    # computed by a stage's first decoder layer, handed to its others, never sent (`wire`)
+    boundaries: Boundaries | None = None
 
-    def to_tuple(self) -> tuple[torch.Tensor, ...]:
-        """The tuple DeepSpeed sends: the fields in declaration order, absent ones left out
-        (they can only be the last: a run sends the same fields at every boundary)."""
-        return tuple(value for f in dataclasses.fields(self)
-                     if (value := getattr(self, f.name)) is not None)
+    def to_tuple(self) -> tuple[Any, ...]:
+        """The tuple a layer hands the next one: the fields in declaration order, absent ones
+        left out (they can only be the last: a run sends the same fields at every boundary),
+        the boundaries as their two items (tensor, longest document)."""
+        return self.wire() + (() if self.boundaries is None else tuple(self.boundaries))
+
+    def wire(self) -> tuple[torch.Tensor, ...]:
+        """The tuple DeepSpeed sends to the next stage: hidden and the ids, no boundaries."""
+        return (self.hidden,) + (() if self.document_ids is None else (self.document_ids,))
 
     @classmethod
-    def from_tuple(cls, values: torch.Tensor | tuple[torch.Tensor, ...]) -> "StageActivations":
+    def from_tuple(cls, values: torch.Tensor | tuple[Any, ...]) -> "StageActivations":
         """Inverse of `to_tuple`; a bare tensor stands for a one-field tuple (DeepSpeed unwraps
         one-element tuples when it calls a checkpointed group of layers, and when it
         reassembles activations partitioned over tensor-parallel ranks)."""
         if isinstance(values, torch.Tensor):
             values = (values,)
-        names = [f.name for f in dataclasses.fields(cls)]
         # the ids are integers: a second floating tensor is another stage's idea of the wire
-        if not 1 <= len(values) <= len(names) or any(v.is_floating_point() for v in values[1:]):
-            raise ValueError(f"a stage received {len(values)} tensors "
-                             f"({', '.join(str(v.dtype) for v in values)}), expected 1 (hidden), "
-                             f"or {len(names)} ({', '.join(names)}; the ids an integer tensor) "
-                             "under data.document_mask: stages built from different code?")
-        return cls(*values)
+        if (len(values) not in (1, 2, 4) or any(not isinstance(v, torch.Tensor)
+                                                or v.is_floating_point() for v in values[1:3])
+                or (len(values) == 4 and not isinstance(values[3], int))):
+            raise ValueError(f"a stage received {len(values)} values "
+                             f"({', '.join(str(getattr(v, 'dtype', type(v))) for v in values)}), "
+                             "expected 1 (hidden), or 2 (hidden, document_ids; the ids an "
+                             "integer tensor) under data.document_mask (inside a stage also "
+                             "their boundaries): stages built from different code?")
+        boundaries = (values[2], values[3]) if len(values) == 4 else None
+        return cls(values[0], values[1] if len(values) > 1 else None, boundaries)
 
 
 # ---- the stage layers --------------------------------------------------------------------------
@@ -208,9 +223,13 @@ class DecoderLayerPipe(DecoderLayer):
         T = state.hidden.shape[1] * self.sequence_shards  # full sequence length (or chunk)
         first = 0 if self.cp_group is None else chunk_offset(T, self.cp_group)
         if state.document_ids is not None:  # positions inside each document (B, T, hd)
+            if state.boundaries is None:  # the stage's first layer: once per micro-batch
+                state.boundaries = documents.document_boundaries(state.document_ids,
+                                                                 state.hidden)
             positions = document_positions(state.document_ids)[:, first:first + T]
             cos, sin = self.rotary_emb.at(positions, state.hidden.dtype)
-            hidden = super().forward(state.hidden, cos, sin, None, state.document_ids)
+            hidden = super().forward(state.hidden, cos, sin, None, state.document_ids,
+                                     state.boundaries)
             return dataclasses.replace(state, hidden=hidden).to_tuple()
         cache = self.kv_cache
         if cache is not None and cache.keys is not None:  # positions after the cached ones
@@ -385,6 +404,13 @@ class _PipelineStages(PipelineModule):
     def _count_layer_params(self) -> list[int]:
         with torch.device("meta"):
             return super()._count_layer_params()
+
+    def forward(self, forward_input):
+        """The stage's layers; what leaves for the next stage is `StageActivations.wire()`."""
+        outputs = super().forward(forward_input)
+        if self.stage_id < self.num_stages - 1:
+            return StageActivations.from_tuple(outputs).wire()
+        return outputs
 
 
 def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_group=None,
