@@ -10,6 +10,9 @@ import os
 
 _CORPUS_HELP = ("files, directories, globs, .jsonl/.parquet files, saved `datasets` directories, "
                 "hf:NAME[:SPLIT] (hub, online), or python-stdlib (this interpreter's sources)")
+# What `--tokenizer` takes (`pretrain.data.tokenizer.Tokenizer.load` reads both kinds).
+TOKENIZER_HELP = ("a sentencepiece .model or a Hugging Face tokenizer directory (e.g. Llama 3's, "
+                  "downloaded with `huggingface-cli download ... --include \"tokenizer*\"`)")
 _TEXT_FIELD_HELP = "the text field of .jsonl rows, parquet columns and datasets (default: text)"
 
 
@@ -39,8 +42,7 @@ def run_tokenizer(args: argparse.Namespace) -> None:
 def preprocess_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", nargs="+", required=True, help=_CORPUS_HELP)
     parser.add_argument("--text-field", default="text", help=_TEXT_FIELD_HELP)
-    parser.add_argument("--tokenizer", required=True,
-                        help="sentencepiece .model file or Hugging Face tokenizer directory")
+    parser.add_argument("--tokenizer", required=True, help=TOKENIZER_HELP)
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)),
                         help="tokenizer processes (default: all cores)")

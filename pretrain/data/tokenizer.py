@@ -30,6 +30,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -132,6 +133,15 @@ class Tokenizer(ABC):
         path = Path(path)
         if path.is_dir():
             return HuggingFaceTokenizer.load(path)
+        if not path.exists() and _looks_like_hub_id(str(path)):
+            raise DataError(
+                f"tokenizer {str(path)!r} is not a local file or directory; it looks like a "
+                "Hugging Face hub id, and tokenizers are read from local files only (ranks "
+                "have no hub access). On a machine that has it: `huggingface-cli download "
+                f'{path} --include "tokenizer*" --local-dir tokenizers/{path.name}` (a gated '
+                "model such as Llama 3 needs `huggingface-cli login` and its licence accepted "
+                f"first), copy that directory here and pass it: --tokenizer "
+                f"tokenizers/{path.name} / data.tokenizer=tokenizers/{path.name}")
         return SentencePieceTokenizer.load(path)
 
     def copy_to(self, directory: str | Path) -> Path:
@@ -192,8 +202,9 @@ class SentencePieceTokenizer(Tokenizer):
         """Load a ``.model`` file; `DataError` when it is missing or not a sentencepiece model."""
         path = Path(path)
         if not path.is_file():
-            raise DataError(f"tokenizer model {str(path)!r} not found: train one with "
-                            "`pretrain tokenizer --corpus ... --output PATH` or fix the path")
+            raise DataError(f"tokenizer model {str(path)!r} not found: give a sentencepiece "
+                            ".model or a Hugging Face tokenizer directory, or train one with "
+                            "`pretrain tokenizer --corpus ... --output PATH`")
         return cls(path.read_bytes(), path=path)
 
     def __getstate__(self) -> dict:
@@ -285,6 +296,13 @@ class HuggingFaceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist(),
                                       skip_special_tokens=True)
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    """`owner/name` as the hub spells repositories, with no file suffix: `meta-llama/Meta-Llama-3-8B`
+    is one, `data/tokenizer.model` and `./tok` are not."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) is not None and \
+        Path(text).suffix not in (".model", ".json")
 
 
 def copy_tokenizer(source: str | Path, directory: str | Path) -> Path:
