@@ -137,3 +137,58 @@ def test_every_tokenizer_option_says_both_kinds_a_tokenizer_loads_from():
     for command in (["preprocess"], ["export-hf"]):
         text = _help(*command)
         assert "sentencepiece .model or a Hugging Face tokenizer directory" in text, text
+
+
+# ---- a Slurm job's faults: requeued a bounded number of times (slurm/faults.sh) ---------------
+
+def _requeue_fault(faults: Path, step: int, limit: str | None = None) -> tuple[int, str]:
+    """`requeue_fault FAULTS STEP [LIMIT]` of slurm/faults.sh: (0 requeue / 1 not, its line)."""
+    script = f'source slurm/faults.sh; requeue_fault {faults} {step} {limit or ""}'
+    proc = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, proc.stdout.strip()
+
+
+def test_a_fault_is_requeued_until_the_limit_and_never_twice_at_the_same_step(tmp_path):
+    """A dead rank or a failed collective (exit 3) is requeued, as torchrun's max-restarts and
+    Kubernetes' backoffLimit restart: at most SLURM_FAULT_REQUEUES times (default 2), and not
+    when the job faults at the step of its previous fault (it would fail there forever)."""
+    faults = tmp_path / "faults.txt"
+    assert _requeue_fault(faults, 120)[0] == 0
+    assert _requeue_fault(faults, 340)[0] == 0
+    code, line = _requeue_fault(faults, 560)
+    assert code == 1 and "SLURM_FAULT_REQUEUES=2" in line, line
+    assert faults.read_text() == "step=120\nstep=340\nstep=560\n"
+    again = tmp_path / "again.txt"
+    assert _requeue_fault(again, 7, "5")[0] == 0
+    code, line = _requeue_fault(again, 7, "5")
+    assert code == 1 and "step 7 again" in line, line
+    assert _requeue_fault(tmp_path / "none.txt", 3, "0")[0] == 1  # 0: never requeued
+
+
+def test_the_fault_step_is_the_last_train_record_of_the_run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"kind": "run", "world_size": 2}, {"kind": "train", "step": 9, "loss": 3.0},
+        {"kind": "valid", "step": 10, "loss": 3.1}, {"kind": "train", "step": 10, "loss": 2.9},
+        {"kind": "eval", "step": 10})))
+
+    def step(run_dir: Path) -> str:
+        return subprocess.run(["bash", "-c", f"source slurm/faults.sh; last_train_step {run_dir}"],
+                              cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert step(tmp_path) == "10"
+    assert step(tmp_path / "missing") == "0"  # faulted before its first step
+
+
+# ---- from a laptop ------------------------------------------------------------------------------
+
+def test_cores_are_counted_without_gnu_nproc(tmp_path):
+    """launch/env.sh counts cores with GNU `nproc`, else macOS's `sysctl -n hw.ncpu`: a PATH with
+    only a stand-in `sysctl` (a Mac's) gives its count, and the CPU ranks' threads follow."""
+    (tmp_path / "sysctl").write_text("#!/bin/sh\n[ \"$1 $2\" = '-n hw.ncpu' ] && echo 12\n")
+    (tmp_path / "sysctl").chmod(0o755)
+    script = "source launch/env.sh; cpu_cores; rank_env 0 4; echo $OMP_NUM_THREADS"
+    env = {"PATH": str(tmp_path), "ROOT": str(REPO)}
+    out = subprocess.run(["/bin/bash", "-c", script], cwd=REPO, env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["12", "3"]
