@@ -42,6 +42,192 @@ def _one_error_line(proc: subprocess.CompletedProcess, *expected: str) -> str:
     return errors[0]
 
 
+# ---- the page's commands ---------------------------------------------------------------------
+
+def page_commands() -> list[str]:
+    """Every command line of the page's bash blocks, continuation lines joined, comments cut."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", PAGE.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = " ".join(line.split("  #")[0].split())
+            if line:
+                commands.append(line)
+    return commands
+
+
+# Commands of the page no CPU test can run, by how they start, and why.
+NOT_RUN = {
+    "huggingface-cli download": "needs the Hugging Face hub (this machine has no access)",
+    "sbatch ": "a Slurm cluster with GPUs; the script's body is slurm/pretrain_70b.sh's "
+               "(tests/test_docs.py), which tests/test_slurm.py runs on a local Slurm cluster",
+    "CONFIG=configs/llama_7b.yaml DS_CONFIGS=": "a Slurm array; slurm/zero_sweep.sh runs in "
+                                                "tests/test_slurm.py",
+    "tail -f ": "the log of a running job",
+    "tensorboard ": "a server; its event files are written by the runs of tests/test_telemetry.py",
+}
+# What each run command of the page is, by how it starts (the first that matches).
+RUN = ["pretrain preprocess ", "pretrain train ", "pretrain config ",
+       "pretrain plan --config configs/llama_7b.yaml --set data.tokenizer=tokenizers/llama3 "
+       "--set model.vocab_size=auto --nodes 4 --search",
+       "pretrain plan --config configs/llama_7b.yaml --set data.tokenizer=tokenizers/llama3 "
+       "--set model.vocab_size=auto --nodes 4", "pretrain plot ", "pretrain sweep ",
+       "pretrain export-hf ", "pretrain eval "]
+
+
+def page_command(start: str) -> str:
+    found = [command for command in page_commands() if command.startswith(start)]
+    assert found, f"docs/first-run.md has no command starting {start!r}"
+    return found[0]
+
+
+def test_every_command_of_the_page_is_run_or_says_why_not():
+    for command in page_commands():
+        assert any(command.startswith(start) for start in [*NOT_RUN, *RUN]), \
+            f"docs/first-run.md: {command!r} is neither run by a test nor in NOT_RUN"
+    for start in RUN:
+        page_command(start)
+
+
+def test_the_recipe_reads_the_dataset_the_page_preprocesses():
+    """`configs/llama_7b.yaml`'s data.dataset is, from the repository root, the prefix the
+    page's `preprocess` writes."""
+    from pretrain.config import load_config
+
+    prefix = shlex.split(page_command("pretrain preprocess "))
+    written = prefix[prefix.index("--output-prefix") + 1]
+    assert load_config(REPO / "configs" / "llama_7b.yaml").data.dataset == str(REPO / written)
+
+
+@pytest.fixture(scope="module")
+def llama3_standin(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """What the page's user has: a Hugging Face tokenizer directory (the tiny sentencepiece
+    model converted, saved as `huggingface-cli download` leaves one), a `.jsonl` corpus in two
+    files, and where the page's outputs go instead of the repository."""
+    from pretrain.checkpoint.hf import sentencepiece_to_hf
+
+    from conftest import TINY_CORPUS_FILES
+
+    root = tmp_path_factory.mktemp("first_run")
+    sentencepiece_to_hf(Path(tiny_data["tokenizer"])).save_pretrained(root / "llama3")
+    (root / "corpus").mkdir()
+    for index, half in enumerate((TINY_CORPUS_FILES[::2], TINY_CORPUS_FILES[1::2])):
+        (root / "corpus" / f"part{index}.jsonl").write_text("".join(
+            json.dumps({"text": path.read_text(), "path": path.name}) + "\n" for path in half))
+    return {"root": root, "tokenizer": root / "llama3", "corpus": root / "corpus",
+            "dataset": root / "corpus_text_document"}
+
+
+def _as_tested(command: str, where: dict[str, Path], *extra: str) -> list[str]:
+    """The page's command with this test's paths for the user's files and outputs, the tiny
+    sizes in `extra`; its arguments after `pretrain`."""
+    root = where["root"]
+    for page, here in (("tokenizers/llama3", where["tokenizer"]),
+                       ("'my_corpus/*.jsonl'", f"'{where['corpus']}/*.jsonl'"),
+                       ("data/corpus_text_document", where["dataset"]),
+                       ("runs/llama_7b-hf", root / "hf"), ("runs/llama_7b", root / "rehearsal"),
+                       ("runs/rehearsal", root / "rehearsal"), ("runs/sweep", root / "sweep"),
+                       ("--output curves.png", f"--output {root / 'curves.png'}")):
+        command = command.replace(page, str(here))
+    return shlex.split(command)[1:] + list(extra)
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    proc = run_cli(args, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, (args, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def preprocessed(llama3_standin) -> subprocess.CompletedProcess:
+    return _run(_as_tested(page_command("pretrain preprocess "), llama3_standin))
+
+
+def test_preprocess_writes_the_recipes_dataset_and_names_the_eos_it_appended(
+        preprocessed, llama3_standin):
+    from pretrain.data.indexed import IndexedDataset
+
+    tokenizer = Tokenizer.load(llama3_standin["tokenizer"])
+    assert (f"[preprocess] tokenizer {llama3_standin['tokenizer']}: {tokenizer.vocab_size:,} "
+            f"tokens (model.vocab_size: auto takes them); each document ends with eos "
+            f"{tokenizer.eos_id} {tokenizer.token(tokenizer.eos_id)}; no bos is added"
+            ) in preprocessed.stdout
+    dataset = IndexedDataset(str(llama3_standin["dataset"]))
+    first = dataset[0]
+    assert first[-1] == tokenizer.eos_id and first[0] != tokenizer.bos_id
+
+
+# The tiny sizes (and the test's dataset) added to the page's recipe commands.
+TINY = ["--set", "model.preset=tiny"]
+
+
+def _dataset(where: dict[str, Path]) -> list[str]:
+    return ["--set", f"data.dataset={where['dataset']}"]
+
+
+def test_config_prints_the_run_the_cluster_job_will_run(preprocessed, llama3_standin):
+    out = _run(_as_tested(page_command("pretrain config "), llama3_standin,
+                          *_dataset(llama3_standin))).stdout
+    assert f"tokenizer: {llama3_standin['tokenizer']}" in out and "vocab_size: auto" in out
+
+
+def test_plan_and_its_search_for_four_nodes(preprocessed, llama3_standin):
+    """The page's two plans on 4 x 8 H100 (the tiny model: the planner needs no GPU): the
+    search ranks the recipe's own layout first, and the plan reads the vocabulary from the
+    tokenizer directory."""
+    search = page_command(RUN[3])
+    plan, = [c for c in page_commands() if c.startswith(RUN[4]) and "--search" not in c]
+    out = _run(_as_tested(search, llama3_standin, *TINY, *_dataset(llama3_standin))).stdout
+    assert "this config: tp2 pp1 dp16 mbs4 ZeRO-3" in out, out
+    out = _run(_as_tested(plan, llama3_standin, *TINY, *_dataset(llama3_standin))).stdout
+    assert "tp 2 x pp 1 x dp 16 = 32 ranks" in out, out
+
+
+# ---- the laptop rehearsal and what follows it (training runs: slow) ---------------------------
+
+QUIET = ["--set", "data.num_workers=0", "--set", "logging.report_to=[]",
+         "--set", "logging.curves=false", "--set", "logging.progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(preprocessed, llama3_standin) -> Path:
+    _run(_as_tested(page_command("pretrain train "), llama3_standin, *_dataset(llama3_standin),
+                    *QUIET))
+    return llama3_standin["root"] / "rehearsal"
+
+
+@pytest.mark.slow
+def test_the_rehearsal_trains_checkpoints_and_is_plotted_exported_and_evaluated(
+        rehearsal, llama3_standin):
+    records = [json.loads(line) for line in (rehearsal / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 21))
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert (rehearsal / "checkpoints" / "step20").is_dir()
+    root = llama3_standin["root"]
+    _run(_as_tested(page_command("pretrain plot "), llama3_standin))
+    assert (root / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _run(_as_tested(page_command("pretrain export-hf "), llama3_standin))
+    from transformers import AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(root / "hf", local_files_only=True)
+    assert exported.eos_token_id == Tokenizer.load(llama3_standin["tokenizer"]).eos_id
+    # the page's lm-eval tasks need their datasets cached; the local one stands in for them
+    command = page_command("pretrain eval ").replace("hellaswag,arc_easy", "python_word_order")
+    out = _run(_as_tested(command.replace("--limit 500", "--limit 20"), llama3_standin)).stdout
+    assert "python_word_order/acc" in out
+
+
+@pytest.mark.slow
+def test_the_zero_sweep_runs_each_deepspeed_config(preprocessed, llama3_standin):
+    command = page_command("pretrain sweep ").replace("--nprocs 8", "--nprocs 1")
+    _run(_as_tested(command.replace("--steps 20", "--steps 2"), llama3_standin, *TINY,
+                    "--set", "parallel.tensor=1", "--set", "parallel.sequence_parallel=false",
+                    "--set", "train.micro_batch_size=2", "--set", "train.global_batch_size=4",
+                    "--set", "train.precision=fp32", *_dataset(llama3_standin), *QUIET))
+    table = (llama3_standin["root"] / "sweep" / "sweep.csv").read_text()
+    assert "zero1" in table and "zero3" in table, table
+
+
 # ---- the messages on the way -----------------------------------------------------------------
 
 def test_a_hub_id_as_tokenizer_says_how_to_download_it_on_another_machine():

@@ -60,6 +60,11 @@ def run_preprocess(args: argparse.Namespace) -> None:
     print(f"[preprocess] {stats['documents']:,} documents, {stats['tokens']:,} tokens in "
           f"{stats['seconds']:.1f}s ({stats['documents'] / seconds:,.0f} documents/s, "
           f"{stats['tokens'] / seconds:,.0f} tokens/s) -> {args.output_prefix}.bin/.idx")
+    # What the model will see at a document's edges: the eos appended (a base and an instruct
+    # tokenizer of one family may name different ones) and no bos.
+    print(f"[preprocess] tokenizer {args.tokenizer}: {stats['vocab_size']:,} tokens "
+          f"(model.vocab_size: auto takes them); each document ends with eos {stats['eos']}; "
+          "no bos is added")
 
 
 def merge_arguments(parser: argparse.ArgumentParser) -> None:

@@ -163,6 +163,11 @@ class Tokenizer(ABC):
     def bos_id(self) -> int:
         """Beginning of sequence (prompts of `pretrain generate`); -1 when undefined."""
 
+    @abstractmethod
+    def token(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` as the tokenizer writes it (`</s>`,
+        `<|end_of_text|>`): what `preprocess` names as the end-of-document token."""
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without bos/eos."""
         return self.encode_batch([text])[0]
@@ -224,6 +229,9 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def bos_id(self) -> int:
         return self._processor.bos_id()
+
+    def token(self, token_id: int) -> str:
+        return self._processor.id_to_piece(token_id)
 
     @property
     def unk_id(self) -> int:
@@ -288,6 +296,9 @@ class HuggingFaceTokenizer(Tokenizer):
     def bos_id(self) -> int:
         bos = self._tokenizer.bos_token_id
         return -1 if bos is None else int(bos)
+
+    def token(self, token_id: int) -> str:
+        return self._tokenizer.convert_ids_to_tokens(token_id)
 
     def encode_batch(self, texts: Iterable[str], *, num_threads: int = 1) -> list[list[int]]:
         """Token ids of each text, without special tokens (the library's batch encoding)."""
