@@ -310,8 +310,8 @@ class HuggingFaceTokenizer(Tokenizer):
 
 
 def _looks_like_hub_id(text: str) -> bool:
-    """`owner/name` as the hub spells repositories, with no file suffix: `meta-llama/Meta-Llama-3-8B`
-    is one, `data/tokenizer.model` and `./tok` are not."""
+    """`owner/name` as the hub spells repositories, with no file suffix:
+    `meta-llama/Meta-Llama-3-8B` is one, `data/tokenizer.model` and `./tok` are not."""
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) is not None and \
         Path(text).suffix not in (".model", ".json")
 
