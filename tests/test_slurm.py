@@ -292,7 +292,8 @@ def test_a_fault_is_requeued_and_not_again_at_the_same_step(cluster, tmp_path):
     script = ("bash -c 'source slurm/common.sh; JOB_RC=3; "
               "echo attempt=$ATTEMPT exit=3 >> $LOG_DIR/attempts.txt; finish_job'")
     job = cluster.sbatch(None, cwd=REPO, options=[
-        *TWO_CPU_NODES, "--requeue", "--output", f"{tmp_path}/%x-%j.out", "--wrap", script],
+        *TWO_CPU_NODES, "--requeue", "--open-mode=append", "--output", f"{tmp_path}/%x-%j.out",
+        "--wrap", script],
         env={"CONFIG": "configs/tiny.yaml", "RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir)})
     (info,), log = _done(cluster, job, tmp_path, timeout=180)
     assert (info.state, info.exit_code) == ("FAILED", "3:0"), log
