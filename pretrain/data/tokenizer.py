@@ -207,9 +207,9 @@ class SentencePieceTokenizer(Tokenizer):
         """Load a ``.model`` file; `DataError` when it is missing or not a sentencepiece model."""
         path = Path(path)
         if not path.is_file():
-            raise DataError(f"tokenizer model {str(path)!r} not found: give a sentencepiece "
-                            ".model or a Hugging Face tokenizer directory, or train one with "
-                            "`pretrain tokenizer --corpus ... --output PATH`")
+            raise DataError(f"tokenizer model {str(path)!r} not found: train one with "
+                            "`pretrain tokenizer --corpus ... --output PATH`, or give an existing "
+                            "sentencepiece .model or Hugging Face tokenizer directory")
         return cls(path.read_bytes(), path=path)
 
     def __getstate__(self) -> dict:
