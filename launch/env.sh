@@ -8,6 +8,7 @@
 #                         (oversubscribed intra-op threads made 2 ranks on 2 cores 2x slower);
 #                         values already set in the environment win
 #   gpu_count             this node's GPUs, as torch sees them
+#   cpu_cores             this machine's cores: GNU nproc, else macOS's sysctl, else getconf
 # and, on sourcing: TORCH_EXTENSIONS_DIR (DeepSpeed's compiled ops) defaults to
 # $ROOT/.build/torch_extensions, where `bash launch/setup_env.sh --ops` builds them.
 ROOT="${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
@@ -29,8 +30,14 @@ rank_env() {
   local gpus=$1 ranks=${2:-}
   export DS_ACCELERATOR="${DS_ACCELERATOR:-$( (( gpus > 0 )) && echo cuda || echo cpu)}"
   if [[ $DS_ACCELERATOR == cpu && -n $ranks ]]; then
-    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / ranks > 0 ? $(nproc) / ranks : 1 ))}"
+    local cores
+    cores=$(cpu_cores)
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / ranks > 0 ? cores / ranks : 1 ))}"
   fi
+}
+
+cpu_cores() {
+  nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1
 }
 
 gpu_count() {

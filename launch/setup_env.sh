@@ -39,7 +39,7 @@ if [[ ! -x "$VENV/bin/python" || ! -f "$VENV/bin/activate" ]]; then
   "$PY" -m venv --clear "$VENV"
 fi
 # The stamp records the constraints file it was installed from: edit it and the next run reinstalls.
-want="$(cat "$ROOT/launch/constraints.txt" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$ROOT/launch/constraints.txt" "$ROOT/setup.py" | { sha256sum 2>/dev/null || shasum -a 256; } | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   echo "[setup] environment up to date ($VENV)"
   build_ops

@@ -1,6 +1,7 @@
 # Sourced by slurm/pretrain_*.sh and slurm/zero_sweep.sh inside the batch job, after they set
 # their defaults: node discovery and environment here, then the scripts call `run_training`
-# (pre-flight, one srun, USR1 forwarded to the ranks) and `finish_job` (requeue on exit 75).
+# (pre-flight, one srun, USR1 forwarded to the ranks) and `finish_job` (requeue on exit 75, and
+# on a fault a bounded number of times: slurm/faults.sh).
 #
 # Overrides (environment; the #SBATCH lines are overridden on the sbatch command line):
 #   CONFIG        run config YAML                         (each script sets its preset)
@@ -19,6 +20,9 @@
 #                 crashed rank ends the step then, not after the collective timeout
 #   PRETRAIN_ROOT the repository (default: the directory sbatch was run from)
 #   VENV          virtual environment to activate (default $PRETRAIN_ROOT/.venv if present)
+#   SLURM_FAULT_REQUEUES times a job whose ranks faulted (exit 3, or a rank killed by a signal)
+#                 is requeued to resume from its newest checkpoint (default 2; 0: never); a
+#                 fault at the step of the previous one is not requeued (slurm/faults.sh)
 # Arguments of the script go to `pretrain train` (and to the pre-flight): --set K=V, --deepspeed-config.
 set -euo pipefail
 ROOT="${PRETRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
@@ -29,6 +33,7 @@ fi
 cd "$ROOT"
 source "$ROOT/slurm/job_log.sh"  # creates runs/slurm/ and copies this job's output there
 source "$ROOT/launch/env.sh"     # venv, TORCH_EXTENSIONS_DIR, DS_ACCELERATOR (rank_env below)
+source "$ROOT/slurm/faults.sh"   # whether a fault is requeued (finish_job)
 activate_venv "${VENV:-$ROOT/.venv}"
 
 # ---- nodes and ranks -----------------------------------------------------------------------
@@ -124,7 +129,23 @@ finish_job() {
     75) echo "[slurm] checkpoint saved after a stop request, a hung rank named (<run_dir>/hang/verdict.txt), or too few nodes for one model replica: requeueing job $SLURM_JOB_ID"
         scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;
     2) echo "[slurm] error in the run's input (exit 2, see above): fix it and resubmit; not requeued" ;;
-    *) echo "[slurm] training failed with exit $JOB_RC (3: a rank faulted or a collective timed out)" ;;
+    *) echo "[slurm] training failed with exit $JOB_RC (3: a rank faulted or a collective timed out)"
+       if (( JOB_RC == 3 || JOB_RC > 128 )); then
+         local why
+         if why=$(requeue_fault "$LOG_DIR/faults.txt" "$(last_train_step "$(job_run_dir)")"); then
+           echo "[slurm] $why: requeueing job $SLURM_JOB_ID"
+           scontrol requeue "$SLURM_JOB_ID"; exit 0
+         fi
+         echo "[slurm] $why"
+       fi ;;
   esac
   exit "$JOB_RC"
+}
+
+job_run_dir() {  # the run directory: RUN_DIR, else the one the pre-flight recorded
+  if [[ -n ${RUN_DIR:-} ]]; then
+    echo "$RUN_DIR"
+  else
+    sed -n 's/^run_dir: *//p' "$LOG_DIR/config.yaml" 2>/dev/null | tr -d "'\""
+  fi
 }

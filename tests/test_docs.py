@@ -120,3 +120,139 @@ def test_the_readme_command_table_lists_every_command():
     readme = (REPO / "README.md").read_text()
     missing = [name for name in subparsers.choices if f"| `pretrain {name}" not in readme]
     assert not missing, f"commands missing from the README's command table: {missing}"
+
+
+# ---- facts the documents state, read from the code that decides them --------------------------
+
+def _first_screen(text: str) -> list[str]:
+    """The README's lines down to the end of the two commands' code block."""
+    lines = text.splitlines()
+    heading = lines.index("## The two commands")
+    end = next(i for i in range(heading + 1, len(lines)) if lines[i] == "```"
+               and any(lines[j].startswith("```bash") for j in range(heading, i)))
+    return lines[:end + 1]
+
+
+def test_the_readme_first_screen_says_what_for_whom_why_and_where_it_stands():
+    """At most 40 lines: what it is, who it is for, why it over the alternatives, that the GPU
+    numbers are predictions (with the planner's error against the published runs, computed
+    here), where to start with one's own data, and the two commands."""
+    from pretrain.plan.published import BLOOM_176B, MEGATRON_70B
+    from pretrain.plan.search import estimate
+
+    screen = _first_screen((REPO / "README.md").read_text())
+    assert len(screen) <= 40, f"the first screen is {len(screen)} lines"
+    text = " ".join(" ".join(screen).split())
+    for phrase in ("Who it is for", "Megatron-LM, torchtitan or GPT-NeoX", "resumes on any layout",
+                   "`pretrain plan`", "lm-eval", "Nothing has run on a GPU",
+                   "planner's prediction", "(docs/verified.md)", "(docs/first-run.md)",
+                   "bash launch/quickstart.sh", "bash launch/test.sh"):
+        assert phrase in text, phrase
+    megatron = estimate(MEGATRON_70B["model"], MEGATRON_70B["layout"], MEGATRON_70B["cluster"])
+    bloom = estimate(BLOOM_176B["model"], BLOOM_176B["layout"], BLOOM_176B["cluster"])
+    m_ratio = megatron.model_tflops_per_gpu / MEGATRON_70B["published_tflops"]
+    b_ratio = bloom.hardware_tflops_per_gpu / BLOOM_176B["published_hw_tflops"]
+    assert (f"predicts {megatron.model_tflops_per_gpu:.0f} TFLOP/s per GPU for Megatron-Core's "
+            f"70B on 768 H100 (published ~{MEGATRON_70B['published_tflops']:.0f}: "
+            f"{100 * (1 - m_ratio):.0f}% under)") in text
+    assert (f"and {bloom.hardware_tflops_per_gpu:.0f} for BLOOM-176B on 384 A100 (published "
+            f"~{BLOOM_176B['published_hw_tflops']:.0f}: {100 * (b_ratio - 1):.0f}% over)") in text
+
+
+RECIPE_ROW = re.compile(r"^\| `configs/(\w+)\.yaml` \| (\d+) x 8 H100 \|.*\| ([\d,]+) \| "
+                        r"([\d.]+)%[^|]*\| ([\d.]+) GB \|$", re.M)
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/launching.md"])
+def test_the_recipe_tables_print_what_plan_predicts(document):
+    """Each recipe row's tokens/s, MFU and memory per GPU are what `pretrain plan --config
+    <recipe> --world-size <GPUs>` prints (the planner on the recipe's cluster)."""
+    from pretrain.config import load_config
+    from pretrain.plan.clusters import make_cluster
+    from pretrain.plan.dry_run import dry_run, settle_for_plan
+    from pretrain.plan.memory import GB
+    from pretrain.plan.search import estimate
+
+    rows = RECIPE_ROW.findall((REPO / document).read_text())
+    assert {row[0] for row in rows} == {"llama_7b", "llama_13b", "llama_70b", "mixtral_8x7b"}
+    for recipe, nodes, tokens, mfu, memory in rows:
+        cluster = make_cluster("h100-80gb", nodes=int(nodes))
+        settled = settle_for_plan(load_config(REPO / "configs" / f"{recipe}.yaml"),
+                                  on_this_machine=False)
+        run = dry_run(settled, world_size=cluster.world_size, accelerator="cuda")
+        plan = estimate(run.cfg.model, run.layout, cluster, engine=run.cfg.train.engine)
+        assert (tokens, mfu, memory) == (f"{plan.tokens_per_s:,.0f}", f"{100 * plan.mfu:.1f}",
+                                         f"{plan.memory.total / GB:.1f}"), recipe
+
+
+def _recipe_summary(name: str) -> str:
+    """`7b: TP 2, ZeRO-3` of configs/llama_<name>.yaml (with `x PP n` for a pipeline)."""
+    from pretrain.config import load_config
+    from pretrain.resolve.ds_config import load_ds_json
+
+    cfg = load_config(REPO / "configs" / f"llama_{name}.yaml")
+    stage = load_ds_json(cfg.deepspeed)["zero_optimization"]["stage"]
+    pipeline = f" x PP {cfg.parallel.pipeline}" if cfg.parallel.pipeline > 1 else ""
+    return f"{name}: TP {cfg.parallel.tensor}{pipeline}, ZeRO-{stage}"
+
+
+def test_the_configs_page_states_each_recipes_layout_as_its_config_does():
+    text = " ".join((REPO / "docs" / "configs.md").read_text().split())
+    for name in ("125m", "1b", "7b", "13b", "70b"):
+        assert _recipe_summary(name) in text, _recipe_summary(name)
+
+
+def test_each_recipe_is_submitted_with_its_own_slurm_script():
+    """The README names `slurm/pretrain_<size>.sh` for each recipe that has one; `CONFIG=` on
+    another script only for a recipe without its own (Mixtral). Each script's body is the 70B
+    one's (what tests/test_slurm.py runs), its #SBATCH header and CONFIG aside."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    scripts = sorted((REPO / "slurm").glob("pretrain_*.sh"))
+    assert len(scripts) >= 3
+    for script in scripts:
+        assert f"sbatch slurm/{script.name}" in readme, script.name
+        recipe = re.search(r'CONFIG="\$\{CONFIG:-(configs/\w+\.yaml)\}"', script.read_text())[1]
+        assert f"CONFIG={recipe}" not in readme, f"{recipe} has its own script, {script.name}"
+
+    def body(path: Path) -> list[str]:
+        return [line for line in path.read_text().splitlines()
+                if line and not line.startswith("#") and not line.startswith("CONFIG=")]
+
+    for script in scripts:
+        assert body(script) == body(REPO / "slurm" / "pretrain_70b.sh"), script.name
+
+
+def _unbracketed_options(usage: str) -> list[str]:
+    """The `--options` of a usage line outside every [...] (nested brackets included)."""
+    depth, kept = 0, []
+    for char in usage:
+        depth += char == "["
+        if depth == 0:
+            kept.append(char)
+        depth -= char == "]"
+    return re.findall(r"(?<![\w-])--[a-z][\w-]*", "".join(kept))
+
+
+def test_the_readme_command_table_brackets_exactly_the_optional_options():
+    """An option the table shows outside brackets is one argparse requires (`plan --world-size`
+    has a default: it is bracketed)."""
+    from pretrain.cli import build_parser
+
+    parsers = next(action for action in build_parser()._actions
+                   if isinstance(action, argparse._SubParsersAction)).choices
+    readme = (REPO / "README.md").read_text()
+    wrong = []
+    for name, usage in re.findall(r"^\| `pretrain ([\w-]+)( [^`]*)?` \|", readme, re.M):
+        subparsers = [a for a in parsers[name]._actions
+                      if isinstance(a, argparse._SubParsersAction)]
+        if subparsers:  # `launch k8s ...`: the subcommand's own parser
+            sub, _, usage = usage.strip().partition(" ")
+            if sub not in subparsers[0].choices:
+                continue
+            parser = subparsers[0].choices[sub]
+        else:
+            parser = parsers[name]
+        required = {s for a in parser._actions if a.required for s in a.option_strings}
+        wrong += [f"pretrain {name}: {option} is optional" for option in
+                  _unbracketed_options(usage.replace("\\|", "|")) if option not in required]
+    assert not wrong, "\n".join(wrong)

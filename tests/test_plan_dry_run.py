@@ -43,15 +43,17 @@ def test_dry_run_json_is_one_object():
 
 
 @pytest.mark.parametrize("extra, expected", [
-    (["--world-size", "100"], ["world size 100", "parallel.tensor x parallel.pipeline"]),
+    # fewer ranks than one replica (a world the layout or the batch cannot use whole plans its
+    # usable part, as `train` runs it: tests/test_world_fit.py)
+    (["--world-size", "16"], ["world size 16", "parallel.tensor x parallel.pipeline"]),
     (["--world-size", "128", "--set", "parallel.tensor=3"], ["world size 128", "3 x 8 = 24"]),
     # model-build failures caught without building: heads not divisible by tp, layers < pp
     (["--world-size", "96", "--set", "parallel.tensor=3", "--set", "parallel.pipeline=1"],
      ["parallel.tensor=3", "model.num_heads=64"]),
     (["--world-size", "768", "--set", "parallel.pipeline=96"],
      ["parallel.pipeline=96", "model.num_layers=80"]),
-    (["--world-size", "128", "--set", "train.global_batch_size=1022"],
-     ["train.global_batch_size=1022", "multiple of 4"]),
+    (["--world-size", "128", "--set", "train.micro_batch_size=2",
+      "--set", "train.global_batch_size=1023"], ["train.global_batch_size=1023", "multiple of 8"]),
     (["--world-size", "128", "--deepspeed-config", "ds_configs/zero3.json"],
      ["ZeRO stage 3 with parallel.pipeline=8", "zero1.json"]),
     (["--world-size", "128", "--set", "parallel.sequence_parallel=true",

@@ -6,7 +6,7 @@ a requeue and a resume at the next step (also on three of the four nodes the fir
 the data-parallel checkpoint is resharded onto the ranks the batch can use, one sits idle, and
 the losses are an uninterrupted run's); a hung rank is named; the ZeRO sweep array leaves a result
 table; the tasks of the tune array share one study; a bad config fails in the pre-flight with its
-message in the log.
+message in the log; a fault is requeued once and not again at the same step.
 Each test submits exactly what a user would, with `sbatch` options and environment overrides.
 """
 from __future__ import annotations
@@ -280,6 +280,28 @@ def test_bad_config_fails_fast_with_message_in_log(cluster, tiny_data, tmp_path)
     assert "error: parallel.tensor=3: must divide model.num_heads=4" in log
     assert "not requeued" in log and info.fields["Restarts"] == "0"
     assert not run_dir.exists()  # no rank ever started
+
+
+def test_a_fault_is_requeued_and_not_again_at_the_same_step(cluster, tmp_path):
+    """`finish_job` of slurm/common.sh after ranks that faulted (exit 3) at step 5, without
+    training (seconds): the job is requeued once; its second attempt faults at step 5 again and
+    ends with 3, not requeued (slurm/faults.sh's rules are unit-tested in tests/test_first_run.py)."""
+    run_dir, log_dir = tmp_path / "run", tmp_path / "job"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 5}) + "\n")
+    script = ("bash -c 'source slurm/common.sh; JOB_RC=3; "
+              "echo attempt=$ATTEMPT exit=3 >> $LOG_DIR/attempts.txt; finish_job'")
+    job = cluster.sbatch(None, cwd=REPO, options=[
+        *TWO_CPU_NODES, "--requeue", "--open-mode=append", "--output", f"{tmp_path}/%x-%j.out",
+        "--wrap", script],
+        env={"CONFIG": "configs/tiny.yaml", "RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir)})
+    (info,), log = _done(cluster, job, tmp_path, timeout=180)
+    assert (info.state, info.exit_code) == ("FAILED", "3:0"), log
+    assert info.fields["Restarts"] == "1", log
+    assert (log_dir / "attempts.txt").read_text() == "attempt=0 exit=3\nattempt=1 exit=3\n"
+    assert (log_dir / "faults.txt").read_text() == "step=5\nstep=5\n"
+    assert "fault 1 of at most 2 requeued (SLURM_FAULT_REQUEUES), at step 5" in log
+    assert "faulted at step 5 again: not requeued" in log
 
 
 @pytest.fixture(scope="module")

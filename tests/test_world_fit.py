@@ -16,7 +16,8 @@ from pretrain.config import load_config
 from pretrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR
 from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO, rel_diff, run_pretrain, train, train_args
-from pretrain.resolve.world_fit import WorldTooSmall, fit_of_config, usable_node_counts, usable_world
+from pretrain.resolve.world_fit import (WorldTooSmall, fit_of_config, idle_warning,
+                                         usable_node_counts, usable_world)
 
 GPUS_PER_NODE = 8
 
@@ -130,3 +131,59 @@ def test_four_rank_checkpoint_resumes_on_two_of_three_ranks(launcher, four_rank_
     assert [r["step"] for r in after] == list(range(SAVE_AT + 1, STEPS + 1))
     assert [r["consumed_samples"] for r in after] == [r["consumed_samples"] for r in before]
     assert rel_diff([r["loss"] for r in after], [r["loss"] for r in before]) < 1e-5
+
+
+# ---- what `plan` and the Slurm pre-flight say before a job starts, in agreement ---------------
+
+def _plan_7b(*extra: str) -> subprocess.CompletedProcess:
+    return run_cli(["plan", "--config", "configs/llama_7b.yaml", *extra], cwd=REPO, timeout=600)
+
+
+def _preflight_7b(world_size: int, *extra: str) -> subprocess.CompletedProcess:
+    return run_cli(["launch", "preflight", "--config", "configs/llama_7b.yaml", "--world-size",
+                    str(world_size), "--ranks-per-node", str(GPUS_PER_NODE), "--accelerator",
+                    "cuda", "--no-build", *extra], cwd=REPO, timeout=600)
+
+
+def _warnings(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("warning:")
+            and "not found" not in line]  # the recipe's data paths do not exist here
+
+
+def test_plan_and_preflight_agree_on_idle_gpus_and_name_a_batch_that_uses_them_all():
+    """6 nodes of the 7B recipe (tp 2, micro-batch 4, global batch 1024): dp 24 does not divide
+    the batch, so 16 of the 48 GPUs would sit idle. `plan` and the pre-flight both plan the 32
+    that train, exit 0, and warn naming the global batches (multiples of 4 x 24) that use all 48;
+    with one of them every GPU trains and neither warns."""
+    for proc in (_plan_7b("--world-size", "48"), _preflight_7b(48)):
+        assert proc.returncode == 0, proc.stderr
+        assert "tp 2 x pp 1 x dp 16 = 32 ranks" in proc.stdout
+        warning, = _warnings(proc)
+        assert "16 of the 48 GPUs sit idle" in warning, warning
+        assert "train.global_batch_size=960 or 1056" in warning, warning
+    for proc in (_plan_7b("--world-size", "48", "--set", "train.global_batch_size=1056"),
+                 _preflight_7b(48, "--set", "train.global_batch_size=1056")):
+        assert proc.returncode == 0, proc.stderr
+        assert "tp 2 x pp 1 x dp 24 = 48 ranks" in proc.stdout and not _warnings(proc)
+
+
+def test_idle_ranks_that_no_batch_can_use_name_the_node_counts_instead():
+    fit = fit_of_config(load_config(str(REPO / "configs" / "llama_70b.yaml"), []), 100)
+    text = idle_warning(fit, load_config(str(REPO / "configs" / "llama_70b.yaml"), []),
+                        ranks_per_node=GPUS_PER_NODE)
+    assert text.startswith("36 of the 100 GPUs sit idle"), text
+    assert "--set train.global_batch_size" not in text, text  # no batch uses 100 ranks
+    assert text.endswith("To train on every GPU: a job of 4, 8, 16 nodes of 8"), text
+
+
+def test_tensor_parallelism_wider_than_a_node_is_refused_before_launch():
+    """tp 16 on 8-GPU nodes would run every layer's all-reduce over the network: `plan` with a
+    cluster preset and the Slurm pre-flight refuse it with one error line (exit 2); on 16-GPU
+    nodes it is allowed."""
+    for proc in (_plan_7b("--world-size", "32", "--set", "parallel.tensor=16"),
+                 _preflight_7b(32, "--set", "parallel.tensor=16")):
+        assert proc.returncode == EXIT_USER_ERROR, proc.stderr
+        error, = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert "parallel.tensor=16" in error and "8 GPUs" in error, error
+    wide = _plan_7b("--world-size", "32", "--gpus-per-node", "16", "--set", "parallel.tensor=16")
+    assert wide.returncode == 0, wide.stderr

@@ -39,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> RunConfig:
+    from pretrain.resolve.ds_config import load_ds_json
+
     cfg = load_config(args.config, config_overrides(args))
+    load_ds_json(cfg.deepspeed)  # a JSON that is missing or does not parse: exit 2, as in train
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))
     else:

@@ -10,6 +10,9 @@ import os
 
 _CORPUS_HELP = ("files, directories, globs, .jsonl/.parquet files, saved `datasets` directories, "
                 "hf:NAME[:SPLIT] (hub, online), or python-stdlib (this interpreter's sources)")
+# What `--tokenizer` takes (`pretrain.data.tokenizer.Tokenizer.load` reads both kinds).
+TOKENIZER_HELP = ("a sentencepiece .model or a Hugging Face tokenizer directory (e.g. Llama 3's, "
+                  "downloaded with `huggingface-cli download ... --include \"tokenizer*\"`)")
 _TEXT_FIELD_HELP = "the text field of .jsonl rows, parquet columns and datasets (default: text)"
 
 
@@ -39,8 +42,7 @@ def run_tokenizer(args: argparse.Namespace) -> None:
 def preprocess_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", nargs="+", required=True, help=_CORPUS_HELP)
     parser.add_argument("--text-field", default="text", help=_TEXT_FIELD_HELP)
-    parser.add_argument("--tokenizer", required=True,
-                        help="sentencepiece .model file or Hugging Face tokenizer directory")
+    parser.add_argument("--tokenizer", required=True, help=TOKENIZER_HELP)
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)),
                         help="tokenizer processes (default: all cores)")
@@ -58,6 +60,11 @@ def run_preprocess(args: argparse.Namespace) -> None:
     print(f"[preprocess] {stats['documents']:,} documents, {stats['tokens']:,} tokens in "
           f"{stats['seconds']:.1f}s ({stats['documents'] / seconds:,.0f} documents/s, "
           f"{stats['tokens'] / seconds:,.0f} tokens/s) -> {args.output_prefix}.bin/.idx")
+    # What the model will see at a document's edges: the eos appended (a base and an instruct
+    # tokenizer of one family may name different ones) and no bos.
+    print(f"[preprocess] tokenizer {args.tokenizer}: {stats['vocab_size']:,} tokens "
+          f"(model.vocab_size: auto takes them); each document ends with eos {stats['eos']}; "
+          "no bos is added")
 
 
 def merge_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,15 +9,21 @@ from pathlib import Path
 from pretrain.commands.generate import add_loading_arguments
 
 
+def _local_tasks() -> list[str]:
+    """The local tasks' names, as `pretrain.evaluation.tasks.LOCAL_TASKS` finds them (read here
+    without importing lm-eval and torch: `--help` stays light)."""
+    tasks = Path(__file__).parents[1] / "evaluation" / "tasks"
+    return sorted(p.stem for p in tasks.glob("*.yaml"))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint",
                         help="a run directory, checkpoints/step<N>, final/, or a Hugging Face "
                              "Llama directory (what `pretrain generate` accepts)")
     parser.add_argument("--tasks", required=True,
-                        help="comma-separated lm-eval task names: the local python_next_line, "
-                             "python_passages and python_line_completion, or any task of "
-                             "lm-eval whose dataset is in the Hugging Face cache (e.g. "
-                             "hellaswag,arc_easy)")
+                        help="comma-separated lm-eval task names: the local "
+                             f"{', '.join(_local_tasks())}, or any task of lm-eval whose dataset "
+                             "is in the Hugging Face cache (e.g. hellaswag,arc_easy)")
     parser.add_argument("--limit", type=int, default=None,
                         help="evaluate the first N examples of each task (default: all)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward")

@@ -5,6 +5,7 @@ import argparse
 import math
 from pathlib import Path
 
+from pretrain.commands.data import TOKENIZER_HELP
 from pretrain.config import Precision
 
 
@@ -18,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest safetensors file (default %(default)s); larger models "
                              "are sharded with model.safetensors.index.json")
     parser.add_argument("--tokenizer", default=None,
-                        help="the run's sentencepiece .model, if the checkpoint's has moved")
+                        help=f"the run's tokenizer, if the checkpoint holds none: {TOKENIZER_HELP}")
 
 
 def run(args: argparse.Namespace) -> None:

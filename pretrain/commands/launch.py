@@ -165,6 +165,9 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     if not args.world_size or args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: need the job's number of ranks (>= 1)")
     args.build = not args.no_build
+    if args.ranks_per_node and args.gpus_per_node is None and "cpu" not in (args.accelerator,
+                                                                            args.cluster):
+        args.gpus_per_node = args.ranks_per_node  # the job's nodes: tensor parallelism within one
     gpus_seen = _gpus_of_this_node(args) + _fit_world(args)
     out = io.StringIO()
     try:
@@ -219,6 +222,8 @@ def _fit_world(args: argparse.Namespace) -> str:
              "leave the rest idle"]
     if fit.idle:
         lines.append(fit.describe().replace("[world]", "[preflight]"))
+        print(f"warning: {world_fit.idle_warning(fit, cfg, ranks_per_node=per_node)}",
+              file=sys.stderr)
         args.world_size = fit.used
     return "".join(line + "\n" for line in lines)
 

@@ -176,7 +176,7 @@ def run(args: argparse.Namespace):
 def plan_run(args: argparse.Namespace):
     """(the plan, the resolved run it plans) of `run`, printed; (None, None) with --search."""
     from pretrain.arithmetic import model_flops_per_token, num_active_parameters, num_parameters
-    from pretrain.plan.dry_run import data_warnings, dry_run, settle_for_plan
+    from pretrain.plan.dry_run import data_warnings, settle_for_plan
     from pretrain.plan.report import format_run
     from pretrain.plan.search import estimate
 
@@ -188,8 +188,14 @@ def plan_run(args: argparse.Namespace):
     if args.search:
         _search(args, settled, cluster)
         return None, None
-    world = args.world_size or cluster.world_size
-    resolved = dry_run(settled, world_size=world, accelerator=args.accelerator)
+    if args.accelerator == "cuda":
+        from pretrain.resolve.world_fit import check_tensor_within_node
+
+        check_tensor_within_node(cfg, gpus_per_node=cluster.gpus_per_node)
+    world, resolved, idle = _fit_world(settled, args.world_size or cluster.world_size,
+                                       accelerator=args.accelerator,
+                                       gpus_per_node=cluster.gpus_per_node)
+    warnings += idle
     plan = estimate(cfg.model, resolved.layout, cluster, engine=cfg.train.engine)
     if args.accelerator == "cuda" and world == cluster.world_size and plan.fits:
         from pretrain.plan.report import slower_layout_warnings
@@ -220,6 +226,30 @@ def plan_run(args: argparse.Namespace):
         sys.stdout.flush()  # the plan first, then the error line
         raise ConfigError(_does_not_fit(plan, args))
     return plan, resolved
+
+
+def _fit_world(settled, world: int, *, accelerator: str, gpus_per_node: int):
+    """(the world `pretrain train` trains on of `world` launched ranks, its resolved run, the
+    warnings): every rank when the layout and the batch resolve on all of them; else, as
+    `train` and the Slurm pre-flight do, the largest usable part (`resolve.world_fit`), with a
+    warning naming the idle GPUs and what would use them. A config no part of the world
+    resolves raises the whole world's error."""
+    from pretrain.errors import PretrainError
+    from pretrain.plan.dry_run import dry_run
+    from pretrain.resolve import world_fit
+
+    try:
+        return world, dry_run(settled, world_size=world, accelerator=accelerator), []
+    except ConfigError as error:
+        try:
+            fit = world_fit.fit_of_config(settled.cfg, world)
+            if not fit.idle:
+                raise error
+            resolved = dry_run(settled, world_size=fit.used, accelerator=accelerator)
+        except PretrainError:
+            raise error from None
+    return fit.used, resolved, [world_fit.idle_warning(fit, settled.cfg,
+                                                       ranks_per_node=gpus_per_node)]
 
 
 def _does_not_fit(plan, args: argparse.Namespace) -> str:

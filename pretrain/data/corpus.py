@@ -223,16 +223,23 @@ def _jsonl_documents(path: Path, *, text_field: str, stats: ReadStats) -> Iterat
                                 "object") from error
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 found = sorted(record) if isinstance(record, dict) else type(record).__name__
+                strings = [k for k, v in record.items() if isinstance(v, str)] \
+                    if isinstance(record, dict) else []
                 raise DataError(f"{str(path)!r} line {line_number} has no string "
                                 f"\"{text_field}\" field (found {found}): write each document "
-                                f"as {{\"{text_field}\": \"...\"}} or choose the field with "
-                                "--text-field / data.text_field")
+                                f"as {{\"{text_field}\": \"...\"}} or name the field with "
+                                f"{_TEXT_FIELD_OPTION.format(strings[0] if strings else 'FIELD')}")
             yield record[text_field]
 
 
+# The one option that chooses the text field (there is no config key: the field is read only
+# when the corpus is tokenized).
+_TEXT_FIELD_OPTION = "`--text-field {}` (of `pretrain preprocess` and `pretrain tokenizer`)"
+
+
 def _missing_field(where: str, *, text_field: str, columns: list[str]) -> DataError:
-    return DataError(f"{where} has no text column {text_field!r} (columns: {columns}): choose "
-                     "one with --text-field / data.text_field")
+    return DataError(f"{where} has no text column {text_field!r} (columns: {columns}): name "
+                     f"it with {_TEXT_FIELD_OPTION.format(columns[0] if columns else 'FIELD')}")
 
 
 def _parquet_documents(path: Path, *, text_field: str) -> Iterator[str]:

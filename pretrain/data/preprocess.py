@@ -40,8 +40,9 @@ def preprocess(paths: Sequence[Path], *, tokenizer_path: str | Path, output_pref
     """Tokenize the documents of `paths` (see `resolve_corpus`) into ``output_prefix.bin/.idx``.
 
     Returns ``{"documents", "tokens", "replaced_utf8_files", "replaced_utf8_documents",
-    "seconds"}``. On any error the temporary files are removed and no ``.bin``/``.idx`` is
-    created. The progress bar shows documents/s and tokens/s.
+    "seconds", "vocab_size", "eos"}`` (eos: the id and text of the end-of-document token
+    appended, "" without). On any error the temporary files are removed and no ``.bin``/``.idx``
+    is created. The progress bar shows documents/s and tokens/s.
     """
     if workers < 1:
         raise DataError(f"preprocessing workers must be >= 1, got {workers}")
@@ -74,7 +75,8 @@ def preprocess(paths: Sequence[Path], *, tokenizer_path: str | Path, output_pref
     return {"documents": documents, "tokens": tokens,
             "replaced_utf8_files": read_stats.replaced_utf8_files,
             "replaced_utf8_documents": read_stats.replaced_utf8_documents,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "vocab_size": tokenizer.vocab_size,
+            "eos": f"{tokenizer.eos_id} {tokenizer.token(tokenizer.eos_id)}" if append_eod else ""}
 
 
 def _chunk_documents(documents: Iterable[str]) -> Iterator[Chunk]:

@@ -30,6 +30,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -132,6 +133,15 @@ class Tokenizer(ABC):
         path = Path(path)
         if path.is_dir():
             return HuggingFaceTokenizer.load(path)
+        if not path.exists() and _looks_like_hub_id(str(path)):
+            raise DataError(
+                f"tokenizer {str(path)!r} is not a local file or directory; it looks like a "
+                "Hugging Face hub id, and tokenizers are read from local files only (ranks "
+                "have no hub access). On a machine that has it: `huggingface-cli download "
+                f'{path} --include "tokenizer*" --local-dir tokenizers/{path.name}` (a gated '
+                "model such as Llama 3 needs `huggingface-cli login` and its licence accepted "
+                f"first), copy that directory here and pass it: --tokenizer "
+                f"tokenizers/{path.name} / data.tokenizer=tokenizers/{path.name}")
         return SentencePieceTokenizer.load(path)
 
     def copy_to(self, directory: str | Path) -> Path:
@@ -152,6 +162,11 @@ class Tokenizer(ABC):
     @abstractmethod
     def bos_id(self) -> int:
         """Beginning of sequence (prompts of `pretrain generate`); -1 when undefined."""
+
+    @abstractmethod
+    def token(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` as the tokenizer writes it (`</s>`,
+        `<|end_of_text|>`): what `preprocess` names as the end-of-document token."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without bos/eos."""
@@ -193,7 +208,8 @@ class SentencePieceTokenizer(Tokenizer):
         path = Path(path)
         if not path.is_file():
             raise DataError(f"tokenizer model {str(path)!r} not found: train one with "
-                            "`pretrain tokenizer --corpus ... --output PATH` or fix the path")
+                            "`pretrain tokenizer --corpus ... --output PATH`, or give an existing "
+                            "sentencepiece .model or Hugging Face tokenizer directory")
         return cls(path.read_bytes(), path=path)
 
     def __getstate__(self) -> dict:
@@ -213,6 +229,9 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def bos_id(self) -> int:
         return self._processor.bos_id()
+
+    def token(self, token_id: int) -> str:
+        return self._processor.id_to_piece(token_id)
 
     @property
     def unk_id(self) -> int:
@@ -278,6 +297,9 @@ class HuggingFaceTokenizer(Tokenizer):
         bos = self._tokenizer.bos_token_id
         return -1 if bos is None else int(bos)
 
+    def token(self, token_id: int) -> str:
+        return self._tokenizer.convert_ids_to_tokens(token_id)
+
     def encode_batch(self, texts: Iterable[str], *, num_threads: int = 1) -> list[list[int]]:
         """Token ids of each text, without special tokens (the library's batch encoding)."""
         return self._tokenizer(list(texts), add_special_tokens=False)["input_ids"]
@@ -285,6 +307,13 @@ class HuggingFaceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist(),
                                       skip_special_tokens=True)
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    """`owner/name` as the hub spells repositories, with no file suffix:
+    `meta-llama/Meta-Llama-3-8B` is one, `data/tokenizer.model` and `./tok` are not."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) is not None and \
+        Path(text).suffix not in (".model", ".json")
 
 
 def copy_tokenizer(source: str | Path, directory: str | Path) -> Path:

@@ -117,6 +117,47 @@ def usable_node_counts(cfg: Any, *, ranks_per_node: int, up_to: int) -> list[int
     return counts
 
 
+def idle_warning(fit: WorldFit, cfg: Any, *, ranks_per_node: int) -> str:
+    """The warning of a job whose ranks would not all train (`fit.idle`), naming what uses
+    them all: the global batches nearest the config's that the whole world divides into
+    micro-batches, or, when the ranks are not whole model replicas, the node counts that are.
+    `plan` and the Slurm pre-flight print the same one."""
+    p, t = cfg.parallel, cfg.train
+    model_parallel = p.tensor * p.pipeline * getattr(p, "context", 1)
+    remedies = []
+    if fit.launched % model_parallel == 0:  # whole replicas: a batch they divide uses them all
+        data = fit.launched // model_parallel
+        step = t.micro_batch_size * data
+        lower, upper = t.global_batch_size // step * step, -(-t.global_batch_size // step) * step
+        batches = " or ".join(str(b) for b in dict.fromkeys((lower, upper)) if b > 0)
+        remedies.append(f"--set train.global_batch_size={batches} (a multiple of "
+                        f"train.micro_batch_size x data parallel = {t.micro_batch_size} x {data})")
+    nodes = -(-fit.launched // ranks_per_node)
+    counts = usable_node_counts(cfg, ranks_per_node=ranks_per_node, up_to=max(16, 2 * nodes))
+    if counts:
+        remedies.append(f"a job of {', '.join(map(str, counts))} nodes of {ranks_per_node}")
+    text = (f"{len(fit.idle)} of the {fit.launched} GPUs sit idle for the whole job (only "
+            f"{fit.used} train): {fit.reason}")
+    if remedies:
+        text += f". To train on every GPU: {'; or '.join(remedies)}"
+    return text
+
+
+def check_tensor_within_node(cfg: Any, *, gpus_per_node: int) -> None:
+    """Tensor parallelism wider than a node would send every layer's all-reduces (or
+    sequence-parallel gathers) over the network instead of NVLink: refused (ConfigError, exit 2)
+    where the node's GPUs are known, before any rank starts."""
+    from pretrain.errors import ConfigError
+
+    tensor = cfg.parallel.tensor
+    if tensor > gpus_per_node:
+        raise ConfigError(
+            f"parallel.tensor={tensor} is wider than a node's {gpus_per_node} GPUs: tensor "
+            "parallelism all-reduces every layer's activations and belongs inside a node "
+            f"(NVLink); set parallel.tensor to at most {gpus_per_node} and split the rest with "
+            "parallel.pipeline or data parallelism (`pretrain plan --search` ranks the layouts)")
+
+
 _FIT: WorldFit | None = None  # this process's fit, for `publish_exit` (active rank 0)
 
 
