@@ -25,13 +25,13 @@ def main() -> None:
              lambda p: p.model_tflops_per_gpu),
             ("BLOOM-176B, 384 A100, hardware TFLOP/s/GPU", BLOOM_176B,
              BLOOM_176B["published_hw_tflops"], lambda p: p.hardware_tflops_per_gpu)):
-        plan = estimate(run["model"], run["layout"], run["cluster"])
+        plan = estimate(run["model"], run["layout"], run["cluster"], ds=run["ds"])
         value = predicted_of(plan)
         t = plan.time
         print(f"{name:<44} published {published:>7.3g}  predicted {value:>7.3g}  ratio "
               f"{value / published:.3f}  | {plan.layout.describe()}; step {t.step:.2f} s = "
               f"compute {t.compute:.2f} + TP {t.tensor_comm:.2f} + bubble {t.bubble:.2f} + PP "
-              f"{t.pipeline_comm:.2f} + DP {t.data_comm:.2f}; memory {plan.memory.total / GB:.1f} GB")
+              f"{t.pipeline_comm:.2f} + DP {t.data_comm:.2f} + copies {t.memory_bound:.2f}; memory {plan.memory.total / GB:.1f} GB")
 
 
 if __name__ == "__main__":

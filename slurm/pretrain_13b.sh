@@ -1,8 +1,8 @@
 #!/bin/bash
 # Llama-2-13B pretraining (configs/llama_13b.yaml) on 16 nodes x 8 GPUs (80 GB) = 128 GPUs:
-#   tensor parallel 2 with sequence parallelism, no pipeline, data parallel 128 / 2 = 64 with
+#   tensor parallel 4 with sequence parallelism, no pipeline, data parallel 128 / 4 = 32 with
 #   ZeRO-2 (ds_configs/zero2.json), bf16, sequence 4096, global batch 1024 sequences = 4.2M tokens
-#   a step (micro-batch 2 x 8 accumulation steps x dp 64), no activation recomputation: the
+#   a step (micro-batch 4 x 8 accumulation steps x dp 32), no activation recomputation: the
 #   planner's fastest layout with a 20% memory margin (`pretrain plan --config
 #   configs/llama_13b.yaml --world-size 128 --search`).
 #

@@ -21,7 +21,7 @@ from pretrain.model.llama import fused_projections
 from pretrain.model.moe import MoE
 from pretrain.testing.ranks import run_on_ranks
 from pretrain.resolve.topology import Topology
-from tests.test_moe import CFG, _assert_close, _layer
+from tests.test_moe import CFG, HostReads, _assert_close, _layer
 
 
 def _expert_parallel_layer(cfg: ModelConfig, group, reference: MoE, *,
@@ -58,7 +58,9 @@ def _layer_on_ranks(rank: int, world_size: int, sequence_parallel: bool) -> list
 
     chunk = slice(16 * rank, 16 * (rank + 1))
     mine = (x[:, chunk] if sequence_parallel else x).clone().requires_grad_(True)
-    out = layer(mine)
+    with HostReads() as reads:
+        out = layer(mine)
+    assert reads.calls == ["tolist"]  # the counts, sent and received, read back once
     (out * (g[:, chunk] if sequence_parallel else g)).sum().backward()
     expected_out = ref_out[:, chunk] if sequence_parallel else ref_out
     expected_grad = x_ref.grad[:, chunk] if sequence_parallel else x_ref.grad
@@ -455,8 +457,10 @@ def test_planned_expert_memory_and_all_to_all_time_of_mixtral_8x7b_by_hand():
 
 
 def test_every_rank_of_the_mixtral_8x7b_recipe_builds_as_planned():
-    """tp 8 = ep 8 x dp 16 on 128 GPUs: each of the 8 distinct ranks built on the meta device holds
-    1/8 of attention and the vocabulary, one whole expert of each layer, the routers and norms."""
+    """tp 8 = ep 8 x pp 4 x dp 4 on 128 GPUs: each of the 32 distinct ranks (4 stages x 8 tensor
+    ranks) built on the meta device holds 1/8 of attention, one whole expert of each of its
+    stage's 8 layers, the routers and norms, and on the first stage 1/8 of the embedding, on the
+    last the final norm and 1/8 of the head."""
     import json
 
     from tests.test_plan_build import _pretrain
@@ -464,10 +468,13 @@ def test_every_rank_of_the_mixtral_8x7b_recipe_builds_as_planned():
     run = _pretrain(["plan", "--config", "configs/mixtral_8x7b.yaml", "--world-size", "128",
                      "--build", "--json"])
     assert run.returncode == 0, run.stderr[-3000:]
-    builds = json.loads(run.stdout)["builds"]
-    assert sorted(b["tensor_rank"] for b in builds) == list(range(8))
+    plan = json.loads(run.stdout)
+    builds = plan["builds"]
+    assert sorted((b["stage"], b["tensor_rank"]) for b in builds) == \
+        [(stage, rank) for stage in range(4) for rank in range(8)]
+    assert [s["layers"] for s in plan["stages"]] == [8, 8, 8, 8]
     attention = (2 * 4096 * 4096 + 2 * 4096 * 1024) // 8
     layer = attention + 3 * 4096 * 14336 + 8 * 4096 + 2 * 4096  # one expert, router, norms
     vocab = 32768 * 4096 // 8  # 32000 padded to a multiple of 128 x 8, untied embedding and head
-    assert all(b["built"] == b["planned"] == 32 * layer + 4096 + 2 * vocab == 5_839_785_984
-               for b in builds)
+    expected = [8 * layer + vocab, 8 * layer, 8 * layer, 8 * layer + 4096 + vocab]
+    assert all(b["built"] == b["planned"] == expected[b["stage"]] for b in builds)

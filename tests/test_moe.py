@@ -391,3 +391,69 @@ def test_router_statistics_count_each_layers_top_k_choices(capacity_factor):
     # the sums were reset: a step with no forward reports no layer
     assert "moe_expert_tokens" not in collect_stats(model, device="cpu",
                                                     num_layers=cfg.num_layers, num_experts=4)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts, by name, the calls of a forward that make the host wait for the device on a GPU:
+    reading a value back (`item`, `tolist`, `cpu`, a tensor's truth or number), an output whose
+    size depends on the values (`nonzero`, a boolean index, `bincount`, `unique`,
+    `repeat_interleave` of tensor repeats without `output_size`) and a host value copied to the
+    device (`torch.tensor`). On CPU none of them waits; counted here, they fail a test that a
+    GPU's `torch.cuda.set_sync_debug_mode` would."""
+
+    READS = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu",
+             torch.Tensor.numpy: "numpy", torch.Tensor.__bool__: "bool",
+             torch.Tensor.__int__: "int", torch.Tensor.__float__: "float",
+             torch.Tensor.__index__: "index", torch.nonzero: "nonzero",
+             torch.Tensor.nonzero: "nonzero", torch.bincount: "bincount",
+             torch.Tensor.bincount: "bincount", torch.unique: "unique",
+             torch.Tensor.unique: "unique", torch.masked_select: "masked_select",
+             torch.Tensor.masked_select: "masked_select", torch.tensor: "tensor"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = self.READS.get(func)
+        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) \
+                and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor) \
+                and kwargs.get("output_size") is None:
+            name = "repeat_interleave"
+        if func is torch.Tensor.__getitem__ and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                for i in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            name = "boolean index"
+        if name is not None:
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def test_host_reads_count_what_waits_on_a_gpu():
+    """The counter sees each kind of read it names (and nothing of a plain computation)."""
+    x = torch.arange(6.0)
+    with HostReads() as reads:
+        (x * 2).sum(dim=0)
+        x.tolist(), x[0].item(), x.cpu(), bool(x[1] > 0), x[x > 2], torch.bincount(x.long())
+        torch.repeat_interleave(x, torch.ones(6, dtype=torch.long))
+        torch.repeat_interleave(x, torch.ones(6, dtype=torch.long), output_size=6)
+    assert reads.calls == ["tolist", "item", "cpu", "bool", "boolean index", "bincount",
+                           "repeat_interleave"]
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_a_moe_layer_forward_reads_the_device_at_most_once(capacity_factor):
+    """Each host read stalls the GPU until its queue drains: a training forward of a MoE layer
+    reads one thing, the rows per expert the split needs (one `tolist`); the statistics stay on
+    the device until `collect_stats` reads them once per step."""
+    from pretrain.model.moe import collect_stats
+
+    layer = _layer(dataclasses.replace(CFG, moe_capacity_factor=capacity_factor))
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    with HostReads() as reads:
+        out = layer(x)
+    assert reads.calls == ["tolist"]
+    out.sum().backward()
+    record = collect_stats(layer, device="cpu", num_layers=1, num_experts=4)
+    assert sum(record["moe_expert_tokens"][0]) == 2 * 32 * 2  # top-2 of 64 tokens, counted

@@ -87,10 +87,16 @@ def _seconds(nbytes: float, *, ranks: int = 2) -> float:
 
 def test_fsdp2_communication_per_micro_batch_counted_by_hand():
     """ZeRO-3's JSON: every micro-batch gathers every unit forward and backward in bf16 and
-    reduce-scatters every gradient in fp32; DeepSpeed's ZeRO-3 reduce-scatters bf16."""
+    reduce-scatters every gradient in fp32; DeepSpeed's ZeRO-3 reduce-scatters in the JSON's
+    communication_data_type (the resolver's fp32 for bf16), which fsdp2 does not read."""
     fsdp2, deepspeed = _fsdp2(ZERO3, NO_COMPUTE).time, _deepspeed(ZERO3, NO_COMPUTE).time
     assert fsdp2.data_comm == pytest.approx(_seconds(2 * N * 2) + _seconds(N * 4), rel=1e-6)
-    assert deepspeed.data_comm == pytest.approx(_seconds(2 * N * 2) + _seconds(N * 2), rel=1e-6)
+    assert deepspeed.data_comm == pytest.approx(_seconds(2 * N * 2) + _seconds(N * 4), rel=1e-6)
+    bf16_reduce = {"communication_data_type": "bf16"}
+    assert estimate(MODEL, ZERO3, NO_COMPUTE, ds=bf16_reduce).time.data_comm == pytest.approx(
+        _seconds(2 * N * 2) + _seconds(N * 2), rel=1e-6)
+    assert estimate(MODEL, ZERO3, NO_COMPUTE, engine=Engine.FSDP2,
+                    ds=bf16_reduce).time.data_comm == fsdp2.data_comm
     # the ZeRO-1/2 JSONs gather once (forward) and still reduce-scatter every micro-batch
     kept = _fsdp2(replace(ZERO3, zero_stage=1), NO_COMPUTE).time
     assert kept.data_comm == pytest.approx(_seconds(N * 2) + _seconds(N * 4), rel=1e-6)

@@ -162,7 +162,8 @@ def _current_plan(args: argparse.Namespace, settled, cluster: Cluster):
 
     try:
         run = dry_run(settled, world_size=cluster.world_size, accelerator=args.accelerator)
-        return estimate(run.cfg.model, run.layout, cluster, engine=run.cfg.train.engine), ""
+        return estimate(run.cfg.model, run.layout, cluster, engine=run.cfg.train.engine,
+                        ds=run.ds_config), ""
     except ConfigError as error:
         return None, f"does not resolve on {cluster.world_size} GPUs: {error}"
 
@@ -196,7 +197,8 @@ def plan_run(args: argparse.Namespace):
                                        accelerator=args.accelerator,
                                        gpus_per_node=cluster.gpus_per_node)
     warnings += idle
-    plan = estimate(cfg.model, resolved.layout, cluster, engine=cfg.train.engine)
+    plan = estimate(cfg.model, resolved.layout, cluster, engine=cfg.train.engine,
+                    ds=resolved.ds_config)
     if args.accelerator == "cuda" and world == cluster.world_size and plan.fits:
         from pretrain.plan.report import slower_layout_warnings
 

@@ -13,7 +13,8 @@ A forward on one rank, its n tokens routed to E experts (L = E / ep of them loca
 
 1. the kept (token, expert) assignments, sorted by expert (`Routing`), are grouped by the rank
    that holds the expert; the per-expert counts are exchanged first (one all-to-all of E
-   integers), so every rank knows how many rows it sends to and receives from each peer;
+   integers) and read back with the rank's own in one `tolist` (`count_rows`: the forward's
+   one host read), so every rank knows how many rows it sends to and receives from each peer;
 2. `all_to_all` sends the rows (`torch.distributed.all_to_all_single`, through the collective
    log like every other collective); a rank's received rows are grouped by source rank, then by
    local expert, and are regrouped by expert (a stable sort: source order inside an expert);
@@ -28,6 +29,7 @@ the tokens' owners and each expert's weight gradient sums over every token route
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -125,20 +127,60 @@ def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherTokens.apply(x, group)
 
 
-def run_experts(experts: list, tokens: torch.Tensor, kept: torch.Tensor, group) -> torch.Tensor:
-    """The outputs (M, C) of the experts each row of `tokens` (M, C) was routed to, in the rows'
-    order; rows sorted by global expert, `kept` (E,) of them each. `experts`: this rank's L."""
-    ep, local = dist.get_world_size(group), len(experts)
+@dataclass(frozen=True)
+class RowCounts:
+    """A forward's row counts, on the host: what this rank sends to each expert (`kept`, E) and
+    what each source rank sends to each of its L local experts (`received`, ep x L, also on the
+    device as `received_on_device`)."""
+
+    kept: list[int]
+    received: list[list[int]]
+    received_on_device: torch.Tensor
+
+    @property
+    def send(self) -> list[int]:
+        """Rows to each rank of the group (its experts' counts summed)."""
+        local = len(self.received[0])
+        return [sum(self.kept[r * local:(r + 1) * local]) for r in range(len(self.received))]
+
+    @property
+    def receive(self) -> list[int]:
+        """Rows from each rank of the group."""
+        return [sum(row) for row in self.received]
+
+    @property
+    def per_local_expert(self) -> list[int]:
+        """Rows of each local expert, from every source."""
+        return [sum(column) for column in zip(*self.received)]
+
+
+def count_rows(kept: torch.Tensor, group) -> RowCounts:
+    """Exchange the per-expert counts `kept` (E,) over `group` and read both back to the host
+    with ONE `tolist`: the all-to-alls' split sizes and each expert's rows need them there."""
     received = exchange_counts(kept, group)  # (ep, L)
-    send = kept.view(ep, local).sum(dim=1).tolist()
-    receive = received.sum(dim=1).tolist()
+    ep, local = received.shape
+    host = torch.cat([kept, received.reshape(-1)]).tolist()  # the forward's one host read
+    experts = kept.numel()
+    return RowCounts(kept=host[:experts],
+                     received=[host[experts + r * local:experts + (r + 1) * local]
+                               for r in range(ep)],
+                     received_on_device=received)
+
+
+def run_experts(experts: list, tokens: torch.Tensor, counts: RowCounts, group) -> torch.Tensor:
+    """The outputs (M, C) of the experts each row of `tokens` (M, C) was routed to, in the rows'
+    order; rows sorted by global expert, `counts.kept` (E,) of them each (`count_rows`).
+    `experts`: this rank's L."""
+    ep, local = dist.get_world_size(group), len(experts)
+    send, receive = counts.send, counts.receive
     rows = all_to_all(tokens, send=send, receive=receive, group=group)
     # received rows: by source rank, then local expert -> by local expert, source order inside
     expert_of_row = torch.repeat_interleave(
-        torch.arange(local, device=rows.device).repeat(ep), received.reshape(-1))
+        torch.arange(local, device=rows.device).repeat(ep),
+        counts.received_on_device.reshape(-1), output_size=sum(receive))
     order = torch.argsort(expert_of_row, stable=True)
     grouped = rows.index_select(0, order)
-    sizes = received.sum(dim=0).tolist()
-    outputs = torch.cat([expert(part) for expert, part in zip(experts, grouped.split(sizes))])
+    outputs = torch.cat([expert(part) for expert, part
+                         in zip(experts, grouped.split(counts.per_local_expert))])
     unsorted = outputs.index_select(0, torch.argsort(order))  # back to the received order
     return all_to_all(unsorted, send=receive, receive=send, group=group)

@@ -23,6 +23,13 @@ its tokens, and the weighted outputs go back with one `index_add`; the Python lo
 experts, never tokens. Every expert runs on every call, with zero tokens too: under ZeRO-3 each
 rank must gather the same parameters in the same order.
 
+Host reads: a forward reads the device once, the rows of each expert its split needs (one
+`tolist` of the counts; under expert parallelism of the counts sent and received). Everything
+else stays on the device: the counts without `bincount` (which reads the largest index back),
+capacity's dropped assignments sorted after the kept ones instead of removed by a boolean mask
+(whose size the host would read), `repeat_interleave` told its output size, and the router
+statistics summed in device tensors that `collect_stats` reads once per step.
+
 Tensor parallelism: tokens are routed on the whole (gathered) sequence, the same on every rank
 of the group. Each rank's experts hold f/tp inner features, so its output is a partial sum,
 reduced ONCE after the combine (all-reduce, or reduce-scatter under sequence parallelism), as
@@ -65,7 +72,7 @@ import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
 from pretrain.model.context_parallel import cp_world_size
-from pretrain.model.expert_parallel import gather_tokens, run_experts, scatter_tokens
+from pretrain.model.expert_parallel import count_rows, gather_tokens, run_experts, scatter_tokens
 from pretrain.model.layers import column_linear, row_linear
 from pretrain.model.tensor_parallel import (SequenceShardedWeightGrad, column_parallel_input,
                                             reduce_from_tp, reduce_scatter_to_sequence,
@@ -147,7 +154,9 @@ class Routing:
         self.top_experts = top_e
         weights = top_p / top_p.sum(dim=-1, keepdim=True)  # renormalised over the k (Mixtral)
         expert_of = top_e.reshape(-1)  # (N*k,) token-major: token 0's choices first
-        self.selected = torch.bincount(expert_of, minlength=E)  # (E,) before any drop
+        # (E,) before any drop; a scatter, not bincount, which reads the largest index back
+        self.selected = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(
+            0, expert_of, torch.ones_like(expert_of))
         order = torch.argsort(expert_of, stable=True)  # grouped by expert, token order inside
         if capacity_factor > 0:
             capacity = math.ceil(capacity_factor * N * top_k / E)
@@ -155,14 +164,18 @@ class Routing:
             sorted_experts = expert_of[order]
             rank_in_expert = torch.arange(order.numel(), device=order.device) \
                 - starts[sorted_experts]
-            order = order[rank_in_expert < capacity]
+            # the kept first, still grouped by expert, the dropped after them: the same
+            # number of rows whatever the router chose (a mask would make the host read it)
+            order = order[torch.argsort((rank_in_expert >= capacity).int(), stable=True)]
             self.kept = torch.clamp(self.selected, max=capacity)
         else:
             self.kept = self.selected
         self.assignments = N * top_k
-        self.dropped = self.assignments - order.numel()
-        self.token = order // top_k  # (M,) token of each kept assignment, grouped by expert
-        self.weight = weights.reshape(-1)[order]  # (M,) fp32 combine weight
+        self.dropped = self.assignments - self.kept.sum()  # on the device
+        # (N*k,) token of each assignment, the kept ones first and grouped by expert: the first
+        # sum(kept) are computed (the caller knows how many once it has read `kept`)
+        self.token = order // top_k
+        self.weight = weights.reshape(-1)[order]  # (N*k,) fp32 combine weight, same order
 
     def balance_loss(self) -> torch.Tensor:
         """E * sum_i f_i * P_i (1.0 when balanced); differentiable through P."""
@@ -205,11 +218,24 @@ class MoE(nn.Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Zero the sums `stats` reports (the trainer calls it once per step)."""
+        """Forget the sums `stats` reports (the trainer calls it once per step); the first
+        training forward starts them again on its device."""
         # forwards, balance loss, z-loss, dropped assignments, assignments
-        self.stats = torch.zeros(STAT_FIELDS, dtype=torch.float64)
+        self.stats: torch.Tensor | None = None
         # the assignments each expert was selected for (before any drop)
-        self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.expert_tokens: torch.Tensor | None = None
+
+    def _count(self, routing: Routing, balance: torch.Tensor, z_loss: torch.Tensor) -> None:
+        """Add a forward to the statistics, on the device (no value is read back here)."""
+        one = balance.new_ones((), dtype=torch.float64)
+        row = torch.stack([one, balance.detach().double(), z_loss.detach().double(),
+                           routing.dropped.double(), one * routing.assignments])
+        if self.stats is None:
+            self.stats = torch.zeros_like(row)
+            self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.float64,
+                                             device=row.device)
+        self.stats += row
+        self.expert_tokens += routing.selected.double()
 
     def route(self, flat: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
         """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
@@ -224,11 +250,7 @@ class MoE(nn.Module):
         else:  # over the tokens of every such rank: the micro-batch one process sees
             balance, z_loss = _group_aux_losses(routing, logits, sharing)
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recompute
-            self.stats += torch.cat([torch.tensor([1.0], dtype=torch.float64),
-                                     torch.stack([balance, z_loss]).detach().double().cpu(),
-                                     torch.tensor([routing.dropped, routing.assignments],
-                                                  dtype=torch.float64)])
-            self.expert_tokens += routing.selected.double().cpu()
+            self._count(routing, balance, z_loss)
         return routing, logits, self.aux_coeff * balance + self.z_coeff * z_loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,11 +260,13 @@ class MoE(nn.Module):
         B, T, C = x.shape
         flat = x.reshape(-1, C)
         routing, _, aux_loss = self.route(flat)
-        tokens = flat.index_select(0, routing.token)  # (M, C) grouped by expert
-        sizes = routing.kept.tolist()
+        sizes = routing.kept.tolist()  # the forward's one host read: each expert's rows
+        kept = sum(sizes)
+        token, weight = routing.token[:kept], routing.weight[:kept]
+        tokens = flat.index_select(0, token)  # (M, C) grouped by expert
         outputs = [expert(part) for expert, part in zip(self.experts, tokens.split(sizes))]
-        weighted = (torch.cat(outputs) * routing.weight[:, None]).to(x.dtype)  # (M, C)
-        out = torch.zeros_like(flat).index_add(0, routing.token, weighted).view(B, T, C)
+        weighted = (torch.cat(outputs) * weight[:, None]).to(x.dtype)  # (M, C)
+        out = torch.zeros_like(flat).index_add(0, token, weighted).view(B, T, C)
         if self.sequence_parallel:  # partial sums -> this rank's (B, T/tp, C) of the total
             out = reduce_scatter_to_sequence(out, self.tp_group)
         else:
@@ -262,10 +286,13 @@ class MoE(nn.Module):
         B, T, C = chunk.shape
         flat = chunk.reshape(-1, C)
         routing, _, aux_loss = self.route(flat)
-        tokens = flat.index_select(0, routing.token)  # (M, C) grouped by expert
-        outputs = run_experts(list(self.experts.values()), tokens, routing.kept, group)
-        weighted = (outputs * routing.weight[:, None]).to(x.dtype)
-        out = torch.zeros_like(flat).index_add(0, routing.token, weighted).view(B, T, C)
+        counts = count_rows(routing.kept, group)  # the forward's one host read
+        kept = sum(counts.kept)
+        token, weight = routing.token[:kept], routing.weight[:kept]
+        tokens = flat.index_select(0, token)  # (M, C) grouped by expert
+        outputs = run_experts(list(self.experts.values()), tokens, counts, group)
+        weighted = (outputs * weight[:, None]).to(x.dtype)
+        out = torch.zeros_like(flat).index_add(0, token, weighted).view(B, T, C)
         if out.requires_grad and (self.aux_coeff or self.z_coeff):
             # the same global value on every rank, each differentiating it through its own
             # tokens' probabilities only: no share to divide (x N as above)
@@ -294,7 +321,7 @@ def _group_aux_losses(routing: Routing, logits: torch.Tensor,
     E = logits.shape[1]
     total = torch.cat([routing.probs.sum(dim=0), torch.logsumexp(logits, dim=-1).pow(2).sum()[None],
                        routing.selected.to(logits.dtype),
-                       torch.tensor([float(logits.shape[0])], device=logits.device)])
+                       logits.new_full((1,), float(logits.shape[0]))])  # no host copy
     for group in groups:
         total = reduce_from_tp(total, group)
     probs_sum, z_sum, selected, tokens = total[:E], total[E], total[E + 1:2 * E + 1], total[-1]
@@ -324,19 +351,22 @@ def collect_stats(module: nn.Module, *, device, num_layers: int, num_experts: in
 
     Every rank calls it: a pipeline stage adds its own layers' rows (zeros elsewhere), data and
     expert ranks their own tokens' counts; tensor ranks without expert parallelism, which route
-    the same tokens, each count 1/tp here. The result is the same on every rank."""
+    the same tokens, each count 1/tp here. The result is the same on every rank. The layers'
+    sums live on their device; the table is read back once."""
     import torch.distributed as dist
 
-    table = torch.zeros(num_layers, STAT_FIELDS + num_experts, dtype=torch.float64)
+    table = torch.zeros(num_layers, STAT_FIELDS + num_experts, dtype=torch.float64,
+                        device=device)
     for layer in moe_layers(module):
-        # tensor ranks without expert parallelism route the same tokens: 1/tp each
-        copies = layer.tensor_parallel if layer.expert_group is None else 1
-        table[layer.layer_index] += torch.cat([layer.stats, layer.expert_tokens]) / copies
+        if layer.stats is not None:  # a layer that ran a training forward this step
+            # tensor ranks without expert parallelism route the same tokens: 1/tp each
+            copies = layer.tensor_parallel if layer.expert_group is None else 1
+            table[layer.layer_index] += torch.cat([layer.stats, layer.expert_tokens]).to(
+                device) / copies
         layer.reset_stats()
     if dist.is_initialized():
-        table = table.to(device)
         dist.all_reduce(table, group=group)
-        table = table.cpu()
+    table = table.cpu()
     forwards, balance, z_loss, dropped, assignments = table[:, :STAT_FIELDS].sum(dim=0).tolist()
     record = {"moe_aux_loss": balance / max(forwards, 1.0),
               "moe_z_loss": z_loss / max(forwards, 1.0),

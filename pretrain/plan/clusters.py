@@ -19,6 +19,9 @@ with these same numbers):
 - Data-parallel gradient communication overlaps only the backward pass of the micro-batch it
   runs alongside (the last one for ZeRO 0/1; every one for ZeRO 2/3, which reduce per
   micro-batch); what does not fit behind it is exposed.
+- `MEMORY_BANDWIDTH_EFFICIENCY`: the fraction of the data-sheet memory bandwidth a
+  memory-bound copy (a concatenation, a dtype-widening add) sustains (~80-90% for large
+  contiguous copies on A100/H100; the low end).
 - A GPU is usable up to `MEMORY_USABLE_FRACTION` of its memory: the rest goes to the CUDA
   context, NCCL buffers and allocator fragmentation, which the breakdown does not model.
 """
@@ -30,6 +33,7 @@ from pretrain.errors import ConfigError
 
 MATMUL_EFFICIENCY = 0.60
 COLLECTIVE_EFFICIENCY = 0.80
+MEMORY_BANDWIDTH_EFFICIENCY = 0.80
 MEMORY_USABLE_FRACTION = 0.90
 # DeepSpeed's CPU Adam (AVX-512) updates roughly this many parameters per second per GPU's share
 # of host cores (8-12 cores per GPU): used for the optimizer step under ZeRO-Offload.
@@ -48,13 +52,14 @@ class Cluster:
     intra_node_gbps: float  # NVLink bandwidth of one GPU to its node's others
     inter_node_gbps: float  # one GPU's share of the node's NICs
     pcie_gbps: float = 25.0  # host <-> device, for CPU offload
+    memory_gbps: float = 2039.0  # device memory bandwidth (HBM), for memory-bound copies
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"cluster {name}={getattr(self, name)!r}: must be a positive integer")
         for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
-                     "pcie_gbps"):
+                     "pcie_gbps", "memory_gbps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"cluster {name}={getattr(self, name)!r}: must be positive")
 
@@ -64,21 +69,26 @@ class Cluster:
 
 
 # Data-sheet numbers. A100: 312 TFLOP/s bf16, NVLink 3 (600 GB/s bidirectional), 8x HDR 200 Gb/s
-# per node. H100 SXM: 989 TFLOP/s bf16, NVLink 4 (900 GB/s bidirectional), 8x NDR 400 Gb/s.
+# per node, HBM2e 2039 GB/s. H100 SXM: 989 TFLOP/s bf16, NVLink 4 (900 GB/s bidirectional), 8x
+# NDR 400 Gb/s, HBM3 3350 GB/s.
 CLUSTER_PRESETS: dict[str, dict] = {
     "a100-80gb": dict(gpus_per_node=8, gpu_memory_gb=80.0, peak_tflops=312.0,
-                      intra_node_gbps=300.0, inter_node_gbps=25.0, pcie_gbps=25.0),
+                      intra_node_gbps=300.0, inter_node_gbps=25.0, pcie_gbps=25.0,
+                      memory_gbps=2039.0),
     "h100-80gb": dict(gpus_per_node=8, gpu_memory_gb=80.0, peak_tflops=989.0,
-                      intra_node_gbps=450.0, inter_node_gbps=50.0, pcie_gbps=50.0),
+                      intra_node_gbps=450.0, inter_node_gbps=50.0, pcie_gbps=50.0,
+                      memory_gbps=3350.0),
 }
 
 
 # A CPU "cluster" (`pretrain plan --cluster cpu`): ranks share a node's memory bandwidth for
 # their collectives (gloo / DeepSpeed's shared-memory all-reduce; a few GB/s per rank) and a
-# commodity network between nodes; the offload "link" is the host itself.
+# commodity network between nodes; the offload "link" is the host itself; memory-bound copies
+# run at a rank's share of the node's DRAM bandwidth.
 CPU_INTRA_NODE_GBPS = 4.0
 CPU_INTER_NODE_GBPS = 1.25
 CPU_HOST_GBPS = 1000.0
+CPU_MEMORY_GBPS = 20.0  # one rank's share of the node's DRAM bandwidth
 
 
 def cpu_cluster(*, nodes: int, ranks_per_node: int, peak_tflops: float,
@@ -88,7 +98,7 @@ def cpu_cluster(*, nodes: int, ranks_per_node: int, peak_tflops: float,
     return Cluster(name="cpu", nodes=nodes, gpus_per_node=ranks_per_node,
                    gpu_memory_gb=memory_gb / ranks_per_node, peak_tflops=peak_tflops,
                    intra_node_gbps=CPU_INTRA_NODE_GBPS, inter_node_gbps=CPU_INTER_NODE_GBPS,
-                   pcie_gbps=CPU_HOST_GBPS)
+                   pcie_gbps=CPU_HOST_GBPS, memory_gbps=CPU_MEMORY_GBPS)
 
 
 def make_cluster(preset: str, *, nodes: int, **overrides: float | int | None) -> Cluster:

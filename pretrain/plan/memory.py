@@ -12,10 +12,13 @@ Bytes per parameter (P = compute dtype bytes: 2 for bf16/fp16, 4 for fp32):
 precision   params   grads  optimizer (sharded by dp from ZeRO 1)
 ==========  =======  =====  =====================================================
 bf16/fp16   2        2      12: fp32 master + Adam m + v
-bf16, BF16  2        2 + 4  12, sharded by dp at ZeRO 0 too: DeepSpeed's
+bf16, BF16  2        4      12, sharded by dp at ZeRO 0 too: DeepSpeed's
 _Optimizer                  BF16_Optimizer (ZeRO 1 without offload; pipelines at
                             ZeRO 0) sums the bf16 gradients into an fp32 buffer
-                            of the whole stage, never sharded
+                            of the whole stage, never sharded; each bf16 gradient
+                            is added in its backward hook and freed
+                            (bf16.immediate_grad_update, the resolver's); + 2
+                            where a JSON sets it false (all kept to the step)
 bf16 ZeRO 0 2        2 + 4  12, not sharded (FP16_UnfusedOptimizer: fp32 masters,
 (flat)                      gradients widened to fp32 at the step)
 fp32        4        4      8 at ZeRO 0 (m + v); 12 from ZeRO 1 (DeepSpeed clones
@@ -39,23 +42,28 @@ buckets; the buffers are the gathered units and the gradients in flight
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pretrain.arithmetic import layer_parameters, layout_recomputed_layers, stage_parameters
 from pretrain.config import ModelConfig, Precision
+from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
 from pretrain.resolve.fsdp2_rules import layout_refusals, raise_refusals
 from pretrain.resolve.layout import Layout
 
 GB = 2**30
 
 
-def steps_with_bf16_optimizer(layout: Layout) -> bool:
+def steps_with_bf16_optimizer(layout: Layout, ds: dict[str, Any] | None = None) -> bool:
     """Whether DeepSpeed wraps the optimizer in its BF16_Optimizer: bf16 at ZeRO 1 without
-    optimizer offload, and bf16 pipelines at ZeRO 0 (DeepSpeed 0.19's
-    `DeepSpeedEngine._do_optimizer_sanity_check`). It keeps, besides the bf16 gradients, a flat
-    fp32 gradient buffer of every parameter of the stage (`fp32_groups_gradients_flat`, not
-    partitioned), and fp32 masters and Adam moments partitioned over data parallelism."""
-    return layout.precision == Precision.BF16 and layout.offload_optimizer == "none" and (
-        layout.zero_stage == 1 or (layout.zero_stage == 0 and layout.pipeline > 1))
+    optimizer offload summing gradients in fp32 (the resolved JSON `ds`'s grad_accum_dtype; the
+    resolver's fp32 when None), and bf16 pipelines at ZeRO 0 (DeepSpeed 0.19's
+    `DeepSpeedEngine._do_optimizer_sanity_check`). It keeps a flat fp32 gradient buffer of
+    every parameter of the stage (`fp32_groups_gradients_flat`, not partitioned), and fp32
+    masters and Adam moments partitioned over data parallelism."""
+    if layout.precision != Precision.BF16 or layout.offload_optimizer != "none":
+        return False
+    return (layout.zero_stage == 0 and layout.pipeline > 1) or (
+        layout.zero_stage == 1 and gradient_dtypes(layout, ds)[0] == "fp32")
 
 
 def bytes_per_param(layout: Layout) -> tuple[int, int, int]:
@@ -124,16 +132,21 @@ class MemoryBreakdown:
         return out
 
 
-def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -> MemoryBreakdown:
+def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str], *,
+                 ds: dict[str, Any] | None = None) -> MemoryBreakdown:
+    """Per-GPU bytes of pipeline stage `stage` (its `items`) under DeepSpeed; `ds`: the run's
+    resolved DeepSpeed JSON (None: the resolver's choices for an "auto" JSON)."""
     lay = layout
     n = stage_parameters(m, lay, items)
     p_b, g_b, o_b = bytes_per_param(lay)
     dp = lay.data * lay.context  # ZeRO shards over every replica: data x context ranks
     params, grads, optimizer = n * p_b, n * g_b, n * o_b
     host = 0.0
-    bf16_optimizer = steps_with_bf16_optimizer(lay)
+    bf16_optimizer = steps_with_bf16_optimizer(lay, ds)
     if bf16_optimizer:
-        grads = n * (p_b + 4)  # bf16 gradients + the whole fp32 buffer they are summed into
+        # the whole fp32 buffer the gradients are summed into, + the bf16 gradients kept to the
+        # end of backward unless each is added and freed in its hook (immediate_grad_update)
+        grads = n * (4 if immediate_grad_update(lay, ds) else p_b + 4)
         optimizer = n * 12.0  # fp32 master + Adam m + v, sharded below even at ZeRO 0
     if lay.zero_stage >= 1 or bf16_optimizer:
         optimizer /= dp

@@ -83,7 +83,8 @@ def format_plan(plan: Plan) -> str:
         + (f"; {mem.host / GB:.2f} GB per GPU on the host" if mem.host else ""),
         f"time per step {t.step:.3f} s on {c.name} ({format_flops(c.peak_tflops)} peak):",
         *(f"  {k:<14}{getattr(t, k):9.3f} s {pct(getattr(t, k))}" for k in
-          ("compute", "tensor_comm", "bubble", "pipeline_comm", "data_comm", "offload")),
+          ("compute", "tensor_comm", "bubble", "pipeline_comm", "data_comm", "offload",
+           "memory_bound")),
         *([f"  {'context_comm':<14}{t.context_comm:9.3f} s {pct(t.context_comm)}"]
           if lay.context > 1 else []),
         *([f"  (tensor_comm: expert all-to-alls {t.expert_comm:.3f} s, "
@@ -174,7 +175,7 @@ STEP_TERMS = {"compute": "compute", "recompute": "recomputation",
               "tensor_comm": "tensor-parallel communication",
               "context_comm": "context-parallel all-to-alls", "bubble": "pipeline bubble",
               "pipeline_comm": "pipeline point-to-point", "data_comm": "data-parallel communication",
-              "offload": "offload"}
+              "offload": "offload", "memory_bound": "memory-bound copies"}
 SLOWER_THAN_BEST = 0.10  # the pre-flight warns past this: the best predicted 1.10x faster
 
 
@@ -184,7 +185,8 @@ def step_terms(plan: Plan) -> dict[str, float]:
     model_share = plan.mfu / plan.hfu if plan.hfu else 1.0
     return {"compute": t.compute * model_share, "recompute": t.compute * (1 - model_share),
             "tensor_comm": t.tensor_comm, "context_comm": t.context_comm, "bubble": t.bubble,
-            "pipeline_comm": t.pipeline_comm, "data_comm": t.data_comm, "offload": t.offload}
+            "pipeline_comm": t.pipeline_comm, "data_comm": t.data_comm, "offload": t.offload,
+            "memory_bound": t.memory_bound}
 
 
 def times_slower(plan: Plan, best: Plan) -> float:

@@ -55,17 +55,21 @@ class Plan:
 
 
 def estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *,
-             engine: Engine = Engine.DEEPSPEED) -> Plan:
+             engine: Engine = Engine.DEEPSPEED, ds: dict[str, Any] | None = None) -> Plan:
     """Memory and time of `layout` under `engine`; raises ConfigError if the layout is invalid
-    (or one `engine` does not run)."""
+    (or one `engine` does not run). `ds`: the run's resolved DeepSpeed JSON, whose gradient
+    dtypes and bf16 settings DeepSpeed follows; None (a search's layouts) plans what the
+    resolver fills into the shipped JSONs' "auto"."""
     check_layout(model, layout)
     stages = stage_items(model, layout)
     if engine is Engine.FSDP2:
         memories = [fsdp2_stage_memory(model, layout, items) for items in stages]
     else:
-        memories = [stage_memory(model, layout, s, items) for s, items in enumerate(stages)]
+        memories = [stage_memory(model, layout, s, items, ds=ds)
+                    for s, items in enumerate(stages)]
     worst = max(memories, key=lambda mem: mem.total)
-    times, model_flops, hw_flops = estimate_time(model, layout, cluster, stages, engine=engine)
+    times, model_flops, hw_flops = estimate_time(model, layout, cluster, stages, engine=engine,
+                                                 ds=ds)
     step = times.step
     peak = cluster.peak_tflops * 1e12
     limit = cluster.gpu_memory_gb * MEMORY_USABLE_FRACTION

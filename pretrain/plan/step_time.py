@@ -6,7 +6,13 @@ of each MoE layer forward and backward, which run on the tensor group; `expert_c
 them apart), context-parallel all-to-alls (four per attention layer forward: q, k, v and the
 output; four backward; on the intra-node link while tensor x context fits a node), the 1F1B
 pipeline bubble, pipeline point-to-point transfers, exposed data-parallel communication and the
-offloaded optimizer step; the efficiency assumptions are those of `pretrain.plan.clusters`.
+offloaded optimizer step, and memory-bound copies on each micro-batch's critical path
+(`memory_bound`: the fused projections' weight concatenations, DeepSpeed's BF16_Optimizer's fp32
+gradient sum); the efficiency assumptions are those of `pretrain.plan.clusters`.
+
+Data-parallel gradients go in the run's `communication_data_type` (the resolved DeepSpeed JSON's,
+fp32 for bf16 under ZeRO and in pipelines by the resolver's rule, `resolve.ds_config`): bf16
+gradients reduced in fp32 move 4 bytes each, not 2.
 
 Under `train.engine: fsdp2` (`_fsdp2_data_comm`, `_fsdp2_offload`) the data-parallel part is
 FSDP2's: every micro-batch all-gathers each unit (`pretrain.plan.memory.fsdp2_units`) in
@@ -20,15 +26,17 @@ adds an all-reduce of each rank's fp32 gradient shard across the groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pretrain.arithmetic import (layout_recomputed_layers, model_flops_per_token,
                                  stage_flops_per_token, stage_parameters)
 from pretrain.config import Engine, ModelConfig, Precision
 from pretrain.resolve.layout import Layout
+from pretrain.resolve.ds_config import DTYPE_BYTES, gradient_dtypes
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
-                                    MATMUL_EFFICIENCY, Cluster)
-from pretrain.plan.memory import bytes_per_param, fsdp2_offloads, fsdp2_shard_ranks
+                                    MATMUL_EFFICIENCY, MEMORY_BANDWIDTH_EFFICIENCY, Cluster)
+from pretrain.plan.memory import (bytes_per_param, fsdp2_offloads, fsdp2_shard_ranks,
+                                  steps_with_bf16_optimizer)
 
 
 @dataclass
@@ -42,6 +50,7 @@ class TimeBreakdown:
     data_comm: float  # exposed data-parallel gradient / parameter communication
     offload: float  # host <-> device copies and the CPU optimizer step
     context_comm: float = 0.0  # context parallelism's all-to-alls of attention (Ulysses)
+    memory_bound: float = 0.0  # weight concatenations, BF16_Optimizer's fp32 gradient sums
     # of tensor_comm, expert parallelism's token dispatch and combine: all-to-alls over the
     # tensor group, on its links (a part, shown on its own; not a field: not added again)
     expert_comm: ClassVar[float] = 0.0
@@ -49,7 +58,7 @@ class TimeBreakdown:
     @property
     def step(self) -> float:
         return (self.compute + self.tensor_comm + self.bubble + self.pipeline_comm
-                + self.data_comm + self.offload + self.context_comm)
+                + self.data_comm + self.offload + self.context_comm + self.memory_bound)
 
 
 def _ring_seconds(nbytes: float, ranks: int, gbps: float, *, passes: float) -> float:
@@ -129,11 +138,13 @@ def _pipeline_p2p(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
         / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
 
 
-def _data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *, stage_params: int) -> float:
-    """Seconds of exposed data-parallel communication: gradients (and ZeRO-3 parameters) over
-    the data x context replicas, less what the backward (ZeRO-3: the whole micro-batch) hides."""
+def _data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *, stage_params: int,
+               grad_bytes: int) -> float:
+    """Seconds of exposed data-parallel communication: gradients (`grad_bytes` each: the
+    communication dtype's) and ZeRO-3 parameters over the data x context replicas, less what
+    the backward (ZeRO-3: the whole micro-batch) hides."""
     replicas = layout.data * layout.context  # DeepSpeed's data parallelism: data x context ranks
-    param_bytes, grad_bytes, _ = bytes_per_param(layout)
+    param_bytes = bytes_per_param(layout)[0]
     gbps = _link_gbps(cluster, layout.tensor * replicas)
     backward = mb.compute * 2.0 / 3.0
     if layout.zero_stage <= 1:  # one all-reduce (ZeRO 1: reduce-scatter + all-gather) per step
@@ -163,10 +174,12 @@ def fsdp2_bytes_per_micro_batch(layout: Layout, *, stage_params: int) -> tuple[f
 
 
 def _fsdp2_data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *,
-                     stage_params: int) -> float:
+                     stage_params: int, grad_bytes: int) -> float:
     """Seconds of FSDP2's exposed collectives: those of every micro-batch, less its compute.
     The shard group is consecutive data x context ranks (every tensor rank's between them);
-    HSDP's replica groups stride across all the data x context ranks."""
+    HSDP's replica groups stride across all the data x context ranks. FSDP2 reduces in its
+    policy's reduce dtype (fp32, `fsdp2_bytes_per_micro_batch`), whatever the JSON's
+    communication_data_type (`grad_bytes`, not read)."""
     shards = fsdp2_shard_ranks(layout)
     gbps = _link_gbps(cluster, layout.tensor * shards)
     gathered, reduced = fsdp2_bytes_per_micro_batch(layout, stage_params=stage_params)
@@ -205,14 +218,41 @@ def _offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> float:
     return seconds
 
 
+def _concatenated_weights(model: ModelConfig, layout: Layout) -> float:
+    """Weight elements one decoder layer concatenates per pass on a GPU under fused projections
+    (`pretrain.model.llama.fused_projections`): this rank's q, k and v rows, and gate and up of
+    the MLP or of every expert it holds (1/tp of each of E, or E/ep whole: the same count)."""
+    if not model.fused_projections:
+        return 0.0
+    qkv = model.hidden_size * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    gate_up = 2 * model.hidden_size * model.ffn_hidden_size * max(1, model.num_experts)
+    return (qkv + gate_up) / layout.tensor
+
+
+def _memory_bound(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch, *,
+                  stage_params: int, bf16_optimizer: bool) -> float:
+    """Seconds of one micro-batch's memory-bound copies on the slowest stage, at the sustained
+    memory bandwidth: fused projections concatenate each layer's weights (read and write) in
+    forward, again in backward, and once more per recomputed layer; DeepSpeed's
+    BF16_Optimizer adds every bf16 gradient of the stage into its fp32 buffer (read 2 + 4 bytes,
+    write 4)."""
+    passes = 2 * mb.layers + layout_recomputed_layers(layout, mb.layers)
+    nbytes = passes * 2 * _concatenated_weights(model, layout) * mb.act_bytes
+    if bf16_optimizer:
+        nbytes += stage_params * (2 + 4 + 4)
+    return nbytes / (cluster.memory_gbps * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY)
+
+
 def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
-                  stages: list[list[str]], *, engine: Engine = Engine.DEEPSPEED
-                  ) -> tuple[TimeBreakdown, float, float]:
+                  stages: list[list[str]], *, engine: Engine = Engine.DEEPSPEED,
+                  ds: dict[str, Any] | None = None) -> tuple[TimeBreakdown, float, float]:
     """(time breakdown, model FLOPs per GPU per step, hardware FLOPs per GPU per step).
 
-    Per micro-batch the slowest stage computes, then waits for its TP and CP collectives; a
-    step is `grad_accum` of them, the pipeline's fill and drain, and what data parallelism and
-    offloading (`engine`'s) do not hide."""
+    Per micro-batch the slowest stage computes and copies, then waits for its TP and CP
+    collectives; a step is `grad_accum` of them, the pipeline's fill and drain, and what data
+    parallelism and offloading (`engine`'s) do not hide. `ds`: the run's resolved DeepSpeed
+    JSON (communication dtype, gradient accumulation dtype); None plans what the resolver
+    fills into an "auto" one."""
     flops = [stage_flops_per_token(model, layout, items) for items in stages]
     slow_model, slow_hw = max(flops, key=lambda f: f[1])
     tokens = layout.micro_batch * model.seq_length / layout.context
@@ -224,15 +264,20 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
     expert_mb = _expert_comm(model, layout, cluster, mb)
     stage_params = max(stage_parameters(model, layout, items) for items in stages)
     micro_batches = layout.grad_accum
-    data_comm, offload = ((_fsdp2_data_comm, _fsdp2_offload) if engine is Engine.FSDP2
-                          else (_data_comm, _offload))
+    deepspeed = engine is not Engine.FSDP2
+    data_comm, offload = (_data_comm, _offload) if deepspeed else (_fsdp2_data_comm,
+                                                                   _fsdp2_offload)
+    copies_mb = _memory_bound(model, layout, cluster, mb, stage_params=stage_params,
+                              bf16_optimizer=deepspeed and steps_with_bf16_optimizer(layout, ds))
     times = TimeBreakdown(
         compute=micro_batches * mb.compute, tensor_comm=micro_batches * (tensor_mb + expert_mb),
-        bubble=(layout.pipeline - 1) * (mb.compute + tensor_mb + context_mb + expert_mb),
+        bubble=(layout.pipeline - 1) * (mb.compute + tensor_mb + context_mb + expert_mb
+                                        + copies_mb),
         pipeline_comm=_pipeline_p2p(model, layout, cluster, mb),
-        data_comm=data_comm(layout, cluster, mb, stage_params=stage_params),
+        data_comm=data_comm(layout, cluster, mb, stage_params=stage_params,
+                            grad_bytes=DTYPE_BYTES[gradient_dtypes(layout, ds)[1]]),
         offload=offload(layout, cluster, stage_params=stage_params),
-        context_comm=micro_batches * context_mb)
+        context_comm=micro_batches * context_mb, memory_bound=micro_batches * copies_mb)
     times.expert_comm = micro_batches * expert_mb
     model_flops = model_flops_per_token(model) * layout.global_batch * model.seq_length \
         / layout.world_size

@@ -332,6 +332,41 @@ def _resolve_gradient_dtypes(ds: dict[str, Any], precision: Precision, *, zero_s
                           f"ZeRO-0 gradients in the model's dtype, {model!r}): set it to \"auto\"")
 
 
+def _resolve_immediate_grad_update(bf16: dict[str, Any], precision: Precision) -> None:
+    """Fill an absent or "auto" bf16.immediate_grad_update: true for bf16 runs. DeepSpeed's
+    BF16_Optimizer (bf16 at ZeRO-1, bf16 pipelines) then adds each parameter's bf16 gradient
+    into its fp32 sum in the gradient's own backward hook and frees it, instead of keeping every
+    bf16 gradient to the end of backward and adding them all then: the same fp32 sum of the same
+    bf16 gradients (one rounding each), without a bf16 gradient of the whole stage held from one
+    backward to the next (2 bytes per parameter) or autograd's accumulation into it. Other
+    optimizers do not read it. An explicit value is the user's choice."""
+    if precision == Precision.BF16 and bf16.get("immediate_grad_update", AUTO) == AUTO:
+        bf16["immediate_grad_update"] = True
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def gradient_dtypes(layout: Layout, ds: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(data_types.grad_accum_dtype, communication_data_type) of a run of `layout`: those of its
+    resolved DeepSpeed JSON `ds`, or, where `ds` is None or leaves them "auto" (every shipped
+    JSON), what `fill_ds_config` fills in. The planner counts the data-parallel bytes and
+    DeepSpeed's choice of optimizer wrapper from them."""
+    rule = _gradient_dtype(layout.precision, zero_stage=layout.zero_stage,
+                           pipeline=layout.pipeline > 1)
+    ds = ds or {}
+    accum = (ds.get("data_types") or {}).get("grad_accum_dtype", AUTO)
+    communication = ds.get("communication_data_type", AUTO)
+    return (rule if accum == AUTO else accum), (rule if communication == AUTO else communication)
+
+
+def immediate_grad_update(layout: Layout, ds: dict[str, Any] | None = None) -> bool:
+    """bf16.immediate_grad_update of a run of `layout` (`_resolve_immediate_grad_update`'s rule
+    where `ds` is None or leaves it "auto")."""
+    value = ((ds or {}).get("bf16") or {}).get("immediate_grad_update", AUTO)
+    return layout.precision == Precision.BF16 if value == AUTO else bool(value)
+
+
 def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
                    accelerator: str = "cpu") -> dict[str, Any]:
     """Fill every "auto" of the DeepSpeed JSON `ds` (a copy of it: changed in place and
@@ -393,6 +428,7 @@ def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
     _fill(fp16, "enabled", precision == Precision.FP16, where="fp16.")
     _resolve_gradient_dtypes(ds, precision, zero_stage=stage, pipeline=layout.pipeline > 1,
                              where=where_file)
+    _resolve_immediate_grad_update(bf16, precision)
 
     left = _find_auto(ds)
     if left:
