@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("mutants_tool", REPO / "bench" / "mutants.py")
 tool = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("mutants_tool", tool)  # its dataclasses look their module up
 _spec.loader.exec_module(tool)
 
 # Breaks `import pretrain` in every process but pytest's own: only a test whose subprocess
