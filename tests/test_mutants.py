@@ -40,12 +40,16 @@ def test_a_mutant_that_breaks_the_package_in_subprocesses_is_caught():
     assert "test_help_does_not_import_torch" in outcome.detail
 
 
-def test_a_mutant_no_test_notices_survives():
-    harmless = tool.Mutant(
-        id="tool-harmless", file="pretrain/__init__.py", old=_VERSION,
-        new=_VERSION + "  # a comment changes nothing", tests=SUBPROCESS_IMPORT.tests,
-        quick=True, source="tests/test_mutants.py")
-    assert tool.run_mutant(harmless, timeout=300).verdict == "survived"
+def test_the_verdict_needs_every_named_test_to_fail():
+    a, b = "tests/t.py::test_a", "tests/t.py::test_b"
+    both = f"FAILED {a}[1] - AssertionError\nPASSED {a}[2]\nFAILED {b} - boom\n"
+    assert tool.verdict_of(1, both, (a, b))[0] == "caught"  # one failing case is enough
+    one = f"FAILED {a} - AssertionError\nPASSED {b}\n"
+    assert tool.verdict_of(1, one, (a, b)) == ("survived", "passed: test_b")
+    assert tool.verdict_of(0, f"PASSED {a}\n", (a,))[0] == "survived"
+    assert tool.verdict_of(2, "ERROR collecting tests/t.py\nImportError: x\n", (a,))[0] == "caught"
+    assert tool.verdict_of(4, "ERROR: not found: tests/t.py::test_c\n", (a,))[0] == "error"
+    assert tool.verdict_of(0, f"SKIPPED [1] {a}: no GPU\n", (a,))[0] == "error"
 
 
 def test_a_mutant_whose_old_text_is_not_there_exactly_once_is_refused():

@@ -88,7 +88,7 @@ REGISTRY: dict[str, str] = {
     "data.tokenizer": "tests/test_checkpoint.py::test_checkpoint_of_another_tokenizer_is_refused",
     "data.valid_fraction": "tests/test_data_blend.py::test_blend_valid_split_and_build_datasets",
     "data.test_fraction": "tests/test_data_blend.py::test_test_split_through_the_config",
-    "data.seed": "tests/test_data.py::test_samples_are_served_in_a_seeded_shuffled_order",
+    "data.seed": "tests/test_bite_data.py::test_the_configs_seed_orders_the_split_and_its_samples",
     "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
     "data.document_mask": "tests/test_document_mask.py::test_training_uses_the_document_mask",
     # train.*
@@ -141,7 +141,8 @@ REGISTRY: dict[str, str] = {
     "logging.level": "tests/test_telemetry.py::test_log_level_warning_keeps_step_and_eval_lines_only",
     "logging.mlflow_tracking_uri": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
     "logging.wandb_mode": "tests/test_telemetry.py::test_the_wandb_sink_opens_in_the_configured_mode",
-    "logging.wandb_project": "tests/test_telemetry.py::test_the_wandb_sink_opens_in_the_configured_mode",
+    "logging.wandb_project": ("tests/test_bite_telemetry.py::"
+                              "test_the_wandb_run_opens_in_the_configured_project_and_mode"),
     "logging.progress_bar": "tests/test_telemetry.py::test_the_progress_bar_is_drawn_only_on_a_terminal",
     # the test model turns both off/sets one: ignored, the run draws curves.png / measures a peak
     "logging.curves": "tests/test_train_zero.py::test_single_process_run_learns",

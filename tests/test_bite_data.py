@@ -1,0 +1,20 @@
+"""data.seed as the run reads it: through the config (`build_split`), where tests/test_data.py
+checks the seed of `PackedSamples` called directly."""
+from __future__ import annotations
+
+from pretrain.config import DataConfig
+from pretrain.data import PackedSamples, build_split
+from tests.test_data_blend import two_datasets  # noqa: F401  (the fixture)
+
+
+def test_the_configs_seed_orders_the_split_and_its_samples(two_datasets):  # noqa: F811
+    def split(seed: int) -> PackedSamples:
+        return build_split(DataConfig(dataset=two_datasets[0], valid_fraction=0.05, seed=seed),
+                           split="train", seq_length=16)
+
+    seven, eight = split(7), split(8)
+    direct = PackedSamples(two_datasets[0], seq_length=16, split="train", valid_fraction=0.05,
+                           seed=7)
+    assert seven.documents.tolist() == direct.documents.tolist()
+    assert seven.order.tolist() == direct.order.tolist()
+    assert seven.documents.tolist() != eight.documents.tolist()
