@@ -18,3 +18,12 @@ def test_the_configs_seed_orders_the_split_and_its_samples(two_datasets):  # noq
     assert seven.documents.tolist() == direct.documents.tolist()
     assert seven.order.tolist() == direct.order.tolist()
     assert seven.documents.tolist() != eight.documents.tolist()
+
+
+def test_a_fractional_held_out_count_rounds_up():
+    """0.1 of 25 documents is 2.5: 3 validation documents (ceil), 22 for training."""
+    from pretrain.data.samples import split_documents
+
+    sizes = [len(split_documents(25, split=s, valid_fraction=0.1, test_fraction=0.1, seed=1))
+             for s in ("train", "valid", "test")]
+    assert sizes == [19, 3, 3]

@@ -27,3 +27,15 @@ def test_an_issued_async_collective_counts_as_waiting():
     assert record["ranks"] == [1], line
     assert "rank 1 (node0) did not reach all_reduce #5 on group 1 (ranks 0, 1) that rank 0 "\
            "waits in" in line, line
+
+
+def test_a_silent_rank_that_reached_the_collective_is_named_beside_the_missing_one():
+    from pretrain.training.hang_verdict import verdict
+
+    # rank 0 waits in #5; rank 1 never reached it; rank 2 reached it, then stopped answering
+    statuses = {0: _status(0, counts={"1": 5}, last=_entry(5, ranks=(0, 1, 2))),
+                1: _status(1, counts={"1": 4}, last=_entry(4, ranks=(0, 1, 2), state="done")),
+                2: _status(2, counts={"1": 5}, answered=False, at=40.0)}
+    line, record = verdict(statuses, now=100.0)
+    assert record["ranks"] == [1, 2] and record["silent"] == [2], line
+    assert "rank 2 (node1) cannot answer (stopped or frozen: last heard 60 s ago" in line, line
