@@ -95,8 +95,11 @@ def load_mutants(directory: Path = MUTANTS) -> list[Mutant]:
 
 
 def select(mutants: list[Mutant], *, ids=(), files=(), quick=False, substring=None) -> list[Mutant]:
-    chosen = [m for m in mutants if (not ids or m.id in ids) and (not files or m.file in files)
-              and (not quick or m.quick) and (substring is None or substring in m.id)]
+    """The mutants named by `ids` or breaking one of `files` (all when neither is given), then
+    only the quick ones (`quick`) and those whose id contains `substring`."""
+    named = [m for m in mutants if (not ids and not files) or m.id in ids or m.file in files]
+    chosen = [m for m in named if (not quick or m.quick or m.id in ids)
+              and (substring is None or substring in m.id)]
     unknown = set(ids) - {m.id for m in mutants}
     if unknown:
         raise SystemExit(f"no mutant with id {sorted(unknown)}")
@@ -291,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--id", action="append", default=[], help="run this mutant (repeatable)")
     parser.add_argument("--file", action="append", default=[],
                         help="the mutants of this production file (repeatable)")
-    parser.add_argument("--quick", action="store_true", help="only the quick-tier mutants")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the quick-tier mutants (and those named by --id)")
     parser.add_argument("-k", dest="substring", help="only mutants whose id contains this")
     parser.add_argument("--list", action="store_true", help="print the selected mutants, run none")
     parser.add_argument("--check", action="store_true",
