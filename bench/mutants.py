@@ -24,6 +24,7 @@ could not run them (a node id not found, a timeout, every case skipped).
     .venv/bin/python bench/mutants.py --quick              # the quick-tier mutants
     .venv/bin/python bench/mutants.py --id moe-capacity-ceil --json out.json
     .venv/bin/python bench/mutants.py --file pretrain/model/moe.py -k capacity
+    .venv/bin/python bench/mutants.py --baseline --id ...  # the tests pass unmutated first
 
 Exit status: 0 when every mutant run was caught (or `--check` found nothing wrong), 1 otherwise.
 """
@@ -210,6 +211,21 @@ def run_mutant(mutant: Mutant, *, timeout: float | None, keep: bool = False,
             shutil.rmtree(copy, ignore_errors=True)
 
 
+def run_baseline(mutants: list[Mutant], *, timeout: float | None, repo: Path = REPO) -> list[str]:
+    """The selected mutants' tests run once in an unmutated scratch copy: the tests that did
+    not pass (a mutant "caught" by a test that fails anyway proves nothing)."""
+    tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+    copy = Path(tempfile.mkdtemp(prefix="mutant-baseline-"))
+    try:
+        scratch_copy(copy, repo)
+        proc = subprocess.run(pytest_command(tests), cwd=copy, env=test_env(copy),
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    results = outcomes_by_test(proc.stdout + proc.stderr, tests)
+    return [t for t, seen in results.items() if seen != {"PASSED"}]
+
+
 class _Collector:
     """A pytest plugin recording each collected item's node id and whether it is slow."""
 
@@ -304,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds one mutant's tests may take (default 900)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run the selected mutants' tests unmutated: each must pass")
     args = parser.parse_args(argv)
 
     mutants = select(load_mutants(), ids=args.id, files=args.file, quick=args.quick,
@@ -320,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(mutants)} mutants checked: {len(problems)} problems")
         return 1 if problems else 0
 
+    if args.baseline:
+        failing = run_baseline(mutants, timeout=args.timeout)
+        print(f"baseline: {len(failing)} of the tests fail unmutated" +
+              "".join(f"\n  {t}" for t in failing), file=sys.stderr, flush=True)
+        if failing:
+            return 1
     outcomes = []
     for m in mutants:
         outcome = run_mutant(m, timeout=args.timeout, keep=args.keep)

@@ -27,3 +27,13 @@ def test_a_fractional_held_out_count_rounds_up():
     sizes = [len(split_documents(25, split=s, valid_fraction=0.1, test_fraction=0.1, seed=1))
              for s in ("train", "valid", "test")]
     assert sizes == [19, 3, 3]
+
+
+def test_the_configs_valid_fraction_sizes_the_validation_split(two_datasets):  # noqa: F811
+    """0.1 of the 200 documents of the first dataset: 20 validation documents, 180 training
+    ones (tests/test_data_blend.py checks only that the two are disjoint)."""
+    from pretrain.data import build_datasets
+
+    data = DataConfig(dataset=two_datasets[0], valid_fraction=0.1, seed=5)
+    train, valid = build_datasets(data, seq_length=16, train_samples=8, with_valid=True)
+    assert (len(train.documents), len(valid.documents)) == (180, 20)

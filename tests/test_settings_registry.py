@@ -83,10 +83,11 @@ REGISTRY: dict[str, str] = {
     "parallel.expert": ("tests/test_expert_parallel.py::"
                         "test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1"),
     # data.*
-    "data.dataset": "tests/test_data_blend.py::test_blend_through_a_config_override_and_with_dataset",
-    "data.blend": "tests/test_data_blend.py::test_blend_through_a_config_override_and_with_dataset",
+    "data.dataset": "tests/test_data_blend.py::test_test_split_through_the_config",
+    "data.blend": "tests/test_data_blend.py::test_blend_valid_split_and_build_datasets",
     "data.tokenizer": "tests/test_checkpoint.py::test_checkpoint_of_another_tokenizer_is_refused",
-    "data.valid_fraction": "tests/test_data_blend.py::test_blend_valid_split_and_build_datasets",
+    "data.valid_fraction": ("tests/test_bite_data.py::"
+                            "test_the_configs_valid_fraction_sizes_the_validation_split"),
     "data.test_fraction": "tests/test_data_blend.py::test_test_split_through_the_config",
     "data.seed": "tests/test_bite_data.py::test_the_configs_seed_orders_the_split_and_its_samples",
     "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
@@ -237,7 +238,7 @@ MUTANT_OF: dict[str, str] = {
     "parallel.expert": "ep-experts-counted-on-every-rank-in-the-norm",
     "parallel.sequence_parallel": "model-sequence-parallel-setting-ignored",
     "parallel.pipeline_partition": "model-pipeline-partition-ignored",
-    "data.dataset": "data-blend-first-component-only",
+    "data.dataset": "data-dataset-split-ignored",
     "data.blend": "data-blend-first-component-only",
     "data.valid_fraction": "data-valid-fraction-halved",
     "data.test_fraction": "data-test-fraction-ignored",
@@ -264,7 +265,7 @@ MUTANT_OF: dict[str, str] = {
     DS + "gradient_clipping": "train-grad-clip-ignored",
     "train.precision": "train-bf16-not-enabled",
     DS + "bf16.enabled": "train-bf16-not-enabled",
-    "train.engine": "fsdp2-first-row-floor",
+    "train.engine": "fsdp2-clip-never",
     "train.fsdp2_replicas": "fsdp2-hsdp-norm-summed-over-replicas",
     "train.seed": "model-seed-ignored",
     "train.eval_interval": "train-eval-batches-ignored",
