@@ -3,7 +3,7 @@
 Every `bench/mutants/*.yaml` is a list of mutants, each one line of production code broken on
 purpose and the tests that must each fail because of it:
 
-    - id: moe-capacity-ceil            # unique, <topic>-<what>
+    - id: moe-capacity-floor           # unique, <topic>-<what>
       file: pretrain/model/moe.py      # relative to the repository root
       old: "exact text that occurs exactly once in the file"
       new: "the broken replacement"
@@ -22,7 +22,7 @@ could not run them (a node id not found, a timeout, every case skipped).
     .venv/bin/python bench/mutants.py --list
     .venv/bin/python bench/mutants.py --check              # every entry valid, seconds
     .venv/bin/python bench/mutants.py --quick              # the quick-tier mutants
-    .venv/bin/python bench/mutants.py --id moe-capacity-ceil --json out.json
+    .venv/bin/python bench/mutants.py --id moe-capacity-floor --json out.json
     .venv/bin/python bench/mutants.py --file pretrain/model/moe.py -k capacity
     .venv/bin/python bench/mutants.py --baseline --id ...  # the tests pass unmutated first
 
@@ -135,7 +135,7 @@ def scratch_copy(dest: Path, repo: Path = REPO) -> None:
             (dest / name).symlink_to((repo / name).resolve())
 
 
-def test_env(copy: Path) -> dict[str, str]:
+def run_env(copy: Path) -> dict[str, str]:
     """The environment of a test run in `copy`: the copy first on every process's import path
     (ranks and subprocesses inherit it), no bytecode written (a mutant and its original can
     have the same size and mtime second)."""
@@ -197,7 +197,7 @@ def run_mutant(mutant: Mutant, *, timeout: float | None, keep: bool = False,
         except (OSError, ValueError) as e:
             return Outcome(mutant.id, "error", time.monotonic() - start, str(e))
         try:
-            proc = subprocess.run(pytest_command(mutant.tests), cwd=copy, env=test_env(copy),
+            proc = subprocess.run(pytest_command(mutant.tests), cwd=copy, env=run_env(copy),
                                   capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return Outcome(mutant.id, "error", time.monotonic() - start,
@@ -218,7 +218,7 @@ def run_baseline(mutants: list[Mutant], *, timeout: float | None, repo: Path = R
     copy = Path(tempfile.mkdtemp(prefix="mutant-baseline-"))
     try:
         scratch_copy(copy, repo)
-        proc = subprocess.run(pytest_command(tests), cwd=copy, env=test_env(copy),
+        proc = subprocess.run(pytest_command(tests), cwd=copy, env=run_env(copy),
                               capture_output=True, text=True, timeout=timeout)
     finally:
         shutil.rmtree(copy, ignore_errors=True)
