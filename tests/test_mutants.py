@@ -40,6 +40,16 @@ def test_a_mutant_that_breaks_the_package_in_subprocesses_is_caught():
     assert "test_help_does_not_import_torch" in outcome.detail
 
 
+def test_a_mutant_no_test_notices_survives():
+    """The same test and copy as above with a harmless change: it passes there, so the catch
+    above is the mutant's."""
+    harmless = tool.Mutant(
+        id="tool-harmless", file="pretrain/__init__.py", old=_VERSION,
+        new=_VERSION + "  # a comment changes nothing", tests=SUBPROCESS_IMPORT.tests,
+        quick=True, source="tests/test_mutants.py")
+    assert tool.run_mutant(harmless, timeout=300).verdict == "survived"
+
+
 def test_the_verdict_needs_every_named_test_to_fail():
     a, b = "tests/t.py::test_a", "tests/t.py::test_b"
     both = f"FAILED {a}[1] - AssertionError\nPASSED {a}[2]\nFAILED {b} - boom\n"

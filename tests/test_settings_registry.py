@@ -34,6 +34,10 @@ T_ZERO2_BUFFERS = ("tests/test_ds_knobs.py::"
                    "test_zero2_contiguous_gradients_and_overlap_comm_build_the_bucket_buffers")
 T_LOGGED = "tests/test_ds_knobs.py::test_steps_per_print_sets_deepspeeds_progress_line_cadence"
 T_NVME = "tests/test_ds_knobs.py::test_nvme_swappers_are_built_with_the_aio_and_buffer_settings"
+# the engine `pretrain train` builds, read back (step 1's loss, cited before, is the same whatever
+# the lr or the clipping)
+T_BUILT_ENGINE = ("tests/test_bite_engine.py::"
+                  "test_the_built_engine_has_the_runs_lr_and_gradient_clipping")
 # every tests/test_mup.py model has the proxy width 64: a rule reading 64 instead passes there
 T_MUP_BASES = ("tests/test_bite_mup.py::"
                "test_the_base_width_and_base_head_dim_set_the_groups_and_the_attention_scale")
@@ -110,7 +114,7 @@ REGISTRY: dict[str, str] = {
     "train.min_lr": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
     "train.warmup_steps": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
     "train.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
-    "train.grad_clip": "tests/test_hf_interop.py::test_first_training_step_after_import_matches_transformers",
+    "train.grad_clip": T_BUILT_ENGINE,
     "train.precision": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",
     "train.engine": "tests/test_fsdp2.py::test_dp2_trains_like_one_process_and_writes_the_same_final",
     "train.fsdp2_replicas": ("tests/test_fsdp2.py::"
@@ -157,7 +161,7 @@ REGISTRY: dict[str, str] = {
     DS + "train_batch_size": T_BF16_FP32_SUMS,
     DS + "train_micro_batch_size_per_gpu": T_TP_ZERO1,
     DS + "gradient_accumulation_steps": T_BF16_FP32_SUMS,
-    DS + "gradient_clipping": "tests/test_hf_interop.py::test_first_training_step_after_import_matches_transformers",
+    DS + "gradient_clipping": T_BUILT_ENGINE,
     DS + "optimizer.type": T_ZERO_FP32,
     DS + "optimizer.params.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
     DS + "optimizer.params.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
