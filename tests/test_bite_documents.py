@@ -40,3 +40,26 @@ def test_mup_attention_scale_holds_under_the_document_mask():
     plain = model(tokens)
     masked = model(tokens, document_ids=torch.zeros_like(tokens))
     assert (masked - plain).abs().max() <= 1e-5 * plain.abs().max()
+
+
+def test_the_loader_sends_each_samples_document_ids_computed_from_its_tokens(tmp_path):
+    """The ids a training micro-batch carries are `document_ids` of the sample's own tokens
+    (tests/test_document_mask.py's training test recomputes its reference through the same
+    loader, so a loader that sends no ids, or the wrong ones, agrees with itself there)."""
+    from pretrain.data import PackedSamples
+    from pretrain.data.loader import micro_batches
+    from pretrain.data.samples import document_ids
+    from tests.test_data_blend import EOS, write_dataset
+
+    samples = PackedSamples(write_dataset(tmp_path / "docs", documents=40, seed=3),
+                            seq_length=64, split="train", valid_fraction=0.0, seed=1)
+    batches = micro_batches(samples, micro_batch_size=2, dp_rank=0, dp_size=1, document_eod=EOS)
+    for step in range(2):
+        batch = next(batches)
+        rows = [samples.tokens(index) for index in range(2 * step, 2 * step + 2)]
+        expected = torch.from_numpy(document_ids(torch.stack(
+            [torch.from_numpy(r.astype("int64")) for r in rows]).numpy(), eod=EOS))
+        assert torch.equal(batch["input_ids"], torch.stack(
+            [torch.from_numpy(r[:-1].astype("int64")) for r in rows]))
+        assert torch.equal(batch["document_ids"], expected)
+        assert int(expected.max()) >= 1  # the samples pack several documents
