@@ -77,7 +77,8 @@ REGISTRY: dict[str, str] = {
         "tests/test_moe.py::test_moe_model_parameters_and_init_follow_the_dense_rules",
     "model.experts_per_token": T_MOE_LAYER,
     "model.moe_aux_loss_coeff": T_MOE_LAYER,
-    "model.moe_z_loss_coeff": "tests/test_bite_moe.py::test_the_z_loss_alone_reaches_the_router_gradient",
+    "model.moe_z_loss_coeff":
+        "tests/test_bite_moe.py::test_the_z_loss_alone_reaches_the_router_gradient",
     "model.moe_capacity_factor":
         "tests/test_moe.py::test_capacity_factor_drops_and_counts_the_assignments_over_capacity",
     # parallel.*
@@ -96,8 +97,9 @@ REGISTRY: dict[str, str] = {
     "data.seed": "tests/test_bite_data.py::test_the_configs_seed_orders_the_split_and_its_samples",
     "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
     # (the training test's reference goes through the same loader: a loader without ids passes)
-    "data.document_mask": ("tests/test_bite_documents.py::"
-                           "test_the_loader_sends_each_samples_document_ids_computed_from_its_tokens"),
+    "data.document_mask": (
+        "tests/test_bite_documents.py::"
+        "test_the_loader_sends_each_samples_document_ids_computed_from_its_tokens"),
     # train.*
     "train.steps": T_ZERO_FP32,
     "train.micro_batch_size": T_TP_ZERO1,
