@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from pretrain import config as run_config
@@ -33,6 +34,13 @@ T_ZERO2_BUFFERS = ("tests/test_ds_knobs.py::"
                    "test_zero2_contiguous_gradients_and_overlap_comm_build_the_bucket_buffers")
 T_LOGGED = "tests/test_ds_knobs.py::test_steps_per_print_sets_deepspeeds_progress_line_cadence"
 T_NVME = "tests/test_ds_knobs.py::test_nvme_swappers_are_built_with_the_aio_and_buffer_settings"
+# the engine `pretrain train` builds, read back (step 1's loss, cited before, is the same whatever
+# the lr or the clipping)
+T_BUILT_ENGINE = ("tests/test_bite_engine.py::"
+                  "test_the_built_engine_has_the_runs_lr_and_gradient_clipping")
+# every tests/test_mup.py model has the proxy width 64: a rule reading 64 instead passes there
+T_MUP_BASES = ("tests/test_bite_mup.py::"
+               "test_the_base_width_and_base_head_dim_set_the_groups_and_the_attention_scale")
 
 REGISTRY: dict[str, str] = {
     # run config: top level
@@ -63,13 +71,14 @@ REGISTRY: dict[str, str] = {
     "model.loss_chunk_tokens":
         "tests/test_chunked_loss.py::test_the_models_loss_peak_memory_is_a_fraction_of_whole_logits",
     "model.parametrization": "tests/test_mup.py::test_coordinate_check",
-    "model.mup_base_width": "tests/test_mup.py::test_m1_is_the_standard_model",
-    "model.mup_base_head_dim": "tests/test_mup.py::test_attention_and_output_multipliers",
+    "model.mup_base_width": T_MUP_BASES,
+    "model.mup_base_head_dim": T_MUP_BASES,
     "model.num_experts":
         "tests/test_moe.py::test_moe_model_parameters_and_init_follow_the_dense_rules",
     "model.experts_per_token": T_MOE_LAYER,
     "model.moe_aux_loss_coeff": T_MOE_LAYER,
-    "model.moe_z_loss_coeff": T_MOE_LAYER,
+    "model.moe_z_loss_coeff":
+        "tests/test_bite_moe.py::test_the_z_loss_alone_reaches_the_router_gradient",
     "model.moe_capacity_factor":
         "tests/test_moe.py::test_capacity_factor_drops_and_counts_the_assignments_over_capacity",
     # parallel.*
@@ -79,14 +88,18 @@ REGISTRY: dict[str, str] = {
     "parallel.expert": ("tests/test_expert_parallel.py::"
                         "test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1"),
     # data.*
-    "data.dataset": "tests/test_data_blend.py::test_blend_through_a_config_override_and_with_dataset",
-    "data.blend": "tests/test_data_blend.py::test_blend_through_a_config_override_and_with_dataset",
+    "data.dataset": "tests/test_data_blend.py::test_test_split_through_the_config",
+    "data.blend": "tests/test_data_blend.py::test_blend_valid_split_and_build_datasets",
     "data.tokenizer": "tests/test_checkpoint.py::test_checkpoint_of_another_tokenizer_is_refused",
-    "data.valid_fraction": "tests/test_data_blend.py::test_blend_valid_split_and_build_datasets",
+    "data.valid_fraction": ("tests/test_bite_data.py::"
+                            "test_the_configs_valid_fraction_sizes_the_validation_split"),
     "data.test_fraction": "tests/test_data_blend.py::test_test_split_through_the_config",
-    "data.seed": "tests/test_data.py::test_samples_are_served_in_a_seeded_shuffled_order",
+    "data.seed": "tests/test_bite_data.py::test_the_configs_seed_orders_the_split_and_its_samples",
     "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
-    "data.document_mask": "tests/test_document_mask.py::test_training_uses_the_document_mask",
+    # (the training test's reference goes through the same loader: a loader without ids passes)
+    "data.document_mask": (
+        "tests/test_bite_documents.py::"
+        "test_the_loader_sends_each_samples_document_ids_computed_from_its_tokens"),
     # train.*
     "train.steps": T_ZERO_FP32,
     "train.micro_batch_size": T_TP_ZERO1,
@@ -105,7 +118,7 @@ REGISTRY: dict[str, str] = {
     "train.min_lr": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
     "train.warmup_steps": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
     "train.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
-    "train.grad_clip": "tests/test_hf_interop.py::test_first_training_step_after_import_matches_transformers",
+    "train.grad_clip": T_BUILT_ENGINE,
     "train.precision": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",
     "train.engine": "tests/test_fsdp2.py::test_dp2_trains_like_one_process_and_writes_the_same_final",
     "train.fsdp2_replicas": ("tests/test_fsdp2.py::"
@@ -131,13 +144,16 @@ REGISTRY: dict[str, str] = {
     "checkpoint.keep_last": "tests/test_checkpoint.py::test_keep_last_and_keep_every",
     "checkpoint.keep_every": "tests/test_checkpoint.py::test_keep_last_and_keep_every",
     "checkpoint.save_final": "tests/test_checkpoint.py::test_run_ends_with_a_checkpoint_of_its_last_step_without_save_final",
-    "checkpoint.async_save": "tests/test_save_memory.py::test_three_background_saves_keep_no_copy_of_the_state",
+    # (tests/test_save_memory.py builds its Saver itself: the setting never reaches it)
+    "checkpoint.async_save": ("tests/test_async_save.py::"
+                              "test_background_saves_resume_bitwise_like_synchronous_ones"),
     # logging.*
     "logging.report_to": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
     "logging.level": "tests/test_telemetry.py::test_log_level_warning_keeps_step_and_eval_lines_only",
     "logging.mlflow_tracking_uri": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
     "logging.wandb_mode": "tests/test_telemetry.py::test_the_wandb_sink_opens_in_the_configured_mode",
-    "logging.wandb_project": "tests/test_telemetry.py::test_the_wandb_sink_opens_in_the_configured_mode",
+    "logging.wandb_project": ("tests/test_bite_telemetry.py::"
+                              "test_the_wandb_run_opens_in_the_configured_project_and_mode"),
     "logging.progress_bar": "tests/test_telemetry.py::test_the_progress_bar_is_drawn_only_on_a_terminal",
     # the test model turns both off/sets one: ignored, the run draws curves.png / measures a peak
     "logging.curves": "tests/test_train_zero.py::test_single_process_run_learns",
@@ -151,7 +167,7 @@ REGISTRY: dict[str, str] = {
     DS + "train_batch_size": T_BF16_FP32_SUMS,
     DS + "train_micro_batch_size_per_gpu": T_TP_ZERO1,
     DS + "gradient_accumulation_steps": T_BF16_FP32_SUMS,
-    DS + "gradient_clipping": "tests/test_hf_interop.py::test_first_training_step_after_import_matches_transformers",
+    DS + "gradient_clipping": T_BUILT_ENGINE,
     DS + "optimizer.type": T_ZERO_FP32,
     DS + "optimizer.params.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
     DS + "optimizer.params.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
@@ -198,6 +214,166 @@ REGISTRY: dict[str, str] = {
     DS + "aio.single_submit": T_NVME,
     DS + "aio.overlap_events": T_NVME,
 }
+
+# The mutant (bench/mutants/*.yaml) that breaks each setting's line, and whose tests include the
+# test REGISTRY cites: proof that the cited test fails when the setting is ignored
+# (`python bench/mutants.py --id ID` runs it). A cited test no mutant names is not proven.
+_DS_ONLY = "read by DeepSpeed only: no line of this repository to break"
+
+
+def _survived(mutant: str) -> str:
+    return f"its mutant {mutant} survived the cited test (bench/mutants.py): a gap to close"
+
+
+MUTANT_OF: dict[str, str] = {
+    "run_dir": "checkpoint-save-interval-ignored",
+    "checkpoint.save_interval": "checkpoint-save-interval-ignored",
+    **dict.fromkeys(["model.preset", "model.vocab_size", "model.hidden_size", "model.num_layers",
+                     "model.num_heads", "model.num_kv_heads", "model.ffn_hidden_size",
+                     "model.tie_embeddings"], "model-mlp-activation"),
+    "model.seq_length": "data-sample-without-its-last-label",
+    "model.rope_theta": "model-rope-theta-ignored",
+    "model.norm_eps": "model-norm-eps-ignored",
+    "model.init_std": "model-init-std-ignored",
+    "model.activation_checkpointing": "model-recompute-off",
+    "model.activation_checkpointing_interval": "model-recompute-interval-ignored",
+    "model.vocab_pad_multiple": "model-vocab-pad-multiple-ignored",
+    "model.init_from": "model-init-from-ignored",
+    "model.fused_projections": "model-fused-qkv-never",
+    "model.loss_chunk_tokens": "model-loss-never-chunked",
+    "model.parametrization": "mup-hidden-lr-not-divided",
+    "model.mup_base_width": "mup-base-width-ignored",
+    "model.mup_base_head_dim": "mup-base-head-dim-ignored",
+    "model.num_experts": "model-num-experts-ignored",
+    "model.experts_per_token": "moe-top-k-ignored",
+    "model.moe_aux_loss_coeff": "moe-aux-coeff-ignored",
+    "model.moe_z_loss_coeff": "moe-z-coeff-fixed",
+    "model.moe_capacity_factor": "moe-capacity-factor-ignored",
+    "parallel.tensor": "model-tp-forward-not-reduced",
+    "parallel.context": "context-chunk-positions-from-zero",
+    "parallel.expert": "ep-experts-counted-on-every-rank-in-the-norm",
+    "parallel.sequence_parallel": "model-sequence-parallel-setting-ignored",
+    "parallel.pipeline_partition": "model-pipeline-partition-ignored",
+    "data.dataset": "data-dataset-split-ignored",
+    "data.blend": "data-blend-first-component-only",
+    "data.valid_fraction": "data-valid-fraction-halved",
+    "data.test_fraction": "data-test-fraction-ignored",
+    "data.seed": "data-seed-ignored",
+    "data.exclude_samples": "train-exclude-samples-ignored",
+    "data.document_mask": "data-document-ids-not-sent",
+    "data.num_workers": "data-num-workers-ignored",
+    **dict.fromkeys(["train.global_batch_size", DS + "train_batch_size",
+                     DS + "gradient_accumulation_steps", DS + "data_types.grad_accum_dtype",
+                     DS + "communication_data_type"], "train-gradients-summed-in-bf16"),
+    **dict.fromkeys(["train.lr", "train.weight_decay", DS + "optimizer.params.lr",
+                     DS + "optimizer.params.weight_decay"], "train-lr-not-in-the-groups"),
+    "logging.mlflow_experiment": "telemetry-mlflow-experiment-ignored",
+    "train.hang_timeout_minutes": "train-hang-timeout-ignored",
+    "train.loss_spike_factor": "faults-spike-factor-ignored",
+    "logging.log_interval": "telemetry-log-interval-ignored",
+    **dict.fromkeys(["train.beta1", "train.beta2", "train.eps", DS + "optimizer.params.betas",
+                     DS + "optimizer.params.eps"], "train-betas-ignored"),
+    "train.min_lr": "train-min-lr-ignored",
+    "train.warmup_steps": "train-warmup-ignored",
+    "train.grad_clip": "train-grad-clip-ignored",
+    DS + "gradient_clipping": "train-grad-clip-ignored",
+    "train.precision": "train-bf16-not-enabled",
+    DS + "bf16.enabled": "train-bf16-not-enabled",
+    "train.engine": "fsdp2-clip-never",
+    "train.fsdp2_replicas": "fsdp2-hsdp-norm-summed-over-replicas",
+    "train.seed": "model-seed-ignored",
+    "train.max_nonfinite_steps": "faults-nonfinite-limit-off-by-one",
+    "train.on_loss_spike": "train-exclude-samples-ignored",
+    **dict.fromkeys(["train.straggler_interval", "train.straggler_margin",
+                     "train.straggler_patience"], "train-straggler-interval-ignored"),
+    "train.io_timeout_minutes": "train-io-timeout-is-the-collective-one",
+    "train.exit_after_minutes": "faults-exit-after-minutes-ignored",
+    "checkpoint.save_interval_minutes": "faults-save-minutes-ignored",
+    "checkpoint.keep_last": "checkpoint-keep-every-ignored",
+    "checkpoint.keep_every": "checkpoint-keep-every-ignored",
+    "checkpoint.save_final": "checkpoint-last-step-not-saved",
+    "checkpoint.async_save": "checkpoint-async-save-ignored",
+    "logging.level": "telemetry-level-ignored",
+    "logging.wandb_mode": "telemetry-wandb-mode-ignored",
+    "logging.wandb_project": "telemetry-wandb-project-ignored",
+    "logging.progress_bar": "telemetry-progress-bar-on-pipes",
+    "logging.profile_steps": "telemetry-profile-steps-ignored",
+    **dict.fromkeys(["eval.tasks", "eval.interval", "eval.limit"], "eval-tasks-interval-ignored"),
+    DS + "zero_optimization.offload_optimizer.nvme_path": "data-nvme-auto-in-the-run-dir",
+    DS + "zero_optimization.offload_param.nvme_path": "data-nvme-auto-in-the-run-dir",
+    DS + "checkpoint.load_universal": "checkpoint-load-universal-not-set",
+    DS + "zero_optimization.stage3_param_persistence_threshold":
+        "train-zero3-persistence-threshold-zero",
+}
+
+# Settings whose cited test no mutant proves yet, each with why. Only ever remove entries.
+UNMUTATED: dict[str, str] = {
+    "deepspeed": "the JSON's path: its keys have their own entries",
+    "logging.report_to": _survived("telemetry-mlflow-uri-ignored"),
+    "logging.mlflow_tracking_uri": _survived("telemetry-mlflow-uri-ignored"),
+    "logging.curves": _survived("telemetry-curves-never-drawn"),
+    "logging.peak_tflops": _survived("telemetry-curves-never-drawn"),
+    "train.micro_batch_size": _survived("train-micro-batch-ignored"),
+    DS + "train_micro_batch_size_per_gpu": _survived("train-micro-batch-ignored"),
+    DS + "zero_optimization.stage3_prefetch_bucket_size":
+        _survived("train-zero3-prefetch-bucket-unsized"),
+    "train.eval_interval": _survived("train-eval-batches-ignored"),
+    "train.eval_batches": _survived("train-eval-batches-ignored"),
+    "model.compile": "a mutant would have to break inductor's cache reuse; not written yet",
+    "parallel.pipeline": "DeepSpeed's PipelineModule does the split; no mutant written yet",
+    "data.tokenizer": "the tokenizer check of a resumed checkpoint; no mutant written yet",
+    "train.steps": "the loop's bound: breaking it changes every test; no mutant written yet",
+    "train.collective_timeout_minutes": ("ignoring it leaves the killed-rank test waiting the "
+                                        "default 30 min: a mutant too slow to run"),
+    DS + "optimizer.type": _DS_ONLY,
+    DS + "optimizer.params.torch_adam": "no mutant written yet (the resolver's offload rule)",
+    DS + "optimizer.params.fused": "the cited test runs on CUDA only",
+    DS + "zero_optimization.stage": _DS_ONLY,
+    DS + "zero_optimization.offload_optimizer.device": _DS_ONLY,
+    DS + "zero_optimization.offload_param.device": _DS_ONLY,
+    DS + "pipeline.pipe_partitioned": "no mutant written yet (the resolver's pipeline default)",
+    DS + "pipeline.grad_partitioned": "no mutant written yet (the resolver's pipeline default)",
+    DS + "steps_per_print": _DS_ONLY,
+    DS + "wall_clock_breakdown": _DS_ONLY,
+    DS + "zero_optimization.overlap_comm": _DS_ONLY,
+    DS + "zero_optimization.contiguous_gradients": _DS_ONLY,
+    DS + "zero_optimization.reduce_bucket_size": _DS_ONLY + " (the resolver sizes it at ZeRO-3 only)",
+    DS + "zero_optimization.allgather_bucket_size": _DS_ONLY,
+    DS + "zero_optimization.stage3_gather_16bit_weights_on_model_save": _DS_ONLY,
+    DS + "zero_optimization.offload_optimizer.buffer_count": _DS_ONLY,
+    DS + "zero_optimization.offload_param.buffer_count": _DS_ONLY,
+    DS + "zero_optimization.offload_optimizer.pin_memory": _DS_ONLY,
+    DS + "zero_optimization.offload_param.pin_memory": _DS_ONLY,
+    DS + "zero_optimization.offload_param.buffer_size": _DS_ONLY,
+    DS + "zero_optimization.offload_param.max_in_cpu": _DS_ONLY,
+    DS + "aio.block_size": _DS_ONLY,
+    DS + "aio.queue_depth": _DS_ONLY,
+    DS + "aio.intra_op_parallelism": _DS_ONLY,
+    DS + "aio.single_submit": _DS_ONLY,
+    DS + "aio.overlap_events": _DS_ONLY,
+}
+# UNMUTATED as written (DeepSpeed keys without the prefix): it may only shrink.
+FROZEN_UNMUTATED = frozenset([
+    "train_micro_batch_size_per_gpu", "zero_optimization.stage3_prefetch_bucket_size", "logging.report_to",
+    "logging.mlflow_tracking_uri", "logging.curves", "logging.peak_tflops",
+    "train.micro_batch_size", "train.eval_interval", "train.eval_batches",
+    "aio.block_size", "aio.intra_op_parallelism", "aio.overlap_events", "aio.queue_depth",
+    "aio.single_submit", "data.tokenizer", "deepspeed", "model.compile",
+    "optimizer.params.fused", "optimizer.params.torch_adam", "optimizer.type",
+    "parallel.pipeline", "pipeline.grad_partitioned", "pipeline.pipe_partitioned",
+    "steps_per_print", "train.collective_timeout_minutes", "train.steps",
+    "wall_clock_breakdown", "zero_optimization.allgather_bucket_size",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.offload_optimizer.buffer_count",
+    "zero_optimization.offload_optimizer.device",
+    "zero_optimization.offload_optimizer.pin_memory",
+    "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.device",
+    "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_param.pin_memory",
+    "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+])
+
 
 # Settings without a biting test yet, each with why. Only ever remove entries.
 _FP16_SCALER = "fp16 loss scaler knob: no fp16 training test (see fp16.enabled)"
@@ -303,3 +479,31 @@ def test_every_key_the_resolver_writes_is_a_registered_setting():
     unseen = sorted(resolver_literal_keys() - names)
     assert not unseen, (f"pretrain/resolve/ds_config.py or pretrain/resolve/run.py writes DeepSpeed keys {unseen} "
                         "that are not in RESOLVER_KEYS")
+
+
+def _mutants():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutants_tool", ROOT / "bench" / "mutants.py")
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("mutants_tool", tool)  # its dataclasses look their module up
+    spec.loader.exec_module(tool)
+    return {m.id: m for m in tool.load_mutants()}
+
+
+def test_every_cited_test_is_proven_by_a_mutant_it_catches():
+    """Each registered setting names a mutant whose tests include the test REGISTRY cites (the
+    mutant runs show it caught), or sits in UNMUTATED with its reason."""
+    mutants = _mutants()
+    unknown = sorted(f"{s}: {m}" for s, m in MUTANT_OF.items() if m not in mutants)
+    assert not unknown, f"MUTANT_OF names mutants that bench/mutants/*.yaml does not hold: {unknown}"
+    wrong = sorted(f"{s}: {MUTANT_OF[s]} does not run {REGISTRY[s]}" for s in MUTANT_OF
+                   if s in REGISTRY and REGISTRY[s] not in mutants[MUTANT_OF[s]].tests)
+    assert not wrong, wrong
+    unproven = sorted(set(REGISTRY) - set(MUTANT_OF) - set(UNMUTATED))
+    assert not unproven, f"settings whose cited test no mutant proves: {unproven}"
+    assert not set(MUTANT_OF) & set(UNMUTATED), sorted(set(MUTANT_OF) & set(UNMUTATED))
+    assert set(MUTANT_OF) | set(UNMUTATED) <= set(REGISTRY), \
+        sorted((set(MUTANT_OF) | set(UNMUTATED)) - set(REGISTRY))
+    assert {s.removeprefix(DS) for s in UNMUTATED} <= FROZEN_UNMUTATED, "UNMUTATED may only shrink"
+    assert all(reason.strip() for reason in UNMUTATED.values())

@@ -10,7 +10,8 @@ The waiters are the ranks whose last collective is still running (blocking: "wai
 whose count for that group is below its sequence number never reached it. Of those, the ranks
 that are not themselves waiting elsewhere are the cause (a chain: rank 0 waits for rank 1, which
 waits for rank 2, names rank 2); if all of them wait elsewhere (collectives called in a different
-order on different ranks) they are all named. A rank that did not answer is named as such
+order on different ranks) they are all named. If every member reached the collective its ranks wait in
+(a stalled transport), no rank is named and the line says so. A rank that did not answer is named as such
 whether or not it reached the collective.
 """
 from __future__ import annotations
@@ -47,7 +48,14 @@ def verdict(statuses: dict[int, dict[str, Any] | None], *,
     for rank in named:
         parts.append(_describe_rank(rank, statuses.get(rank), missing.get(rank),
                                     waiters=waiters, now=now))
-    if not named:
+    if not named and waits:  # every member reached what its ranks wait in: nobody to blame
+        for key, last in sorted(waits.items()):
+            them = waiters[key]
+            parts.append(f"{rank_list(them)} wait{'s' if len(them) == 1 else ''} in {name(last)}, "
+                         f"which every member reached (for {now - last['started']:.1f} s): the "
+                         f"collective itself is stalled (network, transport), no rank is missing "
+                         f"(see their stacks in hang/rank<N>.txt)")
+    elif not named:
         stuck = sorted(statuses)
         parts.append(f"no rank waits in a collective: {rank_list(stuck)} made no progress "
                      f"(see their stacks in hang/rank<N>.txt)")
