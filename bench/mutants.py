@@ -243,6 +243,8 @@ def collect(test_files: list[str], repo: Path = REPO) -> dict[str, bool]:
 
     collector = _Collector()
     cwd, printed = os.getcwd(), io.StringIO()
+    if str(repo) not in sys.path:  # tests import each other as `tests.<module>`, as under
+        sys.path.insert(0, str(repo))  # `python -m pytest` from the repository's root
     os.chdir(repo)
     try:
         with contextlib.redirect_stdout(printed):

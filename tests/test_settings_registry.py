@@ -95,7 +95,7 @@ REGISTRY: dict[str, str] = {
                             "test_the_configs_valid_fraction_sizes_the_validation_split"),
     "data.test_fraction": "tests/test_data_blend.py::test_test_split_through_the_config",
     "data.seed": "tests/test_bite_data.py::test_the_configs_seed_orders_the_split_and_its_samples",
-    "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
+    "data.exclude_samples": "tests/test_spikes.py::test_skip_drops_the_spiking_updates",
     # (the training test's reference goes through the same loader: a loader without ids passes)
     "data.document_mask": (
         "tests/test_bite_documents.py::"
@@ -127,7 +127,7 @@ REGISTRY: dict[str, str] = {
     "train.eval_interval": T_E2E,
     "train.eval_batches": T_E2E,
     "train.max_nonfinite_steps": "tests/test_faults.py::test_nonfinite_steps_in_a_row_stop_the_run",
-    "train.on_loss_spike": "tests/test_spikes.py::test_skip_drops_the_spiking_update",
+    "train.on_loss_spike": "tests/test_spikes.py::test_skip_drops_the_spiking_updates",
     "train.straggler_interval":
         "tests/test_stragglers.py::test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody",
     "train.straggler_margin":
@@ -173,6 +173,8 @@ REGISTRY: dict[str, str] = {
     DS + "optimizer.params.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
     DS + "optimizer.params.torch_adam": "tests/test_train_zero.py::test_cpu_offload_matches_zero3",
     DS + "bf16.enabled": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",
+    DS + "bf16.immediate_grad_update":
+        "tests/test_plan.py::test_the_resolver_adds_bf16_gradients_in_their_backward_hooks",
     DS + "data_types.grad_accum_dtype": T_BF16_FP32_SUMS,
     DS + "communication_data_type": T_BF16_FP32_SUMS,
     DS + "zero_optimization.stage": "tests/test_memory_scaling.py::test_zero3_construction_adds_a_partition_per_rank",
@@ -279,6 +281,7 @@ MUTANT_OF: dict[str, str] = {
     DS + "gradient_clipping": "train-grad-clip-ignored",
     "train.precision": "train-bf16-not-enabled",
     DS + "bf16.enabled": "train-bf16-not-enabled",
+    DS + "bf16.immediate_grad_update": "planner-immediate-grad-update-off",
     "train.engine": "fsdp2-clip-never",
     "train.fsdp2_replicas": "fsdp2-hsdp-norm-summed-over-replicas",
     "train.seed": "model-seed-ignored",
@@ -395,7 +398,7 @@ FROZEN_GAPS = frozenset([
 ])
 
 # Keys the resolver adds beyond the shipped JSONs (pretrain/resolve/ds_config.py, pretrain/resolve/run.py).
-RESOLVER_KEYS = ("optimizer.params.fused", "pipeline.pipe_partitioned",
+RESOLVER_KEYS = ("optimizer.params.fused", "pipeline.pipe_partitioned", "bf16.immediate_grad_update",
                  "pipeline.grad_partitioned", "checkpoint.load_universal")
 
 
