@@ -91,3 +91,80 @@ def test_cosine_default_is_bitwise_warmup_cosine():
 def test_bad_schedule_settings_are_refused_naming_the_fix(overrides, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config(None, ["train.steps=10", *overrides])
+
+
+# ---- runs (slow) --------------------------------------------------------------------------------
+S, N = 4, 4  # the anneal: a checkpoint of stable step S decayed over N steps
+TINY_LR, TINY_MIN_LR, TINY_WARMUP = 1e-3, 1e-4, 2  # configs/tiny.yaml's
+WSD = ["train.lr_schedule=wsd", "train.decay_shape=sqrt"]
+
+
+def _train_records(run) -> list[dict]:
+    return [r for r in run.records if r["kind"] == "train"]
+
+
+def _tiny_wsd_lrs(steps: int, start: int) -> list[float]:
+    """configs/tiny.yaml's lr of updates 1..steps under WSD (1-sqrt) decaying after `start`."""
+    def lr(u: int) -> float:
+        if u <= TINY_WARMUP:
+            return TINY_LR * u / TINY_WARMUP
+        if u <= start:
+            return TINY_LR
+        return TINY_MIN_LR + (TINY_LR - TINY_MIN_LR) * (1 - math.sqrt((u - start) / (steps - start)))
+    return [lr(u) for u in range(1, steps + 1)]
+
+
+@pytest.mark.slow
+def test_fsdp2_runs_metrics_lr_follow_wsd(tiny_data, tmp_path):
+    """fsdp2 builds its own LambdaLR from the same factor: each step's logged lr is the formula's
+    (DeepSpeed's: `test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own`)."""
+    from pretrain.testing.runs import train
+
+    run = train(tmp_path, tiny_data, overrides=[
+        "train.steps=6", *WSD, "train.decay_start_step=3", "train.engine=fsdp2",
+        "deepspeed=ds_configs/zero3.json"])
+    assert [r["lr"] for r in _train_records(run)] == pytest.approx(_tiny_wsd_lrs(6, 3),
+                                                                    rel=1e-12, abs=0)
+
+
+@pytest.mark.slow
+def test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own(tiny_data, tmp_path):
+    """A WSD run's stable-phase checkpoint of step S, annealed into its own run dir
+    (`--resume-from` it, train.steps=S+N, train.decay_start_step=S), gives bit for bit (fp32) the
+    losses, gradient norms and lr of one WSD run of S+N steps decaying from S; the source is not
+    written to; the anneal, stopped after its step S+2 checkpoint and restarted from its own run
+    dir, resumes the decay."""
+    import shutil
+
+    from pretrain.testing.runs import run_pretrain, train, train_args
+
+    whole = train(tmp_path, tiny_data, name="whole", overrides=[
+        f"train.steps={S + N}", *WSD, f"train.decay_start_step={S}"])
+    assert [r["lr"] for r in _train_records(whole)] == pytest.approx(
+        _tiny_wsd_lrs(S + N, S), rel=1e-12, abs=0)  # DeepSpeed's LambdaLR follows the formula
+    # the source: a WSD run whose decay never came (decay_fraction 0), ended at step S
+    source = train(tmp_path, tiny_data, name="source", overrides=[
+        f"train.steps={S}", *WSD, "train.decay_fraction=0"])
+    assert source.losses == whole.losses[:S]
+    before = {p: p.stat().st_mtime_ns for p in source.run_dir.rglob("*")}
+
+    anneal_overrides = [f"train.steps={S + N}", *WSD, f"train.decay_start_step={S}",
+                        "checkpoint.save_interval=2", "checkpoint.keep_last=5"]
+    anneal_dir = tmp_path / "anneal"
+    anneal = run_pretrain(train_args(anneal_dir, tiny_data, overrides=anneal_overrides) +
+                          ["--resume-from", str(source.run_dir)], run_dir=anneal_dir).check()
+    assert f"[resume] from {source.run_dir / 'checkpoints' / f'step{S}'}" in anneal.stdout
+    after, decayed = _train_records(anneal), _train_records(whole)[S:]
+    assert [r["step"] for r in after] == list(range(S + 1, S + N + 1))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in after] == [r[key] for r in decayed], key
+    assert {p: p.stat().st_mtime_ns for p in source.run_dir.rglob("*")} == before
+    assert (anneal_dir / "checkpoints" / f"step{S + N}").is_dir()
+
+    # killed mid-decay: a run dir holding only the anneal's step S+2 checkpoint, restarted
+    # without --resume-from, finishes the decay as the whole run did
+    mid = anneal_dir / "checkpoints" / f"step{S + 2}"
+    shutil.copytree(mid, tmp_path / "restarted" / "checkpoints" / mid.name)
+    restarted = train(tmp_path, tiny_data, name="restarted", overrides=anneal_overrides)
+    for key in ("loss", "lr"):
+        assert [r[key] for r in _train_records(restarted)] == [r[key] for r in decayed[2:]], key

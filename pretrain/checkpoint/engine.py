@@ -36,8 +36,8 @@ from deepspeed.checkpoint import ds_to_universal
 import pretrain.checkpoint.safe_load as safe_load
 from pretrain.checkpoint.paths import (FINAL, read_meta, step_dirs, verify, write_latest,
                                        write_manifest)
-from pretrain.checkpoint.reshard import (derived_rng_seed, load_into_fsdp2, load_resharded,
-                                         seed_generators)
+from pretrain.checkpoint.reshard import (_resume_schedule, derived_rng_seed, load_into_fsdp2,
+                                         load_resharded, seed_generators)
 from pretrain.checkpoint.weights import writing_final
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
@@ -208,6 +208,12 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
             with safe_load.loading_safely():  # DeepSpeed's reads, universal files included
                 path, _ = engine.load_checkpoint(str(point.path.parent), tag=point.path.name,
                                                  load_module_strict=True)
+            if path is not None and engine.lr_scheduler is not None:
+                # each group's lr from this run's schedule at the saved step, not the saved
+                # lr: a run with another schedule (annealing a checkpoint: train.steps and
+                # decay_start_step moved) goes on along its own; the same schedule, bit for bit
+                _resume_schedule(engine.lr_scheduler, engine.lr_scheduler.state_dict(),
+                                 engine.optimizer.param_groups)
     except (RuntimeError, OSError, KeyError, ValueError, EOFError) as exc:
         raise CheckpointError(f"checkpoint {str(point.path)!r} cannot be loaded ({exc}); "
                               "move it away to resume from an older one") from None
