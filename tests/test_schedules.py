@@ -132,8 +132,8 @@ def test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own(tiny_data, t
     """A WSD run's stable-phase checkpoint of step S, annealed into its own run dir
     (`--resume-from` it, train.steps=S+N, train.decay_start_step=S), gives bit for bit (fp32) the
     losses, gradient norms and lr of one WSD run of S+N steps decaying from S; the source is not
-    written to; the anneal, stopped after its step S+2 checkpoint and restarted from its own run
-    dir, resumes the decay."""
+    written to; the anneal, stopped after its step S+2 checkpoint and restarted with the same
+    command, resumes the decay from its own checkpoint."""
     import shutil
 
     from pretrain.testing.runs import run_pretrain, train, train_args
@@ -161,10 +161,13 @@ def test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own(tiny_data, t
     assert {p: p.stat().st_mtime_ns for p in source.run_dir.rglob("*")} == before
     assert (anneal_dir / "checkpoints" / f"step{S + N}").is_dir()
 
-    # killed mid-decay: a run dir holding only the anneal's step S+2 checkpoint, restarted
-    # without --resume-from, finishes the decay as the whole run did
+    # killed mid-decay: a run dir holding only the anneal's step S+2 checkpoint, restarted with
+    # the same command (--resume-from the source: a requeue), finishes the decay from its own
     mid = anneal_dir / "checkpoints" / f"step{S + 2}"
-    shutil.copytree(mid, tmp_path / "restarted" / "checkpoints" / mid.name)
-    restarted = train(tmp_path, tiny_data, name="restarted", overrides=anneal_overrides)
+    restarted_dir = tmp_path / "restarted"
+    shutil.copytree(mid, restarted_dir / "checkpoints" / mid.name)
+    restarted = run_pretrain(train_args(restarted_dir, tiny_data, overrides=anneal_overrides) +
+                             ["--resume-from", str(source.run_dir)], run_dir=restarted_dir).check()
+    assert f"[resume] from {restarted_dir / 'checkpoints' / mid.name}" in restarted.stdout
     for key in ("loss", "lr"):
         assert [r[key] for r in _train_records(restarted)] == [r[key] for r in decayed[2:]], key

@@ -131,13 +131,23 @@ def find_resume(cfg: RunConfig, *, resume_from: str | None, log: Callable[[str],
     there is none); damaged ones (a missing or truncated file, or one of `damaged`, whose
     content `confirm_content` found wrong) are skipped with a message. With `resume_from` (a run
     dir, a checkpoints dir or a step dir) a damaged checkpoint is an error when it is the only
-    one. A checkpoint of another model or tokenizer is always an error: falling back would not
-    fix the config. File sizes are checked here; contents, by every rank's share, once the
-    process group exists (`confirm_content`).
+    one; outside run_dir it is where the run starts: once run_dir has a complete checkpoint of
+    its own, that one is resumed (a requeued job repeats its command). A checkpoint of another
+    model or tokenizer is always an error: falling back would not fix the config. File sizes
+    are checked here; contents, by every rank's share, once the process group exists
+    (`confirm_content`).
     """
     damaged = damaged or {}
     explicit = resume_from is not None
     root = Path(resume_from) if explicit else Path(cfg.run_dir) / "checkpoints"
+    if explicit and not root.resolve().is_relative_to(Path(cfg.run_dir).resolve()):
+        # a run started from another run's checkpoint (annealing one) and restarted with the
+        # same command goes on from its own newest checkpoint, not from that start again
+        own = find_resume(cfg, resume_from=None, log=log, damaged=damaged)
+        if own is not None:
+            log(f"[resume] {cfg.run_dir} holds this run's own checkpoint {own.path.name}: "
+                f"resuming it, not --resume-from {resume_from} (where the run started)")
+            return own
     candidates = step_dirs(root)
     if explicit and not candidates:
         raise CheckpointError(f"--resume-from {str(root)!r} holds no checkpoint: pass a run "

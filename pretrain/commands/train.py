@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from this checkpoint (a run dir, its checkpoints/ dir, a "
                              "step<N> dir, or a universal checkpoint) instead of the newest one "
                              "of run_dir; a checkpoint of another layout (tp, pp, dp, ZeRO "
-                             "stage, offload, precision) is resharded onto this one")
+                             "stage, offload, precision) is resharded onto this one. One "
+                             "outside run_dir is where the run starts: once run_dir has a "
+                             "checkpoint of its own, a restart resumes that")
     parser.add_argument("--require-same-layout", action="store_true",
                         help="refuse to resume a checkpoint of another layout instead of "
                              "resharding it")
