@@ -412,7 +412,7 @@ class TrainConfig(_Freezable):
     decay_fraction: float = 0.1  # wsd: the fraction of steps spent decaying, at the end
     decay_shape: DecayShape = DecayShape.LINEAR  # wsd's decay: linear | sqrt (1-sqrt) | cosine
     # wsd: the step its decay starts at; null: steps * (1 - decay_fraction). Annealing a
-    # checkpoint of step S over N steps: steps=S+N, decay_start_step=S, --resume-from it
+    # checkpoint of step S over N steps: steps=S+N, decay_start_step=S, --start-from it
     decay_start_step: int | None = None
     weight_decay: float = 0.1  # AdamW's decoupled weight decay
     beta1: float = 0.9  # AdamW

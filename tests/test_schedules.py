@@ -130,7 +130,7 @@ def test_fsdp2_runs_metrics_lr_follow_wsd(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own(tiny_data, tmp_path):
     """A WSD run's stable-phase checkpoint of step S, annealed into its own run dir
-    (`--resume-from` it, train.steps=S+N, train.decay_start_step=S), gives bit for bit (fp32) the
+    (`--start-from` it, train.steps=S+N, train.decay_start_step=S), gives bit for bit (fp32) the
     losses, gradient norms and lr of one WSD run of S+N steps decaying from S; the source is not
     written to; the anneal, stopped after its step S+2 checkpoint and restarted with the same
     command, resumes the decay from its own checkpoint."""
@@ -152,7 +152,7 @@ def test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own(tiny_data, t
                         "checkpoint.save_interval=2", "checkpoint.keep_last=5"]
     anneal_dir = tmp_path / "anneal"
     anneal = run_pretrain(train_args(anneal_dir, tiny_data, overrides=anneal_overrides) +
-                          ["--resume-from", str(source.run_dir)], run_dir=anneal_dir).check()
+                          ["--start-from", str(source.run_dir)], run_dir=anneal_dir).check()
     assert f"[resume] from {source.run_dir / 'checkpoints' / f'step{S}'}" in anneal.stdout
     after, decayed = _train_records(anneal), _train_records(whole)[S:]
     assert [r["step"] for r in after] == list(range(S + 1, S + N + 1))
@@ -162,12 +162,12 @@ def test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own(tiny_data, t
     assert (anneal_dir / "checkpoints" / f"step{S + N}").is_dir()
 
     # killed mid-decay: a run dir holding only the anneal's step S+2 checkpoint, restarted with
-    # the same command (--resume-from the source: a requeue), finishes the decay from its own
+    # the same command (--start-from the source: a requeue), finishes the decay from its own
     mid = anneal_dir / "checkpoints" / f"step{S + 2}"
     restarted_dir = tmp_path / "restarted"
     shutil.copytree(mid, restarted_dir / "checkpoints" / mid.name)
     restarted = run_pretrain(train_args(restarted_dir, tiny_data, overrides=anneal_overrides) +
-                             ["--resume-from", str(source.run_dir)], run_dir=restarted_dir).check()
+                             ["--start-from", str(source.run_dir)], run_dir=restarted_dir).check()
     assert f"[resume] from {restarted_dir / 'checkpoints' / mid.name}" in restarted.stdout
     for key in ("loss", "lr"):
         assert [r[key] for r in _train_records(restarted)] == [r[key] for r in decayed[2:]], key

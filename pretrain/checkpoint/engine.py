@@ -124,15 +124,17 @@ def resume_mismatch(meta: dict[str, Any], cfg: RunConfig) -> str | None:
 
 
 def find_resume(cfg: RunConfig, *, resume_from: str | None, log: Callable[[str], None],
-                damaged: dict[Path, str] | None = None) -> ResumePoint | None:
+                damaged: dict[Path, str] | None = None,
+                own_first: bool = False) -> ResumePoint | None:
     """The checkpoint this run starts from, read from files only (runs before any collective).
 
     `resume_from` None: the newest complete checkpoint of `<run_dir>/checkpoints` (None when
     there is none); damaged ones (a missing or truncated file, or one of `damaged`, whose
     content `confirm_content` found wrong) are skipped with a message. With `resume_from` (a run
     dir, a checkpoints dir or a step dir) a damaged checkpoint is an error when it is the only
-    one; outside run_dir it is where the run starts: once run_dir has a complete checkpoint of
-    its own, that one is resumed (a requeued job repeats its command). A checkpoint of another
+    one. `own_first` (`--start-from`): `resume_from` is where the run starts, and once run_dir
+    has a complete checkpoint of its own that one is resumed instead (a requeued job repeats its
+    command: an anneal goes on mid-decay, not from its start again). A checkpoint of another
     model or tokenizer is always an error: falling back would not fix the config. File sizes
     are checked here; contents, by every rank's share, once the process group exists
     (`confirm_content`).
@@ -140,13 +142,11 @@ def find_resume(cfg: RunConfig, *, resume_from: str | None, log: Callable[[str],
     damaged = damaged or {}
     explicit = resume_from is not None
     root = Path(resume_from) if explicit else Path(cfg.run_dir) / "checkpoints"
-    if explicit and not root.resolve().is_relative_to(Path(cfg.run_dir).resolve()):
-        # a run started from another run's checkpoint (annealing one) and restarted with the
-        # same command goes on from its own newest checkpoint, not from that start again
+    if explicit and own_first:
         own = find_resume(cfg, resume_from=None, log=log, damaged=damaged)
         if own is not None:
             log(f"[resume] {cfg.run_dir} holds this run's own checkpoint {own.path.name}: "
-                f"resuming it, not --resume-from {resume_from} (where the run started)")
+                f"resuming it, not --start-from {resume_from} (where the run started)")
             return own
     candidates = step_dirs(root)
     if explicit and not candidates:
@@ -177,7 +177,7 @@ def find_resume(cfg: RunConfig, *, resume_from: str | None, log: Callable[[str],
 
 
 def confirm_content(point: ResumePoint | None, cfg: RunConfig, *, resume_from: str | None,
-                    log: Callable[[str], None]) -> ResumePoint | None:
+                    log: Callable[[str], None], own_first: bool = False) -> ResumePoint | None:
     """`point`, once the CRC32 of every file matches its manifest, else the newest checkpoint
     that passes (as `find_resume` chooses, the damaged ones skipped). Collective: each rank reads
     its share of the files, and all see every rank's findings, so they choose alike."""
@@ -190,7 +190,8 @@ def confirm_content(point: ResumePoint | None, cfg: RunConfig, *, resume_from: s
         if not found:
             return point
         damaged[point.path] = found[0]
-        point = find_resume(cfg, resume_from=resume_from, log=log, damaged=damaged)
+        point = find_resume(cfg, resume_from=resume_from, log=log, damaged=damaged,
+                            own_first=own_first)
     return None
 
 
