@@ -81,6 +81,23 @@ class SpikeAction(str, enum.Enum):
     ROLLBACK = "rollback"  # replay from the last checkpoint; a data problem quarantines the batch
 
 
+class LRSchedule(str, enum.Enum):
+    """The learning rate after warmup (`pretrain.training.engine.schedule_factor`)."""
+
+    COSINE = "cosine"  # cosine from train.lr down to train.min_lr at train.steps
+    WSD = "wsd"  # warmup-stable-decay: train.lr until train.decay_start_step, then down to min_lr
+    LINEAR = "linear"  # a straight line from train.lr down to train.min_lr at train.steps
+    CONSTANT = "constant"  # train.lr to the end (min_lr unused)
+
+
+class DecayShape(str, enum.Enum):
+    """WSD's decay, as a function of its progress p (0 -> 1) from train.lr to train.min_lr."""
+
+    LINEAR = "linear"  # 1 - p
+    SQRT = "sqrt"  # 1 - sqrt(p) ("1-sqrt"): a fast drop, then a long tail near min_lr
+    COSINE = "cosine"  # (1 + cos(pi p)) / 2
+
+
 # model.vocab_size: the vocabulary of data.tokenizer, read by the data checks before the run starts
 # (`pretrain.data.build.check_run_data`); the config keeps the word until then.
 VOCAB_AUTO = "auto"
@@ -387,8 +404,16 @@ class TrainConfig(_Freezable):
     micro_batch_size: int = 1  # samples per rank per forward
     global_batch_size: int | None = None  # samples per optimizer step; None: micro * dp (accum 1)
     lr: float = 3e-4  # peak learning rate, reached after warmup
-    min_lr: float = 3e-5  # cosine decays to this
+    min_lr: float = 3e-5  # the schedule decays to this (cosine, wsd, linear)
     warmup_steps: int = 100  # linear warmup from 0
+    # after warmup: cosine | wsd (warmup-stable-decay: lr until decay_start_step, then decayed to
+    # min_lr at steps) | linear | constant (pretrain/training/engine.py `schedule_factor`)
+    lr_schedule: LRSchedule = LRSchedule.COSINE
+    decay_fraction: float = 0.1  # wsd: the fraction of steps spent decaying, at the end
+    decay_shape: DecayShape = DecayShape.LINEAR  # wsd's decay: linear | sqrt (1-sqrt) | cosine
+    # wsd: the step its decay starts at; null: steps * (1 - decay_fraction). Annealing a
+    # checkpoint of step S over N steps: steps=S+N, decay_start_step=S, --start-from it
+    decay_start_step: int | None = None
     weight_decay: float = 0.1  # AdamW's decoupled weight decay
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
@@ -462,6 +487,34 @@ class TrainConfig(_Freezable):
         if self.warmup_steps < 0 or self.eval_interval < 0 or self.grad_clip < 0:
             _fail("train", "warmup_steps/eval_interval/grad_clip",
                   (self.warmup_steps, self.eval_interval, self.grad_clip), "must be >= 0")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            _fail("train", "decay_fraction", self.decay_fraction,
+                  "must be within [0, 1] (the fraction of train.steps spent decaying)")
+        if self.decay_start_step is not None:
+            if LRSchedule(self.lr_schedule) is not LRSchedule.WSD:
+                _fail("train", "decay_start_step", self.decay_start_step,
+                      f"only train.lr_schedule=wsd has a decay start (this run's is "
+                      f"{LRSchedule(self.lr_schedule).value}): set train.lr_schedule=wsd or "
+                      "drop it")
+            if not self.warmup_steps <= self.decay_start_step <= self.steps:
+                _fail("train", "decay_start_step", self.decay_start_step,
+                      f"must be within [train.warmup_steps={self.warmup_steps}, "
+                      f"train.steps={self.steps}]: the decay starts after warmup and ends at "
+                      "train.steps (to anneal a checkpoint of step S over N steps: "
+                      "train.steps=S+N, train.decay_start_step=S)")
+        elif LRSchedule(self.lr_schedule) is LRSchedule.WSD \
+                and self.decay_start < self.warmup_steps:
+            _fail("train", "decay_fraction", self.decay_fraction,
+                  f"decays from step {self.decay_start}, inside the {self.warmup_steps} warmup "
+                  "steps: lower train.decay_fraction or train.warmup_steps")
+
+    @property
+    def decay_start(self) -> int:
+        """wsd's last step at train.lr (decay_start_step, null resolved): its decay's updates
+        are the steps after it."""
+        if self.decay_start_step is not None:
+            return self.decay_start_step
+        return self.steps - round(self.steps * self.decay_fraction)
 
     @property
     def hang_timeout(self) -> float:

@@ -117,6 +117,11 @@ REGISTRY: dict[str, str] = {
     DS + "optimizer.params.betas": T_ADAM, DS + "optimizer.params.eps": T_ADAM,
     "train.min_lr": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
     "train.warmup_steps": "tests/test_config.py::test_the_engines_schedule_follows_the_run_config",
+    "train.lr_schedule": "tests/test_schedules.py::test_each_schedules_lr_at_every_step_is_its_formula",
+    "train.decay_fraction": "tests/test_schedules.py::test_each_schedules_lr_at_every_step_is_its_formula",
+    "train.decay_shape": "tests/test_schedules.py::test_each_schedules_lr_at_every_step_is_its_formula",
+    "train.decay_start_step":
+        "tests/test_schedules.py::test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own",
     "train.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
     "train.grad_clip": T_BUILT_ENGINE,
     "train.precision": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",

@@ -36,8 +36,8 @@ from deepspeed.checkpoint import ds_to_universal
 import pretrain.checkpoint.safe_load as safe_load
 from pretrain.checkpoint.paths import (FINAL, read_meta, step_dirs, verify, write_latest,
                                        write_manifest)
-from pretrain.checkpoint.reshard import (derived_rng_seed, load_into_fsdp2, load_resharded,
-                                         seed_generators)
+from pretrain.checkpoint.reshard import (_resume_schedule, derived_rng_seed, load_into_fsdp2,
+                                         load_resharded, seed_generators)
 from pretrain.checkpoint.weights import writing_final
 from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
@@ -124,20 +124,30 @@ def resume_mismatch(meta: dict[str, Any], cfg: RunConfig) -> str | None:
 
 
 def find_resume(cfg: RunConfig, *, resume_from: str | None, log: Callable[[str], None],
-                damaged: dict[Path, str] | None = None) -> ResumePoint | None:
+                damaged: dict[Path, str] | None = None,
+                own_first: bool = False) -> ResumePoint | None:
     """The checkpoint this run starts from, read from files only (runs before any collective).
 
     `resume_from` None: the newest complete checkpoint of `<run_dir>/checkpoints` (None when
     there is none); damaged ones (a missing or truncated file, or one of `damaged`, whose
     content `confirm_content` found wrong) are skipped with a message. With `resume_from` (a run
     dir, a checkpoints dir or a step dir) a damaged checkpoint is an error when it is the only
-    one. A checkpoint of another model or tokenizer is always an error: falling back would not
-    fix the config. File sizes are checked here; contents, by every rank's share, once the
-    process group exists (`confirm_content`).
+    one. `own_first` (`--start-from`): `resume_from` is where the run starts, and once run_dir
+    has a complete checkpoint of its own that one is resumed instead (a requeued job repeats its
+    command: an anneal goes on mid-decay, not from its start again). A checkpoint of another
+    model or tokenizer is always an error: falling back would not fix the config. File sizes
+    are checked here; contents, by every rank's share, once the process group exists
+    (`confirm_content`).
     """
     damaged = damaged or {}
     explicit = resume_from is not None
     root = Path(resume_from) if explicit else Path(cfg.run_dir) / "checkpoints"
+    if explicit and own_first:
+        own = find_resume(cfg, resume_from=None, log=log, damaged=damaged)
+        if own is not None:
+            log(f"[resume] {cfg.run_dir} holds this run's own checkpoint {own.path.name}: "
+                f"resuming it, not --start-from {resume_from} (where the run started)")
+            return own
     candidates = step_dirs(root)
     if explicit and not candidates:
         raise CheckpointError(f"--resume-from {str(root)!r} holds no checkpoint: pass a run "
@@ -167,7 +177,7 @@ def find_resume(cfg: RunConfig, *, resume_from: str | None, log: Callable[[str],
 
 
 def confirm_content(point: ResumePoint | None, cfg: RunConfig, *, resume_from: str | None,
-                    log: Callable[[str], None]) -> ResumePoint | None:
+                    log: Callable[[str], None], own_first: bool = False) -> ResumePoint | None:
     """`point`, once the CRC32 of every file matches its manifest, else the newest checkpoint
     that passes (as `find_resume` chooses, the damaged ones skipped). Collective: each rank reads
     its share of the files, and all see every rank's findings, so they choose alike."""
@@ -180,7 +190,8 @@ def confirm_content(point: ResumePoint | None, cfg: RunConfig, *, resume_from: s
         if not found:
             return point
         damaged[point.path] = found[0]
-        point = find_resume(cfg, resume_from=resume_from, log=log, damaged=damaged)
+        point = find_resume(cfg, resume_from=resume_from, log=log, damaged=damaged,
+                            own_first=own_first)
     return None
 
 
@@ -208,6 +219,12 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
             with safe_load.loading_safely():  # DeepSpeed's reads, universal files included
                 path, _ = engine.load_checkpoint(str(point.path.parent), tag=point.path.name,
                                                  load_module_strict=True)
+            if path is not None and engine.lr_scheduler is not None:
+                # each group's lr from this run's schedule at the saved step, not the saved
+                # lr: a run with another schedule (annealing a checkpoint: train.steps and
+                # decay_start_step moved) goes on along its own; the same schedule, bit for bit
+                _resume_schedule(engine.lr_scheduler, engine.lr_scheduler.state_dict(),
+                                 engine.optimizer.param_groups)
     except (RuntimeError, OSError, KeyError, ValueError, EOFError) as exc:
         raise CheckpointError(f"checkpoint {str(point.path)!r} cannot be loaded ({exc}); "
                               "move it away to resume from an older one") from None

@@ -31,11 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-steps", metavar="A:B",
                         help="export a torch profiler Chrome trace of steps A..B to "
                         "<run_dir>/profile/ (logging.profile_steps)")
-    parser.add_argument("--resume-from", metavar="PATH",
-                        help="start from this checkpoint (a run dir, its checkpoints/ dir, a "
-                             "step<N> dir, or a universal checkpoint) instead of the newest one "
-                             "of run_dir; a checkpoint of another layout (tp, pp, dp, ZeRO "
-                             "stage, offload, precision) is resharded onto this one")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--resume-from", metavar="PATH",
+                       help="start from this checkpoint (a run dir, its checkpoints/ dir, a "
+                            "step<N> dir, or a universal checkpoint) instead of the newest one "
+                            "of run_dir; a checkpoint of another layout (tp, pp, dp, ZeRO "
+                            "stage, offload, precision) is resharded onto this one")
+    start.add_argument("--start-from", metavar="PATH",
+                       help="as --resume-from, until run_dir has a complete checkpoint of its "
+                            "own: from then on the run resumes its own (a requeued job that "
+                            "repeats the command, e.g. annealing another run's checkpoint, "
+                            "goes on where it stopped)")
     parser.add_argument("--require-same-layout", action="store_true",
                         help="refuse to resume a checkpoint of another layout instead of "
                              "resharding it")
@@ -82,8 +88,9 @@ def run(args: argparse.Namespace) -> NoReturn:
     check_eval_config(cfg)  # unknown task names, layouts the evaluation cannot run on
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
     device_type = get_accelerator().device_name()
+    resume_from, own_first = args.resume_from or args.start_from, args.start_from is not None
     settled = settle_config(cfg, device_type=device_type, find_resume=lambda c: find_resume(
-        c, resume_from=args.resume_from, log=log))
+        c, resume_from=resume_from, log=log, own_first=own_first))
     # ranks the layout or the batch cannot use sit idle until the job ends (never return here)
     fit = world_fit.fit_of_config(settled.cfg, world.world_size)
     world_fit.enter(fit, rank=world.rank, log=log)
@@ -101,7 +108,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     groups = run.topology.create_groups()
     try:
         # every rank reads its share of the checkpoint's files: damage found anywhere is skipped
-        resume = confirm_content(run.resume, run.cfg, resume_from=args.resume_from, log=log)
+        resume = confirm_content(run.resume, run.cfg, resume_from=resume_from, log=log,
+                                 own_first=own_first)
         result = Trainer(run, world, groups, resume=resume, control=control).train()
     except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
         _exit_on_fault(exc, rank=world.rank)

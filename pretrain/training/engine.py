@@ -3,7 +3,8 @@ parameter groups and learning-rate schedule, and `deepspeed.initialize`; the (in
 pairs the engine takes from the loader's batches, and the flat engine's loss of one.
 
 DeepSpeed owns sharding (ZeRO), mixed precision, gradient accumulation and clipping; the
-schedule is ours (`warmup_cosine`), so the DeepSpeed config carries no "scheduler".
+schedule is ours (`schedule_factor`: train.lr_schedule), so the DeepSpeed config carries no
+"scheduler".
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import deepspeed
 import torch
 
 from pretrain import lean_imports
-from pretrain.config import Engine, ModelConfig, RunConfig, TrainConfig
+from pretrain.config import DecayShape, Engine, LRSchedule, ModelConfig, RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.resolve.ds_config import zero_stage
 from pretrain.training.fsdp2 import build_fsdp2_engine
@@ -59,10 +60,49 @@ def param_groups(model: torch.nn.Module, weight_decay: float, *, cfg: ModelConfi
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def schedule_factor(step: int, *, schedule: LRSchedule, warmup: int, total: int,
+                    min_ratio: float, decay_start: int = 0,
+                    decay_shape: DecayShape = DecayShape.LINEAR) -> float:
+    """The factor of each group's lr after `step` updates (the scheduler's 0-based step count),
+    i.e. for update `step + 1`; `min_ratio` is train.min_lr / train.lr.
+
+    Every schedule warms up linearly over the first `warmup` updates (update u: u / warmup).
+    cosine: `warmup_cosine`. linear: 1 down to min_ratio in a straight line at update `total`.
+    constant: 1. wsd: 1 up to update `decay_start`, then decayed over the updates after it to
+    min_ratio at update `total`, by `decay_shape` of the decay's progress p = (u - decay_start)
+    / (total - decay_start): linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p)) / 2. The
+    first decayed update is already below 1 and the last is at min_ratio, as with cosine; past
+    `total` the factor stays at min_ratio.
+    """
+    update = step + 1
+    schedule = LRSchedule(schedule)
+    if schedule is LRSchedule.COSINE:  # as it always was, bit for bit
+        return warmup_cosine(update, lr=1.0, min_lr=min_ratio, warmup=warmup, total=total)
+    if update <= warmup:
+        return update / warmup
+    if schedule is LRSchedule.CONSTANT:
+        return 1.0
+    start = warmup if schedule is LRSchedule.LINEAR else decay_start
+    if update <= start:
+        return 1.0
+    progress = min(1.0, (update - start) / max(1, total - start))
+    shape = DecayShape(decay_shape) if schedule is LRSchedule.WSD else DecayShape.LINEAR
+    if shape is DecayShape.LINEAR:
+        remaining = 1.0 - progress
+    elif shape is DecayShape.SQRT:
+        remaining = 1.0 - math.sqrt(progress)
+    else:
+        remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * remaining
+
+
 def lr_factor(t: TrainConfig) -> Callable[[int], float]:
-    """`warmup_cosine` as a factor of each group's lr, by the scheduler's 0-based step count."""
-    return lambda i: warmup_cosine(i + 1, lr=1.0, min_lr=t.min_lr / t.lr,
-                                   warmup=t.warmup_steps, total=t.steps)
+    """`schedule_factor` of the run's train.lr_schedule, by the scheduler's 0-based step count:
+    the LambdaLR of both engines (DeepSpeed's `_lr_schedule`, fsdp2's own)."""
+    shape = dict(schedule=LRSchedule(t.lr_schedule), warmup=t.warmup_steps, total=t.steps,
+                 min_ratio=t.min_lr / t.lr, decay_start=t.decay_start,
+                 decay_shape=DecayShape(t.decay_shape))
+    return lambda step: schedule_factor(step, **shape)
 
 
 def _lr_schedule(t: TrainConfig, factor: Callable[[int], float] | None = None):

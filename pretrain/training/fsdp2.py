@@ -30,7 +30,7 @@ replicas, in fp32 under bf16's `MixedPrecisionPolicy`), and at the last micro-ba
 whole model's gradient norm (each element once across the grid) clips them; a non-finite norm
 skips the update and the schedule, counted in `skipped_steps`. The optimizer is torch's AdamW
 over `engine.param_groups` (muP's groups included), stepped on the fp32 shards; the schedule
-`engine.warmup_cosine`.
+`engine.schedule_factor` (train.lr_schedule).
 
 Checkpoints (`save_checkpoint`/`load_checkpoint`, the `Saver`'s interface): every rank (of the
 first replica group) writes one file, `fsdp2_rank<RANK>.pt`, of its pieces of each parameter and
