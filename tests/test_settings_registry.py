@@ -233,6 +233,10 @@ def _survived(mutant: str) -> str:
 
 
 MUTANT_OF: dict[str, str] = {
+    "train.lr_schedule": "schedules-linear-floor",
+    "train.decay_fraction": "schedules-wsd-default-decay-start",
+    "train.decay_shape": "schedules-decay-shape-sqrt",
+    "train.decay_start_step": "schedules-anneal-resume-lr",
     "run_dir": "checkpoint-save-interval-ignored",
     "checkpoint.save_interval": "checkpoint-save-interval-ignored",
     **dict.fromkeys(["model.preset", "model.vocab_size", "model.hidden_size", "model.num_layers",
