@@ -293,6 +293,25 @@ def _first_bf16_zero0_update(rank: int, world_size: int, ds_json: str) -> dict:
             "lr": cfg.train.lr}  # warmup of one step: the first update is at the peak
 
 
+def test_bf16_pipeline_stages_accumulate_each_micro_batch_once(tiny_data, tmp_path):
+    """bf16, ZeRO-1 (DeepSpeed's BF16_Optimizer), 4 micro-batches a step: 2 pipeline stages train
+    as 2 data-parallel ranks do (losses within 2e-6 relative over 4 steps; measured 1e-7, the
+    pipeline's other order of sums). Without bf16.immediate_grad_update, DeepSpeed's pipeline adds
+    a stage's bf16 gradients into fp32 after every micro-batch without clearing them, so every
+    stage but the last sums 1 + 2 + 3 + 4 micro-batches' gradients: its losses drift by 6e-4
+    at step 2 and 2e-3 at step 4. The resolver sets the flag for bf16 runs."""
+    batch = ["train.steps=4", "train.precision=bf16", "deepspeed=ds_configs/zero1.json",
+             "train.global_batch_size=4", "train.micro_batch_size=1"]
+    runs = {name: train(tmp_path / name, tiny_data, nprocs=2, name=name,
+                        overrides=batch + [f"parallel.pipeline={pp}"])
+            for name, pp in (("flat", 1), ("pp2", 2))}
+    losses = {name: [r["loss"] for r in run.records if r["kind"] == "train"]
+              for name, run in runs.items()}
+    assert len(losses["pp2"]) == 4, losses
+    for flat, piped in zip(losses["flat"], losses["pp2"]):
+        assert abs(flat - piped) <= 2e-6 * abs(flat), losses
+
+
 def test_bf16_zero0_first_update_is_adams_first_step(tmp_path):
     """DeepSpeed's bf16 ZeRO-0 optimizer steps once with zero gradients while it is built;
     pretrain.training.engine forgets that step: before the first update the optimizer has no state and the
@@ -310,8 +329,9 @@ def test_bf16_zero0_first_update_is_adams_first_step(tmp_path):
 
 def _bf16_pipeline_gradient_sums(rank: int, world_size: int, ds_json: str) -> dict:
     """Build the tiny model's bf16 pipeline (pp 2, ZeRO-0) and sum 1 + 64 x 2**-10 into each
-    gradient through the optimizer's own accumulation (`update_hp_grads`, what DeepSpeed runs
-    after every micro-batch's backward). fp32 holds 1.0625 exactly; bf16 (8-bit mantissa,
+    gradient through the optimizer's own accumulation (under bf16.immediate_grad_update, which
+    the resolver sets, each gradient's backward hook; else `update_hp_grads`, what DeepSpeed
+    runs after every micro-batch's backward). fp32 holds 1.0625 exactly; bf16 (8-bit mantissa,
     spacing 2**-7 at 1) rounds every 1 + 2**-10 back to 1."""
     from pretrain.config import load_config
     from pretrain.dist import init_deepspeed_comm
@@ -327,14 +347,17 @@ def _bf16_pipeline_gradient_sums(rank: int, world_size: int, ds_json: str) -> di
     groups = Topology(tensor=1, pipeline=2, world_size=world_size, rank=rank).create_groups()
     engine = build_engine(cfg, ds_config, groups, main=rank == 0)
     optimizer = engine.optimizer
-    lows = [p for group in optimizer.bf16_groups for p in group]
+    lows = [(i, j, p) for i, group in enumerate(optimizer.bf16_groups)
+            for j, p in enumerate(group)]
     for value, times in ((1.0, 1), (2.0**-10, 64)):
         for _ in range(times):
-            for p in lows:
+            for i, j, p in lows:
                 p.grad = torch.full_like(p, value)
-            optimizer.update_hp_grads()
+                if optimizer.immediate_grad_update:  # what each gradient's backward hook runs
+                    optimizer.accumulate_hp_grads_and_remove_lp(p, i, j)
+            optimizer.update_hp_grads()  # what runs after a micro-batch (a no-op when immediate)
     sums = torch.cat([g.flatten() for g in optimizer.fp32_groups_actual_gradients_flat])
-    return {"optimizer": type(optimizer).__name__,
+    return {"optimizer": type(optimizer).__name__, "immediate": optimizer.immediate_grad_update,
             "buffer_dtypes": sorted({str(g.dtype) for g in optimizer.fp32_groups_gradients_flat}),
             "sums": sorted({float(v) for v in sums.unique()})}
 
@@ -344,5 +367,6 @@ def test_bf16_pipeline_at_zero0_sums_gradients_in_fp32(tmp_path):
                            args=(str(REPO / "ds_configs" / "zero0.json"),), timeout_s=300)
     for result in results:  # both stages
         assert result["optimizer"] == "BF16_Optimizer", result
+        assert result["immediate"], result  # the resolver's bf16.immediate_grad_update
         assert result["buffer_dtypes"] == ["torch.float32"], result
         assert result["sums"] == [1.0625], result
