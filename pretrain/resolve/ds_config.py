@@ -338,8 +338,12 @@ def _resolve_immediate_grad_update(bf16: dict[str, Any], precision: Precision) -
     into its fp32 sum in the gradient's own backward hook and frees it, instead of keeping every
     bf16 gradient to the end of backward and adding them all then: the same fp32 sum of the same
     bf16 gradients (one rounding each), without a bf16 gradient of the whole stage held from one
-    backward to the next (2 bytes per parameter) or autograd's accumulation into it. Other
-    optimizers do not read it. An explicit value is the user's choice."""
+    backward to the next (2 bytes per parameter) or autograd's accumulation into it. In a
+    pipeline it is also what makes the sum right: without it, DeepSpeed's pipeline engine adds
+    every stage but the last's bf16 gradients into fp32 after each micro-batch without clearing
+    them, so micro-batch k's gradient is counted (n - k + 1) times
+    (tests/test_train_zero.py::test_bf16_pipeline_stages_accumulate_each_micro_batch_once).
+    Other optimizers do not read it. An explicit value is the user's choice."""
     if precision == Precision.BF16 and bf16.get("immediate_grad_update", AUTO) == AUTO:
         bf16["immediate_grad_update"] = True
 
