@@ -19,8 +19,9 @@ a storage with one of them (a view of an offloaded shard is one); a copy (`torch
 Allowed: the groups that are gloo on GPUs too - the I/O group (`pretrain.dist.create_io_group`)
 and any group made with backend "gloo" inside the block.
 
-The wrapper sits on `torch.distributed`'s collectives (`collective_log.OPS`, plus `MORE_OPS`:
-FSDP2's `all_gather_single` and `reduce_scatter_single`, `batch_isend_irecv`) and on the two
+The wrapper sits on `torch.distributed`'s collectives (`collective_log.OPS`, FSDP2's
+`all_gather_single` and `reduce_scatter_single` among them, plus `MORE_OPS`:
+`all_gather_coalesced`, `batch_isend_irecv`) and on the two
 that DeepSpeed's communication backend captured when it was made (`all_gather_into_tensor`,
 `reduce_scatter_tensor`); `collective_log`'s hook passes an operation and a group, not the
 tensors, so it cannot serve here. Limits: code that moves a host
@@ -40,10 +41,10 @@ import torch.distributed as torch_dist
 
 from pretrain.training.collective_log import OPS
 
-# torch's newer names (FSDP2 calls these two) and the batched point-to-point call; not
-# `isend` / `irecv`: torch checks a P2POp's function by identity
-MORE_OPS = ("all_gather_single", "reduce_scatter_single", "all_gather_coalesced",
-            "batch_isend_irecv")
+# beyond the collective log's (which holds FSDP2's all_gather_single and reduce_scatter_single):
+# the coalesced all-gather and the batched point-to-point call; not `isend` / `irecv`: torch
+# checks a P2POp's function by identity
+MORE_OPS = ("all_gather_coalesced", "batch_isend_irecv")
 HostTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
