@@ -7,6 +7,7 @@ started by slurm/ray_cluster.sh (tests/test_slurm.py). Without Ray (the quick ti
 job joins, how a worker stops its rank, and the filter on the cleaner's warnings."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -205,15 +206,19 @@ def test_a_stopped_worker_leaves_no_process_of_its_rank(through, tmp_path):
     rank = RankProcess(_stubborn_rank(tmp_path), cwd=str(tmp_path), env=dict(os.environ),
                        grace_s=0.5)
     statuses: list[int] = []
-    waiting = threading.Thread(target=lambda: statuses.append(rank.wait()))
+    waiting = threading.Thread(target=lambda: statuses.append(rank.wait()), daemon=True)
     waiting.start()
-    pid, below = _pids(tmp_path, rank.proc)
-    stop()
-    assert _gone(pid), "the rank outlived its worker's stop"
-    waiting.join(timeout=60)
-    assert statuses == [-signal.SIGKILL]
-    _until(lambda: _gone(below), what="the rank's own child to die", timeout=30)
-    assert not RankProcess._running  # nothing left for the next stop
+    try:
+        pid, below = _pids(tmp_path, rank.proc)
+        stop()
+        assert _gone(pid), "the rank outlived its worker's stop"
+        waiting.join(timeout=60)
+        assert statuses == [-signal.SIGKILL]
+        _until(lambda: _gone(below), what="the rank's own child to die", timeout=30)
+        assert not RankProcess._running  # nothing left for the next stop
+    finally:  # a stop that failed leaves the stubborn rank (its own session) to the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.proc.pid, signal.SIGKILL)
 
 
 def test_a_rank_that_exited_is_not_signalled_again(tmp_path):
