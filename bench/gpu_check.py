@@ -115,6 +115,21 @@ def _relative_error(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def _losses_and_grads(models, cfg, c: "Check", *, seed: int) -> list[float]:
+    """The loss of one forward and backward of each of `models` (gradients left on their
+    parameters) on the same random batch of `cfg`'s shape, drawn on the check's device."""
+    import torch
+
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), device=c.device,
+                           generator=torch.Generator(device=c.device).manual_seed(seed))
+    losses = []
+    for model in models:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        losses.append(float(loss))
+    return losses
+
+
 def _tiny_model_cfg(**fields):
     from pretrain.config import load_config
 
@@ -242,16 +257,10 @@ def row_compile_layer(c: Check, r: Result) -> None:
                 layers += 1
     else:
         layers = compile_blocks(compiled, cache_dir=c.tmp / "inductor")
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), device=c.device,
-                           generator=torch.Generator(device=c.device).manual_seed(3))
-    losses = []
-    for model in (eager, compiled):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(loss.detach())
+    losses = _losses_and_grads((eager, compiled), cfg, c, seed=3)
     grad_error = max(_relative_error(a.grad, b.grad) for a, b in
                      zip(compiled.parameters(), eager.parameters()))
-    loss_error = abs(float(losses[1]) - float(losses[0])) / abs(float(losses[0]))
+    loss_error = abs(losses[1] - losses[0]) / abs(losses[0])
     r.ran = True
     r.matched = layers == cfg.num_layers and loss_error < 1e-5 and grad_error < 1e-3
     r.detail = (f"{layers} layers compiled{' (aot_eager)' if c.dry_run else ''}; loss rel. "
@@ -339,13 +348,7 @@ def row_fsdp2(c: Check, r: Result) -> None:
         if type(module).__name__ == "DecoderLayer":
             fully_shard(module)
     fully_shard(sharded)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), device=c.device,
-                           generator=torch.Generator(device=c.device).manual_seed(6))
-    losses = []
-    for model in (plain, sharded):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(float(loss))
+    losses = _losses_and_grads((plain, sharded), cfg, c, seed=6)
     grad_error = max(_relative_error(s.grad.full_tensor(), p.grad)
                      for s, p in zip(sharded.parameters(), plain.parameters()))
     loss_error = abs(losses[1] - losses[0]) / abs(losses[0])
