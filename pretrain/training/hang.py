@@ -11,7 +11,7 @@ SIGTERM the loop has not acted on within its grace (its handler only sets a flag
 never polls) - is a hang. The grace (`Watchdog.sigterm_grace`) is what finishing a step and saving
 has taken this run, GRACE_MARGIN times over, at least SIGTERM_GRACE_S, and never more than the
 platform leaves between its SIGTERM and its SIGKILL (`$PRETRAIN_TERMINATION_GRACE_S`: a Kubernetes
-pod's grace, Slurm's KillWait), less the time the verdict takes. Then every rank that can still
+pod's grace; the Slurm scripts leave it unset), less the time the verdict takes. Then every rank that can still
 run Python:
 
 1. raises the alarm in the rendezvous store (the launcher's TCPStore, which works while
