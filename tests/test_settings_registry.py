@@ -24,6 +24,9 @@ T_ADAM = "tests/test_config.py::test_adams_betas_and_eps_reach_the_optimizer"
 T_MODEL_HF = "tests/test_model.py::test_logits_and_loss_match_hugging_face"
 T_ZERO_FP32 = "tests/test_train_zero.py::test_zero_stage_matches_single_process_fp32"
 T_TP_ZERO1 = "tests/test_tensor_parallel.py::test_deepspeed_zero1_tp2_dp2_matches_single_rank"
+# the resolved DeepSpeed JSON read back (a micro-batch size changes no fp32 loss: only the read
+# back can show it ignored)
+T_SHIPPED_DS = "tests/test_config.py::test_shipped_ds_configs_resolve_completely"
 T_BF16_FP32_SUMS = "tests/test_train_zero.py::test_bf16_sums_128_micro_batch_gradients_in_fp32"
 T_MOE_LAYER = ("tests/test_moe.py::"
                "test_moe_layer_matches_a_per_token_reference_in_output_losses_and_gradients")
@@ -102,7 +105,7 @@ REGISTRY: dict[str, str] = {
         "test_the_loader_sends_each_samples_document_ids_computed_from_its_tokens"),
     # train.*
     "train.steps": T_ZERO_FP32,
-    "train.micro_batch_size": T_TP_ZERO1,
+    "train.micro_batch_size": T_SHIPPED_DS,
     "train.global_batch_size": T_BF16_FP32_SUMS,
     "train.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
     "parallel.sequence_parallel": ("tests/test_tensor_parallel.py::"
@@ -153,15 +156,17 @@ REGISTRY: dict[str, str] = {
     "checkpoint.async_save": ("tests/test_async_save.py::"
                               "test_background_saves_resume_bitwise_like_synchronous_ones"),
     # logging.*
-    "logging.report_to": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
+    "logging.report_to": ("tests/test_telemetry.py::"
+                          "test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run"),
     "logging.level": "tests/test_telemetry.py::test_log_level_warning_keeps_step_and_eval_lines_only",
-    "logging.mlflow_tracking_uri": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
+    "logging.mlflow_tracking_uri": ("tests/test_telemetry.py::"
+                                    "test_the_mlflow_sink_reports_to_the_tracking_uri_it_is_given"),
     "logging.wandb_mode": "tests/test_telemetry.py::test_the_wandb_sink_opens_in_the_configured_mode",
     "logging.wandb_project": ("tests/test_bite_telemetry.py::"
                               "test_the_wandb_run_opens_in_the_configured_project_and_mode"),
     "logging.progress_bar": "tests/test_telemetry.py::test_the_progress_bar_is_drawn_only_on_a_terminal",
     # the test model turns both off/sets one: ignored, the run draws curves.png / measures a peak
-    "logging.curves": "tests/test_train_zero.py::test_single_process_run_learns",
+    "logging.curves": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
     "logging.peak_tflops": "tests/test_train_zero.py::test_single_process_run_learns",
     "logging.profile_steps": "tests/test_telemetry.py::test_training_records_hardware_flops_and_writes_a_profile_trace",
     # eval.*: the in-run scores after steps 2 and 4 are HFLM's on the same examples
@@ -170,7 +175,7 @@ REGISTRY: dict[str, str] = {
     "eval.limit": T_EVAL,
     # DeepSpeed keys (shipped JSONs and the resolver)
     DS + "train_batch_size": T_BF16_FP32_SUMS,
-    DS + "train_micro_batch_size_per_gpu": T_TP_ZERO1,
+    DS + "train_micro_batch_size_per_gpu": T_SHIPPED_DS,
     DS + "gradient_accumulation_steps": T_BF16_FP32_SUMS,
     DS + "gradient_clipping": T_BUILT_ENGINE,
     DS + "optimizer.type": T_ZERO_FP32,
@@ -233,6 +238,12 @@ def _survived(mutant: str) -> str:
 
 
 MUTANT_OF: dict[str, str] = {
+    "logging.report_to": "telemetry-report-to-ignored",
+    "logging.mlflow_tracking_uri": "telemetry-mlflow-uri-ignored",
+    "logging.curves": "telemetry-curves-never-drawn",
+    "logging.peak_tflops": "telemetry-peak-tflops-ignored",
+    "train.micro_batch_size": "train-micro-batch-ignored",
+    DS + "train_micro_batch_size_per_gpu": "train-micro-batch-ignored",
     "train.lr_schedule": "schedules-linear-floor",
     "train.decay_fraction": "schedules-wsd-default-decay-start",
     "train.decay_shape": "schedules-decay-shape-sqrt",
@@ -321,12 +332,6 @@ MUTANT_OF: dict[str, str] = {
 # Settings whose cited test no mutant proves yet, each with why. Only ever remove entries.
 UNMUTATED: dict[str, str] = {
     "deepspeed": "the JSON's path: its keys have their own entries",
-    "logging.report_to": _survived("telemetry-mlflow-uri-ignored"),
-    "logging.mlflow_tracking_uri": _survived("telemetry-mlflow-uri-ignored"),
-    "logging.curves": _survived("telemetry-curves-never-drawn"),
-    "logging.peak_tflops": _survived("telemetry-curves-never-drawn"),
-    "train.micro_batch_size": _survived("train-micro-batch-ignored"),
-    DS + "train_micro_batch_size_per_gpu": _survived("train-micro-batch-ignored"),
     DS + "zero_optimization.stage3_prefetch_bucket_size":
         _survived("train-zero3-prefetch-bucket-unsized"),
     "train.eval_interval": _survived("train-eval-batches-ignored"),

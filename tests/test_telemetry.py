@@ -289,6 +289,29 @@ def test_the_mlflow_sink_logs_params_and_metrics_and_closes_the_run(tmp_path):
     assert params["run_dir"] == str(run_dir) and params["model.preset"] == "null"
 
 
+def test_the_mlflow_sink_reports_to_the_tracking_uri_it_is_given(tmp_path):
+    """logging.mlflow_tracking_uri (a team's tracking server; here a SQLite store outside the run
+    directory): the run is recorded there, and no store is made inside the run directory."""
+    from pretrain.config import RunConfig
+    from pretrain.training.sinks import MetricsSink
+
+    run_dir, server = tmp_path / "run", tmp_path / "server"
+    run_dir.mkdir()
+    server.mkdir()
+    uri = f"sqlite:///{server / 'tracking.db'}"
+    cfg = RunConfig(run_dir=str(run_dir))
+    cfg.logging.report_to = ["mlflow"]
+    cfg.logging.mlflow_tracking_uri = uri
+    sink = MetricsSink(run_dir, enabled=True, settings=cfg.logging, run_config=cfg.to_dict())
+    sink.write({"kind": "train", "step": 1, "loss": 3.5})
+    sink.close(status="FINISHED")
+    client, runs = _mlflow_runs(uri)
+    assert [(r.info.run_name, r.info.status) for r in runs] == [("run", "FINISHED")]
+    assert [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id,
+                                                                 "train/loss")] == [(1, 3.5)]
+    assert not (run_dir / "mlruns").exists()
+
+
 def test_a_failing_sink_is_turned_off_after_one_warning(tmp_path, monkeypatch, capsys):
     from pretrain.training import sinks
 
