@@ -151,6 +151,24 @@ def create_io_group(*, timeout_minutes: float) -> None:
         backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+def _timeout_minutes(group) -> float | None:
+    """The timeout a process group was built with, read back from its CPU backend (gloo keeps
+    it in its options); None where the backend does not say."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds() / 60.0
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def group_timeouts() -> dict[str, float | None]:
+    """{"collectives": the default group's timeout, "io": the I/O group's}, in minutes, as the
+    groups were built (the run record shows them: a setting lost on its way is seen there)."""
+    default = torch.distributed.distributed_c10d._get_default_group()
+    return {"collectives": _timeout_minutes(default),
+            "io": _timeout_minutes(_IO_GROUP) if _IO_GROUP is not None else None}
+
+
 def _io_group():
     """The I/O group; an error, not the default group, when it was never created: the default
     group's timeout (NCCL's watchdog) would abort a long wait for one rank's file work."""

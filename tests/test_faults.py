@@ -144,8 +144,10 @@ def test_signal_saves_and_exits_for_requeue(launcher, sig, target, tiny_data, tm
 
 def test_exit_after_minutes_saves_and_exits_75(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
+    # a bound far above the 6 s limit plus start-up: a run that ignores the limit fails here
+    # instead of training its 100,000 steps
     run = run_pretrain(_args(run_dir, tiny_data, LONG) + ["--exit-after-minutes", "0.1"],
-                       run_dir=run_dir)
+                       run_dir=run_dir, timeout=240)
     assert run.returncode == EXIT_REQUEUE, run.stderr[-3000:]
     assert "[stop] --exit-after-minutes reached" in run.stdout
     _check_resumes_at_next_step(tmp_path, tiny_data, run_dir, nprocs=1)

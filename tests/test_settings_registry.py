@@ -26,6 +26,7 @@ T_ZERO_FP32 = "tests/test_train_zero.py::test_zero_stage_matches_single_process_
 T_TP_ZERO1 = "tests/test_tensor_parallel.py::test_deepspeed_zero1_tp2_dp2_matches_single_rank"
 # the resolved DeepSpeed JSON read back (a micro-batch size changes no fp32 loss: only the read
 # back can show it ignored)
+T_TIMEOUTS = "tests/test_train_zero.py::test_the_process_groups_have_the_configured_timeouts"
 T_SHIPPED_DS = "tests/test_config.py::test_shipped_ds_configs_resolve_completely"
 T_BF16_FP32_SUMS = "tests/test_train_zero.py::test_bf16_sums_128_micro_batch_gradients_in_fp32"
 T_MOE_LAYER = ("tests/test_moe.py::"
@@ -142,9 +143,8 @@ REGISTRY: dict[str, str] = {
         "tests/test_stragglers.py::test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody",
     "train.straggler_patience":
         "tests/test_stragglers.py::test_a_rank_with_slow_measured_times_is_named_an_even_run_names_nobody",
-    "train.collective_timeout_minutes":
-        "tests/test_faults.py::test_killed_rank_makes_the_others_exit_then_restart_resumes",
-    "train.io_timeout_minutes": "tests/test_io_waits.py::test_final_export_outlasts_a_short_collective_timeout",
+    "train.collective_timeout_minutes": T_TIMEOUTS,
+    "train.io_timeout_minutes": T_TIMEOUTS,
     "train.exit_after_minutes": "tests/test_faults.py::test_exit_after_minutes_saves_and_exits_75",
     # checkpoint.*
     "checkpoint.save_interval": "tests/test_checkpoint.py::test_resume_gives_bitwise_the_same_losses",
@@ -238,6 +238,7 @@ def _survived(mutant: str) -> str:
 
 
 MUTANT_OF: dict[str, str] = {
+    "train.collective_timeout_minutes": "train-collective-timeout-ignored",
     "logging.report_to": "telemetry-report-to-ignored",
     "logging.mlflow_tracking_uri": "telemetry-mlflow-uri-ignored",
     "logging.curves": "telemetry-curves-never-drawn",
@@ -340,8 +341,6 @@ UNMUTATED: dict[str, str] = {
     "parallel.pipeline": "DeepSpeed's PipelineModule does the split; no mutant written yet",
     "data.tokenizer": "the tokenizer check of a resumed checkpoint; no mutant written yet",
     "train.steps": "the loop's bound: breaking it changes every test; no mutant written yet",
-    "train.collective_timeout_minutes": ("ignoring it leaves the killed-rank test waiting the "
-                                        "default 30 min: a mutant too slow to run"),
     DS + "optimizer.type": _DS_ONLY,
     DS + "optimizer.params.torch_adam": "no mutant written yet (the resolver's offload rule)",
     DS + "optimizer.params.fused": "the cited test runs on CUDA only",

@@ -54,12 +54,20 @@ def single_fp32(tiny_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero3_fp32(tiny_data, tmp_path_factory):
+    # timeouts of no consequence here, other than the defaults: the groups are read back
     run = train(tmp_path_factory.mktemp("z3"), tiny_data, nprocs=2, name="zero3",
-                overrides=[f"train.steps={STEPS}", "deepspeed=ds_configs/zero3.json"])
+                overrides=[f"train.steps={STEPS}", "deepspeed=ds_configs/zero3.json",
+                           "train.collective_timeout_minutes=20", "train.io_timeout_minutes=45"])
     assert engine_record(run) == {
         "zero_stage": 3, "zero_optimizer": "DeepSpeedZeroOptimizer_Stage3", "optimizer": "AdamW",
         "param_dtypes": ["float32"], "master_dtypes": ["float32"], **IN_MEMORY}
     return run
+
+
+def test_the_process_groups_have_the_configured_timeouts(zero3_fp32):
+    """The default group waits train.collective_timeout_minutes, the I/O group (saves, exports,
+    the first rank's downloads) train.io_timeout_minutes: read back from the groups built."""
+    assert zero3_fp32.records[0]["timeouts_minutes"] == {"collectives": 20.0, "io": 45.0}
 
 
 @pytest.fixture(scope="module")

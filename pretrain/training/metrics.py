@@ -18,7 +18,7 @@ from pretrain.arithmetic import hardware_flops_per_token, model_flops_per_token,
 from pretrain.config import Precision, RunConfig
 from pretrain.data import BlendedSamples
 from pretrain.data.build import Samples
-from pretrain.dist import World, wait_for_io
+from pretrain.dist import World, group_timeouts, wait_for_io
 from pretrain.hardware import (cpu_mfu_peak, device_peak_tflops, format_flops,
                                measure_matmul_tflops)
 from pretrain.resolve.layout import Layout
@@ -293,7 +293,7 @@ def announce_run(sink: MetricsSink, cfg: RunConfig, world: World,
                 "grad_accum": grad_accum, "precision": cfg.train.precision.value,
                 "train_samples": train_samples, "train_samples_per_source": per_source,
                 "peak_tflops": steps.peak_tflops, "peak_source": steps.peak_source,
-                "deepspeed_config": cfg.deepspeed,
+                "deepspeed_config": cfg.deepspeed, "timeouts_minutes": group_timeouts(),
                 "torch": torch.__version__,
                 "deepspeed": deepspeed.__version__})
     log(
