@@ -216,6 +216,9 @@ def test_zero3_prefetches_in_buckets_the_resolver_sizes_from_the_model(zero3):
     small, large = zero3["shipped"]["gathers"], zero3["moved"]["gathers"]
     bucket = int(0.9 * HIDDEN * HIDDEN)
     assert all(n <= bucket + zero3["shipped"]["largest"] for n in small), small
+    # and each call fills the bucket: the key and value projections (2048 elements each, GQA)
+    # come in one call, not two (a bucket sized below them would gather each alone)
+    assert min(small) >= bucket, small
     assert len(small) > 2 * len(large), (small, large)
     assert max(large) > bucket + zero3["moved"]["largest"], large
 
