@@ -24,7 +24,7 @@ experts, never tokens. Every expert runs on every call, with zero tokens too: un
 rank must gather the same parameters in the same order.
 
 Grouped matmul (`grouped_outputs`): where torch has a grouped kernel for the tokens' device and
-dtype (`grouped_mm_runs`: CUDA, bf16, rows a multiple of 16 bytes), all experts run as two
+dtype (`grouped_mm_runs`: CUDA from Hopper on, bf16, rows a multiple of 16 bytes), all experts run as two
 `torch._grouped_mm` calls instead of the loop: gate/up of every expert stacked (E, 2f, h), then
 down (E, h, f), each group's rows given by the device's running sum of the counts, so the
 forward needs no host read at all (dropped assignments, sorted last, ride in the last group
@@ -158,9 +158,10 @@ class Expert(nn.Module):
 
 def grouped_mm_runs(tokens: torch.Tensor, experts: list[Expert]) -> bool:
     """Whether `experts` run over `tokens` as one grouped matmul on this device: torch's grouped
-    kernel is CUDA's (bf16, every row and weight row a multiple of 16 bytes); elsewhere the
-    loop is as fast (module docstring)."""
-    if not hasattr(torch, "_grouped_mm") or tokens.device.type != "cuda":
+    kernel is CUDA's from compute capability 9.0 (Hopper) on, in bf16, every row and weight row
+    a multiple of 16 bytes; elsewhere the loop is as fast (module docstring)."""
+    if not hasattr(torch, "_grouped_mm") or tokens.device.type != "cuda" \
+            or torch.cuda.get_device_capability(tokens.device) < (9, 0):
         return False
     weight = experts[0].down_proj.weight
     align = 16 // tokens.element_size()
