@@ -24,15 +24,17 @@ experts, never tokens. Every expert runs on every call, with zero tokens too: un
 rank must gather the same parameters in the same order.
 
 Grouped matmul (`grouped_outputs`): where torch has a grouped kernel for the tokens' device and
-dtype (`grouped_mm_runs`: CUDA from Hopper on, bf16, rows a multiple of 16 bytes), all experts run as two
-`torch._grouped_mm` calls instead of the loop: gate/up of every expert stacked (E, 2f, h), then
-down (E, h, f), each group's rows given by the device's running sum of the counts, so the
-forward needs no host read at all (dropped assignments, sorted last, ride in the last group
-with combine weight 0). The weights are copied into the stacks once per forward (and the
-gradient split back in backward), as `fused_projections` does. torch 2.13's CPU build runs
-`_grouped_mm` too (fp32, and bf16 with aligned rows), as one matmul per group: bitwise the
-loop's result and a little slower (the stacks), so CPUs keep the loop; the tests run both and
-compare them. `MoE.grouped` (None: by device) forces either.
+dtype (`grouped_mm_runs`: CUDA from Hopper on, bf16, rows a multiple of 16 bytes), all experts
+run as two `torch._grouped_mm` calls instead of the loop: gate/up of every expert stacked
+(E, 2f, h), then down (E, h, f), each group's rows given by the device's running sum of the
+counts, so the forward needs no host read at all (dropped assignments, sorted last, ride in the
+last group with combine weight 0). Under ZeRO-3 the weights are read without calling the
+experts, which DeepSpeed gathers as the reading module's external parameters (as
+`fused_projections`' are; the ZeRO-3 MoE training tests passed with it forced). The weights
+are copied into the stacks once per forward (and the gradient split back in backward), as
+`fused_projections` does. torch 2.13's CPU build runs `_grouped_mm` too (fp32, and bf16 with
+aligned rows), as one matmul per group: bitwise the loop's result and a little slower (the
+stacks), so CPUs keep the loop; the tests run both and compare them. `MoE.grouped` (None: by device) forces either.
 
 Host reads: a looped forward reads the device once, the rows of each expert its split needs (one
 `tolist` of the counts; under expert parallelism of the counts sent and received, grouped or
@@ -163,10 +165,10 @@ def grouped_mm_runs(tokens: torch.Tensor, experts: list[Expert]) -> bool:
     if not hasattr(torch, "_grouped_mm") or tokens.device.type != "cuda" \
             or torch.cuda.get_device_capability(tokens.device) < (9, 0):
         return False
-    weight = experts[0].down_proj.weight
     align = 16 // tokens.element_size()
-    return (tokens.dtype == weight.dtype == torch.bfloat16
-            and tokens.shape[-1] % align == 0 and weight.shape[-1] % align == 0)
+    inner = experts[0].gate_up_sizes[0]  # this rank's f, without reading a (ZeRO-3) weight
+    return (tokens.dtype == experts[0].down_proj.weight.dtype == torch.bfloat16
+            and tokens.shape[-1] % align == 0 and inner % align == 0)
 
 
 def grouped_outputs(experts: list[Expert], rows: torch.Tensor,
@@ -174,7 +176,7 @@ def grouped_outputs(experts: list[Expert], rows: torch.Tensor,
     """The outputs (M, C) of `rows` (M, C), grouped by expert, `counts[i]` rows (a device tensor,
     summing to M) for `experts[i]`: two `torch._grouped_mm` calls, no host read."""
     ends = torch.cumsum(counts, 0).to(torch.int32)
-    f = experts[0].gate_proj.weight.shape[0]  # this rank's inner features
+    f = experts[0].gate_up_sizes[0]  # this rank's inner features
     # [gate_0; up_0; gate_1; ...] in one copy -> (E, 2f, h), read as (E, h, 2f)
     gate_up = torch.stack([w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight)])
     gate_up = gate_up.view(len(experts), 2 * f, -1).transpose(1, 2)
