@@ -14,6 +14,8 @@ Rows (each imports what it needs itself, so a missing package fails its rows, no
   the for-each AdamW;
 - compile_layer: `model.compile_blocks` on a small Llama, loss and gradients against eager;
 - moe: the MoE layer (`model.moe`) forward and backward against a token-by-token reference;
+  in bf16 its experts as one grouped matmul (the layer's own choice on the GPU, forced in the
+  dry run) against the looped experts, the grouped forward under CUDA's sync debug mode;
 - process_group: a one-rank NCCL group (gloo in the dry run): all_reduce and broadcast of a
   device tensor;
 - fsdp2: `fully_shard` of a small Llama on that group, loss and gradients equal to unsharded;
@@ -308,10 +310,54 @@ def row_moe(c: Check, r: Result) -> None:
     (out * g).sum().backward()
     (ref * g).sum().backward()
     errors = {"out": _relative_error(out, ref), "dx": _relative_error(x.grad, x_ref.grad)}
+    grouped_errors, chosen, synced = _moe_grouped_against_looped(c, layer, x.detach(), g)
     r.ran = True
-    r.matched = max(errors.values()) < 1e-4
-    r.detail = "rel. errors vs per-token " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
-    r.values = {"relative_errors": errors}
+    r.matched = (max(errors.values()) < 1e-4 and max(grouped_errors.values()) < 2e-2
+                 and (chosen or not c.cuda) and synced is None)
+    r.detail = ("rel. errors vs per-token " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+                + f"; grouped ({'chosen' if chosen else 'forced'}) vs looped "
+                + ", ".join(f"{n} {e:.1e}" for n, e in grouped_errors.items())
+                + (f"; the grouped forward synced: {synced}" if synced else ""))
+    r.values = {"relative_errors": errors, "grouped_relative_errors": grouped_errors,
+                "grouped_chosen": chosen, "grouped_sync": synced}
+
+
+def _moe_grouped_against_looped(c: Check, layer, x, g):
+    """The layer's experts as one `torch._grouped_mm` against its loop, in the check's half
+    precision: (relative errors of output, input and expert gradients, whether the layer chose
+    the grouped kernel itself, the sync error of its forward or None)."""
+    import copy
+
+    import torch
+
+    from pretrain.model.moe import grouped_mm_runs
+
+    looped = copy.deepcopy(layer).to(c.half)
+    grouped = copy.deepcopy(looped)
+    looped.grouped = False
+    chosen = grouped_mm_runs(x.to(c.half), list(grouped.experts))
+    grouped.grouped = None if c.cuda else True  # the GPU: the layer's own choice
+    outputs = []
+    for model in (grouped, looped):
+        inputs = x.to(c.half).requires_grad_(True)
+        synced = None
+        if c.cuda and model is grouped:
+            torch.cuda.set_sync_debug_mode("error")  # a host read in the forward raises
+        try:
+            out = model(inputs)
+        except RuntimeError as error:
+            synced, out = str(error).splitlines()[0], None
+        finally:
+            if c.cuda:
+                torch.cuda.set_sync_debug_mode(0)
+        if out is None:  # rerun without the debug mode to compare the values still
+            out = model(inputs)
+        (out.float() * g).sum().backward()
+        outputs.append((out, inputs.grad, model.experts[0].down_proj.weight.grad, synced))
+    (out, dx, dw, synced), (ref, ref_dx, ref_dw, _) = outputs
+    errors = {"out": _relative_error(out, ref), "dx": _relative_error(dx, ref_dx),
+              "dw_down0": _relative_error(dw, ref_dw)}
+    return errors, chosen, synced
 
 
 def row_process_group(c: Check, r: Result) -> None:

@@ -9,10 +9,13 @@ and is not the router's or the experts' compute). Rounds alternate the two model
 time of each is compared, so a busy moment on a shared machine does not decide it. Two clocks:
 wall time, and this process's CPU time (`time.process_time`), which other processes' load does
 not inflate as much; with `--threads 1` (the default) the CPU time is the step's compute.
-Target (the issue's): the MoE step within 1.3x of the dense one.
+Target (the issue's): the MoE step within 1.3x of the dense one. `--grouped` adds the MoE model
+with its experts forced onto `torch._grouped_mm` (`MoE.grouped`; the layer's own choice on CPU
+is the loop), so both expert paths are timed against the same dense step.
 
     cd bench && ../.venv/bin/python moe_step.py        # ~3 minutes on 2 cores
     cd bench && ../.venv/bin/python moe_step.py --rounds 2 --steps 3 --threads 2
+    cd bench && ../.venv/bin/python moe_step.py --grouped
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from common import machine
 from pretrain.arithmetic import num_active_parameters, num_parameters
 from pretrain.config import MODEL_PRESETS, ModelConfig
 from pretrain.model.build import build_model
+from pretrain.model.moe import moe_layers
 
 
 def step_time(model, ids: torch.Tensor, *, steps: int) -> tuple[float, float]:
@@ -49,12 +53,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--grouped", action="store_true",
+                        help="also time the MoE model with its experts as one grouped matmul")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dense = ModelConfig(**MODEL_PRESETS["small"])
     moe = dataclasses.replace(dense, num_experts=args.experts, experts_per_token=args.top_k,
                               ffn_hidden_size=dense.ffn_hidden_size // args.top_k)
     models = {"dense": build_model(dense, seed=0), "moe": build_model(moe, seed=0)}
+    for layer in moe_layers(models["moe"]):
+        layer.grouped = False  # the loop, as the layer picks on CPU, whatever the device rule
+    if args.grouped:
+        models["moe_grouped"] = build_model(moe, seed=0)
+        for layer in moe_layers(models["moe_grouped"]):
+            layer.grouped = True
     ids = torch.randint(0, dense.vocab_size, (args.micro_batch, dense.seq_length),
                         generator=torch.Generator().manual_seed(0))
     print(f"machine: {machine()}, torch threads {torch.get_num_threads()}")
@@ -71,9 +83,14 @@ def main() -> None:
 
 
 def _compare(times: dict) -> str:
-    (dense_wall, dense_cpu), (moe_wall, moe_cpu) = times["dense"], times["moe"]
-    return (f"wall dense {dense_wall:.3f} s, moe {moe_wall:.3f} s, ratio {moe_wall / dense_wall:.3f}"
-            f" | CPU dense {dense_cpu:.3f} s, moe {moe_cpu:.3f} s, ratio {moe_cpu / dense_cpu:.3f}")
+    """Each MoE model's wall and CPU seconds and their ratios to the dense step's."""
+    dense_wall, dense_cpu = times["dense"]
+    parts = [f"dense wall {dense_wall:.3f} s CPU {dense_cpu:.3f} s"]
+    for name in [n for n in times if n != "dense"]:
+        wall, cpu = times[name]
+        parts.append(f"{name} wall {wall:.3f} s ({wall / dense_wall:.3f}x) "
+                     f"CPU {cpu:.3f} s ({cpu / dense_cpu:.3f}x)")
+    return " | ".join(parts)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ A forward on one rank, its n tokens routed to E experts (L = E / ep of them loca
 2. `all_to_all` sends the rows (`torch.distributed.all_to_all_single`, through the collective
    log like every other collective); a rank's received rows are grouped by source rank, then by
    local expert, and are regrouped by expert (a stable sort: source order inside an expert);
-3. each local expert runs one matmul over its rows (every local expert runs, with zero rows
-   too: ZeRO-3 gathers the same parameters on every data rank);
+3. each local expert runs one matmul over its rows, or all of them one grouped matmul
+   (`MoE`'s choice; every local expert runs, with zero rows too: ZeRO-3 gathers the same
+   parameters on every data rank);
 4. the outputs go back to the rows' owners by the reverse `all_to_all`, in the order they were
    sent, and are combined there exactly as without expert parallelism.
 
@@ -167,11 +168,12 @@ def count_rows(kept: torch.Tensor, group) -> RowCounts:
                      received_on_device=received)
 
 
-def run_experts(experts: list, tokens: torch.Tensor, counts: RowCounts, group) -> torch.Tensor:
+def run_experts(compute, tokens: torch.Tensor, counts: RowCounts, group) -> torch.Tensor:
     """The outputs (M, C) of the experts each row of `tokens` (M, C) was routed to, in the rows'
     order; rows sorted by global expert, `counts.kept` (E,) of them each (`count_rows`).
-    `experts`: this rank's L."""
-    ep, local = dist.get_world_size(group), len(experts)
+    `compute(rows, sizes, sizes_on_device)`: this rank's L experts over rows grouped by local
+    expert, sizes[i] of them for expert i (`MoE`'s grouped matmul or its loop)."""
+    ep, local = dist.get_world_size(group), len(counts.received[0])
     send, receive = counts.send, counts.receive
     rows = all_to_all(tokens, send=send, receive=receive, group=group)
     # received rows: by source rank, then local expert -> by local expert, source order inside
@@ -180,7 +182,6 @@ def run_experts(experts: list, tokens: torch.Tensor, counts: RowCounts, group) -
         counts.received_on_device.reshape(-1), output_size=sum(receive))
     order = torch.argsort(expert_of_row, stable=True)
     grouped = rows.index_select(0, order)
-    outputs = torch.cat([expert(part) for expert, part
-                         in zip(experts, grouped.split(counts.per_local_expert))])
+    outputs = compute(grouped, counts.per_local_expert, counts.received_on_device.sum(dim=0))
     unsorted = outputs.index_select(0, torch.argsort(order))  # back to the received order
     return all_to_all(unsorted, send=receive, receive=send, group=group)

@@ -23,8 +23,22 @@ its tokens, and the weighted outputs go back with one `index_add`; the Python lo
 experts, never tokens. Every expert runs on every call, with zero tokens too: under ZeRO-3 each
 rank must gather the same parameters in the same order.
 
-Host reads: a forward reads the device once, the rows of each expert its split needs (one
-`tolist` of the counts; under expert parallelism of the counts sent and received). Everything
+Grouped matmul (`grouped_outputs`): where torch has a grouped kernel for the tokens' device and
+dtype (`grouped_mm_runs`: CUDA from Hopper on, bf16, rows a multiple of 16 bytes), all experts
+run as two `torch._grouped_mm` calls instead of the loop: gate/up of every expert stacked
+(E, 2f, h), then down (E, h, f), each group's rows given by the device's running sum of the
+counts, so the forward needs no host read at all (dropped assignments, sorted last, ride in the
+last group with combine weight 0). Under ZeRO-3 the weights are read without calling the
+experts, which DeepSpeed gathers as the reading module's external parameters (as
+`fused_projections`' are; the ZeRO-3 MoE training tests passed with it forced). The weights
+are copied into the stacks once per forward (and the gradient split back in backward), as
+`fused_projections` does. torch 2.13's CPU build runs `_grouped_mm` too (fp32, and bf16 with
+aligned rows), as one matmul per group: bitwise the loop's result and a little slower (the
+stacks), so CPUs keep the loop; the tests run both and compare them. `MoE.grouped` (None: by device) forces either.
+
+Host reads: a looped forward reads the device once, the rows of each expert its split needs (one
+`tolist` of the counts; under expert parallelism of the counts sent and received, grouped or
+looped); a grouped forward without expert parallelism reads nothing. Everything
 else stays on the device: the counts without `bincount` (which reads the largest index back),
 capacity's dropped assignments sorted after the kept ones instead of removed by a boolean mask
 (whose size the host would read), `repeat_interleave` told its output size, and the router
@@ -144,6 +158,38 @@ class Expert(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
+def grouped_mm_runs(tokens: torch.Tensor, experts: list[Expert]) -> bool:
+    """Whether `experts` run over `tokens` as one grouped matmul on this device: torch's grouped
+    kernel is CUDA's from compute capability 9.0 (Hopper) on, in bf16, every row and weight row
+    a multiple of 16 bytes; elsewhere the loop is as fast (module docstring)."""
+    if not hasattr(torch, "_grouped_mm") or tokens.device.type != "cuda" \
+            or torch.cuda.get_device_capability(tokens.device) < (9, 0):
+        return False
+    align = 16 // tokens.element_size()
+    inner = experts[0].gate_up_sizes[0]  # this rank's f, without reading a (ZeRO-3) weight
+    return (tokens.dtype == experts[0].down_proj.weight.dtype == torch.bfloat16
+            and tokens.shape[-1] % align == 0 and inner % align == 0)
+
+
+def grouped_outputs(experts: list[Expert], rows: torch.Tensor,
+                    counts: torch.Tensor) -> torch.Tensor:
+    """The outputs (M, C) of `rows` (M, C), grouped by expert, `counts[i]` rows (a device tensor,
+    summing to M) for `experts[i]`: two `torch._grouped_mm` calls, no host read."""
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    f = experts[0].gate_up_sizes[0]  # this rank's inner features
+    # [gate_0; up_0; gate_1; ...] in one copy -> (E, 2f, h), read as (E, h, 2f)
+    gate_up = torch.stack([w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight)])
+    gate_up = gate_up.view(len(experts), 2 * f, -1).transpose(1, 2)
+    gate, up = torch._grouped_mm(rows, gate_up, offs=ends).split(f, dim=-1)
+    down = torch.stack([e.down_proj.weight for e in experts]).transpose(1, 2)  # (E, f, h)
+    return torch._grouped_mm(F.silu(gate) * up, down, offs=ends)
+
+
+def looped_outputs(experts: list[Expert], rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """`grouped_outputs` as a loop over the experts, `sizes` (host ints) rows each."""
+    return torch.cat([expert(part) for expert, part in zip(experts, rows.split(sizes))])
+
+
 class Routing:
     """The router's decisions for N tokens: which expert each kept assignment goes to."""
 
@@ -215,6 +261,7 @@ class MoE(nn.Module):
                                          for _ in range(cfg.num_experts))
         else:
             self.experts = _local_experts(cfg, group=self.expert_group, project=project)
+        self.grouped: bool | None = None  # the experts as one grouped matmul; None: by device
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -236,6 +283,9 @@ class MoE(nn.Module):
                                              device=row.device)
         self.stats += row
         self.expert_tokens += routing.selected.double()
+
+    def _grouped(self, tokens: torch.Tensor, experts: list[Expert]) -> bool:
+        return grouped_mm_runs(tokens, experts) if self.grouped is None else self.grouped
 
     def route(self, flat: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
         """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
@@ -260,12 +310,23 @@ class MoE(nn.Module):
         B, T, C = x.shape
         flat = x.reshape(-1, C)
         routing, _, aux_loss = self.route(flat)
-        sizes = routing.kept.tolist()  # the forward's one host read: each expert's rows
-        kept = sum(sizes)
-        token, weight = routing.token[:kept], routing.weight[:kept]
-        tokens = flat.index_select(0, token)  # (M, C) grouped by expert
-        outputs = [expert(part) for expert, part in zip(self.experts, tokens.split(sizes))]
-        weighted = (torch.cat(outputs) * weight[:, None]).to(x.dtype)  # (M, C)
+        experts = list(self.experts)
+        if self._grouped(flat, experts):
+            # every assignment, the dropped ones last: no host read of how many were kept
+            token, weight = routing.token, routing.weight
+            counts = routing.kept
+            if self.capacity_factor > 0:  # the dropped rows join the last group, weight 0
+                kept = torch.arange(token.numel(), device=token.device) < routing.kept.sum()
+                weight = weight * kept
+                counts = torch.cat([counts[:-1], (token.numel() - counts[:-1].sum())[None]])
+            outputs = grouped_outputs(experts, flat.index_select(0, token), counts)
+        else:
+            sizes = routing.kept.tolist()  # the forward's one host read: each expert's rows
+            kept = sum(sizes)
+            token, weight = routing.token[:kept], routing.weight[:kept]
+            tokens = flat.index_select(0, token)  # (M, C) grouped by expert
+            outputs = looped_outputs(experts, tokens, sizes)
+        weighted = (outputs * weight[:, None]).to(x.dtype)  # (M, C)
         out = torch.zeros_like(flat).index_add(0, token, weighted).view(B, T, C)
         if self.sequence_parallel:  # partial sums -> this rank's (B, T/tp, C) of the total
             out = reduce_scatter_to_sequence(out, self.tp_group)
@@ -290,7 +351,14 @@ class MoE(nn.Module):
         kept = sum(counts.kept)
         token, weight = routing.token[:kept], routing.weight[:kept]
         tokens = flat.index_select(0, token)  # (M, C) grouped by expert
-        outputs = run_experts(list(self.experts.values()), tokens, counts, group)
+        experts = list(self.experts.values())
+        if self._grouped(flat, experts):
+            def compute(rows, sizes, on_device):
+                return grouped_outputs(experts, rows, on_device)
+        else:
+            def compute(rows, sizes, on_device):
+                return looped_outputs(experts, rows, sizes)
+        outputs = run_experts(compute, tokens, counts, group)
         weighted = (outputs * weight[:, None]).to(x.dtype)
         out = torch.zeros_like(flat).index_add(0, token, weighted).view(B, T, C)
         if out.requires_grad and (self.aux_coeff or self.z_coeff):
