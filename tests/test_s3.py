@@ -211,3 +211,80 @@ def test_local_copy_is_bounded_and_refetched(prefix, tmp_path):
     b.write_bytes(b"short")  # a damaged copy is fetched again
     assert storage.local_copy(storage.join(prefix, "b"), cache_dir=cache,
                               max_bytes=5000).read_bytes() == b"b" * 4000
+
+
+# ---- a run directory in the store ---------------------------------------------------------------
+
+RUN = ["train.steps=20", "checkpoint.save_interval=4", "checkpoint.keep_last=2",
+       "train.warmup_steps=2"]
+_KILL_AT = """import os, signal
+from pretrain.training.faults import RunControl
+
+def micro_batch_started(self, at, *, step, micro, rank):
+    if (at, step, micro) == ("step", {step}, 0):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+RunControl.micro_batch_started = micro_batch_started
+"""
+
+
+def _store_run(run_url: str, data: dict[str, str], *, node: Path, env: dict[str, str] = (),
+               overrides: list[str] = RUN):
+    """`pretrain train` (one process) with its run directory at `run_url`, on a "node" whose
+    scratch directory is `node` (a fresh one: nothing local survives from another run)."""
+    from pretrain.testing.runs import run_pretrain, train_args
+
+    node.mkdir(parents=True, exist_ok=True)
+    return run_pretrain(train_args(run_url, data, overrides=overrides), run_dir=node,
+                        launcher="single", env={"TMPDIR": str(node), **dict(env)}, timeout=600)
+
+
+def _kill_environment(step: int, directory: Path) -> dict[str, str]:
+    """A sitecustomize that SIGKILLs the process as step `step` begins."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(_KILL_AT.format(step=step))
+    return {"PYTHONPATH": os.pathsep.join([str(directory), str(REPO)])}
+
+
+def _store_losses(run_url: str) -> dict[int, float]:
+    """step: loss of the run's metrics.jsonl in the store (the last record of each step)."""
+    text = storage.read_bytes(storage.join(run_url, "metrics.jsonl")).decode()
+    records = [json.loads(line) for line in text.splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_local(tiny_data, tmp_path_factory):
+    """RUN with a local run directory, never stopped: the reference."""
+    from pretrain.testing.runs import train
+
+    run = train(tmp_path_factory.mktemp("s3_reference"), tiny_data, overrides=RUN)
+    return {r["step"]: r["loss"] for r in run.records if r["kind"] == "train"}
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_the_store(prefix, tiny_data, tmp_path, uninterrupted_local):
+    """20 steps with run_dir in the store, SIGKILLed as step 13 begins; the rerun, on a node
+    with nothing local, resumes from the store's newest complete checkpoint and its losses
+    equal the uninterrupted local run's. keep_last prunes the store; no credential is stored."""
+    killed = _store_run(prefix, tiny_data, node=tmp_path / "node_a",
+                        env=_kill_environment(13, tmp_path / "kill"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    from pretrain.checkpoint.store import complete_steps
+
+    resumable = complete_steps(storage.sizes(prefix))[0]
+    assert resumable in ("step8", "step12"), storage.sizes(prefix)  # step 12 may still upload
+    again = _store_run(prefix, tiny_data, node=tmp_path / "node_b").check()
+    assert f"[checkpoint] {storage.join(prefix, 'checkpoints', resumable)} staged" in again.stdout
+    assert f"resum" in again.stdout.lower()
+    assert _store_losses(prefix) == uninterrupted_local
+    objects = storage.sizes(prefix)
+    assert complete_steps(objects) == ["step20", "step16"]  # keep_last=2, the rest deleted
+    assert {key.split("/")[1] for key in objects if key.startswith("checkpoints/step")} == \
+        {"step20", "step16"}
+    assert storage.read_bytes(storage.join(prefix, "checkpoints", "latest")) == b"step20"
+    for key in objects:  # the endpoint's credentials are nowhere in the run
+        blob = storage.read_bytes(storage.join(prefix, key))
+        assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, key
+    for text in (killed.stdout + killed.stderr, again.stdout + again.stderr):
+        assert SECRET_KEY not in text and ACCESS_KEY not in text
