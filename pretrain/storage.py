@@ -84,12 +84,14 @@ _FS_LOCK = threading.Lock()
 
 
 def filesystem():
-    """The s3fs file system of this process's environment (one per endpoint and key id).
-    Listings are never cached: another rank or a rerun changes the store under us."""
+    """The s3fs file system of this process's environment (one per endpoint and credentials,
+    held in memory only). Listings are never cached: another rank or a rerun changes the
+    store under us."""
     import s3fs
 
     endpoint = os.environ.get(ENDPOINT_ENV) or None
-    key = (endpoint, os.environ.get("AWS_ACCESS_KEY_ID"), os.getpid())
+    key = (endpoint, os.getpid(), *(os.environ.get(name) for name in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")))
     with _FS_LOCK:
         if key not in _FS:
             _FS[key] = s3fs.S3FileSystem(
@@ -227,33 +229,42 @@ def _first_line(exc: BaseException) -> str:
 
 # ---- node-local copies --------------------------------------------------------------------------
 
-def local_copy(url: str, *, cache_dir: str | Path, max_bytes: int) -> Path:
-    """A node-local copy of the object `url` under `cache_dir` (downloaded once per node: the
-    ranks of a node share it under a lock; a copy whose size differs from the object's is
-    fetched again). Copies least recently used are deleted first while the cache would exceed
-    `max_bytes`; the object alone may exceed it."""
+def local_copies(urls: list[str], *, cache_dir: str | Path, max_bytes: int) -> list[Path]:
+    """Node-local copies of the objects `urls` under `cache_dir`, downloaded once per node: the
+    ranks of a node share them under a lock, and a copy whose size differs from its object's is
+    fetched again. Other copies, least recently used first, are deleted while the cache would
+    exceed `max_bytes`; `urls` together may exceed it alone."""
     from pretrain.file_lock import exclusive_lock
 
     cache_dir = Path(cache_dir)
-    local = cache_dir / _key(url)
-    local.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    local = [cache_dir / _key(url) for url in urls]
     with exclusive_lock(cache_dir / ".lock"):
-        want = size(url)
-        if want is None:
-            raise StoreError(f"{url!r} does not exist in the store")
-        if not (local.is_file() and local.stat().st_size == want):
-            _evict(cache_dir, keep=local, need=want, max_bytes=max_bytes)
-            get_file(url, local)
-        os.utime(local)  # most recently used
+        wanted = []
+        for url in urls:
+            want = size(url)
+            if want is None:
+                raise StoreError(f"{url!r} does not exist in the store")
+            wanted.append(want)
+        missing = [(url, path, want) for url, path, want in zip(urls, local, wanted)
+                   if not (path.is_file() and path.stat().st_size == want)]
+        if missing:
+            _evict(cache_dir, keep=set(local), need=sum(w for _, _, w in missing),
+                   max_bytes=max_bytes)
+        for url, path, _ in missing:
+            get_file(url, path)
+        for path in local:
+            os.utime(path)  # most recently used
     return local
 
 
-def _evict(cache_dir: Path, *, keep: Path, need: int, max_bytes: int) -> None:
-    """Delete the least recently used copies until `need` more bytes fit in `max_bytes`."""
-    copies = sorted((p for p in cache_dir.rglob("*") if p.is_file() and p != keep
-                     and not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
-    used = sum(p.stat().st_size for p in copies)
-    for old in copies:
+def _evict(cache_dir: Path, *, keep: set[Path], need: int, max_bytes: int) -> None:
+    """Delete the least recently used files until `need` more bytes fit in `max_bytes`."""
+    files = sorted((p for p in cache_dir.rglob("*") if p.is_file() and p not in keep
+                    and not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
+    used = sum(p.stat().st_size for p in files) + sum(p.stat().st_size for p in keep
+                                                      if p.is_file())
+    for old in files:
         if used + need <= max_bytes:
             break
         used -= old.stat().st_size

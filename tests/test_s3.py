@@ -199,18 +199,25 @@ def test_check_writable_names_what_failed(prefix, monkeypatch):
     assert "wrong-secret" not in str(info.value) and SECRET_KEY not in str(info.value)
 
 
-def test_local_copy_is_bounded_and_refetched(prefix, tmp_path):
-    for name, n in (("a", 3000), ("b", 4000)):
-        (tmp_path / name).write_bytes(bytes([ord(name)]) * n)
+def test_local_copies_are_bounded_and_refetched(prefix, tmp_path):
+    for name, n in (("a", 3000), ("b", 4000), ("c", 500)):
+        (tmp_path / name).write_bytes(name.encode() * n)
         storage.put_file(tmp_path / name, storage.join(prefix, name))
     cache = tmp_path / "cache"
-    a = storage.local_copy(storage.join(prefix, "a"), cache_dir=cache, max_bytes=5000)
-    assert a.read_bytes() == b"a" * 3000
-    b = storage.local_copy(storage.join(prefix, "b"), cache_dir=cache, max_bytes=5000)
-    assert b.read_bytes() == b"b" * 4000 and not a.exists()  # a evicted: 7000 > 5000
+    url = lambda name: storage.join(prefix, name)  # noqa: E731
+    a, c = storage.local_copies([url("a"), url("c")], cache_dir=cache, max_bytes=5000)
+    assert a.read_bytes() == b"a" * 3000 and c.read_bytes() == b"c" * 500
+    os.utime(a, (1, 1))  # a: the least recently used
+    before = storage.TRAFFIC.read
+    [b] = storage.local_copies([url("b")], cache_dir=cache, max_bytes=5000)
+    assert b.read_bytes() == b"b" * 4000
+    assert storage.TRAFFIC.read - before == 4000
+    assert not a.exists() and c.exists()  # the least recently used went; 4500 <= 5000
+    storage.local_copies([url("b")], cache_dir=cache, max_bytes=5000)  # cached: nothing read
+    assert storage.TRAFFIC.read - before == 4000
     b.write_bytes(b"short")  # a damaged copy is fetched again
-    assert storage.local_copy(storage.join(prefix, "b"), cache_dir=cache,
-                              max_bytes=5000).read_bytes() == b"b" * 4000
+    assert storage.local_copies([url("b")], cache_dir=cache,
+                                max_bytes=5000)[0].read_bytes() == b"b" * 4000
 
 
 # ---- a run directory in the store ---------------------------------------------------------------
@@ -288,3 +295,81 @@ def test_killed_run_resumes_from_the_store(prefix, tiny_data, tmp_path, uninterr
         assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, key
     for text in (killed.stdout + killed.stderr, again.stdout + again.stderr):
         assert SECRET_KEY not in text and ACCESS_KEY not in text
+
+
+_STORE_DOWN_FOR = """import pretrain.storage as storage
+
+_put_file, _calls = storage.put_file, [0]
+
+def put_file(local, url):
+    if "/checkpoints/{tag}/" in url:
+        _calls[0] += 1
+        if _calls[0] > 1:  # the store goes away after the save's first object
+            raise ConnectionError("injected: the store cannot be reached")
+    return _put_file(local, url)
+
+storage.put_file = put_file
+"""
+
+
+@pytest.mark.slow
+def test_store_down_during_a_save_warns_and_the_next_save_uploads(prefix, tiny_data, tmp_path,
+                                                                  uninterrupted_local):
+    """The store fails in the middle of step 8's upload: the run goes on with one warning, the
+    later saves upload, and the half-uploaded step 8 (no manifest) is never the newest complete
+    one, then pruned."""
+    directory = tmp_path / "store_down"
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(_STORE_DOWN_FOR.format(tag="step8"))
+    run = _store_run(prefix, tiny_data, node=tmp_path / "node",
+                     env={"PYTHONPATH": os.pathsep.join([str(directory), str(REPO)])}).check()
+    assert "step8 was not uploaded" in run.stdout and "injected" in run.stdout, run.stdout[-3000:]
+    assert _store_losses(prefix) == uninterrupted_local
+    from pretrain.checkpoint.store import complete_steps
+
+    objects = storage.sizes(prefix)
+    assert complete_steps(objects) == ["step20", "step16"]
+    assert not any(key.startswith("checkpoints/step8/") for key in objects)
+
+
+def test_staging_takes_the_newest_complete_checkpoint(prefix, tmp_path, monkeypatch):
+    """The node's copy of a run in the store: the newest step with a manifest object, never a
+    newer one cut short, and no local step the store does not hold complete."""
+    from pretrain.checkpoint import store
+    from pretrain.checkpoint.paths import step_dirs
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
+    for key, text in (("checkpoints/step4/mp_rank_00_model_states.pt", "four"),
+                      ("checkpoints/step4/manifest.json", "{}"),
+                      ("checkpoints/step8/mp_rank_00_model_states.pt", "eight, cut short"),
+                      ("metrics.jsonl", '{"step": 4}\n')):
+        storage.put_text(storage.join(prefix, key), text)
+    local = store.staging_dir(prefix)
+    (local / "checkpoints" / "step12").mkdir(parents=True)  # left by a run killed here
+    assert store.stage_run(prefix, log=lambda text: None) == local
+    assert [p.name for p in step_dirs(local)] == ["step4"]
+    assert (local / "checkpoints" / "latest").read_text() == "step4"
+    assert (local / "checkpoints" / "step4" / "mp_rank_00_model_states.pt").read_text() == "four"
+    assert (local / "metrics.jsonl").read_text() == '{"step": 4}\n'
+    assert store.mirror_of(local) == prefix
+
+
+@pytest.mark.slow
+def test_training_on_a_dataset_in_the_store_equals_local_files(prefix, tiny_data, tmp_path,
+                                                               uninterrupted_local):
+    """data.dataset at s3://...: the .bin/.idx read through the node's cache give bitwise the
+    losses of the same files read locally."""
+    from pretrain.testing.runs import run_pretrain, train_args
+
+    for suffix in (".bin", ".idx"):
+        storage.put_file(tiny_data["dataset"] + suffix, storage.join(prefix, "corpus") + suffix)
+    data = {**tiny_data, "dataset": storage.join(prefix, "corpus")}
+    node = tmp_path / "node"
+    node.mkdir()
+    run = run_pretrain(train_args(tmp_path / "run", data, overrides=RUN), run_dir=tmp_path / "run",
+                       launcher="single", env={"TMPDIR": str(node)}).check()
+    assert {r["step"]: r["loss"] for r in run.records if r["kind"] == "train"} == \
+        uninterrupted_local
+    cached = node / "pretrain-store-data" / BUCKET / prefix.split("/", 3)[3]
+    assert Path(f"{cached}/corpus.bin").read_bytes() == \
+        Path(tiny_data["dataset"] + ".bin").read_bytes()

@@ -31,7 +31,9 @@ from types import TracebackType
 
 import numpy as np
 
+from pretrain import storage
 from pretrain.errors import DataError
+from pretrain.mounts import node_local_scratch
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -168,6 +170,27 @@ class IndexedDatasetWriter:
         self._done = True
 
 
+# A dataset in the object store is read from a node-local copy, in a cache of at most this many
+# bytes (`PRETRAIN_STORE_CACHE_GB`, default 200) under the node's scratch directory.
+STORE_CACHE = "pretrain-store-data"
+STORE_CACHE_GB_ENV, STORE_CACHE_GB = "PRETRAIN_STORE_CACHE_GB", 200.0
+
+
+def store_copy(prefix: str) -> Path:
+    """The local prefix of the node's copy of the dataset `prefix` (`s3://bucket/key`): its
+    .idx and .bin downloaded once per node into a bounded cache (`storage.local_copies`), so
+    every rank reads the same bytes as from local files; the sample indices are cached beside
+    the copy."""
+    limit = float(os.environ.get(STORE_CACHE_GB_ENV) or STORE_CACHE_GB)
+    try:
+        idx, _ = storage.local_copies([f"{prefix}.idx", f"{prefix}.bin"],
+                                      cache_dir=node_local_scratch() / STORE_CACHE,
+                                      max_bytes=int(limit * 2**30))
+    except storage.StoreError as error:
+        raise DataError(f"indexed dataset {prefix!r}: {error}") from None
+    return idx.with_suffix("")
+
+
 class IndexedDataset:
     """A read-only, memory-mapped ``prefix.bin`` / ``prefix.idx`` pair.
 
@@ -178,6 +201,8 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str | Path) -> None:
+        if storage.is_remote(str(prefix)):  # s3://...: the node's copy (`store_copy`)
+            prefix = store_copy(str(prefix))
         self.prefix = Path(prefix)
         idx, bin_ = index_path(prefix), data_path(prefix)
         for path in (idx, bin_):
