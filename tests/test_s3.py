@@ -23,6 +23,7 @@ import pytest
 from pretrain import storage
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
+from test_k8s import ENV, _spec, _validate, pytorchjob_schema  # noqa: F401 - the schema fixture
 
 REPO = Path(__file__).resolve().parents[1]
 ACCESS_KEY, SECRET_KEY = "pretrain-test-key", "pretrain-test-secret-0123456789"
@@ -373,3 +374,87 @@ def test_training_on_a_dataset_in_the_store_equals_local_files(prefix, tiny_data
     cached = node / "pretrain-store-data" / BUCKET / prefix.split("/", 3)[3]
     assert Path(f"{cached}/corpus.bin").read_bytes() == \
         Path(tiny_data["dataset"] + ".bin").read_bytes()
+
+
+# ---- launchers: no volume, the bucket checked before anything is queued -----------------------
+
+@pytest.mark.parametrize("kind", ["pytorchjob", "indexed-job"])
+def test_k8s_manifests_of_a_run_in_the_store_have_no_volume(kind, pytorchjob_schema):
+    """run_dir at s3://: no claim, no run volume, the pods' AWS_* from a Secret by name (never
+    its values), the URL itself passed to the pre-flight and the ranks; the manifests still
+    validate against the published schemas."""
+    from pretrain import k8s
+
+    url = f"s3://{BUCKET}/runs/tiny"
+    spec = _spec(kind=kind, run_dir=url, store_secret="team-s3")
+    docs = k8s.manifests(spec, rank_env=ENV)
+    text = k8s.to_yaml(docs)
+    for doc in yaml_docs(text):  # what kubectl apply would read
+        _validate(doc, pytorchjob_schema)
+    assert "PersistentVolumeClaim" not in [doc["kind"] for doc in docs]
+    pods = [c for c in _containers(docs)]
+    assert pods and all(c["envFrom"] == [{"secretRef": {"name": "team-s3"}}] for c in pods)
+    assert all([m["name"] for m in c["volumeMounts"]] == ["dshm"] for c in pods)
+    assert f"run_dir={url}" in text and "/mnt/pretrain" not in text
+    assert "--log-dir \"/tmp/pretrain-k8s/${POD_NAME}\"" in text
+    with pytest.raises(ConfigError, match="in the object store; drop --pvc/--volume"):
+        k8s.manifests(_spec(kind=kind, run_dir=url, pvc="runs"), rank_env=ENV)
+
+
+def yaml_docs(text: str) -> list[dict]:
+    import yaml
+
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def _containers(docs: list[dict]) -> list[dict]:
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "containers" in node:
+                found.extend(node["containers"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(docs)
+    return found
+
+
+@pytest.mark.parametrize("command", [["launch", "preflight", "--world-size", "1",
+                                      "--accelerator", "cpu", "--cluster", "cpu", "--no-build"],
+                                     ["train"]])
+def test_a_missing_bucket_or_refused_key_fails_before_anything_runs(command, s3_server, tmp_path):
+    """The pre-flight (and `train` itself) checks the bucket: one `error:` line naming run_dir,
+    exit 2; the secret is not printed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    base = [sys.executable, "-m", "pretrain", *command, "--config", "configs/tiny.yaml"]
+    for run_dir, extra, message in [
+            ("s3://no-such-bucket/run", {}, "the bucket 'no-such-bucket' does not exist"),
+            (f"s3://{BUCKET}/run", {"AWS_SECRET_ACCESS_KEY": "not-the-secret"},
+             "refused the credentials")]:
+        done = subprocess.run([*base, "--set", f"run_dir={run_dir}"], cwd=REPO,
+                              env={**env, **extra}, capture_output=True, text=True, timeout=300)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert len(errors) == 1 and errors[0].startswith(f"error: run_dir {run_dir!r}"), errors
+        assert message in errors[0] and "not-the-secret" not in done.stderr + done.stdout
+
+
+def test_ray_keeps_rank_zeros_status_in_the_store(prefix, tmp_path, monkeypatch):
+    """`launch ray` with run_dir at s3://: Ray's records on the driver's node, rank 0's exit
+    status an object of the run (no file system the driver and rank 0 share)."""
+    from pretrain import ray_train
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    job = ray_train.RayJob(train_args=[], num_workers=1)
+    records, status = ray_train.status_place(job, prefix)
+    assert records == (tmp_path / "pretrain-ray").resolve()
+    assert status == storage.join(prefix, "ray", "exit_status")
+    assert ray_train.read_status(status) is None
+    ray_train.write_status(status, 75)
+    assert ray_train.read_status(status) == 75
+    local_records, local_status = ray_train.status_place(job, str(tmp_path / "run"))
+    assert local_status == str(tmp_path / "run" / "ray" / "exit_status")

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from pretrain.checkpoint import store
+from pretrain.checkpoint.store import (complete_upload, mirror_of, prune, upload_files,
+                                       upload_run_files_or_warn)
 from pretrain.checkpoint.paths import MANIFEST, tag_step, write_latest, write_manifest
 from pretrain.checkpoint.reshard import OPTIMIZER_NAMES, optimizer_parameter_names
 from pretrain.checkpoint.writer import ShardWriter
@@ -63,7 +64,7 @@ class Saver:
     def __init__(self, engine, *, ckpt_dir: Path, keep_last: int, keep_every: int, rank: int,
                  background: bool):
         self.engine, self.ckpt_dir, self.rank = engine, Path(ckpt_dir), rank
-        self.store_url = store.mirror_of(self.ckpt_dir.parent)  # a run directory in the store
+        self.store_url = mirror_of(self.ckpt_dir.parent)  # a run directory in the store
         self.keep_last, self.keep_every = keep_last, keep_every
         live = background and host_resident_state(engine)
         self.writer = ShardWriter(background=background, live_host_state=live)
@@ -189,7 +190,7 @@ class Saver:
         rank 0 the rest and `manifest.json` last (`pretrain.checkpoint.store`), pruning, and
         the run's changed files. A failure anywhere warns and leaves the store's step without
         a manifest: the run goes on, and the next save uploads its own checkpoint."""
-        errors = gather_for_io(store.upload_files(tag_dir, reports[self.rank], self.store_url))
+        errors = gather_for_io(upload_files(tag_dir, reports[self.rank], self.store_url))
         if self.rank != 0:
             return
         warn = functools.partial(log, level="warning")
@@ -197,14 +198,14 @@ class Saver:
         try:
             if failed:
                 raise OSError(f"rank {failed[0][0]}: {failed[0][1]}")
-            store.complete_upload(tag_dir, self.store_url,
-                                  uploaded={name for report in reports for name in report})
-            store.prune(self.store_url, keep_last=self.keep_last, keep_every=self.keep_every)
+            complete_upload(tag_dir, self.store_url,
+                            uploaded={name for report in reports for name in report})
+            prune(self.store_url, keep_last=self.keep_last, keep_every=self.keep_every)
         except Exception as exc:  # noqa: BLE001 - the store down must not stop the run
             warn(f"[checkpoint] warning: {tag_dir.name} was not uploaded to {self.store_url} "
                  f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}); the "
                  "store keeps its last complete checkpoint, the next save uploads again")
-        store.upload_run_files_or_warn(self.ckpt_dir.parent, self.store_url, log=warn)
+        upload_run_files_or_warn(self.ckpt_dir.parent, self.store_url, log=warn)
 
 
 def host_resident_state(engine) -> bool:
