@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pretrain import storage
 from pretrain.config import load_config
@@ -186,15 +187,20 @@ def _store_losses(run_url: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def uninterrupted_local(tiny_data, tmp_path_factory):
-    """RUN with a local run directory, never stopped: the reference."""
+    """RUN with a local run directory, never stopped: the reference (a `Run`)."""
     from pretrain.testing.runs import train
 
-    run = train(tmp_path_factory.mktemp("s3_reference"), tiny_data, overrides=RUN)
+    return train(tmp_path_factory.mktemp("s3_reference"), tiny_data, overrides=RUN)
+
+
+def _losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in run.records if r["kind"] == "train"}
 
 
+
 @pytest.mark.slow
-def test_killed_run_resumes_from_the_store(prefix, tiny_data, tmp_path, uninterrupted_local):
+def test_killed_run_resumes_from_the_store(prefix, tiny_data, tmp_path, uninterrupted_local,
+                                           monkeypatch):
     """20 steps with run_dir in the store, SIGKILLed as step 13 begins; the rerun, on a node
     with nothing local, resumes from the store's newest complete checkpoint and its losses
     equal the uninterrupted local run's. keep_last prunes the store; no credential is stored."""
@@ -208,7 +214,7 @@ def test_killed_run_resumes_from_the_store(prefix, tiny_data, tmp_path, uninterr
     again = _store_run(prefix, tiny_data, node=tmp_path / "node_b").check()
     assert f"[checkpoint] {storage.join(prefix, 'checkpoints', resumable)} staged" in again.stdout
     assert f"resum" in again.stdout.lower()
-    assert _store_losses(prefix) == uninterrupted_local
+    assert _store_losses(prefix) == _losses(uninterrupted_local)
     objects = storage.sizes(prefix)
     assert complete_steps(objects) == ["step20", "step16"]  # keep_last=2, the rest deleted
     assert {key.split("/")[1] for key in objects if key.startswith("checkpoints/step")} == \
@@ -219,6 +225,14 @@ def test_killed_run_resumes_from_the_store(prefix, tiny_data, tmp_path, uninterr
         assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, key
     for text in (killed.stdout + killed.stderr, again.stdout + again.stderr):
         assert SECRET_KEY not in text and ACCESS_KEY not in text
+    # a reader of weights (generate, export-hf, eval) takes the run in the store as it is
+    from pretrain.checkpoint.weights import load_weights
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "reader"))
+    read, local = load_weights(prefix), load_weights(uninterrupted_local.run_dir)
+    assert read.step == local.step == 20
+    assert read.state.keys() == local.state.keys()
+    assert all(torch.equal(read.state[k], local.state[k]) for k in local.state)
 
 
 _STORE_DOWN_FOR = """import pretrain.storage as storage
@@ -248,7 +262,7 @@ def test_store_down_during_a_save_warns_and_the_next_save_uploads(prefix, tiny_d
     run = _store_run(prefix, tiny_data, node=tmp_path / "node",
                      env={"PYTHONPATH": os.pathsep.join([str(directory), str(REPO)])}).check()
     assert "step8 was not uploaded" in run.stdout and "injected" in run.stdout, run.stdout[-3000:]
-    assert _store_losses(prefix) == uninterrupted_local
+    assert _store_losses(prefix) == _losses(uninterrupted_local)
     from pretrain.checkpoint.store import complete_steps
 
     objects = storage.sizes(prefix)
@@ -292,8 +306,7 @@ def test_training_on_a_dataset_in_the_store_equals_local_files(prefix, tiny_data
     node.mkdir()
     run = run_pretrain(train_args(tmp_path / "run", data, overrides=RUN), run_dir=tmp_path / "run",
                        launcher="single", env={"TMPDIR": str(node)}).check()
-    assert {r["step"]: r["loss"] for r in run.records if r["kind"] == "train"} == \
-        uninterrupted_local
+    assert _losses(run) == _losses(uninterrupted_local)
     cached = node / "pretrain-store-data" / BUCKET / prefix.split("/", 3)[3]
     assert Path(f"{cached}/corpus.bin").read_bytes() == \
         Path(tiny_data["dataset"] + ".bin").read_bytes()

@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from pretrain import storage
-from pretrain.checkpoint.paths import CHECKPOINTS, LATEST, MANIFEST, tag_step
+from pretrain.checkpoint.paths import CHECKPOINTS, FINAL, LATEST, MANIFEST, tag_step
+from pretrain.errors import CheckpointError
 from pretrain.file_lock import exclusive_lock
 from pretrain.mounts import node_local_scratch
 
@@ -82,6 +83,35 @@ def stage_run(url: str, *, log=print) -> Path:
                 _download_if_changed(url, key, local, files[key])
             (ckpt_dir / LATEST).write_text(newest)
             log(f"[checkpoint] {storage.join(url, CHECKPOINTS, newest)} staged in {local}")
+    return local
+
+
+def local_checkpoint(url: str, *, log=print) -> Path:
+    """A node-local copy of what a reader of weights (`generate`, `export-hf`,
+    `convert-checkpoint`, `eval`, `--resume-from`) names in the store: a run directory (its
+    newest complete checkpoint, `stage_run`, and its final/), its checkpoints/ directory, a
+    `checkpoints/step<N>` directory (only when complete: its manifest object is there), or a
+    final/ directory. The local path to read."""
+    url = url.rstrip("/")
+    head, _, last = url.rpartition("/")
+    if last == CHECKPOINTS:
+        return local_checkpoint(head, log=log) / CHECKPOINTS
+    local = staging_dir(url)
+    if tag_step(Path(last)) is not None or last == FINAL:
+        objects = storage.sizes(url)
+        if not objects or (last != FINAL and MANIFEST not in objects):
+            raise CheckpointError(f"{url!r} holds no complete checkpoint (no {MANIFEST} object: "
+                                  "the save or its upload did not finish)" if objects else
+                                  f"{url!r} holds nothing in the store")
+        local.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(local.parent / f".{local.name}.lock"):
+            for key in sorted(objects, key=lambda k: k == MANIFEST):  # the manifest last
+                _download_if_changed(url, key, local, objects[key])
+        return local
+    local = stage_run(url, log=log)
+    with exclusive_lock(local.parent / f".{local.name}.lock"):
+        for key, size in storage.sizes(storage.join(url, FINAL)).items():
+            _download_if_changed(storage.join(url, FINAL), key, local / FINAL, size)
     return local
 
 

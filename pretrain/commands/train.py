@@ -99,6 +99,10 @@ def run(args: argparse.Namespace) -> NoReturn:
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
     device_type = get_accelerator().device_name()
     resume_from, own_first = args.resume_from or args.start_from, args.start_from is not None
+    if resume_from and storage.is_remote(resume_from):  # the node's copy of it
+        from pretrain.checkpoint.store import local_checkpoint
+
+        resume_from = str(local_checkpoint(resume_from, log=log))
     settled = settle_config(cfg, device_type=device_type, find_resume=lambda c: find_resume(
         c, resume_from=resume_from, log=log, own_first=own_first))
     # ranks the layout or the batch cannot use sit idle until the job ends (never return here)
