@@ -394,3 +394,30 @@ def test_ray_keeps_rank_zeros_status_in_the_store(prefix, tmp_path, monkeypatch)
     assert ray_train.read_status(status) == 75
     local_records, local_status = ray_train.status_place(job, str(tmp_path / "run"))
     assert local_status == str(tmp_path / "run" / "ray" / "exit_status")
+
+
+def test_datasets_written_to_the_store_read_back_the_same(prefix, tmp_path, monkeypatch):
+    """`preprocess` and `merge-datasets` writing to s3://: the objects are the bytes the same
+    writer leaves locally, and a node with an empty cache reads the same tokens."""
+    import numpy as np
+
+    from pretrain.data.indexed import IndexedDataset, IndexedDatasetWriter, merge_datasets
+
+    documents = [np.arange(n, dtype=np.int64) % 500 for n in (5, 0, 17, 3)]
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "writer"))
+    for where in (storage.join(prefix, "part"), str(tmp_path / "part")):
+        with IndexedDatasetWriter(where, dtype=np.uint16) as writer:
+            for ids in documents:
+                writer.add_document(ids)
+    for suffix in (".bin", ".idx"):
+        assert storage.read_bytes(storage.join(prefix, "part") + suffix) == \
+            (tmp_path / f"part{suffix}").read_bytes()
+    merge_datasets([storage.join(prefix, "part"), str(tmp_path / "part")],
+                   storage.join(prefix, "merged"))
+    merge_datasets([str(tmp_path / "part")] * 2, tmp_path / "merged")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "reader"))  # a node that never saw them
+    merged, local = IndexedDataset(storage.join(prefix, "merged")), IndexedDataset(
+        tmp_path / "merged")
+    assert str(merged.prefix).startswith(str(tmp_path / "reader"))
+    assert len(merged) == len(local) == 8
+    assert all(np.array_equal(merged[i], local[i]) for i in range(8))
