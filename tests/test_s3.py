@@ -421,3 +421,23 @@ def test_datasets_written_to_the_store_read_back_the_same(prefix, tmp_path, monk
     assert str(merged.prefix).startswith(str(tmp_path / "reader"))
     assert len(merged) == len(local) == 8
     assert all(np.array_equal(merged[i], local[i]) for i in range(8))
+
+
+@pytest.mark.slow
+def test_every_ranks_files_reach_the_store(prefix, tiny_data, tmp_path):
+    """Two ranks (torchrun): each uploads its own files, rank 0 the manifest last; every file
+    the store's manifest lists is there with its size, both ranks' RNG states included."""
+    from pretrain.checkpoint.store import complete_steps
+    from pretrain.testing.runs import run_pretrain, train_args
+
+    node = tmp_path / "node"
+    node.mkdir()
+    run = run_pretrain(train_args(prefix, tiny_data, overrides=[
+        "train.steps=4", "checkpoint.save_interval=2", "checkpoint.keep_last=1"]),
+        run_dir=node, launcher="torchrun", nprocs=2, env={"TMPDIR": str(node)}).check()
+    objects = storage.sizes(prefix)
+    assert complete_steps(objects) == ["step4"], sorted(objects)
+    manifest = json.loads(storage.read_bytes(storage.join(prefix, "checkpoints/step4/manifest.json")))
+    assert {"rng_rank00000.pt", "rng_rank00001.pt"} <= set(manifest["files"]), run.stdout[-2000:]
+    for name, size in manifest["files"].items():
+        assert objects.get(f"checkpoints/step4/{name}") == size, name
