@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from pretrain.checkpoint.store import (complete_upload, mirror_of, prune, upload_files,
-                                       upload_run_files_or_warn)
+from pretrain.checkpoint.store import (mirror_of, start_upload, upload_run_files_or_warn,
+                                       wait_for_uploads)
 from pretrain.checkpoint.paths import MANIFEST, tag_step, write_latest, write_manifest
 from pretrain.checkpoint.reshard import OPTIMIZER_NAMES, optimizer_parameter_names
 from pretrain.checkpoint.writer import ShardWriter
@@ -95,6 +95,7 @@ class Saver:
         """Save a checkpoint tagged step<meta['step']> (collective): its directory. A save
         still in flight is finished first."""
         self.finish()
+        wait_for_uploads()  # the previous save's, before anything is pruned under it
         tag_dir = self.ckpt_dir / f"step{meta['step']}"
         if self.rank == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -186,26 +187,17 @@ class Saver:
         return tag_dir
 
     def _upload(self, tag_dir: Path, reports: list[dict[str, Any]]) -> None:
-        """Upload the completed save to the store (collective): each rank its own files, then
-        rank 0 the rest and `manifest.json` last (`pretrain.checkpoint.store`), pruning, and
-        the run's changed files. A failure anywhere warns and leaves the store's step without
-        a manifest: the run goes on, and the next save uploads its own checkpoint."""
-        errors = gather_for_io(upload_files(tag_dir, reports[self.rank], self.store_url))
-        if self.rank != 0:
-            return
-        warn = functools.partial(log, level="warning")
-        failed = [(rank, error) for rank, error in enumerate(errors) if error]
-        try:
-            if failed:
-                raise OSError(f"rank {failed[0][0]}: {failed[0][1]}")
-            complete_upload(tag_dir, self.store_url,
-                            uploaded={name for report in reports for name in report})
-            prune(self.store_url, keep_last=self.keep_last, keep_every=self.keep_every)
-        except Exception as exc:  # noqa: BLE001 - the store down must not stop the run
-            warn(f"[checkpoint] warning: {tag_dir.name} was not uploaded to {self.store_url} "
-                 f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}); the "
-                 "store keeps its last complete checkpoint, the next save uploads again")
-        upload_run_files_or_warn(self.ckpt_dir.parent, self.store_url, log=warn)
+        """Start uploading the completed save to the store in the background
+        (`pretrain.checkpoint.store.start_upload`: each rank its own files, rank 0 the manifest
+        last once every rank's files are there); rank 0 uploads the run's changed files now
+        (metrics.jsonl, which the training thread appends to, is read whole only here)."""
+        listed = ({name: size_crc[0] for report in reports for name, size_crc in report.items()}
+                  if self.rank == 0 else None)
+        start_upload(tag_dir, self.store_url, mine=reports[self.rank], listed=listed,
+                     keep_last=self.keep_last, keep_every=self.keep_every, log=log)
+        if self.rank == 0:
+            upload_run_files_or_warn(self.ckpt_dir.parent, self.store_url,
+                                     log=functools.partial(log, level="warning"))
 
 
 def host_resident_state(engine) -> bool:

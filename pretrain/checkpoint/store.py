@@ -8,10 +8,13 @@ checkpoint the store holds complete (its `manifest.json` object present) is down
 step directories the store does not hold complete are deleted, the run's small files
 (`config.yaml`, `metrics.jsonl`, ...) are the store's. A checkpoint reaches the store when its
 save completes (`pretrain.checkpoint.saver.Saver.finish`): each rank uploads its own files,
-the ranks meet, then rank 0 uploads the rest, `manifest.json` last, and `latest`; only then does
+rank 0, once all of them are in the store, the rest, `manifest.json` last, and `latest`; only then does
 the store hold it complete, so a save cut short (a rank killed mid-upload, the store down) is
 never resumed. A failed upload warns and training goes on; the next save uploads its own
-checkpoint. `checkpoint.keep_last` and `keep_every` prune the store as they prune the disk.
+checkpoint. The uploads run in a background thread per rank (`start_upload`) while training
+goes on; rank 0's waits in the store, not in a collective, for the other ranks' objects before
+it puts the manifest. `checkpoint.keep_last` and `keep_every` prune the store as they prune the
+disk.
 
 Metrics and logs are written locally and uploaded at each completed save and at the end of
 the run (`upload_run_files`), only the files that changed.
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -141,6 +146,61 @@ def complete_upload(tag_dir: Path, url: str, *, uploaded: set[str]) -> None:
     if error:
         raise OSError(error)
     storage.put_text(storage.join(url, CHECKPOINTS, LATEST), tag_dir.name)
+
+
+UPLOAD_WAIT_S = 1800.0  # rank 0 waits this long for the other ranks' objects of a save
+_POLL_S = 0.5
+_UPLOADS: list[threading.Thread] = []  # this process's uploads in flight
+
+
+def start_upload(tag_dir: Path, url: str, *, mine: Iterable[str],
+                 listed: dict[str, int] | None, keep_last: int, keep_every: int, log) -> None:
+    """Upload a completed save in a background thread, while training goes on: this rank's
+    files `mine`; on rank 0 (`listed`: every rank's files and their sizes) then, once the store
+    holds every listed object with its size (the other ranks' threads put them there; no
+    collective), the rest and `manifest.json` last, `latest`, and pruning. A failure warns and
+    leaves the step without a manifest object, never resumed; the next save uploads its own."""
+    mine = sorted(mine)
+
+    def upload() -> None:
+        try:
+            error = upload_files(tag_dir, mine, url)
+            if error is None and listed is not None:
+                _wait_for_objects(storage.join(url, CHECKPOINTS, tag_dir.name), listed)
+                complete_upload(tag_dir, url, uploaded=set(listed))
+                prune(url, keep_last=keep_last, keep_every=keep_every)
+        except Exception as exc:  # noqa: BLE001 - the store down must not stop the run
+            error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        if error is not None:
+            log(f"[checkpoint] warning: {tag_dir.name} was not uploaded to {url} ({error}); the "
+                "store keeps its last complete checkpoint, the next save uploads again",
+                level="warning")
+
+    thread = threading.Thread(target=upload, name="checkpoint-upload", daemon=True)
+    thread.start()
+    _UPLOADS.append(thread)
+
+
+def wait_for_uploads() -> None:
+    """Return once this process's uploads have ended (uploaded or warned): before the next save
+    (its pruning may delete what an upload reads) and before the process exits."""
+    while _UPLOADS:
+        _UPLOADS.pop(0).join()
+
+
+def _wait_for_objects(step_url: str, listed: dict[str, int]) -> None:
+    """Poll the store until every object `listed` (name under `step_url`: size) is there with
+    its size; OSError after `UPLOAD_WAIT_S` (a rank whose upload failed)."""
+    deadline = time.monotonic() + UPLOAD_WAIT_S
+    while True:
+        found = storage.sizes(step_url)
+        missing = [name for name, size in listed.items() if found.get(name) != size]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise OSError(f"{len(missing)} files of the other ranks never reached the store "
+                          f"(e.g. {missing[0]})")
+        time.sleep(_POLL_S)  # polling the store for the other ranks' objects, to a deadline
 
 
 def prune(url: str, *, keep_last: int, keep_every: int) -> None:

@@ -125,11 +125,13 @@ def run(args: argparse.Namespace) -> NoReturn:
         resume = confirm_content(run.resume, run.cfg, resume_from=resume_from, log=log,
                                  own_first=own_first)
         result = Trainer(run, world, groups, resume=resume, control=control).train()
-        if store_url is not None and world.is_main:  # the last metrics, final/, stopped.json
-            from pretrain.checkpoint.store import upload_run_files_or_warn
+        if store_url is not None:  # the last save's upload; the last metrics, final/, stopped.json
+            from pretrain.checkpoint.store import upload_run_files_or_warn, wait_for_uploads
 
-            upload_run_files_or_warn(Path(run.cfg.run_dir), store_url,
-                                     log=functools.partial(log_line, level="warning"))
+            wait_for_uploads()
+            if world.is_main:
+                upload_run_files_or_warn(Path(run.cfg.run_dir), store_url,
+                                         log=functools.partial(log_line, level="warning"))
     except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
         _exit_on_fault(exc, rank=world.rank)
         raise
