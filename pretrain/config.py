@@ -25,6 +25,9 @@ a `ds_configs/...` or `configs/...` path missing there is the project's shipped 
 `--deepspeed-config`, they are relative to the working directory, as a user typing them expects.
 `run_dir`, which the run writes, is always relative to the working directory. The loaded config
 holds only absolute paths, so the copy saved in a run directory resumes from anywhere.
+`run_dir`, `data.dataset` and `data.blend` prefixes may also be `s3://bucket/prefix` (kept as
+written: `pretrain.storage`); any other URL scheme, a typo like `s3:/bucket`, or a store URL in a
+setting read from local files only is refused when the config is loaded, naming the setting.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from pretrain import storage
 from pretrain.errors import ConfigError, DataError
 
 
@@ -803,7 +807,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 raise ConfigError(f"--set {text!r}: {k!r} is not a section")
         node[keys[-1]] = _absolute_inputs(".".join(keys), value, base=Path.cwd())
     cfg = _build(RunConfig, raw, "")
-    cfg.run_dir = os.path.abspath(os.path.expanduser(cfg.run_dir))  # an output: the cwd's
+    _check_path_schemes(cfg)
+    if not storage.is_remote(cfg.run_dir):
+        cfg.run_dir = os.path.abspath(os.path.expanduser(cfg.run_dir))  # an output: the cwd's
     cfg.deepspeed = resolve_input_path(cfg.deepspeed, base=Path.cwd())  # the default, if unset
     return cfg
 
@@ -820,8 +826,9 @@ _SHIPPED_DIRS = ("ds_configs", "configs")
 def resolve_input_path(text: str, *, base: Path) -> str:
     """`text` made absolute against `base`; a `ds_configs/...` or `configs/...` path that is not
     there but is shipped is the shipped one, so a config copied out of the project still finds
-    its DeepSpeed JSON. "" (an unset field) stays ""."""
-    if not text:
+    its DeepSpeed JSON. "" (an unset field) and a URL (`s3://...`, or one `_check_path_schemes`
+    refuses) stay as they are."""
+    if not text or storage.is_remote(text) or storage.path_problem("", text) is not None:
         return text
     path = Path(text).expanduser()
     found = os.path.abspath(base / path)  # `base / path` is `path` when it is absolute
@@ -830,6 +837,27 @@ def resolve_input_path(text: str, *, base: Path) -> str:
             and shipped.exists():
         return str(shipped)
     return found
+
+
+def _check_path_schemes(cfg: RunConfig) -> None:
+    """Refuse a path setting that names a URL the stack does not serve (`gs://`, `hf://`, the
+    typo `s3:/bucket`), or an `s3://` URL where only local files are read (`storage.SERVED`):
+    otherwise `run_dir: s3:/b/r` would quietly become a local directory `./s3:/b/r`."""
+    paths = [("run_dir", cfg.run_dir), ("deepspeed", cfg.deepspeed),
+             ("model.init_from", cfg.model.init_from), ("data.dataset", cfg.data.dataset),
+             ("data.tokenizer", cfg.data.tokenizer)]
+    paths += [("data.blend", _blend_prefix(entry)) for entry in cfg.data.blend]
+    for name, text in paths:
+        problem = storage.path_problem(name, text) if isinstance(text, str) else None
+        if problem is not None:
+            raise ConfigError(f"{name}: {problem}")
+
+
+def _blend_prefix(entry: Any) -> Any:
+    """The prefix of a data.blend entry as written (the blend's loader checks the rest)."""
+    if isinstance(entry, dict):
+        return entry.get("prefix")
+    return entry.split(maxsplit=1)[-1].strip() if isinstance(entry, str) else None
 
 
 def _absolute_inputs(name: str, value: Any, *, base: Path) -> Any:

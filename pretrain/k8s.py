@@ -35,6 +35,7 @@ from pathlib import Path
 
 import yaml
 
+from pretrain import storage
 from pretrain.errors import EXIT_FAULT, EXIT_REQUEUE, EXIT_USER_ERROR, ConfigError
 
 RETRY_OFFSET = 128  # the training operator restarts ExitCode replicas on codes >= 128 only
@@ -82,6 +83,7 @@ class JobSpec:
     ipc_lock: bool = False  # the IPC_LOCK capability: RDMA pins (locks) its buffers
     host_network: bool = False  # the node's network (and its RDMA interfaces) for the pod
     networks: str | None = None  # Multus secondary networks (the pod annotation's value)
+    store_secret: str = "pretrain-s3"  # run_dir at s3://: the Secret of the pods' AWS_* variables
 
     def check(self) -> None:
         if not _DNS_LABEL.match(self.name):
@@ -100,6 +102,9 @@ class JobSpec:
                               "--scheduler volcano or --scheduler kueue")
         if self.pvc and self.volume:
             raise ConfigError("--pvc and --volume both given: the run directory lives on one")
+        if self.in_store and (self.pvc or self.volume):
+            raise ConfigError(f"run_dir {self.run_dir}: the run directory is in the object "
+                              "store; drop --pvc/--volume")
         if self.termination_grace_s < 1:
             raise ConfigError(f"--termination-grace {self.termination_grace_s}: need >= 1 s")
         for name in self.pod_resources:
@@ -112,8 +117,22 @@ class JobSpec:
         return self.gpus_per_node or 1
 
     @property
+    def in_store(self) -> bool:
+        """Whether the run directory is in the object store (no volume: `storage`)."""
+        return storage.is_remote(self.run_dir)
+
+    @property
     def pod_run_dir(self) -> str:
-        return self.run_dir if self.run_dir.startswith("/") else f"{self.mount_path}/{self.run_dir}"
+        if self.in_store or self.run_dir.startswith("/"):
+            return self.run_dir
+        return f"{self.mount_path}/{self.run_dir}"
+
+    @property
+    def pod_log_dir(self) -> str:
+        """The pod's job record: beside the run on its volume, or in the pod's own scratch when
+        the run directory is in the store."""
+        base = "/tmp/pretrain-k8s" if self.in_store else f"{self.pod_run_dir}/k8s"
+        return f"{base}/${{POD_NAME}}"
 
     @property
     def rdzv_host(self) -> str:
@@ -174,7 +193,7 @@ def torchrun_argv(spec: JobSpec) -> list[str]:
 def container_script(spec: JobSpec) -> str:
     """The pod's `bash -c` script: pre-flight (its 3/75 raised by 128 as POD_EXIT says), then
     torchrun as PID 1 (exec), so that SIGTERM reaches it and the ranks save and exit 75."""
-    log_dir = f"{spec.pod_run_dir}/k8s/${{POD_NAME}}"  # the job record of this pod
+    log_dir = spec.pod_log_dir  # the job record of this pod
     preflight = _lines(["python", "-m", "pretrain", "launch", "preflight", *preflight_argv(spec)])
     torchrun = _lines(["python", "-m", "pretrain", "launch", "torchrun", "--retry-offset",
                        str(RETRY_OFFSET), "--", *torchrun_argv(spec)])
@@ -197,7 +216,7 @@ def manifests(spec: JobSpec, *, rank_env: dict[str, str]) -> list[dict]:
     """The objects to apply, in order: volume claim, gang objects, Service, job."""
     spec.check()
     docs: list[dict] = []
-    if not spec.pvc and not spec.volume:
+    if not spec.pvc and not spec.volume and not spec.in_store:
         docs.append(_claim(spec))
     if spec.kind == "indexed-job":
         if spec.scheduler == "volcano":
@@ -276,7 +295,9 @@ def _container(spec: JobSpec, rank_env: dict[str, str]) -> dict:
     return {"name": CONTAINER, "image": spec.image, "command": ["bash", "-c", container_script(spec)],
             "env": env, "ports": [{"name": "pytorchjob-port", "containerPort": RDZV_PORT}],
             **({"resources": resources} if resources else {}), **security,
-            "volumeMounts": [{"name": "runs", "mountPath": spec.mount_path},
+            **({"envFrom": [{"secretRef": {"name": spec.store_secret}}]} if spec.in_store else {}),
+            "volumeMounts": [*([] if spec.in_store else [{"name": "runs",
+                                                          "mountPath": spec.mount_path}]),
                              {"name": "dshm", "mountPath": "/dev/shm"}]}
 
 
@@ -284,7 +305,7 @@ def _pod_template(spec: JobSpec, rank_env: dict[str, str], **pod: object) -> dic
     source = spec.volume or {"persistentVolumeClaim": {"claimName": _claim_name(spec)}}
     pod_spec = {**pod, "terminationGracePeriodSeconds": spec.termination_grace_s,
                 "containers": [_container(spec, rank_env)],
-                "volumes": [{"name": "runs", **source},
+                "volumes": [*([] if spec.in_store else [{"name": "runs", **source}]),
                             # NCCL's and the data loaders' shared memory: the default is 64 MiB
                             {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
     if spec.host_network:  # and the cluster's DNS still, for the rendezvous Service's name

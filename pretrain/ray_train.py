@@ -39,8 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from pretrain import storage
 from pretrain.child_runs import child_env, die_with_parent, stop_run
 from pretrain.errors import EXIT_OK, EXIT_USER_ERROR, ConfigError
+from pretrain.mounts import node_local_scratch
 
 # Seconds between a stopped rank's SIGTERM and its SIGKILL: inside the 5 s Ray Train gives a
 # worker between asking it to shut down and killing it, so the child is gone before its worker
@@ -171,12 +173,40 @@ def run_rank(config: dict) -> None:
     finally:
         child.stop()  # a no-op once it exited; else (this thread raised) it must not outlive us
     if rank == 0:  # for the driver: Ray Train keeps no worker's return value or metrics
-        Path(config["status_file"]).write_text(f"{status}\n")
+        write_status(config["status_file"], status)
     if status not in (EXIT_OK, EXIT_USER_ERROR):
         raise RankFailed(f"rank {rank}: pretrain train exited {status}")
 
 
-def fit(job: RayJob, *, run_dir: Path) -> int:
+def write_status(where: str, status: int) -> None:
+    """Rank 0's exit status where the driver reads it (`read_status`): a file on the run's
+    file system, or an object beside a run directory in the store."""
+    if storage.is_remote(where):
+        storage.put_text(where, f"{status}\n")
+    else:
+        Path(where).write_text(f"{status}\n")
+
+
+def read_status(where: str) -> int | None:
+    """The status `write_status` left, None when there is none (no rank 0 finished)."""
+    if storage.is_remote(where):
+        return int(storage.read_bytes(where)) if storage.size(where) is not None else None
+    return int(Path(where).read_text()) if Path(where).exists() else None
+
+
+def status_place(job: RayJob, run_dir: str) -> tuple[Path, str]:
+    """Ray Train's storage folder and where rank 0's status goes. A run directory in the store
+    has no shared file system: Ray's records stay on the driver's node (the run's state is in
+    the store; Ray Train reports no checkpoint of its own) and the status is an object of the
+    run, `<run_dir>/ray/exit_status`."""
+    if storage.is_remote(run_dir):
+        storage_path = Path(job.storage_path or node_local_scratch() / "pretrain-ray").resolve()
+        return storage_path, storage.join(run_dir, "ray", "exit_status")
+    storage_path = Path(job.storage_path or Path(run_dir) / "ray").resolve()
+    return storage_path, str(storage_path / "exit_status")  # on the run's file system
+
+
+def fit(job: RayJob, *, run_dir: str) -> int:
     """Run the job on Ray; the command's exit status (0, or 2 for bad input; a group that failed
     more than max_failures times raises Ray's TrainingFailedError)."""
     job.check()
@@ -195,20 +225,24 @@ def fit(job: RayJob, *, run_dir: Path) -> int:
                  runtime_env=runtime_env)
     per_worker = ({"GPU": job.gpus_per_worker} if job.gpus_per_worker else {}) | (
         {"CPU": job.cpus_per_worker} if job.cpus_per_worker else {})
-    storage = Path(job.storage_path or run_dir / "ray").resolve()
-    status_file = storage / "exit_status"  # on the run's file system, which every node sees
-    storage.mkdir(parents=True, exist_ok=True)
-    status_file.unlink(missing_ok=True)
+    storage_path, status_file = status_place(job, run_dir)
+    storage_path.mkdir(parents=True, exist_ok=True)
+    if storage.is_remote(status_file):
+        storage.remove(status_file)
+    else:
+        Path(status_file).unlink(missing_ok=True)
     trainer = TorchTrainer(
         run_rank,
         train_loop_config={"argv": job.train_args, "gpus": job.gpus_per_worker or 0,
                            "cpus": job.cpus_per_worker, "cwd": os.getcwd(),
-                           "status_file": str(status_file)},
+                           "status_file": status_file},
         scaling_config=ScalingConfig(num_workers=job.num_workers,
                                      use_gpu=bool(job.gpus_per_worker),
                                      resources_per_worker=per_worker or None),
-        run_config=RunConfig(name=run_dir.name, storage_path=str(storage),
+        run_config=RunConfig(name=run_dir.rstrip("/").rsplit("/", 1)[-1],
+                             storage_path=str(storage_path),
                              failure_config=FailureConfig(max_failures=job.max_failures),
                              callbacks=[stop_on_shutdown()]))
     trainer.fit()  # raises TrainingFailedError once max_failures restarts failed too
-    return int(status_file.read_text()) if status_file.exists() else EXIT_OK
+    status = read_status(status_file)
+    return EXIT_OK if status is None else status

@@ -26,6 +26,8 @@ Modules, each on top of the previous ones:
   at once or from a host copy by a background thread, its CRC32 taken as it is written, synced.
 - `saver`: saving (`Saver`: at most one save in flight, completed by `finish`, or through the
   rendezvous store by a hang watchdog) and pruning.
+- `store`: a run directory at `s3://bucket/prefix`: the node-local copy the run works in, each
+  completed save uploaded with its manifest last, the store pruned.
 - `engine`: resuming and loading engine checkpoints, the universal conversion, and `save_final`
   (the in-training gather that `write_final` writes).
 - `hf`: Hugging Face export and import, with the sentencepiece tokenizer conversion.

@@ -8,6 +8,7 @@ resuming (`pretrain.checkpoint.engine`) skips.
 """
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 import time
@@ -18,11 +19,14 @@ import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from pretrain.checkpoint.store import (mirror_of, start_upload, upload_run_files_or_warn,
+                                       wait_for_uploads)
 from pretrain.checkpoint.paths import MANIFEST, tag_step, write_latest, write_manifest
 from pretrain.checkpoint.reshard import OPTIMIZER_NAMES, optimizer_parameter_names
 from pretrain.checkpoint.writer import ShardWriter
 from pretrain.dist import barriers_for_io, gather_for_io, wait_for_io
 from pretrain.errors import TrainingFault
+from pretrain.log import log
 
 # DeepSpeed's ds_to_universal refuses a checkpoint whose client state lacks this entry.
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
@@ -60,6 +64,7 @@ class Saver:
     def __init__(self, engine, *, ckpt_dir: Path, keep_last: int, keep_every: int, rank: int,
                  background: bool):
         self.engine, self.ckpt_dir, self.rank = engine, Path(ckpt_dir), rank
+        self.store_url = mirror_of(self.ckpt_dir.parent)  # a run directory in the store
         self.keep_last, self.keep_every = keep_last, keep_every
         live = background and host_resident_state(engine)
         self.writer = ShardWriter(background=background, live_host_state=live)
@@ -90,6 +95,7 @@ class Saver:
         """Save a checkpoint tagged step<meta['step']> (collective): its directory. A save
         still in flight is finished first."""
         self.finish()
+        wait_for_uploads()  # the previous save's, before anything is pruned under it
         tag_dir = self.ckpt_dir / f"step{meta['step']}"
         if self.rank == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -175,8 +181,23 @@ class Saver:
                                 "is still the one resuming starts from")
         if self.rank == 0:
             self._write_completion(tag_dir, meta, reports)
+        if self.store_url is not None:
+            self._upload(tag_dir, reports)
         wait_for_io()
         return tag_dir
+
+    def _upload(self, tag_dir: Path, reports: list[dict[str, Any]]) -> None:
+        """Start uploading the completed save to the store in the background
+        (`pretrain.checkpoint.store.start_upload`: each rank its own files, rank 0 the manifest
+        last once every rank's files are there); rank 0 uploads the run's changed files now
+        (metrics.jsonl, which the training thread appends to, is read whole only here)."""
+        listed = ({name: size_crc[0] for report in reports for name, size_crc in report.items()}
+                  if self.rank == 0 else None)
+        start_upload(tag_dir, self.store_url, mine=reports[self.rank], listed=listed,
+                     keep_last=self.keep_last, keep_every=self.keep_every, log=log)
+        if self.rank == 0:
+            upload_run_files_or_warn(self.ckpt_dir.parent, self.store_url,
+                                     log=functools.partial(log, level="warning"))
 
 
 def host_resident_state(engine) -> bool:

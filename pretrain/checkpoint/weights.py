@@ -35,9 +35,11 @@ from typing import Iterator
 
 import torch
 
+from pretrain import storage
 from pretrain.checkpoint.fsdp2_state import fsdp2_client_state, fsdp2_shards, is_fsdp2_checkpoint
 from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FINAL_TOKENIZER_DIR,
                                        FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
+from pretrain.checkpoint.store import local_checkpoint
 from pretrain.checkpoint.safetensors_stream import LazyTensors, SafetensorsWriter
 from pretrain.checkpoint.zero_shards import ZeroMasters, load_checkpoint_file
 from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_config
@@ -75,7 +77,10 @@ class Weights:
 
 def load_weights(src: str | Path) -> Weights:
     """Weights of a run dir (its latest engine checkpoint, else final/), an engine step dir, a
-    final/ or `convert-checkpoint --to fp32` dir, an `import-hf` dir, or a Hugging Face dir."""
+    final/ or `convert-checkpoint --to fp32` dir, an `import-hf` dir, or a Hugging Face dir;
+    any of the first four at `s3://...` is read from its node-local copy (`store`)."""
+    if storage.is_remote(str(src)):
+        src = local_checkpoint(str(src))
     path = Path(src)
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist: pass a run directory, "

@@ -17,7 +17,8 @@ _TEXT_FIELD_HELP = "the text field of .jsonl rows, parquet columns and datasets 
 
 
 def _make_parent(path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if not path.startswith("s3://"):  # a prefix in the object store needs no directory
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def tokenizer_arguments(parser: argparse.ArgumentParser) -> None:

@@ -168,6 +168,7 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
     if args.ranks_per_node and args.gpus_per_node is None and "cpu" not in (args.accelerator,
                                                                             args.cluster):
         args.gpus_per_node = args.ranks_per_node  # the job's nodes: tensor parallelism within one
+    check_store(load_config(args.config, config_overrides(args)))
     gpus_seen = _gpus_of_this_node(args) + _fit_world(args)
     out = io.StringIO()
     try:
@@ -187,6 +188,16 @@ def preflight(args: argparse.Namespace, *, log_dir: Path | None) -> str:
         (log_dir / "git_commit.txt").write_text(git_commit() + "\n")
         (log_dir / "plan.txt").write_text(gpus_seen + out.getvalue())
     return gpus_seen + out.getvalue()
+
+
+def check_store(cfg) -> None:
+    """A run directory in the object store: the bucket reachable, there, and writable with the
+    environment's credentials (`storage.check_writable`), before anything is queued; a
+    `StoreError` (exit 2) naming run_dir otherwise."""
+    from pretrain import storage
+
+    if storage.is_remote(cfg.run_dir):
+        storage.check_writable(cfg.run_dir)
 
 
 def check_compiled_ops(ds: dict, *, where: str) -> list[str]:
@@ -347,12 +358,13 @@ def train_on_ray(args: argparse.Namespace) -> int:
     add_config_arguments(train)
     known, _ = train.parse_known_args(args.train_args)
     cfg = load_config(known.config, config_overrides(known))
+    check_store(cfg)
     job = ray_train.RayJob(train_args=args.train_args, num_workers=args.num_workers,
                            cpus_per_worker=args.cpus_per_worker or (
                                None if args.gpus_per_worker else 1.0),
                            gpus_per_worker=args.gpus_per_worker, address=args.address,
                            max_failures=args.max_failures)
-    return ray_train.fit(job, run_dir=Path(cfg.run_dir))
+    return ray_train.fit(job, run_dir=cfg.run_dir)
 
 
 def pod_env() -> dict[str, str]:

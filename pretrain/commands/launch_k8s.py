@@ -52,6 +52,10 @@ def add_k8s_arguments(sub) -> None:
                      "directory (default: a new ReadWriteMany claim <name>-runs)")
     vol.add_argument("--volume", metavar="YAML", help="a volume source instead, e.g. "
                      "'{nfs: {server: nfs1, path: /runs}}'")
+    k.add_argument("--store-secret", default="pretrain-s3", metavar="NAME",
+                   help="with run_dir at s3://: the Secret whose keys become the pods' "
+                   "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL); "
+                   "no volume is mounted")
     k.add_argument("--storage", default="100Gi", help="size of the new claim")
     k.add_argument("--storage-class", help="storage class of the new claim")
     k.add_argument("--mount-path", default="/mnt/pretrain", help="where the volume is mounted; "
@@ -104,12 +108,17 @@ def spec_of(args: argparse.Namespace):
         backoff_limit=args.backoff_limit, cpu=args.cpu, memory=args.memory,
         termination_grace_s=args.termination_grace or k8s.DEFAULT_TERMINATION_GRACE_S,
         pod_resources=dict(map(k8s.parse_pod_resource, args.pod_resource)),
-        ipc_lock=args.ipc_lock, host_network=args.host_network, networks=args.network)
+        ipc_lock=args.ipc_lock, host_network=args.host_network, networks=args.network,
+        store_secret=args.store_secret)
 
 
 def _relative(run_dir) -> str:
     """The config's run_dir as written: the config loader resolves it against this directory,
     and a relative one goes under the pods' volume."""
+    from pretrain import storage
+
+    if storage.is_remote(run_dir):  # s3://...: no volume, as written
+        return run_dir
     path = Path(run_dir)
     with contextlib.suppress(ValueError):
         return str(path.resolve().relative_to(Path.cwd().resolve()))

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import NoReturn
 
 from pretrain.config import LOG_LEVELS, add_config_arguments, config_overrides
@@ -57,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> NoReturn:
+    from pretrain import storage
     from pretrain.checkpoint import confirm_content, find_resume
     from pretrain.config import load_config
     from pretrain.dist import discover_world, exit_distributed, init_distributed, set_cpu_threads
@@ -79,6 +82,13 @@ def run(args: argparse.Namespace) -> NoReturn:
 
     set_log_level(cfg.logging.level)  # DeepSpeed, now imported, logs from here on
     log = lambda text: log_line(text, main=world.is_main)  # noqa: E731
+    store_url = None
+    if storage.is_remote(cfg.run_dir):  # ranks work in a node-local copy (checkpoint/store.py)
+        from pretrain.checkpoint.store import stage_run
+
+        store_url = cfg.run_dir
+        storage.check_writable(store_url)
+        cfg = dataclasses.replace(cfg, run_dir=str(stage_run(store_url, log=log)))
     # Every check that can fail does so here, before a process group or an engine exists.
     from pretrain.evaluation.tasks import check_eval_config
     from pretrain.training.sinks import check_sinks
@@ -89,6 +99,10 @@ def run(args: argparse.Namespace) -> NoReturn:
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
     device_type = get_accelerator().device_name()
     resume_from, own_first = args.resume_from or args.start_from, args.start_from is not None
+    if resume_from and storage.is_remote(resume_from):  # the node's copy of it
+        from pretrain.checkpoint.store import local_checkpoint
+
+        resume_from = str(local_checkpoint(resume_from, log=log))
     settled = settle_config(cfg, device_type=device_type, find_resume=lambda c: find_resume(
         c, resume_from=resume_from, log=log, own_first=own_first))
     # ranks the layout or the batch cannot use sit idle until the job ends (never return here)
@@ -111,6 +125,13 @@ def run(args: argparse.Namespace) -> NoReturn:
         resume = confirm_content(run.resume, run.cfg, resume_from=resume_from, log=log,
                                  own_first=own_first)
         result = Trainer(run, world, groups, resume=resume, control=control).train()
+        if store_url is not None:  # the last save's upload; the last metrics, final/, stopped.json
+            from pretrain.checkpoint.store import upload_run_files_or_warn, wait_for_uploads
+
+            wait_for_uploads()
+            if world.is_main:
+                upload_run_files_or_warn(Path(run.cfg.run_dir), store_url,
+                                         log=functools.partial(log_line, level="warning"))
     except Exception as exc:  # noqa: BLE001 - a fault ends the process without a hang
         _exit_on_fault(exc, rank=world.rank)
         raise

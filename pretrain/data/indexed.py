@@ -31,7 +31,9 @@ from types import TracebackType
 
 import numpy as np
 
+from pretrain import storage
 from pretrain.errors import DataError
+from pretrain.mounts import node_local_scratch
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -69,11 +71,19 @@ def encode_index(*, dtype: np.dtype, sequence_lengths: np.ndarray,
                      np.asarray(document_indices, dtype="<i8").tobytes()])
 
 
+# A dataset in the object store is read from a node-local copy, in a cache of at most this many
+# bytes (`PRETRAIN_STORE_CACHE_GB`, default 200) under the node's scratch directory.
+STORE_CACHE = "pretrain-store-data"
+STORE_CACHE_GB_ENV, STORE_CACHE_GB = "PRETRAIN_STORE_CACHE_GB", 200.0
+
+
 class IndexedDatasetWriter:
     """Write ``prefix.bin`` / ``prefix.idx``, one sequence per document, all or nothing.
 
     Tokens stream to ``prefix.bin.tmp``; `finalize` writes ``prefix.idx.tmp`` and renames both
-    (``.bin`` first, so an ``.idx`` is never newer than its data). Leaving the ``with`` block
+    (``.bin`` first, so an ``.idx`` is never newer than its data). A prefix at ``s3://`` is
+    written into the node's cache of the store's datasets (`store_copy`), then uploaded,
+    ``.bin`` first for the same reason. Leaving the ``with`` block
     normally finalizes; an exception (or `abort`) deletes the temporary files, so a failed run
     leaves nothing that looks like a dataset::
 
@@ -87,6 +97,10 @@ class IndexedDatasetWriter:
         if self.dtype not in _CODE_OF_DTYPE:
             raise DataError(f"token dtype {self.dtype} is not in the MMIDIDX format: use one of "
                             f"{', '.join(str(d) for d in DTYPE_CODES.values())}")
+        # a dataset for the store is written into the node's cache of it, then uploaded
+        self.url = str(prefix) if storage.is_remote(str(prefix)) else None
+        if self.url is not None:
+            prefix = node_local_scratch() / STORE_CACHE / self.url[len(storage.SCHEME) + 3:]
         self.prefix = Path(prefix)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self._tmp_bin = Path(f"{data_path(prefix)}.tmp")
@@ -159,6 +173,14 @@ class IndexedDatasetWriter:
             self.abort()
             raise
         self._done = True
+        if self.url is not None:
+            try:
+                for local in (data_path(self.prefix), index_path(self.prefix)):
+                    storage.put_file(local, f"{self.url}{local.suffix}")
+            except Exception as exc:  # noqa: BLE001 - the store's errors have no common base
+                raise DataError(f"{self.url}.bin/.idx could not be uploaded ({type(exc).__name__}"
+                                f": {(str(exc).splitlines() or [''])[0][:200]}); the dataset "
+                                f"is in {self.prefix}.bin/.idx") from None
 
     def abort(self) -> None:
         """Close and delete the temporary files; nothing is left behind."""
@@ -166,6 +188,21 @@ class IndexedDatasetWriter:
         for path in (self._tmp_bin, self._tmp_idx):
             path.unlink(missing_ok=True)
         self._done = True
+
+
+def store_copy(prefix: str) -> Path:
+    """The local prefix of the node's copy of the dataset `prefix` (`s3://bucket/key`): its
+    .idx and .bin downloaded once per node into a bounded cache (`storage.local_copies`), so
+    every rank reads the same bytes as from local files; the sample indices are cached beside
+    the copy."""
+    limit = float(os.environ.get(STORE_CACHE_GB_ENV) or STORE_CACHE_GB)
+    try:
+        idx, _ = storage.local_copies([f"{prefix}.idx", f"{prefix}.bin"],
+                                      cache_dir=node_local_scratch() / STORE_CACHE,
+                                      max_bytes=int(limit * 2**30))
+    except storage.StoreError as error:
+        raise DataError(f"indexed dataset {prefix!r}: {error}") from None
+    return idx.with_suffix("")
 
 
 class IndexedDataset:
@@ -178,6 +215,8 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str | Path) -> None:
+        if storage.is_remote(str(prefix)):  # s3://...: the node's copy (`store_copy`)
+            prefix = store_copy(str(prefix))
         self.prefix = Path(prefix)
         idx, bin_ = index_path(prefix), data_path(prefix)
         for path in (idx, bin_):
