@@ -142,3 +142,81 @@ def test_parameter_table_is_the_built_model(family):
         if family_of(cfg).parameter(name).init == "ones":
             assert bool((init == 1).all()), name
     assert model.num_parameters() == num_parameters(cfg)
+
+
+# ---- trained on layouts: an imported Qwen3 ------------------------------------------------------
+
+LAYOUT_STEPS = 4
+QWEN3_LAYOUTS = {
+    # name: (ranks, overrides); each changes how the q/k norms' gradients are formed
+    "fsdp2_tp2_sp_dp2": (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
+                             "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    "zero3_tp2_dp2": (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def imported_qwen3(tiny_data, tmp_path_factory) -> Path:
+    """A random transformers Qwen3 of the tokenizer's 512 tokens, imported (final/ format)."""
+    root = tmp_path_factory.mktemp("qwen3_import")
+    torch.manual_seed(5)
+    cfg = load_config(None, ["model.preset=tiny", *SHAPES["qwen3"]]).model
+    hf = transformers.Qwen3ForCausalLM(to_hf_config(cfg, attn_implementation="eager"))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(root / "hf")
+    cli("import-hf", root / "hf", "--output", root / "init")
+    return root / "init"
+
+
+def _qwen3_run(tmp_path, tiny_data, imported, *, nprocs: int, overrides: list[str], name: str):
+    from pretrain.testing.runs import train
+
+    return train(tmp_path, tiny_data, nprocs=nprocs, name=name, overrides=[
+        *SHAPES["qwen3"], f"model.init_from={imported}", f"train.steps={LAYOUT_STEPS}",
+        "checkpoint.save_final=true", *overrides])
+
+
+@pytest.fixture(scope="module")
+def qwen3_single(tiny_data, tmp_path_factory, imported_qwen3):
+    return _qwen3_run(tmp_path_factory.mktemp("qwen3_single"), tiny_data, imported_qwen3,
+                      nprocs=1, overrides=[], name="single")
+
+
+@pytest.mark.slow  # `pretrain train` on 4 forked ranks
+@pytest.mark.parametrize("layout", QWEN3_LAYOUTS)
+def test_imported_qwen3_trains_on_a_layout_like_one_process_and_exports_as_transformers(
+        layout, tiny_data, tmp_path, imported_qwen3, qwen3_single):
+    """The imported model's losses and gradient norms on the layout are one process's (only
+    the reduction order differs: 1e-5); its final weights, exported, are transformers' Qwen3
+    computing our logits and greedy tokens."""
+    from pretrain.testing.runs import rel_diff
+
+    nprocs, overrides = QWEN3_LAYOUTS[layout]
+    run = _qwen3_run(tmp_path, tiny_data, imported_qwen3, nprocs=nprocs, overrides=overrides,
+                     name=layout)
+    head = run.records[0]
+    assert (head["tensor"], head["data_parallel"]) == (2, 2)
+    assert rel_diff(run.losses, qwen3_single.losses) < 1e-5, (run.losses, qwen3_single.losses)
+    norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"]
+             for x in (run, qwen3_single)]
+    assert rel_diff(*norms) < 1e-5, norms
+
+    final = run.run_dir / "final"
+    cli("export-hf", final, "--output", tmp_path / "hf", "--dtype", "fp32")
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "hf",
+                                                       attn_implementation="eager").eval()
+    weights = load_weights(final)
+    ours = LlamaModel(weights.model)
+    ours.load_state_dict(from_hf_state_dict(dict(weights.state.items()), weights.model))
+    ours.eval()
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, ours(ids)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    prompt = ids[:, :5]
+    theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                         pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=8), theirs)
