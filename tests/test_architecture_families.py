@@ -57,3 +57,15 @@ def test_the_check_finds_a_projection_name(tmp_path):
     module.write_text('"""q_proj in a docstring."""\nNAME = "model.layers.0.self_attn.q_proj.weight"\n')
     assert [text for _, text in _code_strings(module) if LAYER_NAMES.search(text)] == \
         ["model.layers.0.self_attn.q_proj.weight"]
+
+
+def test_the_model_package_imports_no_run_rule():
+    """The model checks its own shape (`pretrain.families`' rules) and is handed the run's
+    groups and ZeRO-3 config: no module of `pretrain/model/` imports `pretrain.resolve`."""
+    found = []
+    for path in sorted((PACKAGE / "model").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names if n.startswith("pretrain.resolve")]
+    assert not found, found

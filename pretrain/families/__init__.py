@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from pretrain.config import ModelConfig
 from pretrain.families.base import (EMBED, EMBEDDING, HIDDEN, LM_HEAD, NORM, ONES, OUTPUT,
-                                    RESIDUAL, NORMAL, Family, Parameter)
+                                    RESIDUAL, NORMAL, Family, Parameter, check_pipeline_split,
+                                    check_tensor_split)
 from pretrain.families.llama import LLAMA
 from pretrain.families.qwen3 import QWEN3
 
@@ -54,5 +55,5 @@ def tensor_partition_dim_of(module: str) -> int | None:
 
 
 __all__ = ["EMBED", "EMBEDDING", "FAMILIES", "Family", "HIDDEN", "LM_HEAD", "NORM", "NORMAL",
-           "ONES", "OUTPUT", "Parameter", "RESIDUAL", "family_of", "family_of_hf_config",
-           "tensor_partition_dim_of"]
+           "ONES", "OUTPUT", "Parameter", "RESIDUAL", "check_pipeline_split", "check_tensor_split",
+           "family_of", "family_of_hf_config", "tensor_partition_dim_of"]

@@ -5,7 +5,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pretrain.config import ModelConfig
+from pretrain.config import PARTITION_METHODS, ModelConfig
+from pretrain.errors import ConfigError
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -111,3 +112,30 @@ def _product(shape: tuple[int, ...]) -> int:
     for size in shape:
         n *= size
     return n
+
+
+# ---- the model's shape rules: what a split over ranks needs (the model and the layout check) --
+
+def check_tensor_split(model: ModelConfig, tensor: int) -> None:
+    """Each tensor-parallel rank must hold whole query heads, whole kv heads and an equal slice
+    of the MLP."""
+    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        if getattr(model, name) % tensor:
+            raise ConfigError(
+                f"parallel.tensor={tensor}: must divide model.{name}={getattr(model, name)} "
+                f"(each rank holds a whole share: tensor={tensor} must divide num_heads, "
+                "num_kv_heads and ffn_hidden_size)")
+
+
+def check_pipeline_split(model: ModelConfig, pipeline: int, *, partition_method: str) -> None:
+    """Every pipeline stage needs a decoder layer, cut by a partition method DeepSpeed knows."""
+    if not isinstance(pipeline, int) or pipeline < 1:
+        raise ConfigError(f"pipeline stages={pipeline!r}: must be a positive integer")
+    if pipeline > model.num_layers:
+        raise ConfigError(f"parallel.pipeline={pipeline}: exceeds model.num_layers="
+                          f"{model.num_layers}: {pipeline} pipeline stages for model.num_layers="
+                          f"{model.num_layers} leave stages idle; set parallel.pipeline <= "
+                          f"{model.num_layers}")
+    if partition_method not in PARTITION_METHODS:
+        raise ConfigError(f"partition_method={partition_method!r}: choose one of "
+                          f"{', '.join(PARTITION_METHODS)}")

@@ -56,13 +56,13 @@ from deepspeed.accelerator import get_accelerator
 
 from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
-from pretrain.resolve.layout import check_tensor_split
 import pretrain.model.mup as mup
 import pretrain.model.documents as documents
 from pretrain.model.context_parallel import (chunk_loss_scale, chunk_offset, cp_world_size,
                                              heads_to_sequence, sequence_to_heads)
 from pretrain.model.documents import Boundaries, document_attention, document_positions
-from pretrain.families import RESIDUAL, ONES, family_of, tensor_partition_dim_of
+from pretrain.families import (ONES, RESIDUAL, check_tensor_split, family_of,
+                               tensor_partition_dim_of)
 from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, apply_rotary, column_linear, rotary_embedding,
                                    row_linear, vocab_embedding)

@@ -104,7 +104,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
-from pretrain.resolve.layout import check_pipeline_split, check_tensor_split
+from pretrain.families import check_pipeline_split, check_tensor_split
 from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
 import pretrain.model.documents as documents
 from pretrain.model.documents import Boundaries, document_positions
