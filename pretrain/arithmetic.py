@@ -1,8 +1,11 @@
-"""Model arithmetic without torch: parameters and FLOPs per layer, per pipeline stage, per model.
+"""Model arithmetic without torch: parameters and FLOPs per layer, per pipeline stage, per model,
+and how a pipeline's stages are cut.
 
 One definition of each count, shared by the config dry run, the planner (`pretrain.plan`) and
-the telemetry's MFU / HFU. FLOPs follow the Megatron / PaLM convention: 2 per weight per token
-forward, causal attention's QK^T and AV counted whole (4 * seq * hidden per layer forward),
+the telemetry's MFU / HFU. The parameters of a layer come from its family's parameter table
+(`pretrain.families`), so a family counts what it holds without a line here. FLOPs follow the
+Megatron / PaLM convention: 2 per weight per token forward, causal attention's QK^T and AV
+counted whole (4 * seq * heads * head_dim per layer forward: 4 * seq * hidden in Llama),
 training = 3 x forward; recomputed layers run their forward once more, which only hardware
 FLOPs count.
 
@@ -17,29 +20,26 @@ import functools
 import math
 
 from pretrain.config import ModelConfig, Recompute
+from pretrain.families import family_of
 from pretrain.resolve.layout import Layout
 
 
 def layer_parameters(m: ModelConfig) -> tuple[int, int]:
-    """(tensor-parallel-sharded, replicated) parameters of one decoder layer: q, o, k, v and
-    SwiGLU's three projections (each expert's) are sharded; the two RMSNorms (and a mixture of
-    experts' router) are replicated."""
-    h = m.hidden_size
-    return _attention_parameters(m) + max(m.num_experts, 1) * 3 * h * m.ffn_hidden_size, \
-        2 * h + m.num_experts * h
-
-
-def _attention_parameters(m: ModelConfig) -> int:
-    kv = m.num_kv_heads * m.head_dim
-    return 2 * m.hidden_size ** 2 + 2 * m.hidden_size * kv
+    """(tensor-parallel-sharded, replicated) parameters of one decoder layer, by the family's
+    table: Llama's q, o, k, v and SwiGLU's three projections (each expert's) are sharded; the
+    two RMSNorms (and a mixture of experts' router, Qwen3's q/k norms) are replicated."""
+    return family_of(m).layer_parameters(m)
 
 
 def layer_active_matmul_parameters(m: ModelConfig) -> int:
     """The matrix parameters of one decoder layer a token is multiplied with: attention, the
     SwiGLU MLP or its experts_per_token experts, and the router."""
-    h = m.hidden_size
-    experts = m.experts_per_token if m.num_experts else 1
-    return _attention_parameters(m) + experts * 3 * h * m.ffn_hidden_size + m.num_experts * h
+    return family_of(m).layer_matmul_parameters(m, active=True)
+
+
+def _attention_width(m: ModelConfig) -> int:
+    """The width attention's scores and outputs are computed at: heads x head_dim."""
+    return m.num_heads * m.head_dim
 
 
 def num_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
@@ -53,7 +53,8 @@ def num_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
 def num_active_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
     """Parameters one token uses (`num_parameters` for a dense model): a mixture of experts
     counts experts_per_token experts per layer, and its router."""
-    layer = layer_active_matmul_parameters(m) + 2 * m.hidden_size  # + the two norms
+    layer = layer_active_matmul_parameters(m) + layer_parameters(m)[1]  # + the norms
+    layer -= m.num_experts * m.hidden_size  # the router, replicated, is a matmul counted above
     n = m.num_layers * layer + m.hidden_size
     if include_embeddings:
         n += m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
@@ -62,15 +63,16 @@ def num_active_parameters(m: ModelConfig, *, include_embeddings: bool = True) ->
 
 def layer_forward_flops_per_token(m: ModelConfig) -> float:
     """Forward matmul FLOPs of one decoder layer per token (active parameters under MoE)."""
-    return 2.0 * layer_active_matmul_parameters(m) + 4.0 * m.seq_length * m.hidden_size
+    return 2.0 * layer_active_matmul_parameters(m) + 4.0 * m.seq_length * _attention_width(m)
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), without recomputation:
     6 per non-embedding weight and output-projection weight, plus attention's QK^T and AV
-    (12 * seq * hidden per layer for forward and backward; causality's halving not applied)."""
+    (12 * seq * heads * head_dim per layer for forward and backward; causality's halving not
+    applied)."""
     n = num_active_parameters(m, include_embeddings=False) + m.vocab_size * m.hidden_size
-    return 6.0 * n + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+    return 6.0 * n + 12.0 * m.num_layers * _attention_width(m) * m.seq_length
 
 
 def recomputed_layers(recompute: Recompute, *, interval: int, layers: int) -> int:

@@ -156,18 +156,31 @@ LOG_LEVELS = ("debug", "info", "warning")  # logging.level, most verbose first
 
 @dataclass
 class ModelConfig(_Freezable):
-    """Llama decoder architecture. `preset` fills every field the YAML does not set."""
+    """Decoder architecture of one model family (`pretrain.families`: llama, qwen3). `preset`
+    fills every field the YAML does not set."""
 
     preset: str | None = None  # one of MODEL_PRESETS; explicit fields override it
+    family: str = "llama"  # llama (Llama 2/3, Mixtral with num_experts) | qwen3 (per-head q/k
+    # RMSNorm before RoPE); each family's modules, parameter table and HF adapter in
+    # pretrain/model/families/
     vocab_size: int | str = 32000  # tokenizer's vocabulary (or more); padded for the embedding
     # (padded_vocab_size); auto: data.tokenizer's, read before the process group starts
     hidden_size: int = 4096  # d_model
     num_layers: int = 32  # decoder layers
     num_heads: int = 32  # query heads
     num_kv_heads: int = 32  # key-value heads; < num_heads is grouped-query attention
+    head_dim: int = 0  # each head's width; 0: hidden_size // num_heads (settled when loaded);
+    # may differ from it (Qwen3: num_heads x head_dim need not be hidden_size)
     ffn_hidden_size: int = 11008  # SwiGLU inner size
     seq_length: int = 4096  # training context length, also the rotary table length
     rope_theta: float = 10000.0  # rotary embedding base
+    rope_scaling: str = "none"  # none | llama3: Llama 3.1's frequency-dependent rotary scaling
+    # (wavelengths past original_max_positions / low_freq_factor divided by the factor, those
+    # under original_max_positions / high_freq_factor kept, a smooth blend between)
+    rope_scaling_factor: float = 8.0  # llama3: how much longer the context is than the original
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths > original / this are scaled whole
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths < original / this are unscaled
+    rope_original_max_positions: int = 8192  # llama3: the context the base model was trained at
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # share input embedding and output projection
     init_std: float = 0.02  # normal init; output projections are scaled by 1/sqrt(2*num_layers)
@@ -205,10 +218,16 @@ class ModelConfig(_Freezable):
                      "vocab_pad_multiple"):
             if getattr(self, name) < 1:
                 _fail("model", name, getattr(self, name), "must be a positive integer")
-        if self.hidden_size % self.num_heads:
+        if self.head_dim < 0:
+            _fail("model", "head_dim", self.head_dim,
+                  "must be a positive head width, or 0 (hidden_size // num_heads)")
+        if not self.head_dim and self.hidden_size % self.num_heads:
             _fail("model", "hidden_size", self.hidden_size,
                   f"must be divisible by model.num_heads={self.num_heads} "
-                  f"(e.g. hidden_size={self.num_heads * max(1, self.hidden_size // self.num_heads)})")
+                  f"(e.g. hidden_size={self.num_heads * max(1, self.hidden_size // self.num_heads)})"
+                  ", or set model.head_dim")
+        if not self.head_dim:  # settled once: a saved config names the width it was built with
+            self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             _fail("model", "num_kv_heads", self.num_kv_heads,
                   f"must divide model.num_heads={self.num_heads} (grouped-query attention)")
@@ -222,6 +241,7 @@ class ModelConfig(_Freezable):
             _fail("model", "rope_theta/norm_eps/init_std",
                   (self.rope_theta, self.norm_eps, self.init_std), "must be positive")
         self._check_experts()
+        self._check_family()
         if self.mup_base_width < 1:
             _fail("model", "mup_base_width", self.mup_base_width,
                   "must be a positive integer: the hidden_size the hyper-parameters were tuned at")
@@ -245,9 +265,26 @@ class ModelConfig(_Freezable):
             if getattr(self, name) < 0:
                 _fail("model", name, getattr(self, name), "must be 0 (off) or positive")
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def _check_family(self) -> None:
+        if self.family not in MODEL_FAMILIES:
+            _fail("model", "family", self.family,
+                  f"choose one of {', '.join(MODEL_FAMILIES)}{did_you_mean(self.family, MODEL_FAMILIES)}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            _fail("model", "rope_scaling", self.rope_scaling,
+                  f"choose one of {', '.join(ROPE_SCALINGS)}")
+        if self.rope_scaling == "llama3":
+            if self.rope_scaling_factor < 1 or self.rope_original_max_positions < 1:
+                _fail("model", "rope_scaling_factor/rope_original_max_positions",
+                      (self.rope_scaling_factor, self.rope_original_max_positions),
+                      "must be at least 1")
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                _fail("model", "rope_low_freq_factor/rope_high_freq_factor",
+                      (self.rope_low_freq_factor, self.rope_high_freq_factor),
+                      "need 0 < low < high (the blend between them divides by high - low)")
+        if self.num_experts and self.family != "llama":
+            _fail("model", "num_experts", self.num_experts,
+                  f"a mixture of experts is the llama family's (Mixtral); model.family="
+                  f"{self.family} has a dense MLP")
 
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
         """Vocabulary rounded up so each tensor-parallel shard is a multiple of vocab_pad_multiple."""
@@ -258,6 +295,10 @@ class ModelConfig(_Freezable):
         multiple = self.vocab_pad_multiple * tensor_parallel
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
+
+# model.family: the families of `pretrain.model.families` (the config names them without torch)
+MODEL_FAMILIES = ("llama", "qwen3")
+ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # tests: a few hundred thousand parameters, runs in milliseconds per step on CPU
@@ -279,6 +320,25 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                 ffn_hidden_size=13824, seq_length=4096),
     "70b": dict(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                 ffn_hidden_size=28672, seq_length=4096),
+    # Llama 3.1 shapes: 128,256-token vocabulary, RoPE theta 500,000, llama3 rotary scaling
+    # (factor 8 over an original 8192 positions; transformers' defaults for these checkpoints)
+    "llama3_8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, ffn_hidden_size=14336, seq_length=8192,
+                      rope_theta=500000.0, norm_eps=1e-5, rope_scaling="llama3"),
+    "llama3_70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, ffn_hidden_size=28672, seq_length=8192,
+                       rope_theta=500000.0, norm_eps=1e-5, rope_scaling="llama3"),
+    # Qwen3 dense shapes (Qwen3-0.6B, -8B, -32B: head_dim 128 whatever the width; q/k RMSNorm)
+    "qwen3_0_6b": dict(family="qwen3", vocab_size=151936, hidden_size=1024, num_layers=28,
+                       num_heads=16, num_kv_heads=8, head_dim=128, ffn_hidden_size=3072,
+                       seq_length=4096, rope_theta=1000000.0, norm_eps=1e-6,
+                       tie_embeddings=True),
+    "qwen3_8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36,
+                     num_heads=32, num_kv_heads=8, head_dim=128, ffn_hidden_size=12288,
+                     seq_length=4096, rope_theta=1000000.0, norm_eps=1e-6),
+    "qwen3_32b": dict(family="qwen3", vocab_size=151936, hidden_size=5120, num_layers=64,
+                      num_heads=64, num_kv_heads=8, head_dim=128, ffn_hidden_size=25600,
+                      seq_length=4096, rope_theta=1000000.0, norm_eps=1e-6),
 }
 
 

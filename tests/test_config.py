@@ -397,7 +397,7 @@ def test_printed_config_explains_every_field_and_the_changed_defaults(capsys):
     assert "How long the other ranks wait" in lines["io_timeout_minutes"]  # the block above it
     assert lines["deepspeed"] == (f"deepspeed: {REPO / 'ds_configs/zero2.json'}  # DeepSpeed "
                                   'JSON with "auto" fields')
-    assert lines["model"].startswith("model:  # Llama decoder architecture.")
+    assert lines["model"].startswith("model:  # Decoder architecture of one model family")
     sections = [f.name for f in dataclasses.fields(RunConfig) if f.name in ("model", "train")]
     fields = [f.name for s in sections for f in dataclasses.fields(getattr(RunConfig(), s))]
     assert set(fields) <= set(lines)

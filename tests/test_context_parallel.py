@@ -217,9 +217,12 @@ def _assert_model_matches(tmp_path, world_size, tensor, fields, sequence_paralle
         assert min(float(g.abs().max()) for g in single["grads"].values()) > 0
 
 
-def test_model_context2_loss_and_grads_equal_one_process(tmp_path):
-    """fp64, 2 context ranks, grouped-query attention (4 heads, 2 kv heads), ignored labels."""
-    _assert_model_matches(tmp_path, 2, 1, dict(seq_length=32))
+@pytest.mark.parametrize("family", [dict(), dict(family="qwen3", head_dim=24)],
+                         ids=["llama", "qwen3"])
+def test_model_context2_loss_and_grads_equal_one_process(tmp_path, family):
+    """fp64, 2 context ranks, grouped-query attention (4 heads, 2 kv heads), ignored labels;
+    per family (Qwen3: its q/k norms on each rank's chunk, before the all-to-all)."""
+    _assert_model_matches(tmp_path, 2, 1, dict(seq_length=32, **family))
 
 
 @pytest.mark.slow  # 4 spawned ranks

@@ -179,7 +179,8 @@ def test_the_recipe_tables_print_what_plan_predicts(document):
     from pretrain.plan.search import estimate
 
     rows = RECIPE_ROW.findall((REPO / document).read_text())
-    assert {row[0] for row in rows} == {"llama_7b", "llama_13b", "llama_70b", "mixtral_8x7b"}
+    assert {row[0] for row in rows} == {"llama_7b", "llama_13b", "llama_70b", "mixtral_8x7b",
+                                        "qwen3_8b"}
     for recipe, nodes, tokens, mfu, memory in rows:
         cluster = make_cluster("h100-80gb", nodes=int(nodes))
         settled = settle_for_plan(load_config(REPO / "configs" / f"{recipe}.yaml"),

@@ -328,11 +328,11 @@ def test_first_training_step_after_import_matches_transformers(layout, runs):
 
 
 def test_bad_inputs_are_clear_errors(tmp_path, capsys):
-    # not a Llama directory: another architecture's config.json, or no config.json at all
+    # of no family here: another architecture's config.json, or no config.json at all
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64}))
-    assert "is not a Llama checkpoint" in cli_error(
+    assert "of no model family" in cli_error(
         "import-hf", tmp_path / "gpt2", "--output", tmp_path / "x", capsys=capsys)
     assert "no config.json" in cli_error("import-hf", tmp_path, "--output", tmp_path / "x",
                                          capsys=capsys)

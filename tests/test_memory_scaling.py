@@ -157,7 +157,7 @@ def _build_under_zero3(rank: int, world_size: int) -> dict:
     groups = Topology.from_parallel_config(cfg.parallel, world_size=world_size,
                                            rank=rank).create_groups()
     model = []
-    build = peak_added(lambda: model.append(build_for_layout(cfg, groups, ds_config=ds)))
+    build = peak_added(lambda: model.append(build_for_layout(cfg, groups, zero3_config=ds)))
     partition = sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
                     for p in model[0].parameters())
     return {"build": build, "partition": partition}

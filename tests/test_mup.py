@@ -155,7 +155,7 @@ def test_optimizer_groups_follow_the_rule():
     by_name = {names[id(p)]: (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
     assert len(by_name) == len(names)
     for name, (lr, wd) in by_name.items():
-        kind = mup.parameter_kind(name)
+        kind = mup.parameter_kind(name, cfg)
         assert lr == pytest.approx(1e-2 / 4 if kind == mup.HIDDEN else 1e-2), name
         assert wd == (0.0 if kind == mup.NORM else 0.1), name
     pipeline = build_flat_pipeline(cfg, seed=0)
@@ -284,7 +284,7 @@ def _first_update_by_kind(rank: int, world_size: int, ds_json: str, precision: s
         delta = (p.detach().float() - before[name]).abs()
         if name == "model.embed_tokens.weight":  # rows of tokens in the batch only
             delta = delta[torch.unique(inputs)]
-        change.setdefault(mup.parameter_kind(name), []).append(float(delta.mean()))
+        change.setdefault(mup.parameter_kind(name, cfg.model), []).append(float(delta.mean()))
     lrs = sorted(g["lr"] for g in engine.optimizer.param_groups)
     decay = []  # the groups' lrs at updates 3..train.steps: the cosine decay after the warmup
     for _ in range(3, cfg.train.steps + 1):

@@ -36,9 +36,11 @@ CLIP = 1.0
 RTOL = 1e-5
 
 
-def tiny_cfg(*, tie: bool = False):
+def tiny_cfg(*, tie: bool = False, family: str = "llama"):
+    """The tiny model; qwen3's with heads of 24 (not 64 / 4)."""
+    qwen3 = ["model.family=qwen3", "model.head_dim=24"] if family == "qwen3" else []
     return load_config(None, ["model.preset=tiny", "model.num_layers=4", "model.seq_length=32",
-                              f"model.tie_embeddings={str(tie).lower()}"]).model
+                              f"model.tie_embeddings={str(tie).lower()}", *qwen3]).model
 
 
 def micro_batches(cfg, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,7 +145,7 @@ def _pipeline_run(rank, world_size, variant):
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     init_deepspeed_comm(dist_backend="gloo", verbose=False)  # no shm inference op
-    cfg = tiny_cfg(tie=variant["tie"])
+    cfg = tiny_cfg(tie=variant["tie"], family=variant.get("family", "llama"))
     num_stages, tensor = variant["stages"], variant.get("tensor", 1)
     sequence_parallel = variant.get("sequence_parallel", False)
     topology = tp_group = None
@@ -238,6 +240,9 @@ PP2_VARIANTS = {
                            [0, 4, 7]),
     "tied-checkpointed-zero1": (dict(tie=True, partition="type:DecoderLayerPipe", checkpoint=1,
                                      zero=1), [0, 3, 7]),
+    # another family's decoder layer in the stages (Qwen3's q/k norms)
+    "qwen3-untied-uniform-zero1": (dict(tie=False, partition="uniform", checkpoint=0, zero=1,
+                                        family="qwen3"), [0, 4, 7]),
 }
 
 
@@ -247,7 +252,9 @@ def test_pp2_matches_single_process(tmp_path, name):
     results = run_on_ranks(_pipeline_run, world_size=2, tmp_path=tmp_path,
                            args=({**variant, "stages": 2},))
     assert [r["stage"] for r in results] == [0, 1]
-    _check_against_reference(results, tiny_cfg(tie=variant["tie"]), expected_parts=parts)
+    _check_against_reference(results, tiny_cfg(tie=variant["tie"],
+                                                family=variant.get("family", "llama")),
+                             expected_parts=parts)
     if variant["checkpoint"]:  # only decoder layers go through the checkpoint function
         micro = GLOBAL_BATCH // MICRO_BATCH
         for result in results:  # 2 layers a stage, every micro-batch of 5 steps and 1 eval

@@ -22,6 +22,8 @@ DS = "deepspeed:"  # prefix of DeepSpeed key paths, e.g. "deepspeed:zero_optimiz
 T_SPIKE_FACTOR = "tests/test_spikes.py::test_a_loss_under_the_configured_factor_is_no_spike"
 T_ADAM = "tests/test_config.py::test_adams_betas_and_eps_reach_the_optimizer"
 T_MODEL_HF = "tests/test_model.py::test_logits_and_loss_match_hugging_face"
+T_FAMILY_HF = "tests/test_families.py::test_imported_family_model_is_transformers_and_exports_back"
+T_LLAMA3_ROPE = "tests/test_families.py::test_llama3_frequencies_are_transformers"
 T_ZERO_FP32 = "tests/test_train_zero.py::test_zero_stage_matches_single_process_fp32"
 T_TP_ZERO1 = "tests/test_tensor_parallel.py::test_deepspeed_zero1_tp2_dp2_matches_single_rank"
 # the resolved DeepSpeed JSON read back (a micro-batch size changes no fp32 loss: only the read
@@ -60,6 +62,13 @@ REGISTRY: dict[str, str] = {
     "model.ffn_hidden_size": T_MODEL_HF,
     "model.seq_length": "tests/test_data.py::test_packed_samples_cover_the_stream_and_split_documents",
     "model.rope_theta": "tests/test_model.py::test_rope_theta_and_norm_eps_reach_the_layers",
+    "model.family": T_FAMILY_HF,
+    "model.head_dim": T_FAMILY_HF,
+    "model.rope_scaling": T_LLAMA3_ROPE,
+    "model.rope_scaling_factor": T_LLAMA3_ROPE,
+    "model.rope_low_freq_factor": T_LLAMA3_ROPE,
+    "model.rope_high_freq_factor": T_LLAMA3_ROPE,
+    "model.rope_original_max_positions": T_LLAMA3_ROPE,
     "model.norm_eps": "tests/test_model.py::test_rope_theta_and_norm_eps_reach_the_layers",
     "model.tie_embeddings": T_MODEL_HF,
     "model.init_std": "tests/test_model.py::test_init_statistics_scale_output_projections",
@@ -257,6 +266,13 @@ MUTANT_OF: dict[str, str] = {
                      "model.tie_embeddings"], "model-mlp-activation"),
     "model.seq_length": "data-sample-without-its-last-label",
     "model.rope_theta": "model-rope-theta-ignored",
+    "model.family": "seam-family-attention-ignored",
+    "model.head_dim": "seam-head-dim-ignored",
+    "model.rope_scaling": "seam-llama3-rope-ignored",
+    "model.rope_scaling_factor": "seam-rope-factor-ignored",
+    "model.rope_low_freq_factor": "seam-rope-low-freq-factor-ignored",
+    "model.rope_high_freq_factor": "seam-rope-high-freq-factor-ignored",
+    "model.rope_original_max_positions": "seam-rope-original-positions-ignored",
     "model.norm_eps": "model-norm-eps-ignored",
     "model.init_std": "model-init-std-ignored",
     "model.activation_checkpointing": "model-recompute-off",

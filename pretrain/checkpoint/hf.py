@@ -1,4 +1,5 @@
-"""Hugging Face interop: export any checkpoint as a `LlamaForCausalLM` directory, import one.
+"""Hugging Face interop: export any checkpoint as a directory of its family's class
+(`LlamaForCausalLM`, `MixtralForCausalLM`, `Qwen3ForCausalLM`), import one.
 
 - `export_hf`: weights `load_weights` read (run dir, step dir of any layout, final/) -> config.json,
   safetensors (sharded with model.safetensors.index.json past `max_shard_size`), and the tokenizer
@@ -9,7 +10,7 @@
   texts identically. A muP model's multipliers are folded into its weights
   (`mup.fold_for_export`: q_proj carries the attention scale, an untied lm_head the 1/m of the
   logits), so `transformers` computes the same logits; a tied muP model is refused.
-- `import_hf`: a local Hugging Face Llama directory (GQA, tied or untied) -> a final/ directory
+- `import_hf`: a local Hugging Face directory of any family (GQA, tied or untied) -> a final/ directory
   (fp32 model.safetensors, config.yaml with the model section, tokenizer) that a run starts from
   with `model.init_from=DIR`; `generate` reads it too.
 """
@@ -32,7 +33,7 @@ from pretrain.data.tokenizer import copy_tokenizer_files
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
 from pretrain.model import DTYPES
-from pretrain.model.hf import to_hf_config
+from pretrain.model.hf import hf_architecture, to_hf_config
 from pretrain.model.mixtral import MixtralExport
 from pretrain.model.mup import check_exportable, fold_for_export
 
@@ -95,7 +96,8 @@ def check_tokenizer_round_trip(ours, theirs, *, texts=_TOKENIZER_PROBES) -> None
 
 def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
               max_shard_size: str = "5GB") -> Path:
-    """Write a `LlamaForCausalLM` directory (see the module docstring); atomic."""
+    """Write a Hugging Face directory of the model's family (`LlamaForCausalLM`,
+    `Qwen3ForCausalLM`, ...; see the module docstring); atomic."""
     if weights.tokenizer is None:
         raise CheckpointError(f"no tokenizer found for {weights.source}: pass --tokenizer "
                               "with the run's sentencepiece .model file")
@@ -130,8 +132,7 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         ids = {k: (v if v >= 0 else None) for k, v in
                (("bos_token_id", ours.bos_id), ("eos_token_id", ours.eos_id))}
-        architecture = "MixtralForCausalLM" if model.num_experts else "LlamaForCausalLM"
-        config = to_hf_config(model, architectures=[architecture],
+        config = to_hf_config(model, architectures=[hf_architecture(model)],
                               dtype=str(torch_dtype).removeprefix("torch."), **ids)
         config.save_pretrained(tmp)
         _export_tokenizer(weights.tokenizer, ours, tmp)
@@ -179,7 +180,8 @@ def _export_tokenizer(path: Path, ours: OurTokenizer, out: Path) -> None:
 
 
 def import_hf(src: Path, out: Path) -> Weights:
-    """Write the Hugging Face Llama directory `src` as a final/ directory `out`; its weights."""
+    """Write the Hugging Face directory `src` (of any family's class) as a final/ directory
+    `out`; its weights."""
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{str(src)!r} is not a Hugging Face model directory (no "
                               "config.json): give a directory written by save_pretrained")

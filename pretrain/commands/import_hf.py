@@ -7,8 +7,9 @@ from pathlib import Path
 from pretrain.arithmetic import num_parameters
 
 # The model fields a run must set to train from imported weights, printed as --set options.
-_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                 "ffn_hidden_size", "tie_embeddings", "rope_theta", "norm_eps")
+_MODEL_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "ffn_hidden_size", "tie_embeddings", "rope_theta", "rope_scaling",
+                 "norm_eps")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""The Llama model: `build_model(cfg, seed=...)` gives an initialised `LlamaModel`.
+"""The decoder of every model family (`pretrain.families`): `build_model(cfg, seed=...)` gives an
+initialised `LlamaModel` of `cfg.family`.
 
 - `llama.py`: the decoder, its loss, its seeded, layout-independent initial values, and the
   tensor-parallel layout of its parameters (`shard_of`, `gather_full_state_dict`),
@@ -10,7 +11,8 @@
 - `layers.py`: RMSNorm, rotary embeddings, and the tensor-parallel swap points,
 - `tensor_parallel.py`: Megatron-style collectives, sharded layers, vocab-parallel loss,
 - `context_parallel.py`: the sequence in chunks over context ranks (DeepSpeed-Ulysses all-to-all),
-- `hf.py`: conversion to and from Hugging Face's `LlamaForCausalLM`.
+- `qwen3.py`: the qwen3 family's attention (q/k RMSNorm per head),
+- `hf.py`: conversion to and from each family's Hugging Face class.
 """
 from __future__ import annotations
 

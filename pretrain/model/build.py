@@ -19,11 +19,9 @@ import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 
 from pretrain.config import ModelConfig, Recompute, RunConfig
-from pretrain.resolve.ds_config import zero_stage
 from pretrain.model.form import ModelForm, init_weights
 from pretrain.model.llama import DecoderLayer, LlamaModel, fused_projections
 from pretrain.model.pipeline import SequentialPipeline, pipeline_module, sequential_pipeline
-from pretrain.resolve.topology import ProcessGroups
 
 
 def build_model(cfg: ModelConfig, *, seed: int, tp_group=None,
@@ -54,12 +52,14 @@ def build_flat_pipeline(cfg: ModelConfig, *, seed: int, tp_group=None,
     return model
 
 
-def tensor_parallel_group(groups: ProcessGroups):
+# `groups` below: the run's process groups (`pretrain.resolve.topology.ProcessGroups`), handed
+# down by the engine; the model reads their groups and never the rules that made them.
+def tensor_parallel_group(groups):
     """The tensor-parallel group to build the model over; None when tp is 1 (no sharding)."""
     return groups.tensor if groups.topology.tensor > 1 else None
 
 
-def construct_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
+def construct_for_layout(cfg: RunConfig, groups) -> nn.Module:
     """This rank's model for the run's layout, not initialised: pipeline stages when
     parallel.pipeline > 1, else the flat model, tensor-parallel over `groups.tensor`.
     Under `torch.device("meta")` it allocates nothing (the pre-flight build of every rank)."""
@@ -78,16 +78,16 @@ def construct_for_layout(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
                       expert_parallel=p.expert > 1)
 
 
-def build_for_layout(cfg: RunConfig, groups: ProcessGroups, *,
-                     ds_config: dict[str, Any] | None = None) -> nn.Module:
+def build_for_layout(cfg: RunConfig, groups, *,
+                     zero3_config: dict[str, Any] | None = None) -> nn.Module:
     """This rank's model for the run's layout (`construct_for_layout`), initialised from
-    train.seed like `build_model`. Under ZeRO-3 (`ds_config`'s stage) it is constructed inside
-    `deepspeed.zero.Init`: each parameter is partitioned over the data-parallel ranks as it is
-    created, so no rank ever holds its whole tensor-parallel shard of the model; initialising
-    gathers one parameter at a time."""
-    partitioned = ds_config is not None and zero_stage(ds_config) == 3
+    train.seed like `build_model`. Given a ZeRO-3 DeepSpeed config (`zero3_config`: the caller
+    knows the run's stage) it is constructed inside `deepspeed.zero.Init`: each parameter is
+    partitioned over the data-parallel ranks as it is created, so no rank ever holds its whole
+    tensor-parallel shard of the model; initialising gathers one parameter at a time."""
+    partitioned = zero3_config is not None
     # mpu: DeepSpeed checks the batch arithmetic against the data-parallel size, not the world
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=groups.data,
+    with deepspeed.zero.Init(config_dict_or_path=zero3_config, data_parallel_group=groups.data,
                              mpu=groups.mpu) if partitioned else contextlib.nullcontext():
         model = construct_for_layout(cfg, groups)
     init_weights(model, cfg.model, seed=cfg.train.seed, tp_group=tensor_parallel_group(groups))

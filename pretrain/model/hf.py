@@ -1,4 +1,5 @@
-"""Conversion between our Llama and Hugging Face's `LlamaForCausalLM`.
+"""Conversion between our model and Hugging Face's class of its family (`LlamaForCausalLM`,
+`MixtralForCausalLM`, `Qwen3ForCausalLM`: `pretrain.families`).
 
 The parameter names are already Hugging Face's (see `pretrain.model.llama`), so a conversion
 only handles the two differences:
@@ -7,6 +8,9 @@ only handles the two differences:
   `vocab_size`: the padded rows are dropped on export and added back (zeros) on import,
 - with tied embeddings, Hugging Face checkpoints store only `model.embed_tokens.weight`, while
   our state dict (like `LlamaForCausalLM.state_dict()`) also names it `lm_head.weight`.
+
+The `config.json` each family writes and reads is its own (`Family.hf_config`,
+`Family.from_hf_config`).
 """
 from __future__ import annotations
 
@@ -15,105 +19,67 @@ import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
 from pretrain.errors import CheckpointError
+from pretrain.families import FAMILIES, family_of, family_of_hf_config
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 
 
-def to_hf_config(cfg: ModelConfig, **overrides) -> "transformers.LlamaConfig":  # noqa: F821
-    """A `transformers.LlamaConfig` of the same architecture (a `MixtralConfig` for a mixture
-    of experts); `overrides` set extra fields (e.g. bos_token_id / eos_token_id from the
-    tokenizer)."""
+def to_hf_config(cfg: ModelConfig, **overrides) -> "transformers.PretrainedConfig":  # noqa: F821
+    """The transformers config of the same architecture, of the family's class (a
+    `MixtralConfig` for a mixture of experts); `overrides` set extra fields (e.g. bos_token_id /
+    eos_token_id from the tokenizer)."""
     import transformers
 
     from pretrain.model.mixtral import mixtral_config_fields
 
-    fields = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=cfg.seq_length,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_embeddings,
-        initializer_range=cfg.init_std,
-        attention_bias=False,
-        mlp_bias=False,
-    )
+    config_class, fields = family_of(cfg).hf_config(cfg)
     if cfg.num_experts:
         for llama_only in ("attention_bias", "mlp_bias"):
-            del fields[llama_only]
-        fields.update(mixtral_config_fields(cfg), **overrides)
-        return transformers.MixtralConfig(**fields)
+            fields.pop(llama_only, None)
+        config_class = "MixtralConfig"
+        fields.update(mixtral_config_fields(cfg))
     fields.update(overrides)
-    return transformers.LlamaConfig(**fields)
+    return getattr(transformers, config_class)(**fields)
 
 
-# LlamaConfig fields that change the function but that our model does not implement.
-_UNSUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
-ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                       "ffn_hidden_size", "tie_embeddings", "rope_theta", "norm_eps",
-                       "num_experts", "experts_per_token")
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The transformers model class a `config.json` of `cfg` names."""
+    return "MixtralForCausalLM" if cfg.num_experts else family_of(cfg).hf_architectures[0]
 
 
 def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
-    """`ModelConfig` fields of a Hugging Face Llama `config.json` (as a dict).
+    """`ModelConfig` fields of a Hugging Face `config.json` (as a dict) of any family's class.
 
-    `CheckpointError` when it is not a Llama, or uses something our model lacks (biases, another
-    activation, rope scaling, a head_dim other than hidden_size / num_heads).
+    `CheckpointError` when no family reads it, or it uses something our model lacks (biases,
+    another activation, a rope scaling other than Llama 3's, sliding windows).
     """
     from pretrain.model.mixtral import is_mixtral, moe_fields_from_hf_config
 
-    mixtral = is_mixtral(hf)
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in (hf.get("architectures") or []) \
-            and not mixtral:
-        raise CheckpointError(f"{source} is not a Llama checkpoint, nor a Mixtral one (model_type="
+    family = family_of_hf_config(hf)
+    if family is None:
+        known = ", ".join(a for f in FAMILIES.values() for a in f.hf_architectures)
+        raise CheckpointError(f"{source} is of no model family here (model_type="
                               f"{hf.get('model_type')!r}, architectures={hf.get('architectures')}): "
-                              "give a directory saved from transformers' LlamaForCausalLM or "
-                              "MixtralForCausalLM")
-    if mixtral and hf.get("sliding_window"):
-        raise CheckpointError(f"{source} uses sliding-window attention (sliding_window="
-                              f"{hf['sliding_window']}); this model attends to the whole sequence")
-    for key, value in _UNSUPPORTED.items():
-        if hf.get(key, value) != value:
-            raise CheckpointError(f"{source} has {key}={hf[key]!r}; this model supports only "
-                                  f"{key}={value!r}")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"{source} uses rope scaling {rope!r}; only the default rotary "
-                              "embedding is supported")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    try:
-        fields = dict(
-            vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-            num_layers=int(hf["num_hidden_layers"]), num_heads=int(hf["num_attention_heads"]),
-            num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            seq_length=int(hf.get("max_position_embeddings", 2048)), rope_theta=float(theta),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=float(hf.get("initializer_range", 0.02)))
-        if mixtral:
+                              f"give a directory saved from transformers' {known}")
+    fields = family.from_hf_config(hf, source)
+    if is_mixtral(hf):
+        if hf.get("sliding_window"):
+            raise CheckpointError(f"{source} uses sliding-window attention (sliding_window="
+                                  f"{hf['sliding_window']}); this model attends to the whole "
+                                  "sequence")
+        try:
             fields.update(moe_fields_from_hf_config(hf))
-    except KeyError as exc:
-        raise CheckpointError(f"{source} lacks the config field {exc.args[0]!r}") from None
-    head_dim = hf.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
-    if head_dim * fields["num_heads"] != fields["hidden_size"]:
-        raise CheckpointError(f"{source} has head_dim={head_dim} x num_attention_heads="
-                              f"{fields['num_heads']} != hidden_size={fields['hidden_size']}; "
-                              "this model needs head_dim = hidden_size / num_heads")
+        except KeyError as exc:
+            raise CheckpointError(f"{source} lacks the config field {exc.args[0]!r}") from None
     return fields
 
 
 def check_same_architecture(found: ModelConfig, expected: ModelConfig, *, source: str) -> None:
     """`CheckpointError` naming every architecture field where the weights' config differs."""
+    fields = family_of(expected).architecture_fields
     diffs = [f"model.{name}: run {getattr(expected, name)!r}, weights {getattr(found, name)!r}"
-             for name in ARCHITECTURE_FIELDS if getattr(found, name) != getattr(expected, name)]
+             for name in fields if getattr(found, name) != getattr(expected, name)]
     if diffs:
         raise CheckpointError(f"the weights in {source} do not fit the run's model config ("
                               + "; ".join(diffs) + "): set these model fields to the weights' "
@@ -122,23 +88,9 @@ def check_same_architecture(found: ModelConfig, expected: ModelConfig, *, source
 
 def expected_hf_keys(cfg: ModelConfig) -> set[str]:
     """The parameter names of this config (tied: no lm_head.weight): those of a Hugging Face
-    Llama checkpoint. A mixture of experts has its router, `mlp.gate.weight`, and 2-D experts
-    `mlp.experts.M.{gate,up,down}_proj.weight` (`mixtral_from_ours` stacks them)."""
-    keys = {EMBED, "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        keys.add(LM_HEAD)
-    mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-    if cfg.num_experts:
-        mlp = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{name}_proj.weight"
-                                     for e in range(cfg.num_experts)
-                                     for name in ("gate", "up", "down")]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        keys.update(p + s for s in (
-            "input_layernorm.weight", "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", *mlp))
-    return keys
+    checkpoint of its family. A mixture of experts has its router, `mlp.gate.weight`, and 2-D
+    experts `mlp.experts.M.{gate,up,down}_proj.weight` (`mixtral_from_ours` stacks them)."""
+    return set(family_of(cfg).parameter_names(cfg))
 
 
 def check_keys(found: set[str], expected: set[str], what: str) -> None:

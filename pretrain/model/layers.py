@@ -4,7 +4,9 @@
   bf16 model matches its Hugging Face export and the statistics never overflow in half precision.
 - `RotaryEmbedding` holds the cos/sin table for `seq_length` positions, computed once in fp32 in
   the non-interleaved layout of Hugging Face's `rotate_half` (the two halves of a head are the
-  real and imaginary parts), so checkpoints convert without permuting q/k rows.
+  real and imaginary parts), so checkpoints convert without permuting q/k rows; its frequencies
+  come from `inverse_frequencies` (plain, or Llama 3's `rope_scaling: llama3`), and
+  `rotary_embedding(cfg)` is the one table of a config every model form builds.
 
 The three factories `column_linear`, `row_linear` and `vocab_embedding` are the *swap points* for
 tensor parallelism: with no group or a one-rank group they return plain `nn.Linear(bias=False)` /
@@ -14,9 +16,12 @@ model builds every projection through them and nothing else.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
+from pretrain.config import ModelConfig
 from pretrain.model.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                             SequenceShardedWeightGrad, VocabParallelEmbedding,
                                             tp_world_size)
@@ -83,9 +88,11 @@ class RotaryEmbedding(nn.Module):
     sign flip is exact): one kernel less per q and k, forward and backward, same bits.
     """
 
-    def __init__(self, head_dim: int, seq_length: int, theta: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, seq_length: int, theta: float = 10000.0, *,
+                 inv_freq: torch.Tensor | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         positions = torch.arange(seq_length, dtype=torch.float)
         freqs = torch.outer(positions, inv_freq)  # (T, hd/2)
         sin = freqs.sin()
@@ -106,6 +113,31 @@ class RotaryEmbedding(nn.Module):
         """cos, sin_signed (B, T, hd) of per-token positions (B, T), e.g. each token's position
         inside its document (`pretrain.model.documents`), in `dtype`."""
         return self.cos[positions].to(dtype), self.sin_signed[positions].to(dtype)
+
+
+def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
+    """The rotary table of `cfg` (its head width, seq_length positions, frequencies)."""
+    return RotaryEmbedding(cfg.head_dim, cfg.seq_length, inv_freq=inverse_frequencies(cfg))
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The head_dim/2 rotary frequencies of `cfg` in fp32: theta^(-2i/head_dim), and under
+    `rope_scaling: llama3` Llama 3.1's rescaling of them (as transformers' `llama3` rope type,
+    operation for operation): a frequency whose wavelength exceeds original_max_positions /
+    low_freq_factor is divided by the factor, one under original / high_freq_factor is kept,
+    and those between are blended linearly in original / wavelength."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    if cfg.rope_scaling == "none":
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_positions
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < original / high) * ~(wavelength > original / low)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

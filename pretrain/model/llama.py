@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -57,14 +56,15 @@ from deepspeed.accelerator import get_accelerator
 
 from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
-from pretrain.resolve.layout import check_tensor_split
 import pretrain.model.mup as mup
 import pretrain.model.documents as documents
 from pretrain.model.context_parallel import (chunk_loss_scale, chunk_offset, cp_world_size,
                                              heads_to_sequence, sequence_to_heads)
 from pretrain.model.documents import Boundaries, document_attention, document_positions
+from pretrain.families import (ONES, RESIDUAL, check_tensor_split, family_of,
+                               tensor_partition_dim_of)
 from pretrain.model.hf import EMBED, LM_HEAD
-from pretrain.model.layers import (RMSNorm, RotaryEmbedding, apply_rotary, column_linear,
+from pretrain.model.layers import (RMSNorm, apply_rotary, column_linear, rotary_embedding,
                                    row_linear, vocab_embedding)
 # the loss of whole logits lives with the chunked one; imported here for both model forms
 from pretrain.model.loss import LMHead, causal_lm_loss, lm_loss  # noqa: F401
@@ -181,6 +181,7 @@ class Attention(nn.Module):
         q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
         v = v.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        q, k = self.heads_before_rotary(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # cos/sin: x's positions
         if self.cp_group is not None:  # (B, T/N, heads, hd) -> (B, T, heads/N, hd)
             if cache is not None:
@@ -204,6 +205,12 @@ class Attention(nn.Module):
                                                enable_gqa=q.shape[1] != k.shape[1],
                                                scale=self.softmax_scale)  # (B, nh, T, hd)
         return self._output(y, B, T)
+
+    def heads_before_rotary(self, q: torch.Tensor,
+                            k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a family does to the projected q (B, T, nh, hd) and k heads before the rotary
+        embedding: nothing in Llama (Qwen3 normalises each head: `pretrain.model.qwen3`)."""
+        return q, k
 
     def _output(self, y: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """o_proj of the attention's output y (B, nh, T, hd), back in x's sequence layout."""
@@ -270,7 +277,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block; attribute names follow Hugging Face's LlamaDecoderLayer."""
+    """One pre-norm transformer block; attribute names follow Hugging Face's LlamaDecoderLayer.
+    Its attention is the model family's (`Attention`, or a subclass the family names)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  cp_group=None, expert_parallel: bool = False, layer_index: int = 0) -> None:
@@ -278,7 +286,8 @@ class DecoderLayer(nn.Module):
         norm_group = tp_group if sequence_parallel else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                        sequence_parallel_group=norm_group)
-        self.self_attn = Attention(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
+        attention = family_of(cfg).module("attention")  # the family's (`pretrain.families`)
+        self.self_attn = attention(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
                                    cp_group=cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                                 sequence_parallel_group=norm_group)
@@ -316,7 +325,7 @@ class LlamaBackbone(nn.Module):
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                             sequence_parallel_group=tp_group if sequence_parallel else None)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+        self.rotary_emb = rotary_embedding(cfg)
 
 
 class LlamaModel(nn.Module):
@@ -511,13 +520,7 @@ def _is_sharded(param: torch.Tensor) -> bool:
 
 # ---- initialisation and tensor-parallel layout ---------------------------------------------------
 
-_OUTPUT_PROJECTION = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB_MATRIX = (EMBED, LM_HEAD)
-# dimension split over tensor-parallel ranks: output rows of column-parallel projections,
-# input columns of row-parallel ones
-_PARTITION_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
-                  "o_proj": 1, "down_proj": 1}
-ROUTER = "gate"  # a mixture-of-experts layer's router, mlp.gate.weight (E, h): replicated
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -530,20 +533,9 @@ def parameter_seed(seed: int, name: str) -> int:
 
 
 def full_parameter_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """Unsharded, unpadded shape of the parameter called `name` (a Hugging Face name)."""
-    h, f, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    if name in _VOCAB_MATRIX:
-        return (cfg.vocab_size, h)
-    if name.endswith("norm.weight"):
-        return (h,)
-    shapes = {"q_proj": (cfg.num_heads * hd, h), "k_proj": (cfg.num_kv_heads * hd, h),
-              "v_proj": (cfg.num_kv_heads * hd, h), "o_proj": (h, cfg.num_heads * hd),
-              "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
-              ROUTER: (cfg.num_experts, h)}
-    projection = name.rsplit(".", 2)[-2]
-    if projection not in shapes:
-        raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
-    return shapes[projection]
+    """Unsharded, unpadded shape of the parameter called `name` (a Hugging Face name), from
+    the family's parameter table (`pretrain.families`)."""
+    return family_of(cfg).parameter(name).shape(cfg)
 
 
 # Initial values are drawn in blocks of this many rows (columns for column-split matrices) along
@@ -556,9 +548,9 @@ def full_parameter_init(name: str, cfg: ModelConfig, *, seed: int) -> torch.Tens
     """The initial value of parameter `name`, unsharded and unpadded, in fp32 on the CPU: every
     tensor-parallel rank's `shard_init` is its `shard_of`, bitwise.
 
-    Norm weights are 1. Every matrix is normal(0, init_std), except the output projections that
-    write into the residual stream (o_proj, down_proj), whose std is init_std / sqrt(2 *
-    num_layers): 2 * num_layers of them add up along the residual path, so this keeps its
+    As the family's table says (`pretrain.families`): norm weights are 1; every matrix is
+    normal(0, init_std), except the output projections that write into the residual stream
+    (Llama's o_proj and down_proj), whose std is init_std / sqrt(2 * num_layers): 2 * num_layers of them add up along the residual path, so this keeps its
     variance independent of depth (GPT-2, Megatron-LM's scaled init). Under muP the hidden
     matrices' std is also multiplied by `mup.init_std_multiplier` (1/sqrt(width multiplier)):
     a factor on the std, so the blocks stay layout-independent.
@@ -623,11 +615,12 @@ def _draw_init(name: str, cfg: ModelConfig, *, seed: int, dim: int, start: int,
     """Fill `out` with indices start..start + out.shape[dim] along `dim` of the unpadded
     initial value of `name`, block by block; block b comes from the generator seeded by (seed,
     name, b) and has `INIT_BLOCK` indices along `dim` (the last one fewer)."""
-    if name.endswith("norm.weight"):
+    init = family_of(cfg).parameter(name).init
+    if init == ONES:
         out.fill_(1.0)
         return
     std = cfg.init_std
-    if _OUTPUT_PROJECTION.search(name):
+    if init == RESIDUAL:
         std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
     multiplier = mup.init_std_multiplier(name, cfg)  # muP: 1/sqrt(m) on hidden matrices
     if multiplier != 1.0:
@@ -645,17 +638,15 @@ def _draw_init(name: str, cfg: ModelConfig, *, seed: int, dim: int, start: int,
 
 
 def tensor_partition_dim(name: str) -> int | None:
-    """The dimension of parameter `name` split over tensor-parallel ranks (None: replicated)."""
+    """The dimension of parameter `name` split over tensor-parallel ranks (None: replicated),
+    from the families' parameter tables (a module name splits the same way in every family)."""
     if name in _VOCAB_MATRIX:
         return 0  # vocabulary rows
-    if name.endswith("norm.weight"):
-        return None
-    projection = name.rsplit(".", 2)[-2]
-    if projection == ROUTER:
-        return None
-    if projection not in _PARTITION_DIM:
-        raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
-    return _PARTITION_DIM[projection]
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name.split(".")[0]
+    try:
+        return tensor_partition_dim_of(module)
+    except KeyError:
+        raise KeyError(f"unknown parameter name {name!r}: in no model family's table") from None
 
 
 def shard_of(full: torch.Tensor, name: str, *, cfg: ModelConfig, tp_rank: int,

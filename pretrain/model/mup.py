@@ -43,14 +43,9 @@ import torch
 
 from pretrain.config import ModelConfig, Parametrization
 
-HIDDEN = "hidden"  # q/k/v/o, gate/up/down: both dimensions grow with width
-EMBEDDING = "embedding"  # model.embed_tokens.weight (a tied lm_head is this one)
-OUTPUT = "output"  # lm_head.weight
-NORM = "norm"  # RMSNorm gains (vectors)
-
-# a mixture-of-experts layer's experts use the MLP's names; its router is mlp.gate.weight
-_HIDDEN_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                    "gate")
+# each parameter's class is its family table's (`pretrain.families`); a mixture-of-experts
+# layer's experts use the MLP's names, its router is mlp.gate.weight (hidden)
+from pretrain.families import EMBED, EMBEDDING, HIDDEN, NORM, OUTPUT, family_of  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -77,23 +72,15 @@ def width_multiplier(cfg: ModelConfig) -> float:
     return cfg.hidden_size / cfg.mup_base_width if is_mup(cfg) else 1.0
 
 
-def parameter_kind(name: str) -> str:
-    """HIDDEN, EMBEDDING, OUTPUT or NORM of a Hugging Face or pipeline parameter name."""
-    if name.endswith("norm.weight"):
-        return NORM
-    if name.endswith("embed_tokens.weight"):
-        return EMBEDDING
-    if name.endswith("lm_head.weight"):
-        return OUTPUT
-    parts = name.rsplit(".", 2)
-    if len(parts) == 3 and parts[-1] == "weight" and parts[-2] in _HIDDEN_MATRICES:
-        return HIDDEN
-    raise KeyError(f"unknown parameter name {name!r}: not a Llama parameter")
+def parameter_kind(name: str, cfg: ModelConfig) -> str:
+    """HIDDEN, EMBEDDING, OUTPUT or NORM of a Hugging Face or pipeline parameter name, from the
+    family's parameter table."""
+    return family_of(cfg).parameter(name).mup
 
 
 def rule(name: str, cfg: ModelConfig) -> Rule:
     """The `Rule` of parameter `name` (Hugging Face or pipeline name) under `cfg`."""
-    kind = parameter_kind(name)
+    kind = parameter_kind(name, cfg)
     decay = kind != NORM
     if kind == HIDDEN and is_mup(cfg):
         m = width_multiplier(cfg)
@@ -159,9 +146,10 @@ def optimizer_groups(model: torch.nn.Module | Iterable[tuple[str, torch.nn.Param
     return _as_many_groups_as_the_whole_model(found, cfg)
 
 
-# One parameter of each kind, to count the groups of the whole model under a config.
-_KIND_EXAMPLES = ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
-                  "model.norm.weight")
+def _kind_examples(cfg: ModelConfig) -> list[str]:
+    """The parameters of a one-layer model of `cfg`'s family: every kind the whole model has."""
+    return [EMBED, "model.norm.weight"] + [f"model.layers.0.{name}"
+                                            for name in family_of(cfg).layer(cfg)]
 
 
 def _as_many_groups_as_the_whole_model(groups: list[dict[str, Any]],
@@ -175,7 +163,7 @@ def _as_many_groups_as_the_whole_model(groups: list[dict[str, Any]],
     flattens each group and reads its first tensor), so the largest group is cut in two with
     the same hyper-parameters: the updates, and the sum of squares that is the norm, are
     unchanged."""
-    wanted = len({(r.lr, r.weight_decay) for r in (rule(n, cfg) for n in _KIND_EXAMPLES)})
+    wanted = len({(r.lr, r.weight_decay) for r in (rule(n, cfg) for n in _kind_examples(cfg))})
     groups = list(groups)
     while 0 < len(groups) < wanted:
         largest = max(range(len(groups)), key=lambda i: len(groups[i]["params"]))
@@ -189,11 +177,21 @@ def _as_many_groups_as_the_whole_model(groups: list[dict[str, Any]],
 
 
 def comparable_model_fields(model: dict[str, Any]) -> dict[str, Any]:
-    """A model config dict (a checkpoint's or a run's `to_dict()`) with the parametrization
-    fields as resuming compares them: absent (older checkpoints) is standard, and the muP base
-    fields only count under muP."""
+    """A model config dict (a checkpoint's or a run's `to_dict()`) with the fields as resuming
+    compares them: absent parametrization (older checkpoints) is standard, and the muP base
+    fields only count under muP; absent family, head_dim and rope_scaling are Llama's, and the
+    rotary scaling's parameters only count with a scaling."""
     out = dict(model)
     out.setdefault("parametrization", Parametrization.STANDARD.value)
+    # older checkpoints: a Llama without rotary scaling, heads of hidden_size / num_heads
+    out.setdefault("family", "llama")
+    out.setdefault("rope_scaling", "none")
+    if out.get("head_dim") is None and out.get("num_heads"):
+        out["head_dim"] = out["hidden_size"] // out["num_heads"]
+    if out["rope_scaling"] == "none":  # the scaling's parameters mean nothing without it
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_positions"):
+            out.pop(name, None)
     if out["parametrization"] != Parametrization.MUP.value:
         out.pop("mup_base_width", None)
         out.pop("mup_base_head_dim", None)
@@ -210,14 +208,16 @@ def describe(cfg: ModelConfig) -> str:
 
 def fold_for_export(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """`tensor` of parameter `name` with muP's multipliers folded in, for a model that has none
-    (Hugging Face's `LlamaForCausalLM`): q_proj x softmax_scale x sqrt(head_dim) (rotary is
-    linear, so q's scores scale exactly), an untied lm_head x 1/m. Raises ValueError for a tied
+    (Hugging Face's class of the family): the parameter the family's queries are last scaled
+    by (`Family.query_scale`: Llama's q_proj, Qwen3's q_norm gain, after which nothing
+    normalises) x softmax_scale x sqrt(head_dim) (rotary is linear, so q's scores scale
+    exactly), an untied lm_head x 1/m. Raises ValueError for a tied
     muP model: its one matrix is both the embedding and the head, so 1/m cannot be folded."""
     if not is_mup(cfg):
         return tensor
     check_exportable(cfg)
     scale = softmax_scale(cfg)
-    if name.endswith("self_attn.q_proj.weight") and scale is not None:
+    if name.endswith(family_of(cfg).query_scale) and scale is not None:
         return tensor.float() * (scale * math.sqrt(cfg.head_dim))
     if name.endswith("lm_head.weight") and output_multiplier(cfg) != 1.0:
         return tensor.float() * output_multiplier(cfg)

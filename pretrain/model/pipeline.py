@@ -104,11 +104,11 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
-from pretrain.resolve.layout import check_pipeline_split, check_tensor_split
+from pretrain.families import check_pipeline_split, check_tensor_split
 from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
 import pretrain.model.documents as documents
 from pretrain.model.documents import Boundaries, document_positions
-from pretrain.model.layers import RMSNorm, RotaryEmbedding, vocab_embedding
+from pretrain.model.layers import RMSNorm, RotaryEmbedding, rotary_embedding, vocab_embedding
 from pretrain.model.llama import DecoderLayer, LayerCache, torch_checkpoint
 from pretrain.model.loss import LMHead, lm_head_loss, scaled_head_input
 from pretrain.model.mup import output_multiplier
@@ -312,7 +312,7 @@ def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None, sequence_parallel: 
                           "rank: set parallel.tensor > 1 or parallel.sequence_parallel=false")
     parallel = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
     vocab = dict(padded_vocab_size=cfg.padded_vocab_size(tensor_parallel))
-    rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+    rotary = rotary_embedding(cfg)
     if cfg.tie_embeddings:
         embedding = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, cfg, **vocab, **parallel,
                                   tied_weight_attr=["embed_tokens.weight"])

@@ -104,7 +104,8 @@ def _context_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
         return 0.0
     gbps = _link_gbps(cluster, layout.tensor * layout.context)
     kv = model.num_kv_heads * model.head_dim
-    exchanged = mb.tokens * (2 * model.hidden_size + 2 * kv) / layout.tensor * mb.act_bytes
+    q = model.num_heads * model.head_dim
+    exchanged = mb.tokens * (2 * q + 2 * kv) / layout.tensor * mb.act_bytes
     all_to_alls = 2 * mb.layers + layout_recomputed_layers(layout, mb.layers)
     return all_to_alls * (layout.context - 1) / layout.context \
         * exchanged / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)

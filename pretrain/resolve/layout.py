@@ -6,13 +6,15 @@ recomputation and sequence parallelism. `pretrain.resolve.run.resolve_layout` de
 process, from the run config and its `Topology` (the data-parallel size is computed there and
 nowhere else); `check_layout(model, layout)` is the rulebook itself. Every caller asks the same
 rules: the run's resolver (`pretrain.resolve.run`), the planner's search, and the model builders
-(`check_tensor_split`, `check_pipeline_split`). Every refusal is a ConfigError naming the field, its value and the fix.
+(`check_tensor_split`, `check_pipeline_split`: the model's shape rules, `pretrain.families`). Every refusal is a ConfigError naming the field, its value and the fix.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pretrain.config import PARTITION_METHODS, ModelConfig, Precision, Recompute
+from pretrain.config import ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
+# the model's own shape rules, which the model checks itself; the layout applies them to a run
+from pretrain.families import check_pipeline_split, check_tensor_split
 
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # reduce / allgather bucket elements when not configured
 
@@ -104,17 +106,6 @@ def check_fsdp2_replicas(layout: Layout) -> None:
             f"replica groups; choose a divisor of {ranks}, or 1 to shard over all of them")
 
 
-def check_tensor_split(model: ModelConfig, tensor: int) -> None:
-    """Each tensor-parallel rank must hold whole query heads, whole kv heads and an equal slice
-    of the MLP."""
-    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
-        if getattr(model, name) % tensor:
-            raise ConfigError(
-                f"parallel.tensor={tensor}: must divide model.{name}={getattr(model, name)} "
-                f"(each rank holds a whole share: tensor={tensor} must divide num_heads, "
-                "num_kv_heads and ffn_hidden_size)")
-
-
 def check_context(model: ModelConfig, layout: Layout) -> None:
     """Context parallelism (DeepSpeed-Ulysses): each of the tensor x context ranks of a
     sequence attends with whole query and kv heads over the whole sequence, and holds an equal
@@ -171,20 +162,6 @@ def check_experts(model: ModelConfig, layout: Layout) -> None:
         raise ConfigError(f"model.compile=true with parallel.expert={ep}: not supported yet (the "
                           "token counts of the all-to-all are data-dependent: every step would "
                           "recompile); set model.compile=false or parallel.expert=1")
-
-
-def check_pipeline_split(model: ModelConfig, pipeline: int, *, partition_method: str) -> None:
-    """Every pipeline stage needs a decoder layer, cut by a partition method DeepSpeed knows."""
-    if not isinstance(pipeline, int) or pipeline < 1:
-        raise ConfigError(f"pipeline stages={pipeline!r}: must be a positive integer")
-    if pipeline > model.num_layers:
-        raise ConfigError(f"parallel.pipeline={pipeline}: exceeds model.num_layers="
-                          f"{model.num_layers}: {pipeline} pipeline stages for model.num_layers="
-                          f"{model.num_layers} leave stages idle; set parallel.pipeline <= "
-                          f"{model.num_layers}")
-    if partition_method not in PARTITION_METHODS:
-        raise ConfigError(f"partition_method={partition_method!r}: choose one of "
-                          f"{', '.join(PARTITION_METHODS)}")
 
 
 def check_batch(layout: Layout) -> None:

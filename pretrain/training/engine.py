@@ -233,7 +233,8 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         if cfg.model.init_from:
             log(f"[init] weights from {engine.load_initial_weights()}", main=main)
         return engine
-    model = build_for_layout(cfg, groups, ds_config=ds_config)
+    model = build_for_layout(cfg, groups,
+                             zero3_config=ds_config if zero_stage(ds_config) == 3 else None)
     if cfg.model.init_from:  # one parameter at a time (gathered under ZeRO-3), before the engine
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         log(f"[init] weights from {source}", main=main)

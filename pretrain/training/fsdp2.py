@@ -57,7 +57,7 @@ from pretrain.resolve.ds_config import zero_stage
 from pretrain.resolve.fsdp2_rules import offloads_to_cpu, reshards_after_forward
 from pretrain.model import canonical_parameters
 from pretrain.model.build import construct_for_layout, tensor_parallel_group
-from pretrain.model.layers import RotaryEmbedding
+from pretrain.model.layers import RotaryEmbedding, rotary_embedding
 from pretrain.model.llama import INIT_BLOCK, DecoderLayer, _draw_init, shard_range
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_rank, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
@@ -461,7 +461,7 @@ def rotary_tables(model: torch.nn.Module, cfg: ModelConfig, *, device: torch.dev
         if not isinstance(module, RotaryEmbedding):
             raise RuntimeError(f"{type(module).__name__} holds buffers {sorted(buffers)}: "
                                "build_fsdp2_engine computes only the rotary tables")
-        table = RotaryEmbedding(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+        table = rotary_embedding(cfg)
         for key, value in table.named_buffers():
             if value.shape != buffers[key].shape:
                 raise RuntimeError(f"rotary table {key}: {tuple(buffers[key].shape)} built, "

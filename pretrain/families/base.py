@@ -1,0 +1,141 @@
+"""`Family` and `Parameter`: the form every family's description takes (`pretrain.families`)."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pretrain.config import PARTITION_METHODS, ModelConfig
+from pretrain.errors import ConfigError
+
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+
+# initialisation of a parameter (`pretrain.model.llama._draw_init`)
+ONES = "ones"  # norm gains
+NORMAL = "normal"  # normal(0, init_std)
+RESIDUAL = "residual"  # normal(0, init_std / sqrt(2 num_layers)): writes into the residual stream
+
+# muP classes (`pretrain.model.mup`)
+HIDDEN = "hidden"  # both dimensions grow with width
+EMBEDDING = "embedding"  # the token embedding (a tied lm_head is this one)
+OUTPUT = "output"  # lm_head
+NORM = "norm"  # gains (vectors)
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One row of a family's parameter table: the parameters whose Hugging Face name ends in
+    `<module>.weight`."""
+
+    shape: Callable[[ModelConfig], tuple[int, ...]]  # unsharded, unpadded
+    tp_dim: int | None  # split over tensor-parallel ranks (None: replicated)
+    init: str  # ONES, NORMAL or RESIDUAL
+    mup: str  # HIDDEN, EMBEDDING, OUTPUT or NORM
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one decoder architecture is, for the code that builds, initialises, shards,
+    converts and plans it."""
+
+    name: str  # model.family
+    hf_architectures: tuple[str, ...]  # transformers classes of its checkpoints (first: ours)
+    hf_model_types: tuple[str, ...]  # config.json model_type values it reads
+    differs: str  # what differs from a Llama 2 decoder, in a line (the README's table)
+    parameters: dict[str, Parameter]  # by module name: embed_tokens, q_proj, ..., norm, lm_head
+    layer: Callable[[ModelConfig], list[str]]  # one decoder layer's names after model.layers.N.
+    modules: dict[str, str]  # the model's building blocks, "package.module:Class"
+    hf_config: Callable[[ModelConfig], tuple[str, dict[str, Any]]]  # (transformers class, fields)
+    from_hf_config: Callable[[dict, str], dict[str, Any]]  # ModelConfig fields of a config.json
+    # the last parameter that scales the queries linearly (muP's attention scale folds into
+    # it on export: `pretrain.model.mup.fold_for_export`)
+    query_scale: str = "self_attn.q_proj.weight"
+    architecture_fields: tuple[str, ...] = field(default=())  # fields weights must agree on
+
+    def module(self, role: str) -> type:
+        """The class of the building block `role` ("attention", ...), imported when asked: the
+        family's description stays torch-free (the planner reads it), its modules are torch."""
+        path, _, name = self.modules[role].partition(":")
+        return getattr(importlib.import_module(path), name)
+
+    def parameter(self, name: str) -> Parameter:
+        """The table row of parameter `name` (a Hugging Face or pipeline-stage name)."""
+        if name.endswith(EMBED.removeprefix("model.")):
+            return self.parameters["embed_tokens"]
+        parts = name.rsplit(".", 2)
+        module = parts[-2] if len(parts) == 3 else parts[0]
+        if parts[-1] != "weight" or module not in self.parameters:
+            raise KeyError(f"unknown parameter name {name!r}: not a {self.name} parameter")
+        return self.parameters[module]
+
+    def parameter_names(self, cfg: ModelConfig) -> list[str]:
+        """Every parameter's Hugging Face name in module order (tied: no lm_head.weight)."""
+        names = [EMBED]
+        for i in range(cfg.num_layers):
+            names += [f"model.layers.{i}.{n}" for n in self.layer(cfg)]
+        names.append("model.norm.weight")
+        if not cfg.tie_embeddings:
+            names.append(LM_HEAD)
+        return names
+
+    def layer_parameters(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(tensor-parallel-sharded, replicated) parameters of one decoder layer, from the
+        table: every parameter counted once, whatever the family."""
+        sharded = replicated = 0
+        for name in self.layer(cfg):
+            row = self.parameter(name)
+            count = _product(row.shape(cfg))
+            if row.tp_dim is None:
+                replicated += count
+            else:
+                sharded += count
+        return sharded, replicated
+
+    def layer_matmul_parameters(self, cfg: ModelConfig, *, active: bool = False) -> int:
+        """The matrix parameters of one decoder layer (a token's, `active`: a mixture of experts
+        counts experts_per_token of its experts)."""
+        total = 0
+        for name in self.layer(cfg):
+            row = self.parameter(name)
+            if row.mup != HIDDEN:
+                continue
+            count = _product(row.shape(cfg))
+            if active and ".experts." in name:
+                count = count * cfg.experts_per_token / cfg.num_experts
+            total += count
+        return int(total)
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+# ---- the model's shape rules: what a split over ranks needs (the model and the layout check) --
+
+def check_tensor_split(model: ModelConfig, tensor: int) -> None:
+    """Each tensor-parallel rank must hold whole query heads, whole kv heads and an equal slice
+    of the MLP."""
+    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        if getattr(model, name) % tensor:
+            raise ConfigError(
+                f"parallel.tensor={tensor}: must divide model.{name}={getattr(model, name)} "
+                f"(each rank holds a whole share: tensor={tensor} must divide num_heads, "
+                "num_kv_heads and ffn_hidden_size)")
+
+
+def check_pipeline_split(model: ModelConfig, pipeline: int, *, partition_method: str) -> None:
+    """Every pipeline stage needs a decoder layer, cut by a partition method DeepSpeed knows."""
+    if not isinstance(pipeline, int) or pipeline < 1:
+        raise ConfigError(f"pipeline stages={pipeline!r}: must be a positive integer")
+    if pipeline > model.num_layers:
+        raise ConfigError(f"parallel.pipeline={pipeline}: exceeds model.num_layers="
+                          f"{model.num_layers}: {pipeline} pipeline stages for model.num_layers="
+                          f"{model.num_layers} leave stages idle; set parallel.pipeline <= "
+                          f"{model.num_layers}")
+    if partition_method not in PARTITION_METHODS:
+        raise ConfigError(f"partition_method={partition_method!r}: choose one of "
+                          f"{', '.join(PARTITION_METHODS)}")

@@ -1,0 +1,222 @@
+"""Model families (`pretrain.families`): each family's tiny model of an unusual shape is
+`transformers`' own class through `import-hf`, `export-hf` and greedy decoding; its parameter
+table agrees with the model it builds; Llama 3's rotary scaling is transformers' `llama3`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from pretrain.arithmetic import num_parameters
+from pretrain.cli import main as pretrain_main
+from pretrain.checkpoint.weights import load_weights
+from pretrain.config import load_config
+from pretrain.families import FAMILIES, family_of
+from pretrain.model import LlamaModel, build_model
+from pretrain.model.hf import expected_hf_keys, from_hf_state_dict, to_hf_config
+from pretrain.model.layers import inverse_frequencies
+from pretrain.model.llama import full_parameter_shape, shard_init
+
+VOCAB = 515  # odd: padded rows under every tensor-parallel size
+
+# per family, a tiny model of a shape that differs from the plain Llama where the family can:
+# GQA and untied everywhere; Llama 3's scaling with a factor, and an original context and
+# band factors (none the default) that put the tiny head's frequencies in every band: kept,
+# blended, divided; Qwen3's head_dim 24, not hidden / heads = 16
+SHAPES = {
+    "llama3": ["model.family=llama", "model.rope_scaling=llama3", "model.rope_theta=500000",
+               "model.rope_scaling_factor=8", "model.rope_original_max_positions=256",
+               "model.rope_low_freq_factor=2", "model.rope_high_freq_factor=8"],
+    "qwen3": ["model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000",
+              "model.norm_eps=1e-6"],
+}
+HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
+
+
+def model_cfg(shape: str, *more: str):
+    return load_config(None, ["model.preset=tiny", f"model.vocab_size={VOCAB}",
+                              "model.tie_embeddings=false", *SHAPES[shape], *more]).model
+
+
+def random_hf(shape: str, path: Path):
+    """A randomly initialised transformers model of the shape, saved to `path`; its norms
+    (Qwen3's q/k norms too) away from 1, so a dropped or swapped norm shows."""
+    torch.manual_seed(5)
+    hf = HF_CLASSES[shape](to_hf_config(model_cfg(shape), bos_token_id=1, eos_token_id=2,
+                                        attn_implementation="eager"))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(path)
+    return hf.eval()
+
+
+def cli(*args) -> None:
+    pretrain_main([str(a) for a in args])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path):
+    """transformers' model -> import-hf -> our model: the same fp32 logits and greedy tokens;
+    -> export-hf: the same tensors and a config.json transformers reads as the same model."""
+    hf = random_hf(shape, tmp_path / "src")
+    cli("import-hf", tmp_path / "src", "--output", tmp_path / "init")
+    weights = load_weights(tmp_path / "init")
+    assert weights.model.family == model_cfg(shape).family
+    assert weights.model.head_dim == {"llama3": 16, "qwen3": 24}[shape]  # qwen3: not 64 / 4
+    assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
+    ours = LlamaModel(weights.model)
+    ours.load_state_dict(from_hf_state_dict(dict(weights.state.items()), weights.model))
+    ours.eval()
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, ours(ids)
+    # fp32, the same operations in another order: a few ulps of the largest logit
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    prompt = ids[:, :9]
+    theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                         pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=12), theirs)
+
+    tokenizer = _tokenizer(tmp_path)
+    cli("export-hf", tmp_path / "init", "--output", tmp_path / "back", "--dtype", "fp32",
+        "--tokenizer", tokenizer)
+    original, back = (load_file(str(p / "model.safetensors"))
+                      for p in (tmp_path / "src", tmp_path / "back"))
+    assert back.keys() == original.keys()
+    for name, tensor in back.items():
+        assert torch.equal(tensor, original[name]), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["architectures"] == [HF_CLASSES[shape].__name__]
+    again = HF_CLASSES[shape].from_pretrained(tmp_path / "back",
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, expected)
+
+
+def _tokenizer(tmp_path: Path) -> Path:
+    from pretrain.data import train_tokenizer
+    from conftest import TINY_CORPUS_FILES
+
+    return train_tokenizer(TINY_CORPUS_FILES, model_prefix=tmp_path / "sp",
+                           vocab_size=VOCAB).path
+
+
+def test_llama3_frequencies_are_transformers():
+    """`inverse_frequencies` under rope_scaling llama3 is transformers' llama3 rope type, bit
+    for bit, and differs from the unscaled frequencies in both the divided and blended bands."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = model_cfg("llama3")
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](to_hf_config(cfg), torch.device("cpu"))
+    ours = inverse_frequencies(cfg)
+    assert torch.equal(ours, theirs)
+    plain = inverse_frequencies(load_config(None, ["model.preset=tiny",
+                                                   "model.rope_theta=500000"]).model)
+    ratio = plain / ours
+    assert (ratio == 1).any() and (ratio == 8).any() and ((ratio > 1) & (ratio < 8)).any()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameter_table_is_the_built_model(family):
+    """Every parameter a family's model holds is in its table with the shape the table gives
+    (a q_norm is head_dim long, not a hidden_size norm), the seeded init fills it (norms 1),
+    and the counts from the table are the model's."""
+    cfg = load_config(None, ["model.preset=tiny", f"model.family={family}", "model.head_dim=24",
+                             f"model.vocab_size={VOCAB}"]).model
+    model = build_model(cfg, seed=3)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 24, 64)  # 4 heads of 24
+    params = dict(model.named_parameters())
+    assert set(params) == expected_hf_keys(cfg)
+    for name, p in params.items():
+        shape = full_parameter_shape(name, cfg)
+        assert tuple(p.shape) == (cfg.padded_vocab_size(1), cfg.hidden_size) if "embed" in name \
+            else shape, name
+        init = shard_init(name, cfg, seed=3, tp_rank=0, tp_size=1)
+        assert torch.equal(init, p.detach()), name
+        if family_of(cfg).parameter(name).init == "ones":
+            assert bool((init == 1).all()), name
+    assert model.num_parameters() == num_parameters(cfg)
+
+
+# ---- trained on layouts: an imported Qwen3 ------------------------------------------------------
+
+LAYOUT_STEPS = 4
+QWEN3_LAYOUTS = {
+    # name: (ranks, overrides); each changes how the q/k norms' gradients are formed
+    "fsdp2_tp2_sp_dp2": (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
+                             "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    "zero3_tp2_dp2": (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def imported_qwen3(tiny_data, tmp_path_factory) -> Path:
+    """A random transformers Qwen3 of the tokenizer's 512 tokens, imported (final/ format)."""
+    root = tmp_path_factory.mktemp("qwen3_import")
+    torch.manual_seed(5)
+    cfg = load_config(None, ["model.preset=tiny", *SHAPES["qwen3"]]).model
+    hf = transformers.Qwen3ForCausalLM(to_hf_config(cfg, attn_implementation="eager"))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(root / "hf")
+    cli("import-hf", root / "hf", "--output", root / "init")
+    return root / "init"
+
+
+def _qwen3_run(tmp_path, tiny_data, imported, *, nprocs: int, overrides: list[str], name: str):
+    from pretrain.testing.runs import train
+
+    return train(tmp_path, tiny_data, nprocs=nprocs, name=name, overrides=[
+        *SHAPES["qwen3"], f"model.init_from={imported}", f"train.steps={LAYOUT_STEPS}",
+        "checkpoint.save_final=true", *overrides])
+
+
+@pytest.fixture(scope="module")
+def qwen3_single(tiny_data, tmp_path_factory, imported_qwen3):
+    return _qwen3_run(tmp_path_factory.mktemp("qwen3_single"), tiny_data, imported_qwen3,
+                      nprocs=1, overrides=[], name="single")
+
+
+@pytest.mark.slow  # `pretrain train` on 4 forked ranks
+@pytest.mark.parametrize("layout", QWEN3_LAYOUTS)
+def test_imported_qwen3_trains_on_a_layout_like_one_process_and_exports_as_transformers(
+        layout, tiny_data, tmp_path, imported_qwen3, qwen3_single):
+    """The imported model's losses and gradient norms on the layout are one process's (only
+    the reduction order differs: 1e-5); its final weights, exported, are transformers' Qwen3
+    computing our logits and greedy tokens."""
+    from pretrain.testing.runs import rel_diff
+
+    nprocs, overrides = QWEN3_LAYOUTS[layout]
+    run = _qwen3_run(tmp_path, tiny_data, imported_qwen3, nprocs=nprocs, overrides=overrides,
+                     name=layout)
+    head = run.records[0]
+    assert (head["tensor"], head["data_parallel"]) == (2, 2)
+    assert rel_diff(run.losses, qwen3_single.losses) < 1e-5, (run.losses, qwen3_single.losses)
+    norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"]
+             for x in (run, qwen3_single)]
+    assert rel_diff(*norms) < 1e-5, norms
+
+    final = run.run_dir / "final"
+    cli("export-hf", final, "--output", tmp_path / "hf", "--dtype", "fp32")
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "hf",
+                                                       attn_implementation="eager").eval()
+    weights = load_weights(final)
+    ours = LlamaModel(weights.model)
+    ours.load_state_dict(from_hf_state_dict(dict(weights.state.items()), weights.model))
+    ours.eval()
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, ours(ids)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    prompt = ids[:, :5]
+    theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                         pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=8), theirs)
