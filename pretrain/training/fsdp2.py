@@ -52,7 +52,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
-from pretrain.config import ModelConfig, Precision, RunConfig
+from pretrain.config import ModelConfig, Optimizer, Precision, RunConfig
 from pretrain.resolve.ds_config import zero_stage
 from pretrain.resolve.fsdp2_rules import offloads_to_cpu, reshards_after_forward
 from pretrain.model import canonical_parameters
@@ -61,6 +61,7 @@ from pretrain.model.layers import RotaryEmbedding
 from pretrain.model.llama import INIT_BLOCK, DecoderLayer, _draw_init, shard_range
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_rank, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
+from pretrain.training import muon
 
 FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
 
@@ -103,8 +104,14 @@ class FSDP2Engine:
         self._micro_batches = int(ds_config["gradient_accumulation_steps"])
         self._clip = float(t.grad_clip)
         self.offload = offloads_to_cpu(ds_config)
-        self.optimizer = torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                                           eps=t.eps, weight_decay=t.weight_decay)
+        if t.optimizer is Optimizer.MUON:  # Muon for the hidden matrices, whole (DTensor rows)
+            named = list(canonical_parameters(model, cfg.model))
+            self.optimizer = muon.build_optimizer(named, param_groups, t)
+            self.optimizer.bind(muon.row_shard_pieces(named, tensor_parallel_group(groups),
+                                                      tensor_parallel))
+        else:
+            self.optimizer = torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
+                                               eps=t.eps, weight_decay=t.weight_decay)
         self.optimizer.overflow = False  # DeepSpeed's protocol: the guard reads, never wraps
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.global_steps = self.global_samples = self.skipped_steps = 0
