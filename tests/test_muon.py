@@ -175,3 +175,38 @@ def test_layout_equals_one_process(layout, ns_dtype, one_process, one_process_fp
     for result in results:
         assert _relative(result["losses"], reference["losses"]) < tolerance, \
             (layout, result["losses"], reference["losses"])
+
+
+# Resuming on another layout: (old layout, new layout); fp32 Newton-Schulz, so that the new
+# layout's other order of sums stays within TOLERANCE of the uninterrupted run.
+RESUMES = {
+    "dp2z1-tp2z0": (2, ["deepspeed=ds_configs/zero1.json"], 2,
+                    ["deepspeed=ds_configs/zero0.json", "parallel.tensor=2"]),
+    "tp2z1-dp2z3": (2, ["deepspeed=ds_configs/zero1.json", "parallel.tensor=2"], 2,
+                    ["deepspeed=ds_configs/zero3.json"]),
+    "dp2z1-fsdp2": (2, ["deepspeed=ds_configs/zero1.json"], 2,
+                    ["deepspeed=ds_configs/zero3.json", "train.engine=fsdp2"]),
+}
+
+
+@pytest.mark.slow  # training runs through the launchers
+@pytest.mark.parametrize("resume", list(RESUMES))
+def test_a_resume_onto_another_layout_equals_the_uninterrupted_run(resume, tiny_data, tmp_path):
+    """Muon's momentum is saved with the checkpoint and resharded like Adam's moments: the
+    resumed run's losses are the uninterrupted run's (a lost momentum changes step 4's)."""
+    import shutil
+
+    from pretrain.testing.runs import rel_diff, train
+
+    old_n, old, new_n, new = RESUMES[resume]
+    common = ["train.steps=6", "checkpoint.save_interval=3", "checkpoint.keep_last=1",
+              "checkpoint.keep_every=3", "train.optimizer=muon", "train.muon_ns_dtype=fp32"]
+    full = train(tmp_path, tiny_data, nprocs=old_n, name="full", overrides=common + old)
+    saved = full.run_dir / "checkpoints" / "step3"
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    resumed = train(tmp_path, tiny_data, nprocs=new_n, name="resumed", overrides=common + new)
+    after = [r for r in resumed.records if r["kind"] == "train"]
+    before = [r for r in full.records if r["kind"] == "train"][3:]
+    assert [r["step"] for r in after] == [4, 5, 6]
+    assert [r["lr"] for r in after] == [r["lr"] for r in before]
+    assert rel_diff([r["loss"] for r in after], [r["loss"] for r in before]) < TOLERANCE

@@ -278,7 +278,7 @@ class FSDP2Engine:
             state = self.optimizer.state.get(p, {})
             entry = {"master": _local(p.detach()), "row": _first_row(p),
                      "shape": tuple(p.shape)}
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in muon.state_keys(name, self.cfg.train.optimizer):
                 if key in state:
                     entry[key] = _local(state[key])
             if "step" in state:
@@ -312,8 +312,8 @@ class FSDP2Engine:
     @torch.no_grad()
     def load_state(self, read, *, adam_step: int, schedule: dict[str, Any] | None,
                    counters: dict[str, int]) -> None:
-        """Set every parameter's fp32 shard and Adam's moments from `read(name, what, rows)`
-        (`what`: "master", "exp_avg", "exp_avg_sq"; `rows`: [start, stop) of the
+        """Set every parameter's fp32 shard and Adam's moments (Muon's momentum:
+        `muon.state_keys`) from `read(name, what, rows)` (`what`: "master" or a state key; `rows`: [start, stop) of the
         tensor-parallel shard, from `_first_row`), then Adam's step, the schedule's position
         (`schedule`: a saved LambdaLR state) and the counters."""
         for name, p in canonical_parameters(self.module, self.cfg.model):
@@ -321,11 +321,12 @@ class FSDP2Engine:
             rows = (_first_row(p), _first_row(p) + (local.shape[0] if local.dim() else 1))
             local.copy_(read(name, "master", rows).view_as(local))
             state = self.optimizer.state[p]
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in muon.state_keys(name, self.cfg.train.optimizer):
                 if key not in state:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 _local(state[key]).copy_(read(name, key, rows).view_as(local))
-            state["step"] = torch.tensor(float(adam_step))
+            if "exp_avg" in state:  # Adam's count (Muon keeps none)
+                state["step"] = torch.tensor(float(adam_step))
         self.global_steps = int(counters["global_steps"])
         self.global_samples = int(counters["global_samples"])
         self.skipped_steps = int(counters["skipped_steps"])

@@ -50,6 +50,18 @@ def is_muon_matrix(name: str) -> bool:
     return len(parts) == 3 and parts[2] == "weight" and parts[1] in HIDDEN_PROJECTIONS
 
 
+MOMENTUM_KEY = "momentum_buffer"  # Muon's one state tensor per matrix (torch.optim.Muon's name)
+
+
+def state_keys(name: str, optimizer) -> tuple[str, ...]:
+    """The per-element optimizer state a parameter `name` has under train.optimizer
+    `optimizer`: Muon's momentum for its matrices, Adam's two moments for the rest (what a
+    checkpoint holds of it and resharding reads)."""
+    if str(getattr(optimizer, "value", optimizer)) == "muon" and is_muon_matrix(name):
+        return (MOMENTUM_KEY,)
+    return ("exp_avg", "exp_avg_sq")
+
+
 def split_groups(groups: list[dict[str, Any]], names: dict[int, str], *, muon_lr: float,
                  muon_weight_decay: float) -> list[dict[str, Any]]:
     """`groups` (`mup.optimizer_groups`: AdamW's, muP's rates included) with their Muon
