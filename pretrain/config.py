@@ -94,6 +94,13 @@ class LRSchedule(str, enum.Enum):
     CONSTANT = "constant"  # train.lr to the end (min_lr unused)
 
 
+class Optimizer(str, enum.Enum):
+    """What steps the parameters (`pretrain.training.muon` for muon)."""
+
+    ADAMW = "adamw"  # AdamW for every parameter
+    MUON = "muon"  # Muon for the decoder layers' projection matrices, AdamW for the rest
+
+
 class DecayShape(str, enum.Enum):
     """WSD's decay, as a function of its progress p (0 -> 1) from train.lr to train.min_lr."""
 
@@ -482,6 +489,16 @@ class TrainConfig(_Freezable):
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
     eps: float = 1e-8  # AdamW
+    # adamw | muon: Muon (torch.optim.Muon's update, the whole matrix orthogonalised under every
+    # layout) for the decoder layers' projections, AdamW (lr, weight_decay, betas) for the
+    # embeddings, head, norms and router (pretrain/training/muon.py)
+    optimizer: Optimizer = Optimizer.ADAMW
+    muon_lr: float = 0.02  # Muon's peak lr (the schedule scales it as it scales train.lr)
+    muon_weight_decay: float | None = None  # Muon's decoupled weight decay; null: weight_decay
+    # bf16 | fp32: the dtype of Muon's Newton-Schulz iteration. bf16 is torch.optim.Muon's; fp32
+    # keeps two layouts' updates as close as their gradients (bf16 rounds their last-bit
+    # differences into ~1e-5 of the loss after 10 steps)
+    muon_ns_dtype: str = "bf16"
     grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
     precision: Precision = Precision.AUTO  # auto | bf16 | fp32 | fp16; auto: pretrain/hardware.py
     # deepspeed | fsdp2: DeepSpeed's engine, or PyTorch's fully_shard over the same model, data,
@@ -548,6 +565,11 @@ class TrainConfig(_Freezable):
             _fail("train", "global_batch_size", self.global_batch_size, "must be positive or null")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             _fail("train", "min_lr", self.min_lr, f"needs 0 <= min_lr <= lr={self.lr} and lr > 0")
+        if self.muon_ns_dtype not in ("bf16", "fp32"):
+            _fail("train", "muon_ns_dtype", self.muon_ns_dtype, "must be bf16 or fp32")
+        if self.muon_lr <= 0 or (self.muon_weight_decay or 0.0) < 0:
+            _fail("train", "muon_lr/muon_weight_decay", (self.muon_lr, self.muon_weight_decay),
+                  "need muon_lr > 0 and muon_weight_decay >= 0 (or null: train.weight_decay)")
         if self.warmup_steps < 0 or self.eval_interval < 0 or self.grad_clip < 0:
             _fail("train", "warmup_steps/eval_interval/grad_clip",
                   (self.warmup_steps, self.eval_interval, self.grad_clip), "must be >= 0")

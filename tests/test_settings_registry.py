@@ -48,6 +48,8 @@ T_BUILT_ENGINE = ("tests/test_bite_engine.py::"
 T_MUP_BASES = ("tests/test_bite_mup.py::"
                "test_the_base_width_and_base_head_dim_set_the_groups_and_the_attention_scale")
 
+T_MUON_HAND = "tests/test_muon.py::test_one_process_equals_torch_muon_and_adamw_by_hand"
+
 REGISTRY: dict[str, str] = {
     # run config: top level
     "run_dir": "tests/test_checkpoint.py::test_resume_gives_bitwise_the_same_losses",
@@ -136,6 +138,10 @@ REGISTRY: dict[str, str] = {
     "train.decay_start_step":
         "tests/test_schedules.py::test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own",
     "train.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
+    "train.optimizer": T_MUON_HAND, "train.muon_lr": T_MUON_HAND,
+    "train.muon_weight_decay": T_MUON_HAND,
+    DS + "zero_allow_untested_optimizer": "tests/test_muon.py::test_layout_equals_one_process",
+    "train.muon_ns_dtype": "tests/test_muon.py::test_layout_equals_one_process",
     "train.grad_clip": T_BUILT_ENGINE,
     "train.precision": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",
     "train.engine": "tests/test_fsdp2.py::test_dp2_trains_like_one_process_and_writes_the_same_final",
@@ -255,6 +261,11 @@ MUTANT_OF: dict[str, str] = {
     "logging.peak_tflops": "telemetry-peak-tflops-ignored",
     "train.micro_batch_size": "train-micro-batch-ignored",
     DS + "train_micro_batch_size_per_gpu": "train-micro-batch-ignored",
+    "train.optimizer": "muon-optimizer-ignored",
+    "train.muon_lr": "muon-lr-is-adamws",
+    "train.muon_weight_decay": "muon-weight-decay-is-adamws",
+    "train.muon_ns_dtype": "muon-ns-dtype-ignored",
+    DS + "zero_allow_untested_optimizer": "muon-zero-untested-optimizer-refused",
     "train.lr_schedule": "schedules-linear-floor",
     "train.decay_fraction": "schedules-wsd-default-decay-start",
     "train.decay_shape": "schedules-decay-shape-sqrt",
@@ -427,7 +438,8 @@ FROZEN_GAPS = frozenset([
 
 # Keys the resolver adds beyond the shipped JSONs (pretrain/resolve/ds_config.py, pretrain/resolve/run.py).
 RESOLVER_KEYS = ("optimizer.params.fused", "pipeline.pipe_partitioned", "bf16.immediate_grad_update",
-                 "pipeline.grad_partitioned", "checkpoint.load_universal")
+                 "pipeline.grad_partitioned", "checkpoint.load_universal",
+                 "zero_allow_untested_optimizer")
 
 
 def config_fields(cls=run_config.RunConfig, prefix: str = "") -> set[str]:

@@ -38,14 +38,23 @@ import torch
 from pretrain.checkpoint.fsdp2_state import fsdp2_counters, is_fsdp2_checkpoint
 from pretrain.checkpoint.weights import OPTIMIZER_NAMES, engine_tensors
 from pretrain.checkpoint.zero_shards import load_checkpoint_file
-from pretrain.config import RunConfig
+from pretrain.config import Optimizer, RunConfig
 from pretrain.errors import CheckpointError
 from pretrain.model import canonical_parameters, tensor_parallel_group
 from pretrain.model.form import shard_of_rank
 from pretrain.model.llama import ShardRange, full_parameter_shape, shard_range
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
+from pretrain.training.muon import MOMENTUM_KEY, state_keys
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _state_sources(step_dir: Path, cfg: RunConfig) -> dict[str, Any]:
+    """The checkpoint's masters and each optimizer state key the run's parameters have (Adam's
+    moments; under train.optimizer=muon Muon's momentum too), read lazily."""
+    keys = ADAM_MOMENTS + ((MOMENTUM_KEY,) if cfg.train.optimizer is Optimizer.MUON else ())
+    return {"master": engine_tensors(step_dir), **{key: engine_tensors(step_dir, key)
+                                                   for key in keys}}
 
 
 def optimizer_parameter_names(engine) -> list[list[str]] | None:
@@ -116,8 +125,7 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
     tp_size, my_tp = tp_world_size(tp_group), tp_rank(tp_group)
     step = saved_optimizer_step(step_dir, default=int(meta["step"]))
     _create_adam_state(engine, step=step)
-    sources = {"master": engine_tensors(step_dir),
-               **{key: engine_tensors(step_dir, key) for key in ADAM_MOMENTS}}
+    sources = _state_sources(step_dir, cfg)
     # ZeRO partitions over every replica of a shard: data x context ranks
     topology = groups.topology
     targets = _Targets(engine, dp_rank=topology.replica_rank(topology.rank),
@@ -127,7 +135,8 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
         if flat_range is None:  # ZeRO-1/2: outside this rank's partition
             continue
         where = shard_range(name, m, **shard_of_rank(param, tp_rank=my_tp, tp_size=tp_size))
-        for what, source in sources.items():
+        for what in ("master",) + state_keys(name, cfg.train.optimizer):
+            source = sources[what]
             try:
                 piece = read_shard_piece(source, name, where, flat_range, cfg=m)
             except KeyError:
@@ -149,8 +158,7 @@ def load_into_fsdp2(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunCon
     tensor-parallel shard of every master and Adam moment (`engine.load_state`); Adam's step,
     the schedule's position and the counters are the saved ones."""
     m = cfg.model
-    sources = {"master": engine_tensors(step_dir),
-               **{key: engine_tensors(step_dir, key) for key in ADAM_MOMENTS}}
+    sources = _state_sources(step_dir, cfg)
     if is_fsdp2_checkpoint(step_dir):
         counters = fsdp2_counters(step_dir)
     else:
@@ -291,10 +299,14 @@ def _create_adam_state(engine, *, step: int) -> None:
     yet, as DeepSpeed's bf16 optimizer and torch's AdamW before their first step) at step count
     `step`, and link DeepSpeed's per-parameter views of that state."""
     base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    as_tensor = isinstance(base, torch.optim.Adam)  # torch keeps the count as a tensor
+    # torch keeps the count as a tensor (Muon's AdamW groups step through torch's AdamW)
+    as_tensor = isinstance(getattr(base, "adamw", base), torch.optim.Adam)
     for group, updated in _updated_tensors(engine.optimizer, base):
         for p in updated:
             state = base.state[p]
+            if group.get("muon"):  # Muon's one state tensor, no count
+                state.setdefault(MOMENTUM_KEY, torch.zeros_like(p))
+                continue
             for key in ADAM_MOMENTS:
                 if key not in state:  # on the master's device, in its dtype: what Adam creates
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)

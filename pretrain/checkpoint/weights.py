@@ -293,10 +293,11 @@ def _zero0_optimizer_tensors(step_dir: Path, *, mp_rank: int, key: str | None,
         tensors = [t for group in optimizer["fp32_groups"] for t in group]
     else:
         per_param = optimizer.get("optimizer_state_dict", optimizer)["state"]
-        if len(per_param) != len(flat) or any(key not in per_param[i] for i in per_param):
+        if len(per_param) != len(flat) or not any(key in per_param[i] for i in per_param):
             raise CheckpointError(f"{step_dir}: mp rank {mp_rank}'s optimizer holds no {key!r} "
-                                  f"for each of its {len(flat)} parameters")
-        tensors = [per_param[i][key] for i in range(len(flat))]
+                                  f"for its {len(flat)} parameters")
+        # train.optimizer=muon: Muon's matrices hold its momentum, the rest Adam's moments
+        return {name: per_param[i][key] for i, name in enumerate(flat) if key in per_param[i]}
     if len(tensors) != len(flat):
         raise CheckpointError(f"{step_dir}: {len(tensors)} optimizer tensors for {len(flat)} "
                               "named parameters: the checkpoint is inconsistent")

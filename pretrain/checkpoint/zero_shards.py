@@ -126,6 +126,8 @@ class ZeroMasters(Mapping):
             groups = _flat_groups(load_checkpoint_file(self._files[rank]), stage=self.stage,
                                   key=self.key)
             for group, lo, hi, at in parts:
+                if groups[group] is None:
+                    raise KeyError(f"{name}: its group holds no {self.key!r}")
                 out[at:at + hi - lo].copy_(groups[group].reshape(-1)[lo:hi])
             del groups
         self.bytes_read += out.numel() * out.element_size()
@@ -154,6 +156,8 @@ class ZeroMasters(Mapping):
                               key=self.key)
         filled = 0
         for g, lo, hi in parts:
+            if groups[g] is None:
+                raise KeyError(f"group {g} holds no {self.key!r}")
             into[filled:filled + hi - lo].copy_(groups[g].reshape(-1)[lo:hi])
             filled += hi - lo
 
@@ -209,11 +213,12 @@ def _flat_groups(state: dict, *, stage: int, key: str | None = None) -> list[tor
     if key is None:
         return masters
     base = saved[BASE_OPTIMIZER_STATE if stage <= 2 else OPTIMIZER_STATE_DICT]["state"]
-    try:
-        return [base[g][key] for g in range(len(masters))]
-    except KeyError:
-        raise CheckpointError(f"the optimizer state holds no {key!r} for every group: it was "
-                              "not saved by Adam, or before the first step") from None
+    found = [base.get(g, {}).get(key) for g in range(len(masters))]
+    if all(t is None for t in found):
+        raise CheckpointError(f"the optimizer state holds no {key!r} in any group: it was not "
+                              "saved by that optimizer (Adam's moments, Muon's momentum), or "
+                              "before the first step")
+    return found  # None for a group without it (train.optimizer=muon: Muon's or Adam's)
 
 
 def _fp32_layout(optim_files: list[Path], *, source: str):

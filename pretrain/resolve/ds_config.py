@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import Engine, Precision, RunConfig, did_you_mean
+from pretrain.config import Engine, Optimizer, Precision, RunConfig, did_you_mean
 from pretrain.errors import ConfigError
 from pretrain.resolve.fsdp2_rules import check_fsdp2
 from pretrain.resolve.layout import DEEPSPEED_DEFAULT_BUCKET, Layout
@@ -410,6 +410,9 @@ def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
                                                   run_dir=cfg.run_dir, where=f"{where_file}: "
                                                   f"zero_optimization.{key}.nvme_path")
 
+    if t.optimizer is Optimizer.MUON:  # the engine hands DeepSpeed its own (training/muon.py)
+        ds.pop("optimizer", None)
+        ds["zero_allow_untested_optimizer"] = True
     opt = ds.get("optimizer")
     if opt is not None:
         params = opt.setdefault("params", {})

@@ -20,11 +20,13 @@ import deepspeed
 import torch
 
 from pretrain import lean_imports
-from pretrain.config import DecayShape, Engine, LRSchedule, ModelConfig, RunConfig, TrainConfig
+from pretrain.config import (DecayShape, Engine, LRSchedule, ModelConfig, Optimizer, RunConfig,
+                             TrainConfig)
 from pretrain.checkpoint import load_initial_weights
 from pretrain.resolve.ds_config import zero_stage
 from pretrain.training.fsdp2 import build_fsdp2_engine
 from pretrain.log import log
+from pretrain.training import muon
 from pretrain.training.metrics import global_grad_norm
 from pretrain.model import (ModelForm, build_for_layout, compile_blocks,
                             defer_sequence_parallel_grads, tensor_parallel_group)
@@ -240,14 +242,19 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         log(f"[init] weights from {source}", main=main)
     flat = ModelForm.of(model) is ModelForm.FLAT
     lean_imports.import_muon_uncompiled()
+    parameters = optimizer_groups(model, lr=t.lr, weight_decay=t.weight_decay, cfg=cfg.model)
+    # train.optimizer=muon: ours, handed to DeepSpeed (its JSON then has no "optimizer" block)
+    optimizer = (muon.build_optimizer(model.named_parameters(), parameters, t)
+                 if t.optimizer is Optimizer.MUON else None)
     with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32():
         engine, _, _, _ = deepspeed.initialize(
             model=model, config=ds_config, lr_scheduler=_lr_schedule(t, factor),
-            model_parameters=optimizer_groups(model, lr=t.lr, weight_decay=t.weight_decay,
-                                              cfg=cfg.model),
+            optimizer=optimizer, model_parameters=None if optimizer else parameters,
             # without it DeepSpeed treats every rank as data parallel; a PipelineModule brings
             # its own grid (DeepSpeed asserts mpu is None)
             mpu=groups.mpu if flat else None)
+    if optimizer is not None:  # where each matrix's pieces are, once DeepSpeed flattened them
+        muon.bind_to_deepspeed(engine, tensor_parallel_group(groups))
     if not flat and zero_stage(ds_config) == 0:
         clip_by_the_whole_models_norm(engine, groups)
     forget_the_construction_step(engine)

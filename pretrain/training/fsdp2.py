@@ -52,7 +52,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
-from pretrain.config import ModelConfig, Precision, RunConfig
+from pretrain.config import ModelConfig, Optimizer, Precision, RunConfig
 from pretrain.resolve.ds_config import zero_stage
 from pretrain.resolve.fsdp2_rules import offloads_to_cpu, reshards_after_forward
 from pretrain.model import canonical_parameters
@@ -61,6 +61,7 @@ from pretrain.model.layers import RotaryEmbedding, rotary_embedding
 from pretrain.model.llama import INIT_BLOCK, DecoderLayer, _draw_init, shard_range
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_rank, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
+from pretrain.training import muon
 
 FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
 
@@ -103,8 +104,14 @@ class FSDP2Engine:
         self._micro_batches = int(ds_config["gradient_accumulation_steps"])
         self._clip = float(t.grad_clip)
         self.offload = offloads_to_cpu(ds_config)
-        self.optimizer = torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                                           eps=t.eps, weight_decay=t.weight_decay)
+        if t.optimizer is Optimizer.MUON:  # Muon for the hidden matrices, whole (DTensor rows)
+            named = list(canonical_parameters(model, cfg.model))
+            self.optimizer = muon.build_optimizer(named, param_groups, t)
+            self.optimizer.bind(muon.row_shard_pieces(named, tensor_parallel_group(groups),
+                                                      tensor_parallel))
+        else:
+            self.optimizer = torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
+                                               eps=t.eps, weight_decay=t.weight_decay)
         self.optimizer.overflow = False  # DeepSpeed's protocol: the guard reads, never wraps
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.global_steps = self.global_samples = self.skipped_steps = 0
@@ -271,7 +278,7 @@ class FSDP2Engine:
             state = self.optimizer.state.get(p, {})
             entry = {"master": _local(p.detach()), "row": _first_row(p),
                      "shape": tuple(p.shape)}
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in muon.state_keys(name, self.cfg.train.optimizer):
                 if key in state:
                     entry[key] = _local(state[key])
             if "step" in state:
@@ -305,8 +312,8 @@ class FSDP2Engine:
     @torch.no_grad()
     def load_state(self, read, *, adam_step: int, schedule: dict[str, Any] | None,
                    counters: dict[str, int]) -> None:
-        """Set every parameter's fp32 shard and Adam's moments from `read(name, what, rows)`
-        (`what`: "master", "exp_avg", "exp_avg_sq"; `rows`: [start, stop) of the
+        """Set every parameter's fp32 shard and Adam's moments (Muon's momentum:
+        `muon.state_keys`) from `read(name, what, rows)` (`what`: "master" or a state key; `rows`: [start, stop) of the
         tensor-parallel shard, from `_first_row`), then Adam's step, the schedule's position
         (`schedule`: a saved LambdaLR state) and the counters."""
         for name, p in canonical_parameters(self.module, self.cfg.model):
@@ -314,11 +321,12 @@ class FSDP2Engine:
             rows = (_first_row(p), _first_row(p) + (local.shape[0] if local.dim() else 1))
             local.copy_(read(name, "master", rows).view_as(local))
             state = self.optimizer.state[p]
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in muon.state_keys(name, self.cfg.train.optimizer):
                 if key not in state:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 _local(state[key]).copy_(read(name, key, rows).view_as(local))
-            state["step"] = torch.tensor(float(adam_step))
+            if "exp_avg" in state:  # Adam's count (Muon keeps none)
+                state["step"] = torch.tensor(float(adam_step))
         self.global_steps = int(counters["global_steps"])
         self.global_samples = int(counters["global_samples"])
         self.skipped_steps = int(counters["skipped_steps"])
