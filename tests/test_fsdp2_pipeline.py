@@ -66,9 +66,31 @@ def test_each_schedule_trains_like_one_process(schedule, virtual, zero3, referen
         "train.eval_batches=1"])
     head = run.records[0]
     assert (head["engine"], head["pipeline"]) == ("fsdp2", 2)
+    # the schedule torch runs, and rank 0's stages: looped, or the V's first and last
+    ours = {"1f1b": "0 (layer specs 0-2)", "zbv": "0 (layer specs 0-1), 3 (layer specs 4-6)",
+            "dualpipe_v": "0 (layer specs 0-1), 3 (layer specs 4-6)"}.get(
+                schedule, "0 (layer specs 0-1), 2 (layer specs 3-3)")
+    torch_name = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                  "zero_bubble": "ScheduleInterleavedZeroBubble",
+                  "zbv": "ScheduleZBVZeroBubble", "dualpipe_v": "ScheduleDualPipeV"}[schedule]
+    assert (f"[pipeline] {schedule} ({torch_name}): {2 * virtual} stages over 2 ranks, 4 "
+            f"micro-batches a step; this rank holds stage {ours}") in run.stdout
     _assert_trains_like(run, reference)
     assert len(_evals(reference)) == 1
     assert rel_diff(_evals(run), _evals(reference)) < TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ["parallel.tensor=2", "parallel.sequence_parallel=true"],  # the norms' grads summed over tp
+    ["parallel.context=2"],  # each stage's context ranks send their chunk
+], ids=["tp2-sp", "cp2"])
+def test_interleaved_pipeline_composes_with_tensor_and_context_parallelism(
+        overrides, reference, tiny_data, tmp_path):
+    run = train(tmp_path, tiny_data, nprocs=4, name="pp2", overrides=[
+        *MODEL, *PIPELINE, ZERO3, "parallel.pipeline_schedule=interleaved_1f1b",
+        "parallel.virtual_stages=2", *overrides])
+    _assert_trains_like(run, reference)
 
 
 @pytest.mark.slow

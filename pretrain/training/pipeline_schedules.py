@@ -165,10 +165,19 @@ class PipelineDriver:
                                  scale_grads=True)
         self.micro_batches = micro_batches
         self.sequence_shards = groups.topology.tensor if p.sequence_parallel else 1
-        self.hidden_size = cfg.model.hidden_size
+        self.hidden_size, self.num_layers = cfg.model.hidden_size, cfg.model.num_layers
         # what a stage sends: bf16 under bf16's MixedPrecisionPolicy (the shards stay fp32)
         self.activation_dtype = (torch.bfloat16 if cfg.train.precision is Precision.BF16
                                  else torch.float32)
+
+    def describe(self) -> str:
+        """The schedule torch runs and the stages of this rank, for the run's log."""
+        spans = stage_spans(self.num_layers, self.num_stages)
+        mine = ", ".join(f"{index} (layer specs {spans[index][0]}-{spans[index][1] - 1})"
+                         for index in self.model.stages)
+        return (f"[pipeline] {self.schedule_name} ({type(self.schedule).__name__}): "
+                f"{self.num_stages} stages over {self.pipeline} ranks, {self.micro_batches} "
+                f"micro-batches a step; this rank holds stage {mine}")
 
     def owner(self, stage: int) -> int:
         """The pipeline-group rank holding `stage`."""
