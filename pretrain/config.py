@@ -74,7 +74,8 @@ class Engine(str, enum.Enum):
     """What shards, reduces and steps the model (`pretrain.training.engine.build_engine`)."""
 
     DEEPSPEED = "deepspeed"  # DeepSpeed's engine: ZeRO 0-3 from the DeepSpeed JSON, pipelines
-    FSDP2 = "fsdp2"  # PyTorch's fully_shard (`pretrain.training.fsdp2`): ZeRO-3-like, no pipeline
+    FSDP2 = "fsdp2"  # PyTorch's fully_shard (`pretrain.training.fsdp2`): ZeRO-3-like, its
+    # pipelines through torch.distributed.pipelining (parallel.pipeline_schedule)
 
 
 class SpikeAction(str, enum.Enum):
@@ -353,13 +354,20 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 # counts), "uniform" (equal numbers of layers), "type:DecoderLayerPipe" (balance decoder layers).
 PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
 
+# The pipeline schedules of `train.engine: fsdp2` (`torch.distributed.pipelining`), and the
+# virtual stages (stages per rank) each takes: None, any number. DeepSpeed's engine runs 1f1b.
+PIPELINE_SCHEDULES = {"1f1b": 1, "interleaved_1f1b": None, "zero_bubble": None, "zbv": 2,
+                      "dualpipe_v": 2}
+
 
 @dataclass
 class ParallelConfig(_Freezable):
     """Model-parallel sizes. Data parallel = world size / (tensor * context * pipeline)."""
 
     tensor: int = 1  # Megatron-style tensor parallel size (inside a node)
-    pipeline: int = 1  # DeepSpeed 1F1B pipeline stages (across nodes)
+    pipeline: int = 1  # pipeline stages (across nodes): DeepSpeed's 1F1B, or fsdp2's schedule
+    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES (train.engine=fsdp2 for others)
+    virtual_stages: int = 1  # pipeline stages per rank (interleaved schedules; zbv/dualpipe_v: 2)
     context: int = 1  # context parallelism (DeepSpeed-Ulysses): each sequence split into
     # this many contiguous chunks over as many ranks; attention swaps chunks for heads by an
     # all-to-all per layer (inside a node, next to tensor)
@@ -375,6 +383,16 @@ class ParallelConfig(_Freezable):
         if self.pipeline_partition not in PARTITION_METHODS:
             _fail("parallel", "pipeline_partition", self.pipeline_partition,
                   f"choose one of {', '.join(PARTITION_METHODS)}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            _fail("parallel", "pipeline_schedule", self.pipeline_schedule,
+                  f"choose one of {', '.join(PIPELINE_SCHEDULES)}")
+        if self.virtual_stages < 1:
+            _fail("parallel", "virtual_stages", self.virtual_stages, "must be a positive integer")
+        fixed = PIPELINE_SCHEDULES[self.pipeline_schedule]
+        if fixed is not None and self.virtual_stages != fixed:
+            _fail("parallel", "virtual_stages", self.virtual_stages,
+                  f"parallel.pipeline_schedule={self.pipeline_schedule} runs {fixed} stage"
+                  f"{'s' if fixed > 1 else ''} per rank: set parallel.virtual_stages={fixed}")
 
 
 # ---- data.blend entries: "WEIGHT PREFIX" ---------------------------------------------------

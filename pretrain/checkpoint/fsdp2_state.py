@@ -46,14 +46,17 @@ def _rank_files(step_dir: Path) -> list[dict[str, Any]]:
 
 
 class _RowPieces(Mapping):
-    """{name: one tensor-parallel shard} of the files of one tensor rank: every rank's rows of
-    `key` ("master" or a moment) put back in order. Zeros for a moment not saved yet."""
+    """{name: one tensor-parallel shard} of the files of one tensor rank: the rows of `key`
+    ("master" or a moment) of every file holding the name (a pipeline stage's ranks hold its
+    parameters only) put back in order. Zeros for a moment not saved yet."""
 
     def __init__(self, files: list[dict[str, Any]], key: str) -> None:
         self._files, self._key = files, key
+        self._names = list(dict.fromkeys(name for f in files for name in f["tensors"]))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        entries = sorted((f["tensors"][name] for f in self._files), key=lambda e: e["row"])
+        entries = sorted((f["tensors"][name] for f in self._files if name in f["tensors"]),
+                         key=lambda e: e["row"])
         parts = [e.get(self._key, torch.zeros_like(e["master"])) for e in entries]
         whole = torch.cat(parts)
         if tuple(whole.shape) != tuple(entries[0]["shape"]):
@@ -62,10 +65,10 @@ class _RowPieces(Mapping):
         return whole
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._files[0]["tensors"])
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._files[0]["tensors"])
+        return len(self._names)
 
 
 def fsdp2_shards(step_dir: Path, key: str | None = None) -> dict[str, dict[int, tuple]]:

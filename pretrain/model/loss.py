@@ -162,12 +162,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         d_hidden, d_weight = ctx.saved_tensors
-        # in place: the saved buffers are not needed again (a second backward fails on their
-        # version counter instead of returning doubly scaled gradients)
+        # not in place: a zero-bubble pipeline schedule runs this backward twice, once for the
+        # input gradient and once for the weight's (`torch.distributed.pipelining`'s split
+        # backward); the saved buffers are freed with the graph
         if d_hidden is not None:
-            d_hidden = d_hidden.mul_(grad_loss.to(d_hidden.dtype))
+            d_hidden = d_hidden * grad_loss.to(d_hidden.dtype)
         if d_weight is not None:
-            d_weight = d_weight.mul_(grad_loss.to(d_weight.dtype))
+            d_weight = d_weight * grad_loss.to(d_weight.dtype)
         return d_hidden, d_weight, None, None, None, None
 
 

@@ -218,7 +218,7 @@ def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
     """ConfigError for what fsdp2 does not run (the rules `pretrain.resolve.fsdp2_rules` applies to a
     run config), so that no plan is made of it."""
     raise_refusals(layout_refusals(
-        pipeline=layout.pipeline, num_experts=m.num_experts,
+        num_experts=m.num_experts,
         fp16=layout.precision == Precision.FP16,
         zero_stage=layout.zero_stage, offload=[layout.offload_optimizer, layout.offload_param],
         where="the DeepSpeed config"))

@@ -34,7 +34,7 @@ from typing import Any
 
 from pretrain.config import Engine, Optimizer, Precision, RunConfig, did_you_mean
 from pretrain.errors import ConfigError
-from pretrain.resolve.fsdp2_rules import check_fsdp2
+from pretrain.resolve.fsdp2_rules import check_deepspeed_schedule, check_fsdp2
 from pretrain.resolve.layout import DEEPSPEED_DEFAULT_BUCKET, Layout
 from pretrain.mounts import mount_of, network_filesystem, node_local_scratch
 
@@ -64,6 +64,8 @@ def read_run_json(cfg: RunConfig, *, source: dict[str, Any] | None = None) -> di
     check_top_level_keys(ds, where=cfg.deepspeed)  # a misspelled section changes what is read
     if cfg.train.engine is Engine.FSDP2:
         check_fsdp2(cfg, ds, where=cfg.deepspeed or "the DeepSpeed config")
+    else:
+        check_deepspeed_schedule(cfg)
     return ds
 
 

@@ -11,12 +11,19 @@ The DeepSpeed JSON stays the one place that chooses sharding and offload, read t
 - ZeRO-0 (no sharding) is refused: that is plain data parallelism, DeepSpeed's engine's job;
 - `offload_optimizer` or `offload_param` on "cpu": `CPUOffloadPolicy` (parameters, gradients
   and optimizer state in host memory, the optimizer step on the CPU); "nvme" is refused.
+
+Pipelines (`parallel.pipeline` > 1) run through `torch.distributed.pipelining` under any of
+`parallel.pipeline_schedule`'s schedules (`pretrain.training.pipeline_schedules`), FSDP2 on each
+stage; DeepSpeed's engine runs its own 1F1B only (`check_deepspeed_schedule`).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from pretrain.errors import ConfigError
+
+# the schedules that split each backward into input and weight gradients (zero bubble)
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipe_v")
 
 
 def reshards_after_forward(zero_stage: int) -> bool:
@@ -37,11 +44,23 @@ def check_fsdp2(cfg, ds: dict[str, Any], *, where: str) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     zero = ds.get("zero_optimization", {})
     refusals = layout_refusals(
-        pipeline=p.pipeline, num_experts=m.num_experts,
+        num_experts=m.num_experts,
         fp16=t.precision.value == "fp16",  # `auto` is settled before a run lays out
         zero_stage=int(zero.get("stage", 0)),
         offload=[zero.get(key, {}).get("device", "none")
                  for key in ("offload_optimizer", "offload_param")], where=where)
+    if p.pipeline > 1 and p.pipeline_schedule in SPLIT_BACKWARD and reshards_after_forward(
+            int(zero.get("stage", 0))):
+        refusals.append(f"parallel.pipeline_schedule={p.pipeline_schedule} with {where}'s ZeRO "
+                        "stage 3: the zero-bubble schedules compute weight gradients apart from "
+                        "the input gradients, from the gathered weights of the forward, which "
+                        "ZeRO-3 frees after it (the weights' gradients would be lost); use a "
+                        "ZeRO-1/2 JSON (ds_configs/zero2.json: weights kept gathered from "
+                        "forward to backward) or parallel.pipeline_schedule=interleaved_1f1b")
+    if p.pipeline > 1 and m.tie_embeddings:
+        refusals.append(f"model.tie_embeddings=true with parallel.pipeline={p.pipeline}: the "
+                        "embedding and the head sit on different stages, whose tied gradient "
+                        "fsdp2's pipeline does not sum; untie them or use train.engine=deepspeed")
     if m.compile:
         refusals.append("model.compile=true: compiled blocks under fully_shard are not "
                         "verified here; set model.compile=false or use train.engine=deepspeed")
@@ -54,14 +73,23 @@ def raise_refusals(refusals: list[str]) -> None:
         raise ConfigError("train.engine=fsdp2 cannot run this config: " + "; ".join(refusals))
 
 
-def layout_refusals(*, pipeline: int, num_experts: int, fp16: bool, zero_stage: int,
-                    offload: list[str], where: str) -> list[str]:
+def check_deepspeed_schedule(cfg) -> None:
+    """ConfigError (before launch) for a pipeline schedule DeepSpeed's engine does not run: its
+    `PipelineEngine` is 1F1B over one stage per rank; the others are fsdp2's."""
+    p = cfg.parallel
+    if p.pipeline_schedule != "1f1b" or p.virtual_stages != 1:
+        raise ConfigError(
+            f"parallel.pipeline_schedule={p.pipeline_schedule} with parallel.virtual_stages="
+            f"{p.virtual_stages}: DeepSpeed's engine runs its 1F1B schedule over one stage per "
+            "rank only; set train.engine=fsdp2 (torch.distributed.pipelining's schedules) or "
+            "parallel.pipeline_schedule=1f1b with parallel.virtual_stages=1")
+
+
+def layout_refusals(*, num_experts: int, fp16: bool, zero_stage: int, offload: list[str],
+                    where: str) -> list[str]:
     """Why fsdp2 cannot run a layout (empty: it can): what the planner checks of a layout it
     plans, and `check_fsdp2` of a run config."""
     refusals = []
-    if pipeline > 1:
-        refusals.append(f"parallel.pipeline={pipeline}: pipelines are DeepSpeed's (its 1F1B "
-                        "schedule); use train.engine=deepspeed or parallel.pipeline=1")
     if num_experts:
         refusals.append(f"model.num_experts={num_experts}: the mixture of experts is not "
                         "sharded by fsdp2 yet; use train.engine=deepspeed")

@@ -42,6 +42,7 @@ class Layout:
     context: int = 1  # context-parallel ranks per sequence (parallel.context, Ulysses)
     expert: int = 1  # expert-parallel ranks (parallel.expert): 1 or the tensor group
     fsdp2_replicas: int = 1  # train.fsdp2_replicas: HSDP replica groups of data x context ranks
+    engine: str = "deepspeed"  # train.engine: whose pipeline (DeepSpeed's 1F1B or fsdp2's)
 
     @property
     def world_size(self) -> int:
@@ -179,7 +180,7 @@ def check_engine(layout: Layout) -> None:
     lay, stage = layout, layout.zero_stage
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage={stage} must be 0, 1, 2 or 3")
-    if lay.pipeline > 1 and stage > 1:
+    if lay.pipeline > 1 and stage > 1 and lay.engine == "deepspeed":
         raise ConfigError(f"ZeRO stage {stage} with parallel.pipeline={lay.pipeline}: DeepSpeed "
                           "pipelines support ZeRO 0 or 1 only (gradients must stay whole across "
                           "micro-batches); use ds_configs/zero1.json")

@@ -189,7 +189,8 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     sequence_parallel=p.sequence_parallel,
                     precision=planned_precision(t.precision),
                     partition=p.pipeline_partition, context=p.context,
-                    expert=p.expert, fsdp2_replicas=t.fsdp2_replicas)
+                    expert=p.expert, fsdp2_replicas=t.fsdp2_replicas,
+                    engine=t.engine.value)
     check_layout(m, layout)
     if t.on_loss_spike is SpikeAction.SKIP and p.pipeline > 1:
         raise ConfigError(

@@ -232,6 +232,8 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
             cfg, ds_config, groups, lr_factor=factor,
             optimizer_groups=lambda sharded: optimizer_groups(
                 sharded, lr=t.lr, weight_decay=t.weight_decay, cfg=cfg.model))
+        if engine.pipeline is not None:
+            log(engine.pipeline.describe(), main=main)
         if cfg.model.init_from:
             log(f"[init] weights from {engine.load_initial_weights()}", main=main)
         return engine

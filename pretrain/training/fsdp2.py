@@ -62,6 +62,7 @@ from pretrain.model.llama import INIT_BLOCK, DecoderLayer, _draw_init, shard_ran
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_rank, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
 from pretrain.training import muon
+from pretrain.training.pipeline_schedules import PipelineDriver, PipelineStages, construct_stages
 
 FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
 
@@ -69,7 +70,8 @@ FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step director
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
                 bf16: bool, offload: bool) -> torch.nn.Module:
     """`fully_shard` each decoder layer of `model`, then the model itself (embedding, final norm
-    and head: the root unit), in place; returns it. A 2-D `mesh` ("replicate", "shard"): HSDP."""
+    and head: the root unit), in place; returns it. A 2-D `mesh` ("replicate", "shard"): HSDP.
+    Pipeline stages (`PipelineStages`): each stage is a root unit over its own layers."""
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if bf16:  # bf16 compute, fp32 reduce-scatter; the sharded fp32 parameters are the masters
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -78,7 +80,8 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forwa
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     for layer in (m for m in model.modules() if isinstance(m, DecoderLayer)):
         fully_shard(layer, **options)
-    fully_shard(model, **options)
+    for root in (model.stages.values() if isinstance(model, PipelineStages) else [model]):
+        fully_shard(root, **options)
     return model
 
 
@@ -124,6 +127,10 @@ class FSDP2Engine:
         self._shard_group = mesh.get_group("shard" if hsdp else 0)
         # HSDP's replica groups hold the same shards: the first one's ranks write checkpoints
         self._writes_checkpoints = not hsdp or mesh.get_local_rank("replicate") == 0
+        # parallel.pipeline > 1: the schedule that runs this rank's stages
+        self.pipeline = (PipelineDriver(cfg, model, groups, micro_batches=self._micro_batches,
+                                        device=self.device)
+                         if isinstance(model, PipelineStages) else None)
 
     # ---- what DeepSpeed's engine answers ----------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -197,6 +204,21 @@ class FSDP2Engine:
         return self._norm
 
     # ---- a step -----------------------------------------------------------------------------
+    def train_batch(self, data_iter) -> torch.Tensor:
+        """A pipeline's step, as DeepSpeed's `PipelineEngine.train_batch`: the step's
+        micro-batches ((inputs, labels) pairs of `data_iter`) through the schedule, then the
+        update (`step`); returns the mean loss, on every rank."""
+        pairs = [next(data_iter) for _ in range(self._micro_batches)]
+        loss = self.pipeline.train_step(pairs)
+        self._micro = self._micro_batches
+        self.step()
+        return loss
+
+    def eval_batch(self, data_iter, *, num_micro_batches: int) -> torch.Tensor:
+        """A pipeline's mean loss over the next `num_micro_batches` pairs of `data_iter`
+        (forwards only), shape [1], on every rank, as DeepSpeed's `eval_batch`."""
+        return self.pipeline.evaluate(data_iter, num_micro_batches)
+
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self._micro_batches).backward()
         self._micro += 1
@@ -265,6 +287,8 @@ class FSDP2Engine:
             torch_dist.all_reduce(total, group=self._shard_group)
         if self.groups.topology.tensor > 1:
             torch_dist.all_reduce(total, group=self.groups.tensor)
+        if self.groups.topology.pipeline > 1:  # each stage's parameters, held by one rank
+            torch_dist.all_reduce(total, group=self.groups.pipeline)
         return total.sqrt().item()
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -404,7 +428,8 @@ def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: Proces
     offload = offloads_to_cpu(ds_config)
     device = torch.device(get_accelerator().current_device_name())
     with torch.device("meta"):
-        model = construct_for_layout(cfg, groups)
+        model = (construct_stages(cfg, groups) if cfg.parallel.pipeline > 1
+                 else construct_for_layout(cfg, groups))
     mesh = data_mesh(groups, replicas=cfg.train.fsdp2_replicas, device_type=device.type)
     tensor_parallel = {name for name, p in canonical_parameters(model, cfg.model)
                        if getattr(p, "tensor_model_parallel", False)}

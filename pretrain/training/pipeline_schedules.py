@@ -1,0 +1,252 @@
+"""`train.engine: fsdp2`'s pipelines: the model cut into stages run by one of
+`torch.distributed.pipelining`'s schedules (`parallel.pipeline_schedule`), FSDP2 on each stage.
+
+The stages are the DeepSpeed pipeline's layer specs (`pretrain.model.pipeline`: embedding,
+decoder layers, final norm, head), cut into `parallel.pipeline x parallel.virtual_stages`
+contiguous stages (`stage_spans`: the decoder layers split as evenly as they go, the first
+stages taking the remainder; the embedding joins the first stage, the norm and head the last).
+Each rank holds `virtual_stages` of them (`stage_indices`): looped (rank r holds r, r + pp, ...)
+for 1F1B and the interleaved schedules, V-shaped (r and 2 pp - 1 - r) for ZBV and DualPipeV,
+which torch places that way.
+
+Each stage is a `StageModule`, its layers registered under their layer-spec index, as in a
+one-stage `PipelineModule`; `PipelineStages` holds a rank's stages under those same names, so
+`canonical_parameters` gives Hugging Face names, and initialisation, checkpoints (each rank's
+file holds its stages' pieces) and `final/` treat it like any pipeline's stages. A stage takes
+`StageActivations.wire()` tensors (the first: input_ids, and document_ids under
+data.document_mask) and the micro-batch's labels as a keyword, which torch hands every stage:
+the last stage computes the loss inside its forward (`PipelineLoss`, as DeepSpeed's last stage),
+while its head's weight is gathered, and the schedule's loss function passes it on.
+
+`PipelineDriver.train_step` runs one step's micro-batches through the schedule (torch divides the
+summed gradients by their number: DeepSpeed's loss / accumulation); the loss comes back on every
+rank of the pipeline, averaged over the micro-batches. `PipelineDriver.evaluate` runs forwards
+only, micro-batch by micro-batch and stage by stage, each wire tensor sent point to point.
+
+Schedules (torch 2.13's `get_schedule_class` names), by the name a config gives:
+`1f1b` (Schedule1F1B), `interleaved_1f1b` (ScheduleInterleaved1F1B), `zero_bubble`
+(ScheduleInterleavedZeroBubble: backward split into input and weight gradients, the weight
+gradients filling the bubble), `zbv` (ScheduleZBVZeroBubble), `dualpipe_v` (ScheduleDualPipeV).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as torch_dist
+import torch.nn as nn
+
+from pretrain.config import Precision, RunConfig
+from pretrain.errors import ConfigError
+from pretrain.model.pipeline import (PipelineLoss, SequentialPipeline, StageActivations,
+                                     pipeline_layer_specs)
+
+# parallel.pipeline_schedule -> torch.distributed.pipelining's schedule class name
+SCHEDULE_CLASSES = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+                    "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble",
+                    "dualpipe_v": "DualPipeV"}
+V_SHAPED = ("zbv", "dualpipe_v")  # two stages a rank, the second counted back from the end
+
+
+def stage_indices(pipeline_rank: int, *, pipeline: int, virtual_stages: int,
+                  schedule: str) -> list[int]:
+    """The stages rank `pipeline_rank` of the pipeline group holds, in order."""
+    if schedule in V_SHAPED:
+        return [pipeline_rank, 2 * pipeline - 1 - pipeline_rank]
+    return [pipeline_rank + v * pipeline for v in range(virtual_stages)]
+
+
+def stage_spans(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """[start, stop) of each stage in the layer-spec list (0: embedding, 1 .. L: decoder
+    layers, L + 1: norm, L + 2: head): each stage gets num_layers // num_stages decoder layers,
+    the first num_layers % num_stages one more; the embedding opens the first stage, the norm
+    and head close the last."""
+    if num_layers < num_stages:
+        raise ConfigError(f"parallel.pipeline x parallel.virtual_stages = {num_stages} stages "
+                          f"for model.num_layers={num_layers}: every stage needs a decoder "
+                          f"layer; use at most {num_layers} stages")
+    base, extra = divmod(num_layers, num_stages)
+    stops = [1 + sum(base + (s < extra) for s in range(stage + 1))
+             for stage in range(num_stages)]
+    starts = [0] + stops[:-1]
+    stops[-1] = num_layers + 3
+    return list(zip(starts, stops))
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: its layer specs built and registered under their spec index."""
+
+    def __init__(self, layers: dict[int, nn.Module], *, first: bool, last: bool,
+                 loss: PipelineLoss) -> None:
+        super().__init__()
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+        self.first, self.last, self.loss = first, last, loss
+
+    def forward(self, *inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | tuple:
+        """The stage's layers on `inputs` (the previous stage's wire tensors; the first stage:
+        input_ids, with document_ids under data.document_mask); the last stage returns the
+        loss of `labels`, the others the wire tensors for the next stage."""
+        x: Any = inputs if len(inputs) > 1 or not self.first else inputs[0]
+        for layer in self.children():
+            x = layer(x)
+        if self.last:
+            return self.loss(x, labels)
+        return StageActivations.from_tuple(x).wire()
+
+
+class PipelineStages(SequentialPipeline):
+    """A rank's stages under their layer specs' names ("{spec index}.<local name>", as
+    `pipeline_to_canonical_name` reads them): what the engine's `module` is, for parameters,
+    checkpoints and hooks. Not run as one model: the schedule runs `stages`."""
+
+    def __init__(self, stages: dict[int, StageModule]) -> None:
+        nn.Module.__init__(self)  # SequentialPipeline's form, none of its specs
+        self.stages = stages  # {stage index: module}, not registered: the layers are, below
+        for stage in stages.values():
+            for index, layer in stage.named_children():
+                self.add_module(index, layer)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("fsdp2's pipeline stages run through their schedule "
+                           "(FSDP2Engine.train_batch / eval_batch), not as one model")
+
+    def register_forward_hook(self, hook, **kwargs):
+        """The hook on every stage's forward (the trainer's beat after each one)."""
+        handles = [stage.register_forward_hook(hook, **kwargs) for stage in self.stages.values()]
+        return handles[0] if len(handles) == 1 else handles
+
+
+def construct_stages(cfg: RunConfig, groups) -> PipelineStages:
+    """This rank's stages of the run's model, not initialised (under `torch.device("meta")`
+    nothing is allocated)."""
+    p, m = cfg.parallel, cfg.model
+    tp_group = groups.tensor if groups.topology.tensor > 1 else None
+    specs = pipeline_layer_specs(m, tp_group=tp_group, sequence_parallel=p.sequence_parallel,
+                                 cp_group=groups.context, expert_parallel=p.expert > 1)
+    num_stages = p.pipeline * p.virtual_stages
+    spans = stage_spans(m.num_layers, num_stages)
+    loss = PipelineLoss(vocab_size=m.vocab_size, tp_group=tp_group,
+                        chunk_tokens=m.loss_chunk_tokens, cp_group=groups.context)
+    stages = {}
+    for stage in stage_indices(groups.topology.my_coords.pipeline, pipeline=p.pipeline,
+                               virtual_stages=p.virtual_stages, schedule=p.pipeline_schedule):
+        start, stop = spans[stage]
+        stages[stage] = StageModule({i: specs[i].build() for i in range(start, stop)},
+                                    first=stage == 0, last=stage == num_stages - 1, loss=loss)
+    return PipelineStages(stages)
+
+
+def _pass_loss(output: torch.Tensor, _labels) -> torch.Tensor:
+    """The schedule's loss function: the last stage's forward already returns the loss."""
+    return output
+
+
+class PipelineDriver:
+    """A rank's stages under the run's schedule: one training step's micro-batches, or
+    forward-only evaluation."""
+
+    def __init__(self, cfg: RunConfig, model: PipelineStages, groups, *, micro_batches: int,
+                 device: torch.device) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import (PipelineScheduleSingle,
+                                                            get_schedule_class)
+
+        p = cfg.parallel
+        self.model, self.device, self.group = model, device, groups.pipeline
+        self.num_stages = p.pipeline * p.virtual_stages
+        self.pipeline, self.schedule_name = p.pipeline, p.pipeline_schedule
+        self.stages = [PipelineStage(module, index, self.num_stages, device, group=self.group)
+                       for index, module in model.stages.items()]
+        schedule = get_schedule_class(SCHEDULE_CLASSES[p.pipeline_schedule])
+        single = issubclass(schedule, PipelineScheduleSingle)
+        self.schedule = schedule(self.stages[0] if single else self.stages,
+                                 n_microbatches=micro_batches, loss_fn=_pass_loss,
+                                 scale_grads=True)
+        self.micro_batches = micro_batches
+        self.sequence_shards = groups.topology.tensor if p.sequence_parallel else 1
+        self.hidden_size, self.num_layers = cfg.model.hidden_size, cfg.model.num_layers
+        # what a stage sends: bf16 under bf16's MixedPrecisionPolicy (the shards stay fp32)
+        self.activation_dtype = (torch.bfloat16 if cfg.train.precision is Precision.BF16
+                                 else torch.float32)
+
+    def describe(self) -> str:
+        """The schedule torch runs and the stages of this rank, for the run's log."""
+        spans = stage_spans(self.num_layers, self.num_stages)
+        mine = ", ".join(f"{index} (layer specs {spans[index][0]}-{spans[index][1] - 1})"
+                         for index in self.model.stages)
+        return (f"[pipeline] {self.schedule_name} ({type(self.schedule).__name__}): "
+                f"{self.num_stages} stages over {self.pipeline} ranks, {self.micro_batches} "
+                f"micro-batches a step; this rank holds stage {mine}")
+
+    def owner(self, stage: int) -> int:
+        """The pipeline-group rank holding `stage`."""
+        if self.schedule_name in V_SHAPED and stage >= self.pipeline:
+            return 2 * self.pipeline - 1 - stage
+        return stage % self.pipeline
+
+    def _mean_over_pipeline(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses, on every rank of the pipeline."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if losses:
+            total += torch.stack([loss.detach().float() for loss in losses]).mean()
+        torch_dist.all_reduce(total, group=self.group)
+        return total
+
+    def train_step(self, pairs: list[tuple[Any, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of `pairs` ((inputs, labels) micro-batches) under the schedule;
+        the gradients are summed into the FSDP2 shards and divided by their number. Returns
+        the mean loss on every rank of the pipeline."""
+        inputs, labels = self._batch(pairs)
+        losses: list[torch.Tensor] = []
+        has_first = any(stage.is_first for stage in self.stages)
+        # the labels reach the last stage's forward as a keyword (every stage gets it); torch
+        # also wants them as the target of its loss function, which passes the loss on
+        self.schedule.step(*(inputs if has_first else ()), labels=labels, target=labels,
+                           losses=losses, return_outputs=False)
+        return self._mean_over_pipeline(losses)
+
+    def _batch(self, pairs) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The micro-batches' inputs (input_ids[, document_ids]) and labels, concatenated along
+        the batch: the schedule splits them back into the same micro-batches."""
+        firsts = [p[0] if isinstance(p[0], tuple) else (p[0],) for p in pairs]
+        inputs = tuple(torch.cat(parts).to(self.device) for parts in zip(*firsts))
+        return inputs, torch.cat([p[1] for p in pairs]).to(self.device)
+
+    @torch.no_grad()
+    def evaluate(self, pairs: Iterator, count: int) -> torch.Tensor:
+        """The mean loss of the next `count` pairs, forwards only: each micro-batch through the
+        stages in order, a stage's wire tensors sent to the next stage's rank (whose buffers
+        are shaped from its own copy of the micro-batch). On every rank of the pipeline."""
+        me = torch_dist.get_rank(self.group)
+        modules, dtype = self.model.stages, self.activation_dtype
+        losses = []
+        for _ in range(count):
+            inputs, labels = self._batch([next(pairs)])
+            x: tuple[torch.Tensor, ...] = ()
+            for stage in range(self.num_stages):
+                if self.owner(stage) != me:
+                    continue
+                if stage and self.owner(stage - 1) != me:
+                    x = self._receive(inputs, labels, dtype, src=self.owner(stage - 1))
+                out = modules[stage](*(inputs if stage == 0 else x), labels=labels)
+                if stage == self.num_stages - 1:
+                    losses.append(out)
+                    continue
+                x = out
+                if self.owner(stage + 1) != me:
+                    for tensor in x:
+                        torch_dist.send(tensor.contiguous(),
+                                        group_dst=self.owner(stage + 1), group=self.group)
+        return self._mean_over_pipeline(losses).reshape(1)
+
+    def _receive(self, inputs, labels, dtype, *, src: int) -> tuple[torch.Tensor, ...]:
+        """The previous stage's wire tensors: hidden (B, T / sequence shards, C), and the
+        document ids (B, whole sequence) when the inputs carry them."""
+        rows, tokens = labels.shape
+        hidden = torch.empty(rows, tokens // self.sequence_shards, self.hidden_size,
+                             dtype=dtype, device=self.device)
+        wire = (hidden,) + tuple(torch.empty_like(t) for t in inputs[1:])
+        for tensor in wire:
+            torch_dist.recv(tensor, group_src=src, group=self.group)
+        return wire
