@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
      "pretrain.training.collective_log", "pretrain.k8s", "pretrain.resolve.fsdp2_rules"),
     ("pretrain.resolve.run",),
     ("pretrain.model",),
-    ("pretrain.checkpoint", "pretrain.training.sinks", "pretrain.training.profiler", "pretrain.curves",
+    ("pretrain.checkpoint", "pretrain.training.sinks", "pretrain.training.profiler", "pretrain.training.curves",
      "pretrain.training.faults", "pretrain.plan", "pretrain.training.hang", "pretrain.training.hang_verdict",
      "pretrain.training.stragglers"),
     ("pretrain.training.engine", "pretrain.training.fsdp2", "pretrain.training.metrics", "pretrain.training.trainer", "pretrain.training.spikes",

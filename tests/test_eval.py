@@ -282,7 +282,7 @@ def test_curves_draw_the_task_scores_in_a_fourth_panel(tmp_path):
     """Scores in [0, 1] get a panel of their own; perplexities (which would flatten it) do not."""
     import json
 
-    from pretrain import curves
+    from pretrain.training import curves
 
     records = [{"kind": "train", "step": s, "loss": 5.0 - s, "lr": 1e-3, "tokens_per_s": 10.0}
                for s in (1, 2, 3, 4)]

@@ -11,7 +11,7 @@ from pretrain.testing.runs import run_pretrain, train, train_args
 from pretrain.arithmetic import (hardware_flops_per_token, layer_forward_flops_per_token,
                                  model_flops_per_token)
 from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
-from pretrain.curves import PANELS
+from pretrain.training.curves import PANELS
 from pretrain.errors import ConfigError
 from pretrain.training.metrics import format_step_line
 from pretrain.testing.faults import nan_loss_environment
