@@ -14,7 +14,7 @@ PACKAGE = REPO / "pretrain"
 # Lower layers never import higher ones; modules of one layer may import each other (no cycle).
 # The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("pretrain.errors", "pretrain.files", "pretrain.terminal", "pretrain.log", "pretrain.mounts",
+    ("pretrain.errors", "pretrain.files", "pretrain.log", "pretrain.mounts",
      "pretrain.file_lock", "pretrain.lean_imports", "pretrain.resolve", "pretrain.training"),
     ("pretrain.config",),
     ("pretrain.resolve.layout", "pretrain.arithmetic", "pretrain.resolve.topology", "pretrain.resolve.ds_config",

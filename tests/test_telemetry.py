@@ -173,7 +173,7 @@ class _Stream:
     (True, True, True, True), (True, False, True, False), (True, True, False, False),
     (True, False, False, False), (False, True, True, False)])
 def test_the_progress_bar_is_drawn_only_on_a_terminal(enabled, out_tty, err_tty, shown):
-    from pretrain.terminal import show_progress_bar
+    from pretrain.log import show_progress_bar
 
     assert show_progress_bar(enabled, stdout=_Stream(out_tty), stderr=_Stream(err_tty)) is shown
 
@@ -181,7 +181,7 @@ def test_the_progress_bar_is_drawn_only_on_a_terminal(enabled, out_tty, err_tty,
 def test_a_closed_or_plain_stream_is_not_a_terminal(tmp_path):
     import io
 
-    from pretrain.terminal import show_progress_bar
+    from pretrain.log import show_progress_bar
 
     closed = open(tmp_path / "log", "w")
     closed.close()
