@@ -15,7 +15,7 @@ PACKAGE = REPO / "pretrain"
 # The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     ("pretrain.errors", "pretrain.files", "pretrain.log", "pretrain.mounts",
-     "pretrain.file_lock", "pretrain.lean_imports", "pretrain.resolve", "pretrain.training"),
+     "pretrain.file_lock", "pretrain.training.deepspeed_imports", "pretrain.resolve", "pretrain.training"),
     ("pretrain.config",),
     ("pretrain.resolve.layout", "pretrain.arithmetic", "pretrain.resolve.topology", "pretrain.resolve.ds_config",
      "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data", "pretrain.resolve.world_fit",

@@ -19,7 +19,7 @@ from typing import Any
 import deepspeed
 import torch
 
-from pretrain import lean_imports
+from pretrain.training import deepspeed_imports
 from pretrain.config import DecayShape, Engine, LRSchedule, ModelConfig, RunConfig, TrainConfig
 from pretrain.checkpoint import load_initial_weights
 from pretrain.resolve.ds_config import zero_stage
@@ -238,7 +238,7 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         log(f"[init] weights from {source}", main=main)
     flat = ModelForm.of(model) is ModelForm.FLAT
-    lean_imports.import_muon_uncompiled()
+    deepspeed_imports.import_muon_uncompiled()
     with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32():
         engine, _, _, _ = deepspeed.initialize(
             model=model, config=ds_config, lr_scheduler=_lr_schedule(t, factor),
