@@ -27,7 +27,7 @@ DEFAULT_STUDY_DIR = "runs/tune"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pretrain.child_runs import LAUNCHERS
+    from pretrain.launchers.local import LAUNCHERS
     from pretrain.config import add_config_arguments
 
     add_config_arguments(parser)  # --config, --set, --deepspeed-config: of every trial
@@ -131,7 +131,7 @@ def _worker(settings, index: int) -> None:
     """A worker process of `--workers K`: stops its trial's run on SIGTERM and when we die."""
     import signal
 
-    from pretrain.child_runs import die_with_parent
+    from pretrain.launchers.local import die_with_parent
     from pretrain.tune.worker import work
 
     def stop(signum: int, frame) -> None:
@@ -148,7 +148,7 @@ def _run_workers(settings, count: int) -> int:
     """`count` worker processes on the study; the number that exited non-zero."""
     import multiprocessing
 
-    from pretrain.child_runs import sigterm_raises
+    from pretrain.launchers.local import sigterm_raises
 
     context = multiprocessing.get_context("fork")  # the settings and the loaded modules as they are
     procs = [context.Process(target=_worker, args=(settings, i), name=f"tune-worker-{i}")
@@ -170,7 +170,7 @@ def _run_workers(settings, count: int) -> int:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pretrain.child_runs import STOP_GRACE_S, sigterm_raises
+    from pretrain.launchers.local import STOP_GRACE_S, sigterm_raises
     from pretrain.config import config_overrides
     from pretrain.errors import EXIT_FAULT, ConfigError
     from pretrain.tune.results import summary, write_results
