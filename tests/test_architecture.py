@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
      "pretrain.training.stragglers"),
     ("pretrain.training.engine", "pretrain.training.fsdp2", "pretrain.training.metrics", "pretrain.training.trainer", "pretrain.training.spikes",
      "pretrain.training.evaluators",
-     "pretrain.sweep_results", "pretrain.launchers", "pretrain.tune", "pretrain.ray_train", "pretrain.testing",
+     "pretrain.sweep", "pretrain.launchers", "pretrain.tune", "pretrain.ray_train", "pretrain.testing",
      "pretrain.evaluation"),
     ("pretrain.commands",),
     ("pretrain.cli", "pretrain.__main__"),

@@ -31,7 +31,7 @@ one `error:` line and exit 2, not N failed runs. A run that exceeds `--timeout` 
 (SIGTERM to its processes, SIGKILL after STOP_GRACE_S: `pretrain.launchers.local`) and gets a
 `timeout after Ns` row; the sweep goes on.
 
-The result rows, table and plot are built by `pretrain.sweep_results`.
+The result rows, table and plot are built by `pretrain.sweep.results`.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from pretrain.config import Engine, resolve_input_path
 from pretrain.errors import ConfigError
 from pretrain.launchers.local import (LAUNCHERS, STOP_GRACE_S, child_env, launcher_command,
                                       sigterm_raises, start_run, stop_run)
-from pretrain.sweep_results import summarize_run, write_results
+from pretrain.sweep.results import summarize_run, write_results
 
 DEFAULT_DS_CONFIGS = ["ds_configs/zero0.json", "ds_configs/zero1.json", "ds_configs/zero2.json",
                       "ds_configs/zero3.json"]
