@@ -27,8 +27,8 @@ DEFAULT_STUDY_DIR = "runs/tune"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pretrain.launchers.local import LAUNCHERS
     from pretrain.config import add_config_arguments
+    from pretrain.launchers.local import LAUNCHERS
 
     add_config_arguments(parser)  # --config, --set, --deepspeed-config: of every trial
     parser.add_argument("--space", required=True, metavar="YAML",
@@ -170,9 +170,9 @@ def _run_workers(settings, count: int) -> int:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pretrain.launchers.local import STOP_GRACE_S, sigterm_raises
     from pretrain.config import config_overrides
     from pretrain.errors import EXIT_FAULT, ConfigError
+    from pretrain.launchers.local import STOP_GRACE_S, sigterm_raises
     from pretrain.tune.results import summary, write_results
     from pretrain.tune.space import load_space
     from pretrain.tune.study import Settings, load_study, prepare, study_lock

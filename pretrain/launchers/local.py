@@ -31,9 +31,12 @@ _PR_SET_PDEATHSIG = 1
 
 
 def launcher_command(launcher: str, nprocs: int) -> list[str]:
-    """The command that starts `pretrain` on `nprocs` ranks of this machine."""
+    """The command that starts `pretrain` on `nprocs` ranks of this machine through `launcher`,
+    one of `LAUNCHERS`, each with a free port of its own."""
     from pretrain.dist import free_port
 
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"launcher {launcher!r}: one of {', '.join(LAUNCHERS)}")
     if launcher == "single":
         if nprocs != 1:
             raise ConfigError(f"--launcher single runs one process, got --nprocs {nprocs}: "
