@@ -102,22 +102,13 @@ def _check(args: argparse.Namespace, params, base: list[str],
 
 
 def _enqueued(args: argparse.Namespace, params, base: list[str]) -> list[dict]:
-    import yaml
-
-    from pretrain.config import load_config
+    from pretrain.config import load_config, read_user_file
     from pretrain.errors import ConfigError
     from pretrain.tune.space import override, parse_enqueued
 
     if not args.enqueue:
         return []
-    path = Path(args.enqueue)
-    if not path.is_file():
-        raise ConfigError(f"--enqueue {args.enqueue!r} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--enqueue {args.enqueue!r} is not valid YAML: "
-                          f"{str(exc).splitlines()[0]}") from None
+    raw = read_user_file(args.enqueue, "--enqueue", language="YAML")
     entries = parse_enqueued(raw, params, source=f"--enqueue {args.enqueue}")
     for entry in entries:
         try:
