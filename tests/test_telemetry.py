@@ -338,7 +338,7 @@ def test_the_wandb_sink_opens_in_the_configured_mode(tmp_path, monkeypatch, mode
 def test_a_sink_whose_package_is_missing_is_an_error_before_the_run(monkeypatch):
     import importlib.util
 
-    from pretrain.training.sinks import check_sinks
+    from pretrain.resolve.run_checks import check_sinks
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
