@@ -1,7 +1,7 @@
 """Pretrain Llama-style decoder models with tensor, pipeline and ZeRO data parallelism."""
 
-from pretrain import lean_imports
+from pretrain.training import deepspeed_imports
 
-lean_imports.install()
+deepspeed_imports.install()
 
 __version__ = "0.1.0"

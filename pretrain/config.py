@@ -34,10 +34,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import json
 import math
 import os
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -765,6 +766,42 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{problem}{where}" + (f" ({context})" if context else "")
 
 
+def _json_problem(exc: json.JSONDecodeError) -> str:
+    return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+
+
+# a file's language: (its parser, the error the parser raises, that error on one line)
+_LANGUAGES = {"JSON": (json.loads, json.JSONDecodeError, _json_problem),
+              "YAML": (yaml.safe_load, yaml.YAMLError, _yaml_problem)}
+
+
+def read_user_file(path: str | Path, what: str, *, language: str, hint: str = "",
+                   expect: str = "", parse: Callable[[str], Any] | None = None) -> Any:
+    """The parsed contents of a JSON or YAML file (`language`) the user named, or one
+    ConfigError naming it as `what` (`run config 'x.yaml'`): it does not exist (then `hint`,
+    what to pass instead), cannot be read as text (a directory, not UTF-8, no permission), is
+    not valid JSON/YAML (with the line and column), or is not a mapping where `expect` describes
+    one. `parse` replaces the language's parser (the run config's refuses duplicate keys)."""
+    path = Path(path)
+    name = f"{what} {str(path)!r}"
+    if not path.exists():
+        raise ConfigError(f"{name} does not exist" + (f": {hint}" if hint else ""))
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name} cannot be read: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{name} cannot be read: {exc.strerror}") from None
+    default_parse, error, problem = _LANGUAGES[language]
+    try:
+        data = (parse or default_parse)(text)
+    except error as exc:
+        raise ConfigError(f"{name} is not valid {language}: {problem(exc)}") from None
+    if expect and not isinstance(data, dict):
+        raise ConfigError(f"{name}: expected {expect}")
+    return data
+
+
 def _to_plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
@@ -887,16 +924,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"run config {str(path)!r} does not exist: pass a YAML file "
-                              "from configs/ or your own")
-        try:
-            raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"run config {str(path)!r} is not valid YAML: "
-                              f"{_yaml_problem(exc)}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"run config {str(path)!r}: expected a mapping of sections")
+        raw = read_user_file(path, "run config", language="YAML",
+                             hint="pass a YAML file from configs/ or your own",
+                             expect="a mapping of sections",
+                             parse=lambda text: yaml.load(text, Loader=_UniqueKeyLoader) or {})
         raw = _absolute_inputs("", raw, base=path.absolute().parent)
     for text in overrides:
         keys, value = parse_override(text)

@@ -117,7 +117,7 @@ def device_index(local_rank: int, visible_devices: int) -> int:
 def init_deepspeed_comm(**kwargs) -> None:
     """`deepspeed.init_distributed(**kwargs)`: DeepSpeed's comm layer over the process group
     (made here, or the one the caller made). On CPU accelerators it comes without the
-    shared-memory all-reduce op DeepSpeed would compile (`pretrain.lean_imports`)."""
+    shared-memory all-reduce op DeepSpeed would compile (`pretrain.training.deepspeed_imports`)."""
     import deepspeed
 
     deepspeed.init_distributed(**kwargs)

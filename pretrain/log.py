@@ -1,6 +1,10 @@
-"""Our own lines (notes, warnings, step and eval results) and the level that filters them.
+"""Our own lines (notes, warnings, step and eval results), the level that filters them, and
+whether a progress bar is drawn beside them.
 
-Printed from rank 0 only, through tqdm so an active progress bar is not broken. The threshold is
+Printed from rank 0 only, through tqdm so an active progress bar is not broken. A bar is drawn
+only on a terminal (`show_progress_bar`): in a Slurm .out file, a pipe or a file, every redraw
+would be a line of its own, and there the plain lines (the trainer's step lines, the
+preprocessor's summary) are the log. The threshold is
 held by one `Log` object per process, `LOG`, configured once by `pretrain train` from
 `logging.level`; `log` and `set_log_level` are its two entry points. The standard library only at
 import: commands that never train do not pay for torch or DeepSpeed.
@@ -8,6 +12,7 @@ import: commands that never train do not pay for torch or DeepSpeed.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 # logging.level of our own lines; "result" (step and eval lines) is shown at every level.
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "result": 100}
@@ -68,3 +73,17 @@ def log(msg: str, *, main: bool = True, level: str = "info") -> None:
 def set_log_level(level: str) -> None:
     """`LOG.set_level`: apply `logging.level` to our lines and DeepSpeed's logger."""
     LOG.set_level(level)
+
+
+def show_progress_bar(enabled: bool = True, *, stdout: Any = None, stderr: Any = None) -> bool:
+    """Whether to draw a tqdm bar (tqdm draws on stderr): when asked for and both stdout and
+    stderr are terminals, so a log captured from either stream gets no bar."""
+    return enabled and all(_is_terminal(stream) for stream in
+                           (stdout or sys.stdout, stderr or sys.stderr))
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False

@@ -16,7 +16,7 @@ When Ray stops a worker group (a restart after a failure, or the job ending), it
 to shut down and kills it 5 s later (Ray Train 2.60's patience); a child that got only the
 SIGTERM its dead parent leaves it would go on holding its GPU while the group restarts. So each
 worker's shutdown hook (`StopRank`, Ray Train's worker callback) stops its child and every process
-group below it (`child_runs.stop_run`: SIGTERM, SIGKILL after `STOP_GRACE_S`), and returns once
+group below it (`launchers.local.stop_run`: SIGTERM, SIGKILL after `STOP_GRACE_S`), and returns once
 the child is reaped, before Ray's kill.
 
 Which Ray: `--address` (`auto`: the cluster running on this host), else $RAY_ADDRESS, else a Ray
@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Mapping
 
 from pretrain import storage
-from pretrain.child_runs import child_env, die_with_parent, stop_run
 from pretrain.errors import EXIT_OK, EXIT_USER_ERROR, ConfigError
+from pretrain.launchers.local import child_env, die_with_parent, stop_run
 from pretrain.mounts import node_local_scratch
 
 # Seconds between a stopped rank's SIGTERM and its SIGKILL: inside the 5 s Ray Train gives a

@@ -490,3 +490,49 @@ def test_vocab_size_is_a_positive_integer_or_auto(value, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"model.vocab_size={value}"])
     assert message in str(info.value)
+
+
+def _user_file_readers():
+    """Each reader of a file the user names: (what its errors call it, read(path))."""
+    import argparse
+
+    from pretrain.commands.tune import _enqueued
+    from pretrain.resolve.ds_config import load_ds_json
+    from pretrain.tune.space import Param, load_space
+
+    params = [Param("train.lr", "float", low=1e-4, high=1e-2)]
+    return {"run config": lambda path: load_config(path, []),
+            "DeepSpeed config": load_ds_json,
+            "--space": load_space,
+            "--enqueue": lambda path: _enqueued(argparse.Namespace(enqueue=str(path), config=None),
+                                                params, [])}
+
+
+@pytest.mark.parametrize("what", ["run config", "DeepSpeed config", "--space", "--enqueue"])
+def test_a_user_file_that_cannot_be_read_is_one_config_error(what, tmp_path):
+    """Every file a user names is read one way: missing, not text, a directory or not valid
+    JSON/YAML, each is one ConfigError that names the file (exit 2), never a traceback."""
+    read = _user_file_readers()[what]
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x80\x81\xfe\xff")
+    for path, problem in ((tmp_path / "none.yaml", "does not exist"),
+                          (binary, "cannot be read: not UTF-8 text"),
+                          (tmp_path, "cannot be read: Is a directory")):
+        with pytest.raises(ConfigError) as info:
+            read(path)
+        assert str(info.value).startswith(f"{what} {str(path)!r} {problem}"), str(info.value)
+    broken = tmp_path / "broken.txt"
+    broken.write_text("{a: [1,\n")
+    with pytest.raises(ConfigError, match=r"is not valid (JSON|YAML): .* at line \d+ column \d+"):
+        read(broken)
+
+
+def test_a_run_config_or_deepspeed_json_that_is_not_a_mapping_is_refused(tmp_path):
+    from pretrain.resolve.ds_config import load_ds_json
+
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")  # JSON is YAML too
+    with pytest.raises(ConfigError, match="run config .*: expected a mapping of sections"):
+        load_config(listed, [])
+    with pytest.raises(ConfigError, match="DeepSpeed config .*: expected a JSON object"):
+        load_ds_json(listed)

@@ -8,7 +8,7 @@ import pytest
 
 from png_check import coloured_pixels_per_band, pixels_near
 from pretrain.cli import main
-from pretrain.curves import PANELS, read_curves, read_runs, write_png
+from pretrain.training.curves import PANELS, read_curves, read_runs, write_png
 from pretrain.errors import PretrainError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

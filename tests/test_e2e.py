@@ -12,7 +12,7 @@ import torch
 from png_check import coloured_pixels_per_band
 
 from pretrain.config import load_config
-from pretrain.curves import PANELS
+from pretrain.training.curves import PANELS
 from pretrain.testing.runs import run_pretrain
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.evaluation.tasks import offline, scores_of, task_manager
+from pretrain.evaluation.task_names import offline, task_manager
+from pretrain.evaluation.tasks import scores_of
 from pretrain.testing.runs import run_pretrain, train, train_args
 
 TASKS = ["python_next_line", "python_passages", "python_line_completion"]
@@ -282,7 +283,7 @@ def test_curves_draw_the_task_scores_in_a_fourth_panel(tmp_path):
     """Scores in [0, 1] get a panel of their own; perplexities (which would flatten it) do not."""
     import json
 
-    from pretrain import curves
+    from pretrain.training import curves
 
     records = [{"kind": "train", "step": s, "loss": 5.0 - s, "lr": 1e-3, "tokens_per_s": 10.0}
                for s in (1, 2, 3, 4)]
@@ -321,7 +322,7 @@ def test_eval_settings_are_checked_when_the_config_loads():
 def test_context_parallel_runs_are_refused_before_launch():
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
-    from pretrain.evaluation.tasks import check_eval_config
+    from pretrain.resolve.run_checks import check_eval_config
 
     cfg = load_config(None, ["eval.tasks=[python_next_line]", "parallel.context=2"])
     with pytest.raises(ConfigError, match="parallel.context > 1"):

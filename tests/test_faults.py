@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from pretrain.testing.faults import nan_loss_environment
-from pretrain.testing.runs import REPO, launcher_prefix, run_pretrain, train
+from pretrain.launchers.local import launcher_command
+from pretrain.testing.runs import REPO, run_pretrain, train
 
 pytestmark = pytest.mark.slow  # training runs through the launchers (quick tier: not slow)
 
@@ -111,9 +112,10 @@ def _check_resumes_at_next_step(tmp_path, tiny_data, run_dir: Path, *, nprocs: i
 ])
 def test_signal_saves_and_exits_for_requeue(launcher, sig, target, tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    prefix = launcher_prefix(launcher, 2)
+    prefix = launcher_command(launcher, 2)
     if launcher == "torchrun" and sig == signal.SIGUSR1:
-        prefix[1:1] = ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+        at = prefix.index("--nproc_per_node")
+        prefix[at:at] = ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     proc = subprocess.Popen(prefix + _args(run_dir, tiny_data, LONG), cwd=REPO, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -225,3 +225,47 @@ def test_train_settles_the_vocabulary_before_any_process_group(tmp_path, tiny_da
     with pytest.raises(ConfigError, match="model.vocab_size=auto reads the vocabulary of "
                                           "data.tokenizer, but data.tokenizer: .*nope.model"):
         check_run_data(unreadable, required=True)
+
+
+# Two configs `pretrain train` refuses before any process group: a sink whose packages are not
+# installed here (MLflow's store without Alembic, hidden from this process), eval tasks on a
+# context-parallel layout. (overrides, what the error line says)
+_HIDE_ALEMBIC = ("import importlib.util\n"
+                 "_find = importlib.util.find_spec\n"
+                 "importlib.util.find_spec = lambda name, *a: None if name == 'alembic' "
+                 "else _find(name, *a)\n")
+REFUSED = {
+    "sink-not-installed": (["logging.report_to=[mlflow]"], "mlflow needs alembic"),
+    "eval-on-context": (["parallel.context=2", "eval.tasks=[python_next_line]"],
+                        "eval.tasks with parallel.context > 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_plan_and_preflight_refuse_what_train_refuses(case, tmp_path, tiny_data):
+    """The run's checks run where its config is settled: `train`, `plan` and the Slurm
+    pre-flight (each in a process whose process group cannot start) print the same one
+    `error:` line and exit 2."""
+    overrides, expected = REFUSED[case]
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    data = ["--set", f"data.tokenizer={tiny_data['tokenizer']}",
+            "--set", f"data.dataset={tiny_data['dataset']}"]
+    commands = {
+        "train": ["train", "--config", "configs/tiny.yaml", "--set", f"run_dir={tmp_path / 'run'}",
+                  *data, *sets],
+        "plan": ["plan", "--config", "configs/tiny.yaml", "--world-size", "2", *data, *sets],
+        "preflight": ["launch", "preflight", "--world-size", "2", "--accelerator", "cpu",
+                      "--log-dir", str(tmp_path / "log"), "--config", "configs/tiny.yaml",
+                      *data, *sets],
+    }
+    lines = {}
+    for name, args in commands.items():
+        code = (f"{_HIDE_ALEMBIC}import pretrain.dist\n"
+                "def no_group(*args, **kwargs):\n"
+                "    raise SystemExit('a process group was started')\n"
+                "pretrain.dist.init_distributed = no_group\n"
+                f"from pretrain.cli import main\nmain({args!r})")
+        run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        lines[name] = _one_error_line(run, expected)
+    assert lines["plan"] == lines["train"] and lines["preflight"] == lines["train"], lines

@@ -127,7 +127,7 @@ def test_sweep_picture_draws_a_bar_per_engine_to_scale(tmp_path):
     engine in its colour (deepspeed blue, fsdp2 green), heights in the runs' proportions."""
     from png_check import bar_heights
 
-    from pretrain.sweep_results import COLUMNS, write_results
+    from pretrain.sweep.results import COLUMNS, write_results
 
     def row(engine, config, tokens, memory):
         return {**dict.fromkeys(COLUMNS, ""), "name": f"{engine}_{config}", "engine": engine,
@@ -152,7 +152,7 @@ def test_sweep_picture_draws_each_finished_runs_speed_and_memory_to_scale(tmp_pa
     heights in the runs' proportions; a failed run has no bar."""
     from png_check import bar_heights
 
-    from pretrain.sweep_results import COLUMNS, write_results
+    from pretrain.sweep.results import COLUMNS, write_results
 
     def row(name, tokens, memory, status="ok"):
         return {**dict.fromkeys(COLUMNS, ""), "name": name, "tokens_per_s": tokens,

@@ -11,7 +11,7 @@ from pretrain.testing.runs import run_pretrain, train, train_args
 from pretrain.arithmetic import (hardware_flops_per_token, layer_forward_flops_per_token,
                                  model_flops_per_token)
 from pretrain.config import MODEL_PRESETS, LoggingConfig, ModelConfig, Recompute
-from pretrain.curves import PANELS
+from pretrain.training.curves import PANELS
 from pretrain.errors import ConfigError
 from pretrain.training.metrics import format_step_line
 from pretrain.testing.faults import nan_loss_environment
@@ -173,7 +173,7 @@ class _Stream:
     (True, True, True, True), (True, False, True, False), (True, True, False, False),
     (True, False, False, False), (False, True, True, False)])
 def test_the_progress_bar_is_drawn_only_on_a_terminal(enabled, out_tty, err_tty, shown):
-    from pretrain.terminal import show_progress_bar
+    from pretrain.log import show_progress_bar
 
     assert show_progress_bar(enabled, stdout=_Stream(out_tty), stderr=_Stream(err_tty)) is shown
 
@@ -181,7 +181,7 @@ def test_the_progress_bar_is_drawn_only_on_a_terminal(enabled, out_tty, err_tty,
 def test_a_closed_or_plain_stream_is_not_a_terminal(tmp_path):
     import io
 
-    from pretrain.terminal import show_progress_bar
+    from pretrain.log import show_progress_bar
 
     closed = open(tmp_path / "log", "w")
     closed.close()
@@ -361,7 +361,7 @@ def test_the_wandb_sink_opens_in_the_configured_mode(tmp_path, monkeypatch, mode
 def test_a_sink_whose_package_is_missing_is_an_error_before_the_run(monkeypatch):
     import importlib.util
 
-    from pretrain.training.sinks import check_sinks
+    from pretrain.resolve.run_checks import check_sinks
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -25,12 +25,12 @@ from pretrain.model import (LlamaModel, build_model, gather_full_state_dict, sha
 from pretrain.model import llama as llama_module
 from pretrain.model.layers import (RMSNorm, column_linear, defer_sequence_parallel_grads,
                                    row_linear, vocab_embedding)
+from pretrain.model.loss import vocab_parallel_cross_entropy
 from pretrain.model.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                             VocabParallelEmbedding,
                                             copy_to_tp, gather_from_sequence, gather_from_tp,
                                             reduce_from_tp, reduce_scatter_to_sequence,
-                                            scatter_to_sequence, scatter_to_tp,
-                                            vocab_parallel_cross_entropy)
+                                            scatter_to_sequence, scatter_to_tp)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -254,7 +254,9 @@ def test_vocab_parallel_cross_entropy_single_rank_is_cross_entropy():
     logits = leaf(randn(4, 7, 256, seed=1))
     labels = torch.randint(0, 250, (4, 7), generator=torch.Generator().manual_seed(2))
     labels[0, 0] = -100
+    before = logits.detach().clone()
     loss = vocab_parallel_cross_entropy(logits, labels, vocab_size=250, tp_group=None)
+    assert torch.equal(logits, before)  # fp32 logits: the loss works on a copy, never on them
     ref_logits = leaf(logits)
     ref = F.cross_entropy(ref_logits[..., :250].reshape(-1, 250), labels.reshape(-1))
     torch.testing.assert_close(loss, ref)

@@ -51,7 +51,7 @@ def preprocess_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_preprocess(args: argparse.Namespace) -> None:
     from pretrain.data import preprocess, resolve_corpus
-    from pretrain.terminal import show_progress_bar
+    from pretrain.log import show_progress_bar
 
     _make_parent(args.output_prefix)
     stats = preprocess(resolve_corpus(args.corpus), tokenizer_path=args.tokenizer,

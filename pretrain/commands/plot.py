@@ -2,7 +2,7 @@
 
 Each RUN is a run directory of `pretrain train` (or its metrics.jsonl). The picture has train
 loss with validation points, learning rate and tokens/s against the step, one line per run named
-after its directory (`pretrain.curves`). A RUN without metrics.jsonl is one `error:` line, exit 2.
+after its directory (`pretrain.training.curves`). A RUN without metrics.jsonl is one `error:` line, exit 2.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pretrain.curves import read_runs, write_png
+    from pretrain.training.curves import read_runs, write_png
 
     runs = read_runs(args.runs)
     path = write_png(runs, args.output)

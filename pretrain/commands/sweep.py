@@ -27,11 +27,11 @@ runs, and `--list` prints the runs (name and `pretrain train` arguments, one per
 
 Every run's config is loaded and its DeepSpeed JSON resolved for `--nprocs` ranks before the
 first run starts (and before `--list` prints), as `pretrain train` would: a bad field or layout is
-one `error:` line and exit 2, not N failed runs. A run that exceeds `--timeout` is stopped (SIGTERM
-to its processes, SIGKILL after STOP_GRACE_S: `pretrain.child_runs`) and gets a `timeout after Ns`
-row; the sweep goes on.
+one `error:` line and exit 2, not N failed runs. A run that exceeds `--timeout` is stopped
+(SIGTERM to its processes, SIGKILL after STOP_GRACE_S: `pretrain.launchers.local`) and gets a
+`timeout after Ns` row; the sweep goes on.
 
-The result rows, table and plot are built by `pretrain.sweep_results`.
+The result rows, table and plot are built by `pretrain.sweep.results`.
 """
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pretrain.child_runs import (LAUNCHERS, STOP_GRACE_S, child_env, launcher_command,
-                                 sigterm_raises, start_run, stop_run)
 from pretrain.config import Engine, resolve_input_path
 from pretrain.errors import ConfigError
-from pretrain.sweep_results import summarize_run, write_results
+from pretrain.launchers.local import (LAUNCHERS, STOP_GRACE_S, child_env, launcher_command,
+                                      sigterm_raises, start_run, stop_run)
+from pretrain.sweep.results import summarize_run, write_results
 
 DEFAULT_DS_CONFIGS = ["ds_configs/zero0.json", "ds_configs/zero1.json", "ds_configs/zero2.json",
                       "ds_configs/zero3.json"]

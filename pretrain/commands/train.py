@@ -89,13 +89,8 @@ def run(args: argparse.Namespace) -> NoReturn:
         store_url = cfg.run_dir
         storage.check_writable(store_url)
         cfg = dataclasses.replace(cfg, run_dir=str(stage_run(store_url, log=log)))
-    # Every check that can fail does so here, before a process group or an engine exists.
-    from pretrain.evaluation.tasks import check_eval_config
-    from pretrain.training.sinks import check_sinks
-
-    check_sinks(cfg.logging.report_to)
-
-    check_eval_config(cfg)  # unknown task names, layouts the evaluation cannot run on
+    # Every check that can fail does so before a process group or an engine exists: in
+    # `settle_config` (sinks, eval tasks, data, precision) and `lay_out` (the layout).
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
     device_type = get_accelerator().device_name()
     resume_from, own_first = args.resume_from or args.start_from, args.start_from is not None

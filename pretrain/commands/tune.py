@@ -27,8 +27,8 @@ DEFAULT_STUDY_DIR = "runs/tune"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pretrain.child_runs import LAUNCHERS
     from pretrain.config import add_config_arguments
+    from pretrain.launchers.local import LAUNCHERS
 
     add_config_arguments(parser)  # --config, --set, --deepspeed-config: of every trial
     parser.add_argument("--space", required=True, metavar="YAML",
@@ -102,22 +102,13 @@ def _check(args: argparse.Namespace, params, base: list[str],
 
 
 def _enqueued(args: argparse.Namespace, params, base: list[str]) -> list[dict]:
-    import yaml
-
-    from pretrain.config import load_config
+    from pretrain.config import load_config, read_user_file
     from pretrain.errors import ConfigError
     from pretrain.tune.space import override, parse_enqueued
 
     if not args.enqueue:
         return []
-    path = Path(args.enqueue)
-    if not path.is_file():
-        raise ConfigError(f"--enqueue {args.enqueue!r} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--enqueue {args.enqueue!r} is not valid YAML: "
-                          f"{str(exc).splitlines()[0]}") from None
+    raw = read_user_file(args.enqueue, "--enqueue", language="YAML")
     entries = parse_enqueued(raw, params, source=f"--enqueue {args.enqueue}")
     for entry in entries:
         try:
@@ -131,7 +122,7 @@ def _worker(settings, index: int) -> None:
     """A worker process of `--workers K`: stops its trial's run on SIGTERM and when we die."""
     import signal
 
-    from pretrain.child_runs import die_with_parent
+    from pretrain.launchers.local import die_with_parent
     from pretrain.tune.worker import work
 
     def stop(signum: int, frame) -> None:
@@ -148,7 +139,7 @@ def _run_workers(settings, count: int) -> int:
     """`count` worker processes on the study; the number that exited non-zero."""
     import multiprocessing
 
-    from pretrain.child_runs import sigterm_raises
+    from pretrain.launchers.local import sigterm_raises
 
     context = multiprocessing.get_context("fork")  # the settings and the loaded modules as they are
     procs = [context.Process(target=_worker, args=(settings, i), name=f"tune-worker-{i}")
@@ -170,9 +161,9 @@ def _run_workers(settings, count: int) -> int:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pretrain.child_runs import STOP_GRACE_S, sigterm_raises
     from pretrain.config import config_overrides
     from pretrain.errors import EXIT_FAULT, ConfigError
+    from pretrain.launchers.local import STOP_GRACE_S, sigterm_raises
     from pretrain.tune.results import summary, write_results
     from pretrain.tune.space import load_space
     from pretrain.tune.study import Settings, load_study, prepare, study_lock

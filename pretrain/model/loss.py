@@ -22,9 +22,11 @@ as the unchunked forward and backward, moved into the forward.
   the matmul, so whatever they hold never enters the softmax, and their gradient is 0, exactly
   as `causal_lm_loss` and `vocab_parallel_cross_entropy` slice the padded columns off.
 - Tensor parallelism: each rank holds V/tp rows of W and computes its columns of each chunk's
-  logits; per chunk the row max is all-reduced (MAX) and the sum of exponentials together with
-  the label's logit (SUM, one collective), as `vocab_parallel_cross_entropy` does for whole
-  logits. d hidden is then this rank's partial sum over its columns: `column_parallel_input`
+  logits; the cross entropy of a block of logits over vocabulary shards (Megatron-LM's) is
+  written once, `_shard_cross_entropy`, for a chunk here and for whole logits in
+  `vocab_parallel_cross_entropy`: the row max all-reduced (MAX), then the sum of exponentials
+  together with the label's logit (SUM, one collective), and d loss/d logits from the softmax.
+  d hidden is then this rank's partial sum over its columns: `column_parallel_input`
   (the hidden states' entry into the head; `copy_to_tp`, or the sequence all-gather) sums it
   over the group in its backward. The backward here needs no collective.
 - Without gradients (evaluation, `torch.no_grad`) the same chunks compute the loss alone.
@@ -45,8 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.model.tensor_parallel import (mark_tensor_parallel, tp_rank, tp_world_size,
-                                            vocab_parallel_cross_entropy)
+from pretrain.model.tensor_parallel import mark_tensor_parallel, tp_rank, tp_world_size
 
 IGNORE_INDEX = -100
 
@@ -75,6 +76,96 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
     return vocab_parallel_cross_entropy(logits, labels, vocab_size=vocab_size, tp_group=tp_group)
 
 
+def _shard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, start: int, tp_group,
+                         grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cross entropy of a block of logits over vocabulary shards (Megatron-LM), per token.
+
+    `logits` (n, n_real) fp32: this rank's unpadded columns [start, start + n_real) of n tokens'
+    logits, overwritten (its buffer becomes the gradient); `labels` (n,) global ids, -100
+    ignored. Per token, loss = log(sum_v exp(z_v - m)) - (z_label - m), m = max_v z_v: the max
+    all-reduced (MAX) over the group, the local sum of exponentials and the label's logit
+    together (SUM, one collective). Returns the per-token losses (0 where ignored) and, with
+    `grad`, d loss_token/d logits = softmax - onehot(label) in the same buffer (None without).
+    """
+    n, n_real = logits.shape
+    parallel = tp_world_size(tp_group) > 1
+    if n_real:
+        row_max = logits.max(dim=-1).values
+    else:
+        row_max = logits.new_full((n,), float("-inf"))
+    if parallel:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+    logits.sub_(row_max.unsqueeze(-1))
+    in_shard = (labels >= start) & (labels < start + n_real)  # -100 is never in a shard
+    local = (labels - start).masked_fill(~in_shard, 0)
+    target = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    if n_real:
+        target = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~in_shard, 0.0)
+    exp = logits.exp_()  # in place: the logits are not needed again
+    stats = torch.stack((exp.sum(dim=-1), target))  # (2, n)
+    if parallel:
+        dist.all_reduce(stats, group=tp_group)
+    sum_exp, target = stats[0], stats[1]
+    per_token = (sum_exp.log() - target).masked_fill(labels == IGNORE_INDEX, 0.0)
+    if not grad:
+        return per_token, None
+    if n_real:  # softmax in the same buffer, minus the one-hot of the labels this shard holds
+        exp.div_(sum_exp.unsqueeze(-1))
+        exp.scatter_add_(1, local.unsqueeze(1), -in_shard.float().unsqueeze(1))
+    return per_token, exp
+
+
+def _token_scales(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the number of labels, 1/that for each kept token and 0 for ignored ones): one multiply
+    of d loss_token/d logits by these scales the mean's gradient and masks the ignored tokens."""
+    kept = labels != IGNORE_INDEX
+    count = kept.sum()  # the same on every TP rank (same labels)
+    return count, kept.float() / count  # nan without any label, like F.cross_entropy
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy of whole logits over vocabulary shards (`_shard_cross_entropy`).
+    Padded columns (global index >= vocab_size) are a suffix of the vocabulary and are left out;
+    the gradient, computed in forward from the softmax, is scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, logits_shard, labels, vocab_size, group):
+        shard = logits_shard.shape[-1]
+        start = tp_rank(group) * shard
+        n_real = max(0, min(shard, vocab_size - start))  # real (unpadded) columns here
+        # a copy: the caller's logits stay as they are (fp32 logits' .float() would be them)
+        logits = logits_shard.reshape(-1, shard)[:, :n_real].to(torch.float32, copy=True)
+        labels = labels.reshape(-1)
+        count, token_scale = _token_scales(labels)
+        per_token, grad = _shard_cross_entropy(logits, labels, start=start, tp_group=group,
+                                               grad=True)
+        ctx.save_for_backward(grad, token_scale)
+        ctx.shape, ctx.dtype, ctx.shard = logits_shard.shape, logits_shard.dtype, shard
+        return per_token.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, token_scale = ctx.saved_tensors
+        # in place: the saved buffer is not needed again (a second backward fails on its
+        # version counter)
+        grad.mul_((token_scale * grad_loss).unsqueeze(-1))
+        if grad.shape[-1] < ctx.shard:  # padded columns get zero gradient
+            grad = F.pad(grad, (0, ctx.shard - grad.shape[-1]))
+        return grad.reshape(ctx.shape).to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, *,
+                                 vocab_size: int, tp_group) -> torch.Tensor:
+    """Mean next-token cross entropy (fp32 scalar) from this rank's vocabulary shard of logits.
+
+    `logits_shard` (..., V_padded / tp) holds columns [rank * V_padded/tp, ...) of the logits;
+    `labels` (...) are global token ids, -100 ignored. Columns >= `vocab_size` (padding) never
+    enter the softmax. Every TP rank returns the same loss; its backward gives each rank the
+    gradient of its own logit columns. With a one-rank group this is plain cross entropy.
+    """
+    return _VocabParallelCrossEntropy.apply(logits_shard, labels, vocab_size, tp_group)
+
+
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                            vocab_size: int, tp_group, chunk_tokens: int, grad_hidden: bool,
                            grad_weight: bool):
@@ -87,11 +178,7 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     start = tp_rank(tp_group) * shard
     n_real = max(0, min(shard, vocab_size - start))  # unpadded rows of this shard
     w = weight[:n_real]  # the padded rows never enter a logit
-    parallel = tp_world_size(tp_group) > 1
-    ignored = labels == IGNORE_INDEX
-    count = (~ignored).sum()  # the same on every TP rank (same labels)
-    # 1/n_labels for each kept token, 0 for ignored ones: one multiply scales and masks
-    token_scale = (~ignored).float() / count  # nan without any label, like F.cross_entropy
+    count, token_scale = _token_scales(labels)
     hidden = hidden.to(weight.dtype)  # a no-op unless autocast made them differ
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     d_hidden = torch.empty_like(hidden) if grad_hidden else None  # weight dtype
@@ -102,31 +189,12 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     grads = grad_hidden or grad_weight
     for first in range(0, n_tokens, chunk_tokens):
         h = hidden[first:first + chunk_tokens]  # (n, C)
-        y = labels[first:first + chunk_tokens]
         n = h.shape[0]
         logits = (h @ w.T).float()  # (n, n_real): the only (tokens, vocabulary) buffer
-        if n_real:
-            row_max = logits.max(dim=-1).values
-        else:
-            row_max = logits.new_full((n,), float("-inf"))
-        if parallel:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-        logits.sub_(row_max.unsqueeze(-1))
-        in_shard = (y >= start) & (y < start + n_real)  # -100 is never in a shard
-        local = (y - start).masked_fill(~in_shard, 0)
-        target = torch.zeros(n, dtype=torch.float32, device=h.device)
-        if n_real:
-            target = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~in_shard, 0.0)
-        exp = logits.exp_()  # in place: logits are not needed again
-        stats = torch.stack((exp.sum(dim=-1), target))  # (2, n)
-        if parallel:
-            dist.all_reduce(stats, group=tp_group)
-        sum_exp, target = stats[0], stats[1]
-        per_token = (sum_exp.log() - target).masked_fill(ignored[first:first + n], 0.0)
+        per_token, grad = _shard_cross_entropy(logits, labels[first:first + n], start=start,
+                                               tp_group=tp_group, grad=grads)
         loss_sum += per_token.sum()
         if grads and n_real:
-            grad = exp.div_(sum_exp.unsqueeze(-1))  # softmax, in the same buffer
-            grad.scatter_add_(1, local.unsqueeze(1), -in_shard.float().unsqueeze(1))  # - onehot
             grad.mul_(token_scale[first:first + n].unsqueeze(-1))
             grad = grad.to(weight.dtype)  # the matmuls in the weight's dtype
             if grad_hidden:
@@ -136,7 +204,7 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
                     d_weight[:n_real].addmm_(grad.T, h)
                 else:  # each chunk's product in the weight's dtype, their sum in fp32
                     d_weight[:n_real].add_(grad.T @ h)
-        logits = exp = grad = None  # all one buffer: freed before the next chunk's
+        logits = grad = None  # one buffer: freed before the next chunk's
     loss = loss_sum / count
     if d_weight is not None:
         d_weight = d_weight.to(weight.dtype)

@@ -1,5 +1,6 @@
 """Megatron-style tensor parallelism (Shoeybi et al. 2019) and sequence parallelism
-(Korthikanti et al. 2022): the collectives, the sharded layers, the vocab-parallel loss.
+(Korthikanti et al. 2022): the collectives and the sharded layers (the vocab-parallel loss is
+`pretrain.model.loss`'s).
 
 Every collective is a small named autograd function, in matching pairs, and a no-op (the input
 itself, no autograd node) when the group has one rank. Activations are (B, T, C); the sequence
@@ -392,76 +393,3 @@ def _uniform_like_linear(weight: torch.Tensor, *, fan_in: int) -> None:
     bound = 1.0 / math.sqrt(fan_in)
     with torch.no_grad():
         weight.uniform_(-bound, bound)
-
-
-# ---- loss -------------------------------------------------------------------------------------
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross entropy over vocabulary shards without gathering the logits (Megatron-LM).
-
-    Per token: loss = log(sum_v exp(z_v - m)) - (z_label - m), m = max_v z_v; the max is
-    all-reduced (MAX) and the local sum-exp and target logit together (SUM, one collective).
-    Padded columns (global index >= vocab_size) are a suffix of the vocabulary and are simply
-    left out. Gradient: (softmax - onehot(label)) / n_tokens, computed from the saved softmax.
-    """
-
-    @staticmethod
-    def forward(ctx, logits_shard, labels, vocab_size, group):
-        shard = logits_shard.shape[-1]
-        start = tp_rank(group) * shard
-        n_valid = max(0, min(shard, vocab_size - start))  # real (unpadded) columns here
-        logits = logits_shard.reshape(-1, shard)[:, :n_valid].float()  # (N, n_valid)
-        labels = labels.reshape(-1)
-        n = labels.shape[0]
-        if n_valid:
-            row_max = logits.max(dim=-1).values
-        else:
-            row_max = logits.new_full((n,), float("-inf"))
-        if tp_world_size(group) > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(-1)
-        exp = shifted.exp()  # (N, n_valid)
-        in_shard = (labels >= start) & (labels < start + n_valid)  # -100 is never in a shard
-        local_label = (labels - start).masked_fill(~in_shard, 0)
-        target = torch.zeros(n, dtype=torch.float32, device=logits.device)
-        if n_valid:
-            target = shifted.gather(1, local_label.unsqueeze(1)).squeeze(1)
-            target = target.masked_fill(~in_shard, 0.0)
-        stats = torch.stack((exp.sum(dim=-1), target))  # (2, N)
-        if tp_world_size(group) > 1:
-            dist.all_reduce(stats, group=group)
-        sum_exp, target = stats[0], stats[1]
-        ignored = labels == -100
-        count = (~ignored).sum()
-        per_token = (sum_exp.log() - target).masked_fill(ignored, 0.0)
-        loss = per_token.sum() / count  # nan without any label, like F.cross_entropy
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, in_shard, local_label, ignored, count)
-        ctx.shape, ctx.dtype, ctx.shard = logits_shard.shape, logits_shard.dtype, shard
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, in_shard, local_label, ignored, count = ctx.saved_tensors
-        grad = softmax  # reuse the buffer (a second backward fails on its version counter)
-        n_valid = grad.shape[-1]
-        if n_valid:  # minus one-hot of the labels this shard holds; no host sync (nonzero)
-            grad.scatter_add_(1, local_label.unsqueeze(1), -in_shard.to(grad.dtype).unsqueeze(1))
-        grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
-        grad.mul_(grad_loss / count)
-        if n_valid < ctx.shard:  # padded columns get zero gradient
-            grad = F.pad(grad, (0, ctx.shard - n_valid))
-        return grad.reshape(ctx.shape).to(ctx.dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, *,
-                                 vocab_size: int, tp_group) -> torch.Tensor:
-    """Mean next-token cross entropy (fp32 scalar) from this rank's vocabulary shard of logits.
-
-    `logits_shard` (..., V_padded / tp) holds columns [rank * V_padded/tp, ...) of the logits;
-    `labels` (...) are global token ids, -100 ignored. Columns >= `vocab_size` (padding) never
-    enter the softmax. Every TP rank returns the same loss; its backward gives each rank the
-    gradient of its own logit columns. With a one-rank group this is plain cross entropy.
-    """
-    return _VocabParallelCrossEntropy.apply(logits_shard, labels, vocab_size, tp_group)

@@ -8,5 +8,7 @@ process and handed down; nothing outside this package re-derives what it holds.
 - `topology`: `Topology`, the rank grid and its process groups;
 - `world_fit`: which ranks of a world the layout can use, and what the others do;
 - `ds_config`: the DeepSpeed JSON read, checked and filled from the run;
-- `fsdp2_rules`: what `train.engine: fsdp2` cannot run, for the resolver and the planner.
+- `fsdp2_rules`: what `train.engine: fsdp2` cannot run, for the resolver and the planner;
+- `run_checks`: what a run needs beyond its layout (its sinks' packages, its eval tasks),
+  checked as its config is settled.
 """

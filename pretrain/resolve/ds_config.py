@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import Engine, Optimizer, Precision, RunConfig, did_you_mean
+from pretrain.config import Engine, Optimizer, Precision, RunConfig, did_you_mean, read_user_file
 from pretrain.errors import ConfigError
 from pretrain.resolve.fsdp2_rules import check_deepspeed_schedule, check_fsdp2
 from pretrain.resolve.layout import DEEPSPEED_DEFAULT_BUCKET, Layout
@@ -42,18 +42,10 @@ AUTO = "auto"
 
 
 def load_ds_json(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"DeepSpeed config {str(path)!r} does not exist: choose one of "
-                          f"ds_configs/*.json or set deepspeed=<path> in the run config")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {exc.msg} at line "
-                          f"{exc.lineno} column {exc.colno}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"DeepSpeed config {str(path)!r}: expected a JSON object")
-    return data
+    return read_user_file(path, "DeepSpeed config", language="JSON",
+                          hint="choose one of ds_configs/*.json or set deepspeed=<path> in the "
+                               "run config",
+                          expect="a JSON object")
 
 
 def read_run_json(cfg: RunConfig, *, source: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 `resolve_run` is the one place the rules that turn a config file into a run are applied, each
 once per process, in this order:
 
-1. `settle_config`: the data check (`check_run_data`, which settles `model.vocab_size: auto`
-   from the tokenizer), the resume point (its global batch when the config has none), the
+1. `settle_config`: what the run needs of this machine (`run_checks.check_run`: its sinks'
+   packages, its eval tasks), the data check (`check_run_data`, which settles
+   `model.vocab_size: auto` from the tokenizer), the resume point (its global batch when the config has none), the
    precision (`auto` keeps the resumed checkpoint's, else `hardware.choose_precision` on the
    device the run uses); then the config is frozen: assigning a field raises.
 2. `lay_out`: the `Topology` of the world (built here and nowhere else from a config), the
@@ -27,6 +28,7 @@ from pretrain.resolve.ds_config import engine_fields, fill_ds_config, read_run_j
 from pretrain.errors import CheckpointError, ConfigError
 from pretrain.hardware import PrecisionChoice, choose_precision
 from pretrain.resolve.layout import Layout, check_engine, check_layout, planned_precision
+from pretrain.resolve.run_checks import check_run
 from pretrain.resolve.topology import Topology
 
 
@@ -132,7 +134,9 @@ def resolve_run(cfg: RunConfig, *, world_size: int, rank: int = 0, device_type: 
 def settle_config(cfg: RunConfig, *, device_type: str, on_this_machine: bool = True,
                   data_required: bool = True,
                   find_resume: Callable[[RunConfig], Any] | None = None) -> SettledConfig:
-    """Step 1 of `resolve_run`: settle `cfg`'s `auto` fields in place, then freeze it."""
+    """Step 1 of `resolve_run`: refuse what the run needs and lacks here (`check_run`: sinks,
+    eval tasks), settle `cfg`'s `auto` fields in place, then freeze it."""
+    check_run(cfg)
     warnings = check_run_data(cfg, required=data_required)  # first: vocab_size: auto
     resume = find_resume(cfg) if find_resume is not None else None
     if resume is not None and cfg.train.global_batch_size is None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.dist import free_port
+from pretrain.launchers.local import launcher_command
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: configs/, launch/, ds_configs/
-BIN = Path(sys.executable).parent
 
 
 @dataclass
@@ -48,23 +46,10 @@ LEVER_LAYOUTS = {
 }
 
 
-def launcher_prefix(launcher: str, nprocs: int) -> list[str]:
-    port = str(free_port())
-    if launcher == "single":
-        assert nprocs == 1
-        return [str(BIN / "python"), "-m", "pretrain"]
-    if launcher == "torchrun":
-        return [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", port,
-                "-m", "pretrain"]
-    if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", port,
-                "--no_local_rank", "--module", "pretrain"]
-    raise ValueError(launcher)
-
-
 def run_pretrain(args: list[str], *, run_dir: Path, launcher: str = "forked", nprocs: int = 1,
                  timeout: float = 900, env: dict[str, str] | None = None) -> Run:
-    """`pretrain <args>` under a launcher; each rank gets one thread (2-core CI machines).
+    """`pretrain <args>` under a launcher of `launchers.local.LAUNCHERS`; each rank gets one
+    thread (2-core CI machines).
     `launcher="forked"`: the ranks forked from the test's fork server with the `deepspeed`
     launcher's environment (`pretrain.testing.cli.run_ranks`), without an interpreter's start-up
     per rank."""
@@ -80,7 +65,7 @@ def run_pretrain(args: list[str], *, run_dir: Path, launcher: str = "forked", np
 
         proc = run_ranks(args, nprocs=nprocs, cwd=REPO, env=full_env, timeout=timeout)
     else:
-        proc = subprocess.run(launcher_prefix(launcher, nprocs) + args, cwd=REPO, env=full_env,
+        proc = subprocess.run(launcher_command(launcher, nprocs) + args, cwd=REPO, env=full_env,
                               capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 

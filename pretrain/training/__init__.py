@@ -8,5 +8,8 @@
   `NonFiniteGuard`); `spikes`: loss spikes; `stragglers`: slow ranks; `hang`, `hang_verdict`
   and `collective_log`: the watchdog that names the rank a collective waits for;
 - `metrics`: each step's record and line (MFU, memory, throughput); `sinks`: metrics.jsonl
-  and the configured trackers; `profiler`: the step profiler.
+  and the configured trackers; `curves`: metrics.jsonl drawn as curves.png (also `pretrain
+  plot`); `profiler`: the step profiler;
+- `deepspeed_imports`: DeepSpeed's imports and builds a run never uses kept out of every
+  process's start-up (installed by `pretrain/__init__.py`; the standard library only).
 """

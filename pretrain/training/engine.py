@@ -19,7 +19,7 @@ from typing import Any
 import deepspeed
 import torch
 
-from pretrain import lean_imports
+from pretrain.training import deepspeed_imports
 from pretrain.config import (DecayShape, Engine, LRSchedule, ModelConfig, Optimizer, RunConfig,
                              TrainConfig)
 from pretrain.checkpoint import load_initial_weights
@@ -243,7 +243,7 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         log(f"[init] weights from {source}", main=main)
     flat = ModelForm.of(model) is ModelForm.FLAT
-    lean_imports.import_muon_uncompiled()
+    deepspeed_imports.import_muon_uncompiled()
     parameters = optimizer_groups(model, lr=t.lr, weight_decay=t.weight_decay, cfg=cfg.model)
     # train.optimizer=muon: ours, handed to DeepSpeed (its JSON then has no "optimizer" block)
     optimizer = (muon.build_optimizer(model.named_parameters(), parameters, t)

@@ -120,7 +120,8 @@ class TaskEvaluator:
         engine.eval()
         try:
             with trainer.watchdog.paused():  # lm-eval's tokenizing and loading are not steps
-                from pretrain.evaluation.tasks import evaluate, task_manager
+                from pretrain.evaluation.task_names import task_manager
+                from pretrain.evaluation.tasks import evaluate
 
                 if self._manager is None and trainer.main:
                     self._manager = task_manager(list(self.cfg.eval.tasks))

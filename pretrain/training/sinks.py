@@ -45,6 +45,7 @@ from typing import Any
 from pretrain.config import LoggingConfig
 from pretrain.errors import ConfigError
 from pretrain.log import LOG, log
+from pretrain.resolve.run_checks import SINK_PACKAGES
 
 
 def resolve_wandb_mode(mode: str, *, project: str, env) -> str:
@@ -187,23 +188,10 @@ class _Mlflow:
         self._client.set_terminated(self.run_id, status=status)
 
 
-# logging.report_to: each sink's class and the packages it needs (checked before the run;
-# MLflow's SQLite store needs SQLAlchemy and Alembic, which mlflow-skinny leaves out).
-SINKS = {"tensorboard": (_TensorBoard, ("tensorboard",)), "wandb": (_Wandb, ("wandb",)),
-         "mlflow": (_Mlflow, ("mlflow", "sqlalchemy", "alembic"))}
-
-
-def check_sinks(report_to: list[str]) -> None:
-    """Every sink of `logging.report_to` can be imported: checked before the process group,
-    not hours into a run."""
-    from importlib.util import find_spec
-
-    for sink in report_to:
-        missing = [package for package in SINKS[sink][1] if find_spec(package) is None]
-        if missing:
-            raise ConfigError(f"logging.report_to={report_to!r}: {sink} needs {', '.join(missing)}"
-                              f", not installed here: bash launch/setup_env.sh (or pip install "
-                              f"-c launch/constraints.txt -e .), or take {sink} off the list")
+# logging.report_to: each sink's class and the packages it needs (checked where the run's config
+# is settled: `resolve.run_checks.check_sinks`)
+SINKS = {name: (sink, SINK_PACKAGES[name]) for name, sink in
+         (("tensorboard", _TensorBoard), ("wandb", _Wandb), ("mlflow", _Mlflow))}
 
 
 def _open_sinks(run_dir: Path, *, settings: LoggingConfig,

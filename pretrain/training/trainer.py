@@ -20,7 +20,7 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
-from pretrain import checkpoint, curves
+from pretrain import checkpoint
 from pretrain.config import Precision
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
@@ -30,12 +30,11 @@ from pretrain.dist import World, same_on_every_rank, wait_for_io
 from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
 from pretrain.hardware import PrecisionChoice
-from pretrain.log import log
+from pretrain.log import log, show_progress_bar
 from pretrain.model import ModelForm, compile_report, moe
 from pretrain.resolve.run import ResolvedRun
 from pretrain.resolve.topology import ProcessGroups
-from pretrain.terminal import show_progress_bar
-from pretrain.training import faults, hang, spikes, stragglers
+from pretrain.training import curves, faults, hang, spikes, stragglers
 from pretrain.training.engine import TimedBatches, build_engine, engine_loss
 from pretrain.training.evaluators import TaskEvaluator, ValidationLoss
 from pretrain.training.metrics import StepRecords, announce_run, format_step_line, global_grad_norm

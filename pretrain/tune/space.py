@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from pretrain.config import read_user_file
 from pretrain.errors import ConfigError
 
 
@@ -113,15 +114,8 @@ def parse_space(raw: Any, *, source: str = "search space") -> list[Param]:
 
 
 def load_space(path: str | Path) -> list[Param]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--space {str(path)!r} does not exist: pass a YAML file like "
-                          "configs/tune/space.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--space {str(path)!r} is not valid YAML: "
-                          f"{str(exc).splitlines()[0]}") from None
+    raw = read_user_file(path, "--space", language="YAML",
+                         hint="pass a YAML file like configs/tune/space.yaml")
     return parse_space(raw, source=f"search space {path}")
 
 

@@ -1,7 +1,7 @@
 """One `pretrain tune` worker: trials until the study has N counted.
 
-Each trial is one `pretrain train` run through a launcher (`pretrain.child_runs`), in its own
-run directory `<study dir>/trials/<study>-trial-<n>` (also its MLflow/wandb run name), with the
+Each trial is one `pretrain train` run through a launcher (`pretrain.launchers.local`), in its
+own run directory `<study dir>/trials/<study>-trial-<n>` (also its MLflow/wandb run name), with the
 sampled values as `--set` overrides. While it runs, the worker follows its `metrics.jsonl`: every
 train loss is reported to the pruner at its step (`trial.report`); when the pruner says so, the
 run is stopped (every process of it) and the trial is PRUNED. The objective is the last
@@ -9,7 +9,7 @@ validation loss (`--objective valid`) or the last train loss (`train`). A run th
 is a FAIL trial with its log's tail printed; a non-finite loss stops the run and fails the trial.
 On SIGTERM a worker stops its run (SIGTERM, then SIGKILL after the grace) and fails and
 re-enqueues its trial itself. On SIGKILL it cannot; the run's launcher still gets SIGTERM
-(`child_runs.die_with_parent`) and stops its ranks, and the next worker fails and retries the
+(`launchers.local.die_with_parent`) and stops its ranks, and the next worker fails and retries the
 trial (`pretrain.tune.study`).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.child_runs import child_env, launcher_command, start_run, stop_run
+from pretrain.launchers.local import child_env, launcher_command, start_run, stop_run
 from pretrain.tune.results import write_results
 from pretrain.tune.space import override
 from pretrain.tune.study import (Settings, heartbeat_path, load_study, next_trial, params_text,

@@ -1,5 +1,6 @@
-"""`pretrain train` runs started by another command (`pretrain sweep`, `pretrain tune`) as child
-processes through a launcher, and stopped again with every process they started.
+"""The launchers of this machine (`LAUNCHERS`, one command each: `launcher_command`), and
+`pretrain train` runs started through them by another command (`pretrain sweep`, `pretrain
+tune`, a Ray worker, the tests) as child processes, stopped again with every process they started.
 
 A child run lives in a session (and process group) of its own, so Ctrl-C at the terminal reaches
 only the command that started it, which then stops the run itself (`stop_run`). The launcher is
@@ -30,9 +31,12 @@ _PR_SET_PDEATHSIG = 1
 
 
 def launcher_command(launcher: str, nprocs: int) -> list[str]:
-    """The command that starts `pretrain` on `nprocs` ranks of this machine."""
+    """The command that starts `pretrain` on `nprocs` ranks of this machine through `launcher`,
+    one of `LAUNCHERS`, each with a free port of its own."""
     from pretrain.dist import free_port
 
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"launcher {launcher!r}: one of {', '.join(LAUNCHERS)}")
     if launcher == "single":
         if nprocs != 1:
             raise ConfigError(f"--launcher single runs one process, got --nprocs {nprocs}: "
