@@ -4,7 +4,9 @@ from a host copy in a background thread: `pretrain.checkpoint.writer`), meet, th
 writes `meta.json`, `manifest.json` (size and CRC32 of every file) and `latest`. DeepSpeed's own
 `latest` is written by rank 0 before the other ranks are done, so it is switched off
 (`save_latest=False`). A crash during a save leaves a directory without a manifest, which
-resuming (`pretrain.checkpoint.engine`) skips.
+resuming (`pretrain.checkpoint.engine`) skips. A run directory in the object store
+(`pretrain.checkpoint.store`) gets each completed save uploaded in the background, its manifest
+last; the next save waits for that upload.
 """
 from __future__ import annotations
 
