@@ -168,9 +168,12 @@ CUDA_CALLS: tuple[CudaCall, ...] = (
              run=_run_fused_adamw,
              note="DeepSpeed's torch_adam on GPUs: AdamW(fused=True)"),
     CudaCall("grouped matmul", "torch:_grouped_mm", lambda: ((0, 0), {"offs": 0}),
-             sites=(), run=_run_grouped_mm,
-             note="not called by the stack (MoE runs one matmul per expert); listed so a "
-                  "first call site is bound here"),
+             sites=(("model/moe.py", "torch._grouped_mm"),), run=_run_grouped_mm,
+             note="a mixture of experts' experts as one matmul on GPUs of capability 9.0+ in "
+                  "bf16 (`model.moe.grouped_outputs`)"),
+    CudaCall("device capability", "torch.cuda:get_device_capability", _one_arg,
+             sites=(("model/moe.py", "torch.cuda.get_device_capability"),),
+             note="whether the grouped matmul runs (`model.moe.grouped_mm_runs`)"),
     CudaCall("peak memory (accelerator)", "torch.cuda:max_memory_allocated", _no_args,
              sites=((METRICS, "max_memory_allocated"),),
              note="DeepSpeed's accelerator forwards to torch.cuda"),
