@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pretrain.model",),
     ("pretrain.checkpoint", "pretrain.training.sinks", "pretrain.training.profiler", "pretrain.curves",
      "pretrain.training.faults", "pretrain.plan", "pretrain.training.hang", "pretrain.training.hang_verdict",
-     "pretrain.training.stragglers"),
+     "pretrain.training.stragglers", "pretrain.training.muon"),
     ("pretrain.training.engine", "pretrain.training.fsdp2", "pretrain.training.metrics", "pretrain.training.trainer", "pretrain.training.spikes",
      "pretrain.training.evaluators",
      "pretrain.sweep_results", "pretrain.child_runs", "pretrain.tune", "pretrain.ray_train", "pretrain.testing",
