@@ -365,6 +365,26 @@ def immediate_grad_update(layout: Layout, ds: dict[str, Any] | None = None) -> b
     return layout.precision == Precision.BF16 if value == AUTO else bool(value)
 
 
+def _check_muon_layout(cfg: RunConfig, layout: Layout) -> None:
+    """ConfigError for a layout whose optimizer wrapper `training/muon.py` cannot read (where a
+    matrix's pieces lie): DeepSpeed's optimizer offload, pipeline stages (their groups differ
+    per stage), and bf16/fp16 at ZeRO-0/1 (DeepSpeed's FP16_UnfusedOptimizer, BF16_Optimizer).
+    fsdp2 takes any of its layouts."""
+    if Engine(cfg.train.engine) is Engine.FSDP2:
+        return
+    why = None
+    if layout.offload_optimizer != "none":
+        why = f"optimizer offload ({layout.offload_optimizer})"
+    elif layout.pipeline > 1:
+        why = f"pipeline parallelism ({layout.pipeline} stages)"
+    elif layout.precision != Precision.FP32 and layout.zero_stage < 2:
+        why = f"{Precision(layout.precision).value} at ZeRO-{layout.zero_stage}"
+    if why:
+        raise ConfigError(f"train.optimizer=muon under DeepSpeed does not take {why}: use "
+                          "ZeRO-2/3 (any precision) or fp32 at ZeRO-0/1 without pipeline "
+                          "stages or optimizer offload, or train.engine=fsdp2")
+
+
 def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
                    accelerator: str = "cpu") -> dict[str, Any]:
     """Fill every "auto" of the DeepSpeed JSON `ds` (a copy of it: changed in place and
@@ -405,6 +425,7 @@ def fill_ds_config(cfg: RunConfig, layout: Layout, ds: dict[str, Any], *,
                                                   f"zero_optimization.{key}.nvme_path")
 
     if t.optimizer is Optimizer.MUON:  # the engine hands DeepSpeed its own (training/muon.py)
+        _check_muon_layout(cfg, layout)
         ds.pop("optimizer", None)
         ds["zero_allow_untested_optimizer"] = True
     opt = ds.get("optimizer")

@@ -20,8 +20,10 @@ the piece (sharded like Adam's moments, and saved with them); each step the Nest
 pieces are all-gathered (the data-parallel group, then the tensor group), every rank of the group
 orthogonalises the whole matrix - the same bits on each, in the same order - and applies its own
 piece. That costs each rank the whole matrices' Newton-Schulz and one all-gather of the hidden
-matrices per step (the planner's `muon_gather_bytes`), and gives every layout the update one
-process computes.
+matrices per step, and gives every layout the update one process computes. Memory: the momentum
+is one fp32 tensor per matrix (Adam's two moments for the rest); the gathers are transient,
+one matrix at a time except at ZeRO-1/2, where the flat group of the stage's hidden matrices is
+all-gathered whole (its fp32 size, once per step; the planner does not count it yet).
 """
 from __future__ import annotations
 
