@@ -54,6 +54,16 @@ def tensor_partition_dim_of(module: str) -> int | None:
     raise KeyError(module)
 
 
+def is_muon_matrix(name: str) -> bool:
+    """Whether parameter `name` (a Hugging Face or pipeline-stage name) is a decoder layer's
+    hidden matrix that Muon steps, in the family that has its module (`Parameter.muon`)."""
+    parts = name.rsplit(".", 2)
+    if len(parts) != 3 or parts[2] != "weight":
+        return False
+    return any(family.parameters[parts[1]].muon for family in FAMILIES.values()
+               if parts[1] in family.parameters)
+
+
 __all__ = ["EMBED", "EMBEDDING", "FAMILIES", "Family", "HIDDEN", "LM_HEAD", "NORM", "NORMAL",
            "ONES", "OUTPUT", "Parameter", "RESIDUAL", "check_pipeline_split", "check_tensor_split",
-           "family_of", "family_of_hf_config", "tensor_partition_dim_of"]
+           "family_of", "family_of_hf_config", "is_muon_matrix", "tensor_partition_dim_of"]

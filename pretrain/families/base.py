@@ -32,6 +32,9 @@ class Parameter:
     tp_dim: int | None  # split over tensor-parallel ranks (None: replicated)
     init: str  # ONES, NORMAL or RESIDUAL
     mup: str  # HIDDEN, EMBEDDING, OUTPUT or NORM
+    # a hidden matrix train.optimizer=muon orthogonalises (a decoder layer's projections; not
+    # embeddings, head, gains, nor the router, whose few rows pick experts)
+    muon: bool = False
 
 
 @dataclass(frozen=True)

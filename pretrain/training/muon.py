@@ -1,6 +1,6 @@
 """Muon for a run's hidden matrices beside AdamW for everything else (`train.optimizer: muon`).
 
-Which parameters: `is_muon_matrix`, the one function that reads parameter names: the attention
+Which parameters: `pretrain.families.is_muon_matrix` (the family's table says): the attention
 and MLP projections of every decoder layer (each expert's own), as separate matrices; AdamW keeps
 the embeddings, the head, the norm gains and the MoE router. q/k/v and gate/up are separate
 parameters even when the model runs them as one matmul (`model.fused_projections`), so each
@@ -36,21 +36,11 @@ import torch.distributed as dist
 from torch.optim._muon import (DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr,
                                _zeropower_via_newtonschulz)
 
+from pretrain.families import is_muon_matrix
+
 MOMENTUM = 0.95  # torch.optim.Muon's default
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 ADJUST_LR = "original"  # sqrt(max(1, rows / cols)): torch.optim.Muon's default
-
-# The decoder layers' projections: attention's and the MLP's (each expert's). The MoE router
-# (`mlp.gate`) is not one of them: its few rows pick experts, AdamW keeps it.
-HIDDEN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def is_muon_matrix(name: str) -> bool:
-    """Whether parameter `name` (Hugging Face or pipeline name) is stepped by Muon: a decoder
-    layer's projection matrix. The one place that knows the names."""
-    parts = name.rsplit(".", 2)
-    return len(parts) == 3 and parts[2] == "weight" and parts[1] in HIDDEN_PROJECTIONS
-
 
 MOMENTUM_KEY = "momentum_buffer"  # Muon's one state tensor per matrix (torch.optim.Muon's name)
 
