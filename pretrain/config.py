@@ -170,8 +170,7 @@ class ModelConfig(_Freezable):
 
     preset: str | None = None  # one of MODEL_PRESETS; explicit fields override it
     family: str = "llama"  # llama (Llama 2/3, Mixtral with num_experts) | qwen3 (per-head q/k
-    # RMSNorm before RoPE); each family's modules, parameter table and HF adapter in
-    # pretrain/model/families/
+    # RMSNorm before RoPE); each family's parameter table and HF adapter in pretrain/families/
     vocab_size: int | str = 32000  # tokenizer's vocabulary (or more); padded for the embedding
     # (padded_vocab_size); auto: data.tokenizer's, read before the process group starts
     hidden_size: int = 4096  # d_model

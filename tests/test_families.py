@@ -220,3 +220,23 @@ def test_imported_qwen3_trains_on_a_layout_like_one_process_and_exports_as_trans
     theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8,
                          pad_token_id=0)
     assert torch.equal(ours.generate(prompt, max_new_tokens=8), theirs)
+
+
+def test_a_mup_qwen3_exports_its_attention_scale_into_the_q_norm():
+    """muP's attention scale folds into the last parameter that scales the queries: Qwen3's q
+    norm gain (q_proj's scale is normalised away), so transformers' Qwen3 gives our logits."""
+    from pretrain.model import mup
+    from pretrain.model.hf import to_hf_state_dict
+
+    cfg = load_config(None, ["model.preset=tiny", "model.family=qwen3", "model.head_dim=24",
+                             "model.parametrization=mup", "model.mup_base_width=32",
+                             "model.mup_base_head_dim=8"]).model
+    assert mup.softmax_scale(cfg) is not None  # a scale that differs from 1/sqrt(head_dim)
+    model = build_model(cfg, seed=2).eval()
+    state = to_hf_state_dict(dict(model.state_dict()), cfg)
+    hf = transformers.Qwen3ForCausalLM(to_hf_config(cfg, attn_implementation="eager")).eval()
+    hf.load_state_dict({name: mup.fold_for_export(name, t, cfg) for name, t in state.items()})
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert ((ours - theirs).abs().max() / ours.abs().max()).item() < 1e-5
