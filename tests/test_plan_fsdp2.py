@@ -135,11 +135,12 @@ def test_fsdp2_offload_copies_shards_every_micro_batch_and_steps_on_the_host():
 
 
 def test_fsdp2_refuses_what_it_does_not_run():
-    refused = [(replace(ZERO3, pipeline=2, data=1, zero_stage=1), "parallel.pipeline=2"),
-               (replace(ZERO3, zero_stage=0), "ZeRO stage 0")]
+    refused = [(replace(ZERO3, pipeline=2, data=1, zero_stage=1),
+                "parallel.pipeline=2 under train.engine=fsdp2: the planner does not model"),
+               (replace(ZERO3, zero_stage=0), "train.engine=fsdp2 cannot run this config: .*"
+                                              "ZeRO stage 0")]
     for layout, reason in refused:
-        with pytest.raises(ConfigError,
-                           match=f"train.engine=fsdp2 cannot run this config: .*{reason}"):
+        with pytest.raises(ConfigError, match=reason):
             _fsdp2(layout)
         _deepspeed(replace(layout, zero_stage=min(layout.zero_stage, 1)))  # DeepSpeed runs it
 

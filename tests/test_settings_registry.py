@@ -127,6 +127,10 @@ REGISTRY: dict[str, str] = {
     "train.hang_timeout_minutes": "tests/test_hang.py::test_rank_blocked_in_a_micro_batch_is_named",
     "parallel.pipeline_partition": ("tests/test_plan.py::"
                                     "test_pipeline_partition_setting_cuts_the_stages_the_run_builds"),
+    "parallel.pipeline_schedule": ("tests/test_fsdp2_pipeline.py::"
+                                   "test_each_schedule_trains_like_one_process"),
+    "parallel.virtual_stages": ("tests/test_fsdp2_pipeline.py::"
+                                "test_each_schedule_trains_like_one_process"),
     "train.loss_spike_factor": T_SPIKE_FACTOR, "logging.log_interval": T_SPIKE_FACTOR,
     "train.beta1": T_ADAM, "train.beta2": T_ADAM, "train.eps": T_ADAM,
     DS + "optimizer.params.betas": T_ADAM, DS + "optimizer.params.eps": T_ADAM,
@@ -305,6 +309,8 @@ MUTANT_OF: dict[str, str] = {
     "parallel.expert": "ep-experts-counted-on-every-rank-in-the-norm",
     "parallel.sequence_parallel": "model-sequence-parallel-setting-ignored",
     "parallel.pipeline_partition": "model-pipeline-partition-ignored",
+    "parallel.pipeline_schedule": "pipes-schedule-ignored",
+    "parallel.virtual_stages": "pipes-virtual-stages-ignored",
     "data.dataset": "data-dataset-split-ignored",
     "data.blend": "data-blend-first-component-only",
     "data.valid_fraction": "data-valid-fraction-halved",

@@ -48,6 +48,7 @@ from pretrain.arithmetic import layer_parameters, layout_recomputed_layers, stag
 from pretrain.config import ModelConfig, Precision
 from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
 from pretrain.resolve.fsdp2_rules import layout_refusals, raise_refusals
+from pretrain.errors import ConfigError
 from pretrain.resolve.layout import Layout
 
 GB = 2**30
@@ -217,6 +218,11 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
 def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
     """ConfigError for what fsdp2 does not run (the rules `pretrain.resolve.fsdp2_rules` applies to a
     run config), so that no plan is made of it."""
+    if layout.pipeline > 1:
+        raise ConfigError(f"parallel.pipeline={layout.pipeline} under train.engine=fsdp2: the "
+                          "planner does not model fsdp2's pipeline schedules (their bubble and "
+                          "micro-batches in flight) yet; plan parallel.pipeline=1, or the "
+                          "pipeline under train.engine=deepspeed")
     raise_refusals(layout_refusals(
         num_experts=m.num_experts,
         fp16=layout.precision == Precision.FP16,
