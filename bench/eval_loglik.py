@@ -45,7 +45,7 @@ GEN_ROWS, GEN_PROMPT, GEN_TOKENS, GEN_ROUNDS = 4, 64, 16, 3
 
 
 def requests(examples: int = EXAMPLES):
-    from pretrain.evaluation.task_names import task_manager
+    from pretrain.resolve.eval_tasks import task_manager
 
     task = task_manager(["python_next_line"]).load(["python_next_line"])["tasks"]
     task = task["python_next_line"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.evaluation.task_names import offline, task_manager
+from pretrain.resolve.eval_tasks import offline, task_manager
 from pretrain.evaluation.tasks import scores_of
 from pretrain.testing.runs import run_pretrain, train, train_args
 

@@ -310,7 +310,7 @@ def _help(*command: str) -> str:
 
 
 def test_eval_help_lists_every_local_task():
-    from pretrain.evaluation.task_names import LOCAL_TASKS
+    from pretrain.resolve.eval_tasks import LOCAL_TASKS
 
     text = _help("eval")
     assert len(LOCAL_TASKS) >= 4

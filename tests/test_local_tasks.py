@@ -7,7 +7,7 @@ import random
 from collections import Counter
 
 from pretrain.evaluation.next_line import CONTEXT_LINES, MIN_WORDS, reordered
-from pretrain.evaluation.task_names import LOCAL_TASKS, TASKS_DIR
+from pretrain.resolve.eval_tasks import LOCAL_TASKS, TASKS_DIR
 
 
 def _examples(task: str) -> list[dict]:

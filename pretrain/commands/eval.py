@@ -10,7 +10,7 @@ from pretrain.commands.generate import add_loading_arguments
 
 
 def _local_tasks() -> list[str]:
-    """The local tasks' names, as `pretrain.evaluation.task_names.LOCAL_TASKS` finds them (read here
+    """The local tasks' names, as `pretrain.resolve.eval_tasks.LOCAL_TASKS` finds them (read here
     without importing lm-eval and torch: `--help` stays light)."""
     tasks = Path(__file__).parents[1] / "evaluation" / "tasks"
     return sorted(p.stem for p in tasks.glob("*.yaml"))

@@ -1,5 +1,5 @@
 """One evaluation of lm-eval tasks on every rank (which tasks a name means:
-`pretrain.evaluation.task_names`). Datasets are read offline: a standard task needs its dataset
+`pretrain.resolve.eval_tasks`). Datasets are read offline: a standard task needs its dataset
 in the Hugging Face cache of the machine that runs it.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.evaluation.task_names import offline, task_manager
+from pretrain.resolve.eval_tasks import offline, task_manager
 
 # lm-eval's result keys are "metric,filter"; these are not scores
 _NOT_SCORES = ("alias", "samples", "name", "sample_len")

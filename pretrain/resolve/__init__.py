@@ -10,5 +10,5 @@ process and handed down; nothing outside this package re-derives what it holds.
 - `ds_config`: the DeepSpeed JSON read, checked and filled from the run;
 - `fsdp2_rules`: what `train.engine: fsdp2` cannot run, for the resolver and the planner;
 - `run_checks`: what a run needs beyond its layout (its sinks' packages, its eval tasks),
-  checked as its config is settled.
+  checked as its config is settled; `eval_tasks`: which lm-eval tasks a name means.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pretrain.config import RunConfig
 from pretrain.errors import ConfigError
+from pretrain.resolve.eval_tasks import check_tasks
 
 # The packages each sink of logging.report_to imports (MLflow's SQLite store needs SQLAlchemy
 # and Alembic, which mlflow-skinny leaves out).
@@ -41,6 +42,4 @@ def check_eval_config(cfg: RunConfig) -> None:
         raise ConfigError("eval.tasks with parallel.context > 1: the evaluation does not split "
                           "sequences over context ranks; evaluate the checkpoint with "
                           "`pretrain eval`, or set eval.tasks=[]")
-    from pretrain.evaluation.task_names import check_tasks  # the face imports the runner: lazily
-
     check_tasks(list(cfg.eval.tasks))

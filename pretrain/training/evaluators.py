@@ -120,7 +120,7 @@ class TaskEvaluator:
         engine.eval()
         try:
             with trainer.watchdog.paused():  # lm-eval's tokenizing and loading are not steps
-                from pretrain.evaluation.task_names import task_manager
+                from pretrain.resolve.eval_tasks import task_manager
                 from pretrain.evaluation.tasks import evaluate
 
                 if self._manager is None and trainer.main:

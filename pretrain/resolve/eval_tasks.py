@@ -1,4 +1,4 @@
-"""Which lm-eval tasks a name means: the local tasks shipped in tasks/ beside this file (found
+"""Which lm-eval tasks a name means: the local tasks shipped in pretrain/evaluation/tasks/ (found
 without indexing lm-eval's ~15,000 task files), else any task of the installed lm-eval (indexed
 only when a name is not local: ~15 s). Datasets are read offline (HF_DATASETS_OFFLINE /
 HF_HUB_OFFLINE set unless the user set them). Neither torch nor lm-eval at import: the run's
@@ -13,7 +13,7 @@ from pathlib import Path
 from pretrain.config import did_you_mean
 from pretrain.errors import ConfigError
 
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "evaluation" / "tasks"
 LOCAL_TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
 
 
