@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 from pretrain.config import load_config
 from pretrain.training.evaluators import TaskEvaluator, ValidationLoss
 
@@ -28,3 +30,38 @@ def test_the_validation_loss_is_due_every_interval_and_after_a_last_step_off_the
     assert [s for s in range(1, 8) if loss.due(s)] == [3, 6, 7]
     off = ValidationLoss(_trainer("train.eval_interval=0", "train.steps=7"))
     assert not any(off.due(s) for s in range(1, 8))
+
+
+class _Engine(torch.nn.Module):
+    """A flat engine whose loss of a micro-batch is the mean of its input ids: the validation
+    loss over the micro-batches read is then known exactly."""
+
+    def forward(self, input_ids, labels):
+        return input_ids.float().mean()
+
+
+def _validation(*, grad_accum: int, eval_batches: int, samples: int):
+    """The validation loss `ValidationLoss` computes over a split of `samples` samples whose
+    micro-batch i has ids all equal to i, and the losses of the micro-batches it should read."""
+    batches = ({"input_ids": torch.full((1, 4), float(i)), "labels": torch.zeros(1, 4)}
+               for i in range(samples))  # micro-batches of one sample
+    control = SimpleNamespace(stop_agreed=lambda: False, micro_batch_started=lambda *a, **k: None,
+                              micro_batch_done=lambda: None)
+    trainer = SimpleNamespace(
+        cfg=load_config(None, [f"train.eval_batches={eval_batches}", "train.eval_interval=1"]),
+        valid_data=list(range(samples)), engine=_Engine(), device="cpu", control=control,
+        _loader=lambda data, consumed, workers: batches, global_batch=grad_accum,
+        grad_accum=grad_accum, pipelined=False, step=1, world=SimpleNamespace(rank=0),
+        watchdog=SimpleNamespace(beat=lambda: None), _mean_over_dp=lambda t: t.item())
+    read = min(eval_batches, max(1, samples // trainer.global_batch)) * grad_accum
+    return ValidationLoss(trainer).loss(), sum(range(read)) / read
+
+
+def test_the_validation_loss_reads_eval_batches_global_batches():
+    """train.eval_batches global batches of grad_accum micro-batches each, capped by the split's
+    size: 3 of 2 micro-batches (the mean of ids 0..5), not 1 (0..1) nor the whole split."""
+    loss, expected = _validation(grad_accum=2, eval_batches=3, samples=20)
+    assert loss == expected == 2.5
+    # a split smaller than eval_batches global batches is read whole (2 batches of 2)
+    loss, expected = _validation(grad_accum=2, eval_batches=5, samples=4)
+    assert loss == expected == 1.5

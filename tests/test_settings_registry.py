@@ -152,8 +152,9 @@ REGISTRY: dict[str, str] = {
     "train.fsdp2_replicas": ("tests/test_fsdp2.py::"
                              "test_hsdp_trains_like_one_process_and_its_checkpoint_resumes_on_other_layouts"),
     "train.seed": "tests/test_model.py::test_same_seed_same_weights_different_seed_different",
-    "train.eval_interval": T_E2E,
-    "train.eval_batches": T_E2E,
+    "train.eval_interval": ("tests/test_bite_eval.py::"
+                            "test_the_validation_loss_is_due_every_interval_and_after_a_last_step_off_the_interval"),
+    "train.eval_batches": "tests/test_bite_eval.py::test_the_validation_loss_reads_eval_batches_global_batches",
     "train.max_nonfinite_steps": "tests/test_faults.py::test_nonfinite_steps_in_a_row_stop_the_run",
     "train.on_loss_spike": "tests/test_spikes.py::test_skip_drops_the_spiking_updates",
     "train.straggler_interval":
@@ -257,6 +258,8 @@ def _survived(mutant: str) -> str:
 
 
 MUTANT_OF: dict[str, str] = {
+    "train.eval_interval": "train-eval-interval-ignored",
+    "train.eval_batches": "train-eval-batches-ignored",
     DS + "zero_optimization.stage3_prefetch_bucket_size": "train-zero3-prefetch-bucket-unsized",
     "train.collective_timeout_minutes": "train-collective-timeout-ignored",
     "logging.report_to": "telemetry-report-to-ignored",
@@ -367,8 +370,6 @@ MUTANT_OF: dict[str, str] = {
 # Settings whose cited test no mutant proves yet, each with why. Only ever remove entries.
 UNMUTATED: dict[str, str] = {
     "deepspeed": "the JSON's path: its keys have their own entries",
-    "train.eval_interval": _survived("train-eval-batches-ignored"),
-    "train.eval_batches": _survived("train-eval-batches-ignored"),
     "model.compile": "a mutant would have to break inductor's cache reuse; not written yet",
     "parallel.pipeline": "DeepSpeed's PipelineModule does the split; no mutant written yet",
     "data.tokenizer": "the tokenizer check of a resumed checkpoint; no mutant written yet",
