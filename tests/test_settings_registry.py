@@ -116,7 +116,7 @@ REGISTRY: dict[str, str] = {
         "tests/test_bite_documents.py::"
         "test_the_loader_sends_each_samples_document_ids_computed_from_its_tokens"),
     # train.*
-    "train.steps": T_ZERO_FP32,
+    "train.steps": "tests/test_train_zero.py::test_single_process_run_learns",
     "train.micro_batch_size": T_SHIPPED_DS,
     "train.global_batch_size": T_BF16_FP32_SUMS,
     "train.lr": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
@@ -258,6 +258,8 @@ def _survived(mutant: str) -> str:
 
 
 MUTANT_OF: dict[str, str] = {
+    "train.steps": "train-steps-bound-one-short",
+    "data.tokenizer": "checkpoint-tokenizer-unchecked",
     "train.eval_interval": "train-eval-interval-ignored",
     "train.eval_batches": "train-eval-batches-ignored",
     DS + "zero_optimization.stage3_prefetch_bucket_size": "train-zero3-prefetch-bucket-unsized",
@@ -372,8 +374,6 @@ UNMUTATED: dict[str, str] = {
     "deepspeed": "the JSON's path: its keys have their own entries",
     "model.compile": "a mutant would have to break inductor's cache reuse; not written yet",
     "parallel.pipeline": "DeepSpeed's PipelineModule does the split; no mutant written yet",
-    "data.tokenizer": "the tokenizer check of a resumed checkpoint; no mutant written yet",
-    "train.steps": "the loop's bound: breaking it changes every test; no mutant written yet",
     DS + "optimizer.type": _DS_ONLY,
     DS + "optimizer.params.torch_adam": "no mutant written yet (the resolver's offload rule)",
     DS + "optimizer.params.fused": "the cited test runs on CUDA only",
