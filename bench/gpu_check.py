@@ -19,6 +19,10 @@ Rows (each imports what it needs itself, so a missing package fails its rows, no
 - process_group: a one-rank NCCL group (gloo in the dry run): all_reduce and broadcast of a
   device tensor;
 - fsdp2: `fully_shard` of a small Llama on that group, loss and gradients equal to unsharded;
+- fp8_tensorwise, fp8_rowwise: a model's block projections in FP8 (`model.fp8`; torchao
+  emulating in the dry run), 5 AdamW steps, the loss within 2% of the same steps without FP8;
+- selective_memory: peak CUDA memory of a forward and backward of the quickstart's model under
+  none, selective and full recompute: selective >= 30% below none and above full;
 - peak_memory_1b: one training step of the 1B preset (`pretrain.training.engine.build_engine`,
   DeepSpeed ZeRO-1 bf16, sequence 4096) against the planner's memory for that GPU;
 - mfu_4096: the same engine's measured MFU against the planner's (`plan.search.estimate`,
@@ -49,7 +53,13 @@ BUDGET_S = 450  # rows left when this much has passed are skipped: the whole che
 MEMORY_TOLERANCE = 0.25  # measured peak within 25% of the planner's
 MFU_TOLERANCE = 0.30  # measured MFU within 30% (relative) of the planner's
 ROWS = ("sdpa_flash", "varlen_documents", "fused_adamw", "compile_layer", "moe",
-        "process_group", "fsdp2", "peak_memory_1b", "mfu_4096")
+        "process_group", "fsdp2", "fp8_tensorwise", "fp8_rowwise", "selective_memory",
+        "peak_memory_1b", "mfu_4096")
+# FP8 against the same model's loss after a few AdamW steps: e4m3 rounds each projection operand
+# by up to 2^-4 relatively, bf16 by 2^-8, so an FP8 run's loss moves ~16x bf16's rounding's
+# share; 2% of the loss bounds it at these few steps (a broken scale moves it by far more).
+FP8_LOSS_TOLERANCE = 0.02
+FP8_STEPS = 5
 
 
 @dataclass
@@ -402,6 +412,76 @@ def row_fsdp2(c: Check, r: Result) -> None:
     r.matched = loss_error < 1e-6 and grad_error < 1e-5
     r.detail = (f"fully_shard over {backend}, one rank: loss rel. error {loss_error:.1e}, "
                 f"gradients {grad_error:.1e}")
+
+
+def _fp8_row(c: Check, r: Result, recipe: str) -> None:
+    """A few AdamW steps of a small model with its blocks' projections in FP8 (emulated in the
+    dry run), against the same steps in the check's precision."""
+    import copy
+
+    import torch
+
+    from pretrain.config import Fp8Recipe
+    from pretrain.model import build_model
+    from pretrain.model.fp8 import convert_to_fp8
+
+    if c.cuda and torch.cuda.get_device_capability() < (8, 9):
+        raise Skip(f"FP8 needs compute capability 8.9 (this GPU: "
+                   f"{'.'.join(map(str, torch.cuda.get_device_capability()))})")
+    cfg = _tiny_model_cfg(seq_length=64) if c.dry_run else _tiny_model_cfg(
+        hidden_size=1024, num_heads=8, num_kv_heads=8, ffn_hidden_size=2816, seq_length=512)
+    reference = build_model(cfg, seed=7).to(c.device, c.half)
+    fp8 = copy.deepcopy(reference)
+    converted = convert_to_fp8(fp8, Fp8Recipe(recipe), emulate=not c.cuda)
+    losses = {}
+    for name, model in (("reference", reference), ("fp8", fp8)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(FP8_STEPS):
+            losses[name] = _losses_and_grads((model,), cfg, c, seed=100 + step)[0]
+            optimizer.step()
+            optimizer.zero_grad()
+    error = abs(losses["fp8"] - losses["reference"]) / abs(losses["reference"])
+    r.ran = True
+    r.matched = 0 < error < FP8_LOSS_TOLERANCE
+    r.values = {"fp8_projections": len(converted.fp8), "loss_rel_error": error}
+    r.detail = (f"{converted.line()}; loss after {FP8_STEPS} steps rel. error {error:.1e} "
+                f"(tolerance {FP8_LOSS_TOLERANCE:g}, not 0)")
+
+
+def row_fp8_tensorwise(c: Check, r: Result) -> None:
+    _fp8_row(c, r, "tensorwise")
+
+
+def row_fp8_rowwise(c: Check, r: Result) -> None:
+    _fp8_row(c, r, "rowwise")
+
+
+def row_selective_memory(c: Check, r: Result) -> None:
+    """Peak CUDA memory of one forward and backward of the quickstart's model (micro-batch 8)
+    under none, selective and full recompute: selective at least 30% below none, above full."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.model import build_model
+
+    c.need_gpu("the CUDA allocator's peak")
+    peaks = {}
+    for mode in ("none", "selective", "full"):
+        cfg = load_config(None, ["model.preset=small",
+                                 f"model.activation_checkpointing={mode}"]).model
+        model = build_model(cfg, seed=0).to(c.device, c.half)
+        _losses_and_grads((model,), cfg, c, seed=1)  # gradients allocated first
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_length + 1), device=c.device)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        peaks[mode] = torch.cuda.max_memory_allocated() - base
+        del model
+    r.ran = True
+    r.matched = peaks["full"] < peaks["selective"] <= 0.7 * peaks["none"]
+    r.values = {f"{mode}_mib": peak / 2**20 for mode, peak in peaks.items()}
+    r.detail = ", ".join(f"{mode} {peak / 2**20:.0f} MiB" for mode, peak in peaks.items())
 
 
 def _big_run_config(c: Check):

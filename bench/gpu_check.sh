@@ -23,8 +23,9 @@ else PY=python3; fi
 
 # packages the GPU machine's image lacks (its package list: /work/.library/device/KINDS.md),
 # pinned to the versions this repository is tested with; DeepSpeed as its source archive
+# (torchao: train.fp8's float8 training, the fp8 rows)
 PACKAGES=(hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
-          typing-inspection==0.4.5)
+          typing-inspection==0.4.5 torchao==0.18.0)
 DEEPSPEED=deepspeed==0.19.8
 
 if [[ "${1:-}" == "--prepare" ]]; then
@@ -39,7 +40,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
 fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [[ "${1:-}" != "--dry-run" ]] && ! "$PY" -c "import deepspeed, hjson, pydantic" 2>/dev/null; then
+if [[ "${1:-}" != "--dry-run" ]] && ! "$PY" -c "import deepspeed, hjson, pydantic, torchao" 2>/dev/null; then
     if [[ ! -d "$WHEELS" ]]; then
         echo "gpu_check: DeepSpeed is missing and there is no $WHEELS (run --prepare where pip" \
              "reaches an index, and carry the folder)" >&2

@@ -55,6 +55,8 @@ class Recompute(str, enum.Enum):
     NONE = "none"  # keep all activations
     FULL = "full"  # recompute every layer
     EVERY_K = "every_k"  # recompute every k-th layer (model.activation_checkpointing_interval)
+    SELECTIVE = "selective"  # every layer keeps its matmul and attention outputs, recomputes
+    # the rest (norms, rotary, SwiGLU, adds): no matmul twice (pretrain/model/recompute.py)
 
 
 class Parametrization(str, enum.Enum):
@@ -69,6 +71,15 @@ class Precision(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"  # dynamic loss scaling
+
+
+class Fp8Recipe(str, enum.Enum):
+    """`train.fp8`: torchao's float8 training recipe of the decoder blocks' projections
+    (`pretrain.model.fp8`)."""
+
+    NONE = "none"  # every matmul in train.precision
+    TENSORWISE = "tensorwise"  # one dynamic scale per tensor; fsdp2 all-gathers weights in FP8
+    ROWWISE = "rowwise"  # one scale per row, powers of two: closer to bf16, a slower kernel
 
 
 class Engine(str, enum.Enum):
@@ -192,7 +203,7 @@ class ModelConfig(_Freezable):
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # share input embedding and output projection
     init_std: float = 0.02  # normal init; output projections are scaled by 1/sqrt(2*num_layers)
-    activation_checkpointing: Recompute = Recompute.NONE  # none | full | every_k (Recompute)
+    activation_checkpointing: Recompute = Recompute.NONE  # none | full | every_k | selective
     activation_checkpointing_interval: int = 1  # k for Recompute.EVERY_K
     vocab_pad_multiple: int = 128  # vocabulary rounded up to a multiple of this x tensor size
     init_from: str = ""  # initial weights instead of the seeded init: a Hugging Face Llama
@@ -519,6 +530,10 @@ class TrainConfig(_Freezable):
     muon_ns_dtype: str = "bf16"
     grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
     precision: Precision = Precision.AUTO  # auto | bf16 | fp32 | fp16; auto: pretrain/hardware.py
+    # none | tensorwise | rowwise: the decoder blocks' projections multiply in FP8 (torchao; the
+    # head, embedding and router stay in train.precision; pretrain/model/fp8.py). GPUs from
+    # compute capability 8.9; a CPU emulates it (same rounding, fp32 speed)
+    fp8: Fp8Recipe = Fp8Recipe.NONE
     # deepspeed | fsdp2: DeepSpeed's engine, or PyTorch's fully_shard over the same model, data,
     # schedule and checkpoints directory (pretrain/training/fsdp2.py; the DeepSpeed JSON still says the
     # ZeRO stage and offload, and settings fsdp2 cannot honour are refused before launch)
@@ -666,10 +681,16 @@ class LoggingConfig(_Freezable):
     curves: bool = True  # draw <run_dir>/curves.png (matplotlib) after each eval and at the end
     profile_steps: str = ""  # "a:b": torch profiler Chrome trace of steps a..b (1-based,
     # inclusive), one file per rank under <run_dir>/profile; "" disables
+    memory_snapshot: int = 0  # N > 0: record the CUDA allocator's history and write its
+    # snapshot (pytorch.org/memory_viz) after step N and on out-of-memory, per rank under
+    # <run_dir>/memory (pretrain/training/memory_snapshot.py); a no-op on CPU ranks; 0: off
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             _fail("logging", "log_interval", self.log_interval, "must be >= 1")
+        if self.memory_snapshot < 0:
+            _fail("logging", "memory_snapshot", self.memory_snapshot,
+                  "must be 0 (off) or the step after which to write the snapshot")
         if self.wandb_mode not in ("auto", "offline", "online", "disabled"):
             _fail("logging", "wandb_mode", self.wandb_mode,
                   "use auto, offline, online or disabled")

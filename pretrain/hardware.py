@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.config import Precision
+from pretrain.config import Fp8Recipe, Precision
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
 KNOWN_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0,
@@ -238,3 +238,28 @@ def choose_precision(requested: Precision, device_type: str, *, cpu: CpuInfo | N
             f"emulates bf16 here and a bf16 matmul measured {slowdown:.0f}x slower than fp32. "
             f"Set train.precision=auto (fp32 on this CPU) unless bf16 numerics are the point."))
     return PrecisionChoice(requested, "as configured")
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada (L4, L40S) and Hopper (H100, H200) multiply in FP8; A100 is 8.0
+
+
+def gpu_capability() -> tuple[int, int]:
+    """This process's GPU's compute capability (major, minor)."""
+    return torch.cuda.get_device_capability()
+
+
+def fp8_refusal(recipe: Fp8Recipe, device_type: str, *,
+                capability=None) -> str | None:
+    """Why `train.fp8: recipe` cannot run on this device, or None when it can: a GPU below
+    compute capability 8.9 has no FP8 matmul (torch._scaled_mm refuses it) and emulating there
+    would be slower than bf16. A CPU emulates FP8 (torchao's `emulate`: FP8 rounding, fp32
+    matmuls), for tests. `capability()` answers the GPU's compute capability (default
+    `gpu_capability`; tests pass a stand-in)."""
+    if Fp8Recipe(recipe) is Fp8Recipe.NONE or device_type != "cuda":
+        return None
+    have = tuple((capability or gpu_capability)())
+    if have >= FP8_MIN_CAPABILITY:
+        return None
+    return (f"train.fp8={Fp8Recipe(recipe).value}: this GPU's compute capability is "
+            f"{have[0]}.{have[1]}; FP8 matmuls need {FP8_MIN_CAPABILITY[0]}."
+            f"{FP8_MIN_CAPABILITY[1]} or newer (L4, L40S, H100, H200): set train.fp8=none")

@@ -12,8 +12,9 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_ONLY = {"sdpa_flash", "varlen_documents", "peak_memory_1b", "mfu_4096"}
-ON_CPU = {"fused_adamw", "compile_layer", "moe", "process_group", "fsdp2"}
+GPU_ONLY = {"sdpa_flash", "varlen_documents", "selective_memory", "peak_memory_1b", "mfu_4096"}
+ON_CPU = {"fused_adamw", "compile_layer", "moe", "process_group", "fsdp2", "fp8_tensorwise",
+          "fp8_rowwise"}
 
 
 def _gpu_check():

@@ -148,6 +148,7 @@ REGISTRY: dict[str, str] = {
     "train.muon_ns_dtype": "tests/test_muon.py::test_layout_equals_one_process",
     "train.grad_clip": T_BUILT_ENGINE,
     "train.precision": "tests/test_train_zero.py::test_bf16_zero0_first_update_is_adams_first_step",
+    "train.fp8": "tests/test_fp8.py::test_an_emulated_fp8_run_ends_within_the_tolerance_of_fp32",
     "train.engine": "tests/test_fsdp2.py::test_dp2_trains_like_one_process_and_writes_the_same_final",
     "train.fsdp2_replicas": ("tests/test_fsdp2.py::"
                              "test_hsdp_trains_like_one_process_and_its_checkpoint_resumes_on_other_layouts"),
@@ -189,6 +190,8 @@ REGISTRY: dict[str, str] = {
     "logging.curves": "tests/test_telemetry.py::test_training_reports_to_mlflow_and_draws_curves",
     "logging.peak_tflops": "tests/test_train_zero.py::test_single_process_run_learns",
     "logging.profile_steps": "tests/test_telemetry.py::test_training_records_hardware_flops_and_writes_a_profile_trace",
+    "logging.memory_snapshot":
+        "tests/test_memory_snapshot.py::test_a_cpu_run_says_its_snapshot_setting_is_a_no_op",
     # eval.*: the in-run scores after steps 2 and 4 are HFLM's on the same examples
     "eval.tasks": T_EVAL,
     "eval.interval": T_EVAL,
@@ -340,6 +343,7 @@ MUTANT_OF: dict[str, str] = {
     "train.grad_clip": "train-grad-clip-ignored",
     DS + "gradient_clipping": "train-grad-clip-ignored",
     "train.precision": "train-bf16-not-enabled",
+    "train.fp8": "fp8-run-not-converted",
     DS + "bf16.enabled": "train-bf16-not-enabled",
     DS + "bf16.immediate_grad_update": "planner-immediate-grad-update-off",
     "train.engine": "fsdp2-clip-never",
@@ -361,6 +365,7 @@ MUTANT_OF: dict[str, str] = {
     "logging.wandb_project": "telemetry-wandb-project-ignored",
     "logging.progress_bar": "telemetry-progress-bar-on-pipes",
     "logging.profile_steps": "telemetry-profile-steps-ignored",
+    "logging.memory_snapshot": "snapshot-not-wired",
     **dict.fromkeys(["eval.tasks", "eval.interval", "eval.limit"], "eval-tasks-interval-ignored"),
     DS + "zero_optimization.offload_optimizer.nvme_path": "data-nvme-auto-in-the-run-dir",
     DS + "zero_optimization.offload_param.nvme_path": "data-nvme-auto-in-the-run-dir",

@@ -16,11 +16,14 @@ from typing import Any, NamedTuple
 import deepspeed
 import torch
 import torch.nn as nn
+from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 
-from pretrain.config import ModelConfig, Recompute, RunConfig
+from pretrain.config import Engine, Fp8Recipe, ModelConfig, Recompute, RunConfig
 from pretrain.model.form import ModelForm, init_weights
-from pretrain.model.llama import DecoderLayer, LlamaModel, fused_projections
+from pretrain.model.fp8 import convert_to_fp8
+from pretrain.model.llama import DecoderLayer, LlamaModel, fused_projections, torch_checkpoint
+from pretrain.model.recompute import selective_checkpoint
 from pretrain.model.pipeline import SequentialPipeline, pipeline_module, sequential_pipeline
 
 
@@ -62,7 +65,18 @@ def tensor_parallel_group(groups):
 def construct_for_layout(cfg: RunConfig, groups) -> nn.Module:
     """This rank's model for the run's layout, not initialised: pipeline stages when
     parallel.pipeline > 1, else the flat model, tensor-parallel over `groups.tensor`.
-    Under `torch.device("meta")` it allocates nothing (the pre-flight build of every rank)."""
+    Under `torch.device("meta")` it allocates nothing (the pre-flight build of every rank).
+    With `train.fp8` its block projections compute in FP8 (`fp8.convert_to_fp8`; what was
+    converted in `model.fp8_conversion`)."""
+    model = _construct(cfg, groups)
+    if Fp8Recipe(cfg.train.fp8) is not Fp8Recipe.NONE:  # before any engine wraps or shards it
+        model.fp8_conversion = convert_to_fp8(
+            model, cfg.train.fp8, emulate=get_accelerator().device_name() != "cuda",
+            fsdp_all_gather=Engine(cfg.train.engine) is Engine.FSDP2)
+    return model
+
+
+def _construct(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
     p = cfg.parallel
     tp_group = tensor_parallel_group(groups)
     if ModelForm.for_layout(p.pipeline) is ModelForm.PIPELINE:
@@ -70,7 +84,9 @@ def construct_for_layout(cfg: RunConfig, groups) -> nn.Module:
             cfg.model, num_stages=p.pipeline, topology=groups.topology, tp_group=tp_group,
             sequence_parallel=p.sequence_parallel, partition_method=p.pipeline_partition,
             activation_checkpoint_interval=int(
-                cfg.model.activation_checkpointing == Recompute.FULL),
+                cfg.model.activation_checkpointing in (Recompute.FULL, Recompute.SELECTIVE)),
+            activation_checkpoint_func=(selective_checkpoint if cfg.model.activation_checkpointing
+                                        == Recompute.SELECTIVE else torch_checkpoint),
             groups_by_ranks=groups.by_ranks, cp_group=groups.context,
             expert_parallel=p.expert > 1)
     return LlamaModel(cfg.model, tp_group=tp_group, sequence_parallel=p.sequence_parallel,
@@ -119,8 +135,8 @@ def compile_blocks(module: nn.Module, *, cache_dir: Path) -> int:
     partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
     for layer in layers:
         if partitioned:
-            for part in layer.modules():  # attention, the MLP or each expert
-                if hasattr(part, "project"):
+            for part in layer.modules():  # attention, the MLP or each expert (FP8's unfused)
+                if getattr(part, "project", None) is fused_projections:
                     part.project = eager_fused_projections()
         layer.compile()
     return len(layers)

@@ -69,6 +69,7 @@ from pretrain.model.layers import (RMSNorm, apply_rotary, column_linear, rotary_
 # the loss of whole logits lives with the chunked one; imported here for both model forms
 from pretrain.model.loss import LMHead, causal_lm_loss, lm_loss  # noqa: F401
 from pretrain.model.moe import MoE
+from pretrain.model.recompute import selective_checkpoint
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
                                             gather_from_sequence, gather_from_tp, tp_rank,
                                             tp_world_size)
@@ -376,11 +377,14 @@ class LlamaModel(nn.Module):
             # one Parameter under two names: named_parameters() yields it once, as the embedding;
             # under TP both are the same (V/tp, C) row shard of the vocabulary
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.checkpoint_fn = torch_checkpoint
+        self.checkpoint_fn = (selective_checkpoint if cfg.activation_checkpointing
+                              == Recompute.SELECTIVE else torch_checkpoint)
 
     def recomputes_layer(self, index: int) -> bool:
         """Whether layer `index` recomputes its activations in backward (cfg.activation_checkpointing)."""
         mode = self.cfg.activation_checkpointing
+        if mode == Recompute.SELECTIVE:  # every layer, its matmuls' outputs kept (`recompute`)
+            return True
         if mode == Recompute.FULL:
             return True
         if mode == Recompute.EVERY_K:

@@ -316,9 +316,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, partition_dim=0)
         _uniform_like_linear(self.weight, fan_in=in_features)
+        self.linear = F.linear  # the local matmul; `fp8.convert_to_fp8` swaps in FP8's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # (..., out/tp)
+        return self.linear(x, self.weight)  # (..., out/tp)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -342,9 +343,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, partition_dim=1)
         _uniform_like_linear(self.weight, fan_in=in_features)
+        self.linear = F.linear  # the local matmul; `fp8.convert_to_fp8` swaps in FP8's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)  # (B, T, out): this rank's summand
+        partial = self.linear(x, self.weight)  # (B, T, out): this rank's summand
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(partial, self.tp_group)  # (B, T/tp, out)
         return reduce_from_tp(partial, self.tp_group)

@@ -22,11 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from pretrain.config import Engine, Precision, RunConfig, SpikeAction, freeze
+from pretrain.config import (Engine, Fp8Recipe, Precision, Recompute, RunConfig, SpikeAction,
+                             freeze)
 from pretrain.data.build import check_run_data
 from pretrain.resolve.ds_config import engine_fields, fill_ds_config, read_run_json
 from pretrain.errors import CheckpointError, ConfigError
-from pretrain.hardware import PrecisionChoice, choose_precision
+from pretrain.hardware import PrecisionChoice, choose_precision, fp8_refusal
 from pretrain.resolve.layout import Layout, check_engine, check_layout, planned_precision
 from pretrain.resolve.run_checks import check_run
 from pretrain.resolve.topology import Topology
@@ -146,6 +147,9 @@ def settle_config(cfg: RunConfig, *, device_type: str, on_this_machine: bool = T
     if on_this_machine:
         choice = settle_precision(cfg.train.precision, device_type, resume=resume)
         cfg.train.precision = choice.precision
+        refusal = fp8_refusal(cfg.train.fp8, device_type)
+        if refusal:
+            raise ConfigError(refusal)
     return SettledConfig(freeze(cfg), choice, resume, warnings)
 
 
@@ -196,6 +200,11 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     expert=p.expert, fsdp2_replicas=t.fsdp2_replicas,
                     engine=t.engine.value)
     check_layout(m, layout)
+    if Fp8Recipe(t.fp8) is not Fp8Recipe.NONE and layout.precision is Precision.FP16:
+        raise ConfigError(f"train.fp8={Fp8Recipe(t.fp8).value} with train.precision=fp16: "
+                          "torchao's float8 recipes scale each operand themselves and take "
+                          "bf16 or fp32 operands; fp16's loss scaling is not one of them: use "
+                          "train.precision=bf16")
     if t.on_loss_spike is SpikeAction.SKIP and p.pipeline > 1:
         raise ConfigError(
             f"train.on_loss_spike=skip with parallel.pipeline={p.pipeline}: a pipeline applies "
@@ -208,6 +217,13 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
         check_engine(layout)
     except ConfigError as error:
         raise ConfigError(f"{where}: {error}") from None
+    if (layout.recompute is Recompute.SELECTIVE and layout.zero_stage == 3
+            and Engine(t.engine) is Engine.DEEPSPEED):
+        raise ConfigError(
+            f"model.activation_checkpointing=selective with DeepSpeed's ZeRO-3 ({where}): its "
+            "hooks gather each parameter inside the recomputed layer, and gather it again "
+            "differently when backward recomputes it, while selective recompute replays the "
+            "layer's operators exactly; use full recompute, ZeRO 0-2 or train.engine=fsdp2")
     return layout
 
 

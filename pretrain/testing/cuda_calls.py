@@ -159,6 +159,7 @@ def _one_arg() -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 METRICS = "training/metrics.py"
+SNAPSHOTS = "training/memory_snapshot.py"
 CUDA_CALLS: tuple[CudaCall, ...] = (
     CudaCall("varlen attention", "torch.nn.attention.varlen:varlen_attn", _varlen_arguments,
              sites=(("model/documents.py", "varlen_attn"),), run=_run_varlen,
@@ -197,6 +198,17 @@ CUDA_CALLS: tuple[CudaCall, ...] = (
              sites=(("hardware.py", "torch.cuda.synchronize"),)),
     CudaCall("device name", "torch.cuda:get_device_name", _no_args,
              sites=(("hardware.py", "torch.cuda.get_device_name"),)),
+    CudaCall("compute capability", "torch.cuda:get_device_capability", _no_args,
+             sites=(("hardware.py", "torch.cuda.get_device_capability"),),
+             note="train.fp8 is refused below 8.9"),
+    CudaCall("memory history", "torch.cuda.memory:_record_memory_history",
+             lambda: ((), {"max_entries": 100_000}),
+             sites=((SNAPSHOTS, "torch.cuda.memory._record_memory_history"),
+                    (SNAPSHOTS, "torch.cuda.memory")),
+             note="logging.memory_snapshot"),
+    CudaCall("memory snapshot", "torch.cuda.memory:_dump_snapshot", lambda: (("x.pickle",), {}),
+             sites=((SNAPSHOTS, "torch.cuda.memory._dump_snapshot"),),
+             note="logging.memory_snapshot: at the chosen step and on out-of-memory"),
     CudaCall("native bf16", "torch.cuda:is_bf16_supported",
              lambda: ((), {"including_emulation": False}),
              sites=(("hardware.py", "torch.cuda.is_bf16_supported"),)),

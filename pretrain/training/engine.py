@@ -218,6 +218,13 @@ def engine_loss(engine, inputs, labels: torch.Tensor, device: str, *,
     return engine(input_ids, labels=labels, document_ids=document_ids)
 
 
+def log_fp8(model: torch.nn.Module, *, main: bool) -> None:
+    """The run log's line of `train.fp8`: the projections that compute in FP8, those kept."""
+    conversion = getattr(model, "fp8_conversion", None)
+    if conversion is not None:
+        log(f"[fp8] {conversion.line()}", main=main)
+
+
 def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
                  main: bool) -> deepspeed.DeepSpeedEngine:
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
@@ -236,9 +243,11 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
             log(engine.pipeline.describe(), main=main)
         if cfg.model.init_from:
             log(f"[init] weights from {engine.load_initial_weights()}", main=main)
+        log_fp8(engine.module, main=main)
         return engine
     model = build_for_layout(cfg, groups,
                              zero3_config=ds_config if zero_stage(ds_config) == 3 else None)
+    log_fp8(model, main=main)
     if cfg.model.init_from:  # one parameter at a time (gathered under ZeRO-3), before the engine
         source = load_initial_weights(model, cfg=cfg.model, tp_group=tensor_parallel_group(groups))
         log(f"[init] weights from {source}", main=main)

@@ -38,6 +38,7 @@ from pretrain.training import curves, faults, hang, spikes, stragglers
 from pretrain.training.engine import TimedBatches, build_engine, engine_loss
 from pretrain.training.evaluators import TaskEvaluator, ValidationLoss
 from pretrain.training.metrics import StepRecords, announce_run, format_step_line, global_grad_norm
+from pretrain.training.memory_snapshot import MemorySnapshots
 from pretrain.training.profiler import StepProfiler
 from pretrain.training.sinks import MetricsSink
 
@@ -308,8 +309,13 @@ class Trainer:
         bar = self._progress_bar()
         profiler = StepProfiler(self.cfg.logging.profile_range(), run_dir=self.run_dir,
                                           rank=self.world.rank)
+        snapshots = MemorySnapshots(self.cfg.logging.memory_snapshot, run_dir=self.run_dir,
+                                    rank=self.world.rank, device_type=torch.device(self.device).type,
+                                    main=self.main)
         while self.step < self.cfg.train.steps:
-            record = self._run_step(batches, profiler, result)
+            with snapshots.recording():
+                record = self._run_step(batches, profiler, result)
+            snapshots.after_step(self.step)
             if record is None:  # a stop request inside the step: the partial step is abandoned
                 self._stop(result, self.control.poll(device=self.device).stop)
                 break
