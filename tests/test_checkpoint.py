@@ -231,8 +231,8 @@ def test_resume_allows_recompute_and_init_changes_but_not_shapes(tiny_data):
                                                  "model.activation_checkpointing=full",
                                                  "model.hidden_size=128"])
     assert resume_mismatch(meta, reshaped) == (
-        "it was written for another model: model.hidden_size=64 there, 128 here; use the run's "
-        "own config or start a new run_dir")
+        "it was written for another model: model.hidden_size=64 there, 128 here, model.head_dim=16 "
+        "there, 32 here; use the run's own config or start a new run_dir")
 
 
 def test_tensor_parallel_checkpoint_is_not_converted_to_universal(tiny_data, tmp_path):

@@ -213,7 +213,8 @@ def test_srun_style_environment_trains_like_torchrun(tiny_data, tmp_path, single
     import subprocess
     import sys
 
-    from pretrain.testing.runs import REPO, Run, free_port
+    from pretrain.dist import free_port
+    from pretrain.testing.runs import REPO, Run
 
     run_dir = tmp_path / "srun"
     port = free_port()
