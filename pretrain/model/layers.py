@@ -88,11 +88,9 @@ class RotaryEmbedding(nn.Module):
     sign flip is exact): one kernel less per q and k, forward and backward, same bits.
     """
 
-    def __init__(self, head_dim: int, seq_length: int, theta: float = 10000.0, *,
-                 inv_freq: torch.Tensor | None = None) -> None:
+    def __init__(self, seq_length: int, *, inv_freq: torch.Tensor) -> None:
+        """`inv_freq`: the head_dim/2 frequencies (`inverse_frequencies`)."""
         super().__init__()
-        if inv_freq is None:
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         positions = torch.arange(seq_length, dtype=torch.float)
         freqs = torch.outer(positions, inv_freq)  # (T, hd/2)
         sin = freqs.sin()
@@ -117,7 +115,7 @@ class RotaryEmbedding(nn.Module):
 
 def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
     """The rotary table of `cfg` (its head width, seq_length positions, frequencies)."""
-    return RotaryEmbedding(cfg.head_dim, cfg.seq_length, inv_freq=inverse_frequencies(cfg))
+    return RotaryEmbedding(cfg.seq_length, inv_freq=inverse_frequencies(cfg))
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
