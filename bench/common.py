@@ -29,6 +29,21 @@ def stdlib_dataset(vocab_size: int = 8192) -> dict[str, str]:
     return {"tokenizer": str(model), "dataset": str(prefix)}
 
 
+def batches(dataset: str, *, split: str, seq: int, batch: int, count: int, seed: int = 1234):
+    """`count` (input_ids, labels) batches of the split, in the dataset's fixed sample order."""
+    import torch
+
+    from pretrain.data.samples import PackedSamples
+
+    samples = PackedSamples(dataset, seq_length=seq, split=split, valid_fraction=0.01, seed=seed)
+    out = []
+    for b in range(count):
+        items = [samples[(b * batch + i) % len(samples)] for i in range(batch)]
+        out.append((torch.stack([s["input_ids"] for s in items]),
+                    torch.stack([s["labels"] for s in items])))
+    return out
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

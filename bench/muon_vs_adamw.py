@@ -20,23 +20,10 @@ import time
 
 import torch
 
-from common import CACHE, REPO, machine, stdlib_dataset
+from common import CACHE, REPO, batches, machine, stdlib_dataset
 
 RESULTS = CACHE / "muon_vs_adamw.json"
 PLOT = REPO / "docs" / "muon_vs_adamw.png"
-
-
-def batches(dataset: str, *, seq: int, batch: int, count: int):
-    """`count` (input_ids, labels) batches of the training split, in the dataset's order."""
-    from pretrain.data.samples import PackedSamples
-
-    samples = PackedSamples(dataset, seq_length=seq, split="train", valid_fraction=0.01, seed=1234)
-    out = []
-    for b in range(count):
-        items = [samples[(b * batch + i) % len(samples)] for i in range(batch)]
-        out.append((torch.stack([s["input_ids"] for s in items]),
-                    torch.stack([s["labels"] for s in items])))
-    return out
 
 
 def train(cfg, optimizer_name: str, data) -> list[float]:
@@ -100,8 +87,8 @@ def main() -> None:
                            f"train.steps={args.steps}", f"train.muon_lr={args.muon_lr}",
                            "train.warmup_steps=" + str(max(1, args.steps // 8))])
         torch.manual_seed(0)
-        train_data = batches(data["dataset"], seq=cfg.model.seq_length, batch=args.batch,
-                             count=args.steps)
+        train_data = batches(data["dataset"], split="train", seq=cfg.model.seq_length,
+                             batch=args.batch, count=args.steps)
         results = {"steps": args.steps, "tokens_per_step": args.batch * cfg.model.seq_length,
                    "machine": machine(), "lr": cfg.train.lr, "muon_lr": args.muon_lr,
                    "losses": {}, "seconds": {}}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common import CACHE, REPO, machine, stdlib_dataset
+from common import CACHE, REPO, batches, machine, stdlib_dataset
 
 RESULTS = CACHE / "mup_transfer.json"
 PLOT = REPO / "docs" / "mup_transfer.png"
@@ -48,19 +48,6 @@ def model_config(width: int, parametrization: str, *, base_width: int, head_dim:
         f"model.seq_length={seq}", f"model.vocab_size={vocab}", "model.tie_embeddings=false",
         f"model.parametrization={parametrization}", f"model.mup_base_width={base_width}",
         f"model.mup_base_head_dim={head_dim}", "model.loss_chunk_tokens=0"]).model
-
-
-def batches(dataset: str, *, split: str, seq: int, batch: int, count: int, seed: int = 1234):
-    """`count` (input_ids, labels) batches of the split, in the dataset's fixed sample order."""
-    from pretrain.data.samples import PackedSamples
-
-    samples = PackedSamples(dataset, seq_length=seq, split=split, valid_fraction=0.01, seed=seed)
-    out = []
-    for b in range(count):
-        items = [samples[(b * batch + i) % len(samples)] for i in range(batch)]
-        out.append((torch.stack([s["input_ids"] for s in items]),
-                    torch.stack([s["labels"] for s in items])))
-    return out
 
 
 def train_one(cfg, lr: float, *, train, valid, seed: int) -> float:
