@@ -60,6 +60,24 @@ def cli(*args) -> None:
     pretrain_main([str(a) for a in args])
 
 
+def _assert_equals_transformers(weights, hf, ids: torch.Tensor, *, prompt: int,
+                                new_tokens: int) -> torch.Tensor:
+    """Our model built from `weights` (a `load_weights` result) against `hf`, transformers'
+    model of the same weights: fp32 logits of `ids` within a few ulps of the largest logit (the
+    same operations in another order), and greedy continuations of the first `prompt` tokens of
+    each row identical. Returns transformers' logits of `ids`."""
+    ours = LlamaModel(weights.model)
+    ours.load_state_dict(from_hf_state_dict(dict(weights.state.items()), weights.model))
+    ours.eval()
+    with torch.no_grad():
+        expected, got = hf(ids).logits, ours(ids)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    theirs = hf.generate(ids[:, :prompt], max_new_tokens=new_tokens, do_sample=False,
+                         min_new_tokens=new_tokens, pad_token_id=0)
+    assert torch.equal(ours.generate(ids[:, :prompt], max_new_tokens=new_tokens), theirs)
+    return expected
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path):
     """transformers' model -> import-hf -> our model: the same fp32 logits and greedy tokens;
@@ -70,18 +88,8 @@ def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path)
     assert weights.model.family == model_cfg(shape).family
     assert weights.model.head_dim == {"llama3": 16, "qwen3": 24}[shape]  # qwen3: not 64 / 4
     assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
-    ours = LlamaModel(weights.model)
-    ours.load_state_dict(from_hf_state_dict(dict(weights.state.items()), weights.model))
-    ours.eval()
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected, got = hf(ids).logits, ours(ids)
-    # fp32, the same operations in another order: a few ulps of the largest logit
-    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
-    prompt = ids[:, :9]
-    theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                         pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, max_new_tokens=12), theirs)
+    expected = _assert_equals_transformers(weights, hf, ids, prompt=9, new_tokens=12)
 
     tokenizer = _tokenizer(tmp_path)
     cli("export-hf", tmp_path / "init", "--output", tmp_path / "back", "--dtype", "fp32",
@@ -209,17 +217,8 @@ def test_imported_qwen3_trains_on_a_layout_like_one_process_and_exports_as_trans
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "hf",
                                                        attn_implementation="eager").eval()
     weights = load_weights(final)
-    ours = LlamaModel(weights.model)
-    ours.load_state_dict(from_hf_state_dict(dict(weights.state.items()), weights.model))
-    ours.eval()
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected, got = hf(ids).logits, ours(ids)
-    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
-    prompt = ids[:, :5]
-    theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                         pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, max_new_tokens=8), theirs)
+    _assert_equals_transformers(weights, hf, ids, prompt=5, new_tokens=8)
 
 
 def test_a_mup_qwen3_exports_its_attention_scale_into_the_q_norm():
