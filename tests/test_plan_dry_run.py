@@ -258,14 +258,39 @@ def test_plan_and_preflight_refuse_what_train_refuses(case, tmp_path, tiny_data)
                       "--log-dir", str(tmp_path / "log"), "--config", "configs/tiny.yaml",
                       *data, *sets],
     }
-    lines = {}
-    for name, args in commands.items():
-        code = (f"{_HIDE_ALEMBIC}import pretrain.dist\n"
-                "def no_group(*args, **kwargs):\n"
-                "    raise SystemExit('a process group was started')\n"
-                "pretrain.dist.init_distributed = no_group\n"
-                f"from pretrain.cli import main\nmain({args!r})")
-        run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                             text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-        lines[name] = _one_error_line(run, expected)
+    # one interpreter imports the CLI once; each command runs in a child forked from it, as
+    # its own process would (its own exit status and stderr), without paying the imports again
+    code = (f"{_HIDE_ALEMBIC}import json, os, sys\n"
+            "import pretrain.dist\n"
+            "def no_group(*args, **kwargs):\n"
+            "    raise SystemExit('a process group was started')\n"
+            "pretrain.dist.init_distributed = no_group\n"
+            "from pretrain.cli import main\n"
+            f"commands = {commands!r}\n"
+            f"out = {str(tmp_path / 'stderr')!r}\n"
+            "status = {}\n"
+            "for name, args in commands.items():\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        fd = os.open(f'{out}.{name}', os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\n"
+            "        os.dup2(fd, 2)\n"
+            "        sys.stderr = os.fdopen(2, 'w', buffering=1)\n"
+            "        code = 0\n"
+            "        try:\n"
+            "            main(args)\n"
+            "        except SystemExit as exc:\n"
+            "            code = exc.code if isinstance(exc.code, int) else (exc.code is not None)\n"
+            "            if not isinstance(exc.code, int) and exc.code is not None:\n"
+            "                print(exc.code, file=sys.stderr)\n"
+            "        sys.stderr.flush()\n"
+            "        os._exit(code)\n"
+            "    status[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+            "print(json.dumps(status))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    status = json.loads(run.stdout.splitlines()[-1])
+    lines = {name: _one_error_line(subprocess.CompletedProcess(
+        args, status[name], "", (tmp_path / f"stderr.{name}").read_text()), expected)
+        for name, args in commands.items()}
     assert lines["plan"] == lines["train"] and lines["preflight"] == lines["train"], lines
