@@ -24,14 +24,15 @@ from pretrain.model.llama import full_parameter_shape, shard_init
 VOCAB = 515  # odd: padded rows under every tensor-parallel size
 
 # per family, a tiny model of a shape that differs from the plain Llama where the family can:
-# GQA and untied everywhere; Llama 3's scaling with a factor, and an original context (48,
-# under the tiny model's 64 positions, as Llama 3.1's 8k under its 128k) that puts the tiny
-# head's frequencies in every band: wavelength 6.3 kept (< 48 / 4), 32.5 blended, the rest
-# divided by 8; Qwen3's head_dim 24, not hidden / heads = 16
+# GQA and untied everywhere; Llama 3's scaling with a factor, an original context (60, under
+# the tiny model's 64 positions, as Llama 3.1's 8k under its 128k) and band factors (none the
+# default, so that one dropped on the way shows) that put the tiny head's frequencies in every
+# band: wavelength 6.3 kept (< 60 / 6), 32.5 blended (< 60 / 1.5), the rest divided by 8;
+# Qwen3's head_dim 24, not hidden / heads = 16
 SHAPES = {
     "llama3": ["model.family=llama", "model.rope_scaling=llama3", "model.rope_theta=500000",
-               "model.rope_scaling_factor=8", "model.rope_original_max_positions=48",
-               "model.rope_low_freq_factor=1", "model.rope_high_freq_factor=4"],
+               "model.rope_scaling_factor=8", "model.rope_original_max_positions=60",
+               "model.rope_low_freq_factor=1.5", "model.rope_high_freq_factor=6"],
     "qwen3": ["model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000",
               "model.norm_eps=1e-6"],
 }
