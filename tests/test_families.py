@@ -17,7 +17,9 @@ from pretrain.checkpoint.weights import load_weights
 from pretrain.config import load_config
 from pretrain.families import FAMILIES, family_of
 from pretrain.model import LlamaModel, build_model
-from pretrain.model.hf import expected_hf_keys, from_hf_state_dict, to_hf_config
+from pretrain.errors import CheckpointError
+from pretrain.model.hf import (check_same_architecture, expected_hf_keys, from_hf_state_dict,
+                               to_hf_config)
 from pretrain.model.layers import inverse_frequencies
 from pretrain.model.llama import full_parameter_shape, shard_init
 
@@ -81,12 +83,17 @@ def _assert_equals_transformers(weights, hf, ids: torch.Tensor, *, prompt: int,
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path):
-    """transformers' model -> import-hf -> our model: the same fp32 logits and greedy tokens;
-    -> export-hf: the same tensors and a config.json transformers reads as the same model."""
+def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path, capsys):
+    """transformers' model -> import-hf -> our model: the same fp32 logits and greedy tokens
+    (and the `--set` options import-hf prints make a run the weights fit, Llama 3's scaling
+    factors included); -> export-hf: the same tensors and a config.json transformers reads as
+    the same model."""
     hf = random_hf(shape, tmp_path / "src")
     cli("import-hf", tmp_path / "src", "--output", tmp_path / "init")
     weights = load_weights(tmp_path / "init")
+    hint = [o.strip() for o in capsys.readouterr().out.split(" --set ")[1:]
+            if not o.startswith("model.init_from=")]
+    check_same_architecture(weights.model, load_config(None, hint).model, source="import-hf")
     assert weights.model.family == model_cfg(shape).family
     assert weights.model.head_dim == {"llama3": 16, "qwen3": 24}[shape]  # qwen3: not 64 / 4
     assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
@@ -115,6 +122,22 @@ def _tokenizer(tmp_path: Path) -> Path:
 
     return train_tokenizer(TINY_CORPUS_FILES, model_prefix=tmp_path / "sp",
                            vocab_size=VOCAB).path
+
+
+def test_weights_and_run_agree_on_the_rotary_scaling_settings():
+    """Llama 3 weights of one scaling factor (or band) do not fit a run of another: one error
+    naming the field; the factors of a scaling neither uses are not compared."""
+    weights = model_cfg("llama3")
+    check_same_architecture(weights, model_cfg("llama3"), source="w")
+    for field, value in [("rope_scaling_factor", 32), ("rope_high_freq_factor", 4),
+                         ("rope_original_max_positions", 8192)]:
+        with pytest.raises(CheckpointError, match=rf"model\.{field}: run {value}"):
+            check_same_architecture(weights, model_cfg("llama3", f"model.{field}={value}"),
+                                    source="w")
+    plain = load_config(None, ["model.preset=tiny"]).model
+    check_same_architecture(plain, load_config(None, ["model.preset=tiny",
+                                                      "model.rope_scaling_factor=32"]).model,
+                            source="w")
 
 
 def test_llama3_frequencies_are_transformers():
@@ -160,8 +183,9 @@ LAYOUT_STEPS = 4
 ZERO1 = "deepspeed=ds_configs/zero1.json"
 # (shape, layout): (ranks, overrides). Each family trains at tp 2 and on every layout whose code
 # path it changes (docs/verified.md says why these): llama3 changes the rotary frequencies only,
-# which every layer takes from one table of global positions, so tp 2 with sequence parallelism
-# and context parallelism (a chunk's positions from its offset); qwen3's per-head q/k norms
+# which every layer takes from one table of global positions, so tp 2 with sequence parallelism,
+# context parallelism (a chunk's positions from its offset) and fsdp2's pipeline stages (a
+# model built on the meta device, its tables made again per stage); qwen3's per-head q/k norms
 # are replicated gains inside the tensor-parallel attention, their gradients partial per rank:
 # reduced over the tensor group (tp 2), under sequence parallelism, gathered by ZeRO-3 and
 # fsdp2, offloaded, named in a pipeline's stages, and applied before context parallelism's
@@ -170,6 +194,8 @@ FAMILY_LAYOUTS = {
     ("llama3", "zero3_tp2_sp_dp2"): (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2",
                                          "parallel.sequence_parallel=true"]),
     ("llama3", "cp2"): (2, [ZERO1, "parallel.context=2"]),
+    ("llama3", "fsdp2_pp2_tp2"): (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
+                                      "parallel.pipeline=2", "parallel.tensor=2"]),
     ("qwen3", "fsdp2_tp2_sp_dp2"): (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
                                         "parallel.tensor=2", "parallel.sequence_parallel=true"]),
     ("qwen3", "zero3_tp2_dp2"): (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
