@@ -1,8 +1,8 @@
 """A rollback's verdict when reruns are not bitwise (`pretrain.training.spikes`), in this process:
-`roll_back` drives a loop without a model (`_Loop`, through the `LoopState` it takes) whose step losses are those of a run on a GPU,
-where every rerun of a step differs in the last bits (`pretrain.testing.nondeterminism.nudge`);
-the rules alone (`spikes_again`, `loss_changed`) against their definitions. The launched runs
-are in tests/test_spikes.py.
+`roll_back` drives a loop without a model (`_Loop`, through the `LoopState` it takes) whose step
+losses are those of a run on a GPU, where every rerun of a step differs in the last bits
+(`pretrain.testing.nondeterminism.nudge`); the rules alone (`spikes_again`, `loss_changed`)
+against their definitions. The launched runs are in tests/test_spikes.py.
 """
 from __future__ import annotations
 
