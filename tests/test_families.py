@@ -38,7 +38,9 @@ SHAPES = {
     "qwen3": ["model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000",
               "model.norm_eps=1e-6"],
 }
-HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
+SHAPES["qwen3_tied"] = [*SHAPES["qwen3"], "model.tie_embeddings=true"]  # as Qwen3-0.6B
+HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+              "qwen3_tied": transformers.Qwen3ForCausalLM}
 
 
 def model_cfg(shape: str, *more: str):
@@ -95,7 +97,8 @@ def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path,
             if not o.startswith("model.init_from=")]
     check_same_architecture(weights.model, load_config(None, hint).model, source="import-hf")
     assert weights.model.family == model_cfg(shape).family
-    assert weights.model.head_dim == {"llama3": 16, "qwen3": 24}[shape]  # qwen3: not 64 / 4
+    assert weights.model.head_dim == (16 if shape == "llama3" else 24)  # qwen3: not 64 / 4
+    assert weights.model.tie_embeddings == (shape == "qwen3_tied")
     assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     expected = _assert_equals_transformers(weights, hf, ids, prompt=9, new_tokens=12)
@@ -189,7 +192,8 @@ ZERO1 = "deepspeed=ds_configs/zero1.json"
 # are replicated gains inside the tensor-parallel attention, their gradients partial per rank:
 # reduced over the tensor group (tp 2), under sequence parallelism, gathered by ZeRO-3 and
 # fsdp2, offloaded, named in a pipeline's stages, and applied before context parallelism's
-# all-to-all.
+# all-to-all; and tied, as Qwen3-0.6B is, at ZeRO-2 x tp 2 (the embedding is the
+# vocab-parallel head).
 FAMILY_LAYOUTS = {
     ("llama3", "zero3_tp2_sp_dp2"): (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2",
                                          "parallel.sequence_parallel=true"]),
@@ -202,12 +206,13 @@ FAMILY_LAYOUTS = {
     ("qwen3", "pp2_tp2"): (4, [ZERO1, "parallel.pipeline=2", "parallel.tensor=2"]),
     ("qwen3", "cp2_zero3_offload"): (2, ["deepspeed=ds_configs/zero3_offload_cpu.json",
                                          "parallel.context=2"]),
+    ("qwen3_tied", "zero2_tp2_dp2"): (4, ["deepspeed=ds_configs/zero2.json", "parallel.tensor=2"]),
 }
 
 
 @pytest.fixture(scope="module")
 def family_runs(tiny_data, tmp_path_factory):
-    """Per shape, made once: a random transformers model of its odd vocabulary (untied, GQA),
+    """Per shape, made once: a random transformers model of its odd vocabulary (GQA),
     imported (final/ format), and one process training it: (imported, single run)."""
     made: dict[str, tuple[Path, object]] = {}
 
@@ -257,9 +262,9 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
     final = run.run_dir / "final"
     cli("export-hf", final, "--output", tmp_path / "hf", "--dtype", "fp32")
     hf = HF_CLASSES[shape].from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
-    wanted = to_hf_config(model_cfg(shape))  # the scaling, its factors, vocabulary, untied
+    wanted = to_hf_config(model_cfg(shape))  # the scaling, its factors, vocabulary, tying
     assert (hf.config.rope_scaling, hf.config.vocab_size, hf.config.tie_word_embeddings) == \
-        (wanted.rope_scaling, VOCAB, False)
+        (wanted.rope_scaling, VOCAB, shape == "qwen3_tied")
     weights = load_weights(final)
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
     _assert_equals_transformers(weights, hf, ids, prompt=5, new_tokens=8)
