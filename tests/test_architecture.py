@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
      "pretrain.training.stragglers", "pretrain.training.muon"),
     ("pretrain.training.engine", "pretrain.training.fsdp2",
      "pretrain.training.pipeline_schedules", "pretrain.training.metrics", "pretrain.training.trainer", "pretrain.training.spikes",
-     "pretrain.training.evaluators",
+     "pretrain.training.evaluators", "pretrain.training.loop_state",
      "pretrain.sweep", "pretrain.launchers", "pretrain.tune", "pretrain.ray_train", "pretrain.testing",
      "pretrain.evaluation"),
     ("pretrain.commands",),
@@ -140,3 +140,31 @@ def test_no_reference_outside_the_repository():
                 if pattern.search(line):
                     hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+def test_the_loops_helpers_take_the_loop_state_not_the_trainer():
+    """A spike's rollback and the evaluations take the run's `LoopState`: they neither import
+    the trainer nor name a parameter `trainer`, and reach into no private field of what they
+    are given (an attribute starting with an underscore, other than their own `self._x`)."""
+    helpers = {"pretrain.training.spikes": ("roll_back",),
+               "pretrain.training.evaluators": ("ValidationLoss", "TaskEvaluator")}
+    modules = _modules()
+    for name, entries in helpers.items():
+        path = modules[name]
+        assert "pretrain.training.trainer" not in _imports(name, path, modules), name
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg):
+                assert node.arg != "trainer", f"{name}: a parameter named trainer"
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__"):
+                owner = node.value
+                assert isinstance(owner, ast.Name) and owner.id == "self", \
+                    f"{name}:{node.lineno}: reaches into .{node.attr}"
+        defined = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        for entry in entries:
+            node = defined[entry]
+            func = node if isinstance(node, ast.FunctionDef) else next(
+                n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+            args = [a for a in func.args.args if a.arg != "self"]
+            assert ast.unparse(args[0].annotation) == "LoopState", (name, entry)

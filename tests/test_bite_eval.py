@@ -8,27 +8,37 @@ import torch
 
 from pretrain.config import load_config
 from pretrain.training.evaluators import TaskEvaluator, ValidationLoss
+from pretrain.training.loop_state import LoopState, Position
 
 
-def _trainer(*overrides: str):
-    return SimpleNamespace(cfg=load_config(None, list(overrides)), valid_data=object())
+def _state(*overrides: str, valid_data=(), **pieces) -> LoopState:
+    """The `LoopState` of a run of one process with the config `overrides`; the rest of the run
+    (engine, data, watchers) as `pieces` give it, else absent."""
+    fields = dict(position=Position(step=1), engine=None, device="cpu", main=True, rank=0,
+                  world_size=1, groups=None, run_dir=None, checkpoint_layout={},
+                  global_batch=1, grad_accum=1, pipelined=False, train_data=None,
+                  tokenizer=None, watchdog=None, guard=None, control=None, metrics=None,
+                  spikes=None, loader=None, train_step=None, finish_save=None,
+                  mean_over_dp=None, draw_curves=None)
+    fields.update(pieces)
+    return LoopState(cfg=load_config(None, list(overrides)), valid_data=valid_data, **fields)
 
 
 def test_tasks_are_evaluated_every_interval_and_after_a_last_step_off_the_interval():
-    evaluator = TaskEvaluator(_trainer("eval.tasks=[python_next_line]", "eval.interval=2",
+    evaluator = TaskEvaluator(_state("eval.tasks=[python_next_line]", "eval.interval=2",
                                        "train.steps=5"))
     assert [s for s in range(1, 6) if evaluator.due(s)] == [2, 4, 5]
-    only_last = TaskEvaluator(_trainer("eval.tasks=[python_next_line]", "eval.interval=0",
+    only_last = TaskEvaluator(_state("eval.tasks=[python_next_line]", "eval.interval=0",
                                        "train.steps=5"))
     assert [s for s in range(1, 6) if only_last.due(s)] == [5]
-    none = TaskEvaluator(_trainer("eval.interval=2", "train.steps=5"))
+    none = TaskEvaluator(_state("eval.interval=2", "train.steps=5"))
     assert not any(none.due(s) for s in range(1, 6))
 
 
 def test_the_validation_loss_is_due_every_interval_and_after_a_last_step_off_the_interval():
-    loss = ValidationLoss(_trainer("train.eval_interval=3", "train.steps=7"))
+    loss = ValidationLoss(_state("train.eval_interval=3", "train.steps=7"))
     assert [s for s in range(1, 8) if loss.due(s)] == [3, 6, 7]
-    off = ValidationLoss(_trainer("train.eval_interval=0", "train.steps=7"))
+    off = ValidationLoss(_state("train.eval_interval=0", "train.steps=7"))
     assert not any(off.due(s) for s in range(1, 8))
 
 
@@ -42,19 +52,22 @@ class _Engine(torch.nn.Module):
 
 def _validation(*, grad_accum: int, eval_batches: int, samples: int):
     """The validation loss `ValidationLoss` computes over a split of `samples` samples whose
-    micro-batch i has ids all equal to i, and the losses of the micro-batches it should read."""
+    micro-batch i has ids all equal to i (read by the loader only from the validation split),
+    and the losses of the micro-batches it should read."""
     batches = ({"input_ids": torch.full((1, 4), float(i)), "labels": torch.zeros(1, 4)}
                for i in range(samples))  # micro-batches of one sample
     control = SimpleNamespace(stop_agreed=lambda: False, micro_batch_started=lambda *a, **k: None,
                               micro_batch_done=lambda: None)
-    trainer = SimpleNamespace(
-        cfg=load_config(None, [f"train.eval_batches={eval_batches}", "train.eval_interval=1"]),
-        valid_data=list(range(samples)), engine=_Engine(), device="cpu", control=control,
-        _loader=lambda data, consumed, workers: batches, global_batch=grad_accum,
-        grad_accum=grad_accum, pipelined=False, step=1, world=SimpleNamespace(rank=0),
-        watchdog=SimpleNamespace(beat=lambda: None), _mean_over_dp=lambda t: t.item())
-    read = min(eval_batches, max(1, samples // trainer.global_batch)) * grad_accum
-    return ValidationLoss(trainer).loss(), sum(range(read)) / read
+    valid = list(range(samples))
+    state = _state(
+        f"train.eval_batches={eval_batches}", "train.eval_interval=1",
+        valid_data=valid, train_data=["train"], engine=_Engine(), control=control,
+        loader=lambda data, consumed, workers: batches if data is valid else iter(()),
+        global_batch=grad_accum,
+        grad_accum=grad_accum, watchdog=SimpleNamespace(beat=lambda: None),
+        mean_over_dp=lambda t: t.item())
+    read = min(eval_batches, max(1, samples // state.global_batch)) * grad_accum
+    return ValidationLoss(state).loss(), sum(range(read)) / read
 
 
 def test_the_validation_loss_reads_eval_batches_global_batches():

@@ -17,24 +17,30 @@ from pretrain.checkpoint.weights import load_weights
 from pretrain.config import load_config
 from pretrain.families import FAMILIES, family_of
 from pretrain.model import LlamaModel, build_model
-from pretrain.model.hf import expected_hf_keys, from_hf_state_dict, to_hf_config
+from pretrain.errors import CheckpointError
+from pretrain.model.hf import (check_same_architecture, expected_hf_keys, from_hf_state_dict,
+                               to_hf_config)
 from pretrain.model.layers import inverse_frequencies
 from pretrain.model.llama import full_parameter_shape, shard_init
 
 VOCAB = 515  # odd: padded rows under every tensor-parallel size
 
 # per family, a tiny model of a shape that differs from the plain Llama where the family can:
-# GQA and untied everywhere; Llama 3's scaling with a factor, and an original context and
-# band factors (none the default) that put the tiny head's frequencies in every band: kept,
-# blended, divided; Qwen3's head_dim 24, not hidden / heads = 16
+# GQA and untied everywhere; Llama 3's scaling with a factor, an original context (60, under
+# the tiny model's 64 positions, as Llama 3.1's 8k under its 128k) and band factors (none the
+# default, so that one dropped on the way shows) that put the tiny head's frequencies in every
+# band: wavelength 6.3 kept (< 60 / 6), 32.5 blended (< 60 / 1.5), the rest divided by 8;
+# Qwen3's head_dim 24, not hidden / heads = 16
 SHAPES = {
     "llama3": ["model.family=llama", "model.rope_scaling=llama3", "model.rope_theta=500000",
-               "model.rope_scaling_factor=8", "model.rope_original_max_positions=256",
-               "model.rope_low_freq_factor=2", "model.rope_high_freq_factor=8"],
+               "model.rope_scaling_factor=8", "model.rope_original_max_positions=60",
+               "model.rope_low_freq_factor=1.5", "model.rope_high_freq_factor=6"],
     "qwen3": ["model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000",
               "model.norm_eps=1e-6"],
 }
-HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
+SHAPES["qwen3_tied"] = [*SHAPES["qwen3"], "model.tie_embeddings=true"]  # as Qwen3-0.6B
+HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+              "qwen3_tied": transformers.Qwen3ForCausalLM}
 
 
 def model_cfg(shape: str, *more: str):
@@ -79,14 +85,20 @@ def _assert_equals_transformers(weights, hf, ids: torch.Tensor, *, prompt: int,
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path):
-    """transformers' model -> import-hf -> our model: the same fp32 logits and greedy tokens;
-    -> export-hf: the same tensors and a config.json transformers reads as the same model."""
+def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path, capsys):
+    """transformers' model -> import-hf -> our model: the same fp32 logits and greedy tokens
+    (and the `--set` options import-hf prints make a run the weights fit, Llama 3's scaling
+    factors included); -> export-hf: the same tensors and a config.json transformers reads as
+    the same model."""
     hf = random_hf(shape, tmp_path / "src")
     cli("import-hf", tmp_path / "src", "--output", tmp_path / "init")
     weights = load_weights(tmp_path / "init")
+    hint = [o.strip() for o in capsys.readouterr().out.split(" --set ")[1:]
+            if not o.startswith("model.init_from=")]
+    check_same_architecture(weights.model, load_config(None, hint).model, source="import-hf")
     assert weights.model.family == model_cfg(shape).family
-    assert weights.model.head_dim == {"llama3": 16, "qwen3": 24}[shape]  # qwen3: not 64 / 4
+    assert weights.model.head_dim == (16 if shape == "llama3" else 24)  # qwen3: not 64 / 4
+    assert weights.model.tie_embeddings == (shape == "qwen3_tied")
     assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     expected = _assert_equals_transformers(weights, hf, ids, prompt=9, new_tokens=12)
@@ -113,6 +125,22 @@ def _tokenizer(tmp_path: Path) -> Path:
 
     return train_tokenizer(TINY_CORPUS_FILES, model_prefix=tmp_path / "sp",
                            vocab_size=VOCAB).path
+
+
+def test_weights_and_run_agree_on_the_rotary_scaling_settings():
+    """Llama 3 weights of one scaling factor (or band) do not fit a run of another: one error
+    naming the field; the factors of a scaling neither uses are not compared."""
+    weights = model_cfg("llama3")
+    check_same_architecture(weights, model_cfg("llama3"), source="w")
+    for field, value in [("rope_scaling_factor", 32), ("rope_high_freq_factor", 4),
+                         ("rope_original_max_positions", 8192)]:
+        with pytest.raises(CheckpointError, match=rf"model\.{field}: run {value}"):
+            check_same_architecture(weights, model_cfg("llama3", f"model.{field}={value}"),
+                                    source="w")
+    plain = load_config(None, ["model.preset=tiny"]).model
+    check_same_architecture(plain, load_config(None, ["model.preset=tiny",
+                                                      "model.rope_scaling_factor=32"]).model,
+                            source="w")
 
 
 def test_llama3_frequencies_are_transformers():
@@ -152,72 +180,93 @@ def test_parameter_table_is_the_built_model(family):
     assert model.num_parameters() == num_parameters(cfg)
 
 
-# ---- trained on layouts: an imported Qwen3 ------------------------------------------------------
+# ---- trained on layouts: each family imported, trained, exported ---------------------------------
 
 LAYOUT_STEPS = 4
-QWEN3_LAYOUTS = {
-    # name: (ranks, overrides); each changes how the q/k norms' gradients are formed
-    "fsdp2_tp2_sp_dp2": (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
-                             "parallel.tensor=2", "parallel.sequence_parallel=true"]),
-    "zero3_tp2_dp2": (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
+ZERO1 = "deepspeed=ds_configs/zero1.json"
+# (shape, layout): (ranks, overrides). Each family trains at tp 2 and on every layout whose code
+# path it changes (docs/verified.md says why these): llama3 changes the rotary frequencies only,
+# which every layer takes from one table of global positions, so tp 2 with sequence parallelism,
+# context parallelism (a chunk's positions from its offset) and fsdp2's pipeline stages (a
+# model built on the meta device, its tables made again per stage); qwen3's per-head q/k norms
+# are replicated gains inside the tensor-parallel attention, their gradients partial per rank:
+# reduced over the tensor group (tp 2), under sequence parallelism, gathered by ZeRO-3 and
+# fsdp2, offloaded, named in a pipeline's stages, and applied before context parallelism's
+# all-to-all; and tied, as Qwen3-0.6B is, at ZeRO-2 x tp 2 (the embedding is the
+# vocab-parallel head).
+FAMILY_LAYOUTS = {
+    ("llama3", "zero3_tp2_sp_dp2"): (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2",
+                                         "parallel.sequence_parallel=true"]),
+    ("llama3", "cp2"): (2, [ZERO1, "parallel.context=2"]),
+    ("llama3", "fsdp2_pp2_tp2"): (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
+                                      "parallel.pipeline=2", "parallel.tensor=2"]),
+    ("qwen3", "fsdp2_tp2_sp_dp2"): (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
+                                        "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    ("qwen3", "zero3_tp2_dp2"): (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
+    ("qwen3", "pp2_tp2"): (4, [ZERO1, "parallel.pipeline=2", "parallel.tensor=2"]),
+    ("qwen3", "cp2_zero3_offload"): (2, ["deepspeed=ds_configs/zero3_offload_cpu.json",
+                                         "parallel.context=2"]),
+    ("qwen3_tied", "zero2_tp2_dp2"): (4, ["deepspeed=ds_configs/zero2.json", "parallel.tensor=2"]),
 }
 
 
 @pytest.fixture(scope="module")
-def imported_qwen3(tiny_data, tmp_path_factory) -> Path:
-    """A random transformers Qwen3 of the tokenizer's 512 tokens, imported (final/ format)."""
-    root = tmp_path_factory.mktemp("qwen3_import")
-    torch.manual_seed(5)
-    cfg = load_config(None, ["model.preset=tiny", *SHAPES["qwen3"]]).model
-    hf = transformers.Qwen3ForCausalLM(to_hf_config(cfg, attn_implementation="eager"))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    hf.save_pretrained(root / "hf")
-    cli("import-hf", root / "hf", "--output", root / "init")
-    return root / "init"
+def family_runs(tiny_data, tmp_path_factory):
+    """Per shape, made once: a random transformers model of its odd vocabulary (GQA),
+    imported (final/ format), and one process training it: (imported, single run)."""
+    made: dict[str, tuple[Path, object]] = {}
+
+    def get(shape: str):
+        if shape not in made:
+            root = tmp_path_factory.mktemp(f"{shape}_import")
+            random_hf(shape, root / "hf")
+            cli("import-hf", root / "hf", "--output", root / "init")
+            made[shape] = root / "init", _family_run(root, tiny_data, shape, root / "init",
+                                                     nprocs=1, overrides=[], name="single")
+        return made[shape]
+    return get
 
 
-def _qwen3_run(tmp_path, tiny_data, imported, *, nprocs: int, overrides: list[str], name: str):
+def _family_run(tmp_path, tiny_data, shape: str, imported: Path, *, nprocs: int,
+                overrides: list[str], name: str):
     from pretrain.testing.runs import train
 
     return train(tmp_path, tiny_data, nprocs=nprocs, name=name, overrides=[
-        *SHAPES["qwen3"], f"model.init_from={imported}", f"train.steps={LAYOUT_STEPS}",
+        f"model.vocab_size={VOCAB}", "model.tie_embeddings=false", *SHAPES[shape],
+        f"model.init_from={imported}", f"train.steps={LAYOUT_STEPS}",
         "checkpoint.save_final=true", *overrides])
 
 
-@pytest.fixture(scope="module")
-def qwen3_single(tiny_data, tmp_path_factory, imported_qwen3):
-    return _qwen3_run(tmp_path_factory.mktemp("qwen3_single"), tiny_data, imported_qwen3,
-                      nprocs=1, overrides=[], name="single")
-
-
-@pytest.mark.slow  # `pretrain train` on 4 forked ranks
-@pytest.mark.parametrize("layout", QWEN3_LAYOUTS)
-def test_imported_qwen3_trains_on_a_layout_like_one_process_and_exports_as_transformers(
-        layout, tiny_data, tmp_path, imported_qwen3, qwen3_single):
-    """The imported model's losses and gradient norms on the layout are one process's (only
-    the reduction order differs: 1e-5); its final weights, exported, are transformers' Qwen3
-    computing our logits and greedy tokens."""
+@pytest.mark.slow  # `pretrain train` on 2 or 4 forked ranks
+@pytest.mark.parametrize("shape, layout", FAMILY_LAYOUTS)
+def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_transformers(
+        shape, layout, tiny_data, tmp_path, family_runs):
+    """A random transformers model of the family, imported: its losses and gradient norms on
+    the layout are one process's (only the reduction order differs: 1e-5); its final weights,
+    exported, are transformers' class computing our fp32 logits and greedy tokens."""
     from pretrain.testing.runs import rel_diff
 
-    nprocs, overrides = QWEN3_LAYOUTS[layout]
-    run = _qwen3_run(tmp_path, tiny_data, imported_qwen3, nprocs=nprocs, overrides=overrides,
-                     name=layout)
+    imported, single = family_runs(shape)
+    nprocs, overrides = FAMILY_LAYOUTS[shape, layout]
+    run = _family_run(tmp_path, tiny_data, shape, imported, nprocs=nprocs, overrides=overrides,
+                      name=layout)
     head = run.records[0]
-    assert (head["tensor"], head["data_parallel"]) == (2, 2)
-    assert rel_diff(run.losses, qwen3_single.losses) < 1e-5, (run.losses, qwen3_single.losses)
-    norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"]
-             for x in (run, qwen3_single)]
+    asked = {k: int(v) for o in overrides if o.startswith("parallel.") and "=" in o
+             for k, v in [o.removeprefix("parallel.").split("=")] if v.isdigit()}
+    assert {k: head[k] for k in asked} == asked, head
+    assert head["tensor"] * head["pipeline"] * head["context"] * head["data_parallel"] == nprocs
+    assert rel_diff(run.losses, single.losses) < 1e-5, (run.losses, single.losses)
+    norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"] for x in (run, single)]
     assert rel_diff(*norms) < 1e-5, norms
 
     final = run.run_dir / "final"
     cli("export-hf", final, "--output", tmp_path / "hf", "--dtype", "fp32")
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "hf",
-                                                       attn_implementation="eager").eval()
+    hf = HF_CLASSES[shape].from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    wanted = to_hf_config(model_cfg(shape))  # the scaling, its factors, vocabulary, tying
+    assert (hf.config.rope_scaling, hf.config.vocab_size, hf.config.tie_word_embeddings) == \
+        (wanted.rope_scaling, VOCAB, shape == "qwen3_tied")
     weights = load_weights(final)
-    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
     _assert_equals_transformers(weights, hf, ids, prompt=5, new_tokens=8)
 
 

@@ -1,8 +1,8 @@
 """A rollback's verdict when reruns are not bitwise (`pretrain.training.spikes`), in this process:
-`roll_back` drives a loop without a model (`_Loop`) whose step losses are those of a run on a GPU,
-where every rerun of a step differs in the last bits (`pretrain.testing.nondeterminism.nudge`);
-the rules alone (`spikes_again`, `loss_changed`) against their definitions. The launched runs
-are in tests/test_spikes.py.
+`roll_back` drives a loop without a model (`_Loop`, through the `LoopState` it takes) whose step
+losses are those of a run on a GPU, where every rerun of a step differs in the last bits
+(`pretrain.testing.nondeterminism.nudge`); the rules alone (`spikes_again`, `loss_changed`)
+against their definitions. The launched runs are in tests/test_spikes.py.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pretrain.testing.nondeterminism import nudge
 from pretrain.training import spikes
 from pretrain.training.faults import NonFiniteGuard
 from pretrain.training.hang import Watchdog
+from pretrain.training.loop_state import LoopState, Position
 
 GLOBAL_BATCH, SAVED_AT, LOSS = 4, 2, 3.0  # a checkpoint at step 2; every clean step's loss
 
@@ -45,55 +46,56 @@ class _Beats(Watchdog):
 
 
 class _Loop:
-    """What `roll_back` reads and moves of a `Trainer`, for a world of one: step s's loss is LOSS,
-    SPIKE_FACTOR x that when its samples hold one of `bad` (always) or of `once` (the first time
-    only), nudged up by as many ulps as the step ran before (a GPU's rerun)."""
+    """A loop without a model, for a world of one, and the `LoopState` `roll_back` takes of it:
+    step s's loss is LOSS, SPIKE_FACTOR x that when its samples hold one of `bad` (always) or of
+    `once` (the first time only), nudged up by as many ulps as the step ran before (a GPU's
+    rerun)."""
 
     def __init__(self, tmp_path, *, bad=(), once=()):
         self.bad, self.once, self.fired = set(bad), set(once), False
         self.spikes = spikes.LossSpikes(SpikeAction.ROLLBACK, excluded=[])
         self.watchdog, self.guard = _Beats(tmp_path), _guard(LOSS)
         self.metrics = SimpleNamespace(records=[], write=lambda r: self.metrics.records.append(r))
-        self.run_dir, self.main, self.train_data = tmp_path, True, "train"
-        self.cfg = SimpleNamespace(data=SimpleNamespace(num_workers=0))
-        self.engine = self.groups = self.checkpoint_layout = None
-        self.world = SimpleNamespace(rank=0)
-        self.global_batch, self.step, self.consumed_samples = GLOBAL_BATCH, 0, 0
-        self._saved_step: int | None = None
-        self._step_samples: list[int] = []
-        self._local_loss = math.nan
+        self.position = Position()
         self.runs: Counter = Counter()
         self.loads: list[tuple[int, bool]] = []  # (step, watchdog paused) of each load
+        self.state = LoopState(
+            cfg=SimpleNamespace(data=SimpleNamespace(num_workers=0)), position=self.position,
+            engine=None, device="cpu", main=True, rank=0, world_size=1, groups=None,
+            run_dir=tmp_path, checkpoint_layout={}, global_batch=GLOBAL_BATCH, grad_accum=1,
+            pipelined=False, train_data="train", valid_data=None, tokenizer=None,
+            watchdog=self.watchdog, guard=self.guard, control=None, metrics=self.metrics,
+            spikes=self.spikes, loader=self.loader, train_step=self.train_step,
+            finish_save=lambda: None, mean_over_dp=lambda t: t.item(), draw_curves=lambda: None)
 
-    def _loader(self, data, *, consumed, workers):
+    def loader(self, data, *, consumed, workers):
         return (None for _ in iter(int, 1))  # a generator: roll_back closes it
-
-    def _finish_save(self) -> None:
-        pass
 
     def train_step(self, batches):
         next(batches)
-        self._step_samples = stream_numbers(self.consumed_samples, GLOBAL_BATCH,
-                                            skip=self.spikes.quarantine)
-        hit = bool(self.bad.intersection(self._step_samples))
-        if not self.fired and self.once.intersection(self._step_samples):
+        position = self.position
+        position.step_samples = stream_numbers(position.consumed_samples, GLOBAL_BATCH,
+                                               skip=self.spikes.quarantine)
+        hit = bool(self.bad.intersection(position.step_samples))
+        if not self.fired and self.once.intersection(position.step_samples):
             self.fired = hit = True
-        step = self.step + 1
+        step = position.step + 1
         loss = nudge(torch.tensor(LOSS * (SPIKE_FACTOR if hit else 1.0)), self.runs[step])
         self.runs[step] += 1
         self.watchdog.beat()  # a micro-batch ran
-        self._local_loss = loss.item()
-        return self._local_loss, 0.0
+        position.local_loss = loss.item()
+        return position.local_loss, 0.0
 
     def run_to(self, step: int, losses: list[float]) -> float:
         """Steps up to `step` (a checkpoint at SAVED_AT), as the training loop runs them."""
-        while self.step < step:
-            loss, _ = self.train_step(self._loader(None, consumed=0, workers=0))
-            self.step += 1
-            self.consumed_samples += GLOBAL_BATCH
+        position = self.position
+        while position.step < step:
+            loss, _ = self.train_step(self.loader(None, consumed=0, workers=0))
+            position.step += 1
+            position.consumed_samples += GLOBAL_BATCH
             losses.append(loss)
-            if self.step == SAVED_AT:
-                self._saved_step = SAVED_AT
+            if position.step == SAVED_AT:
+                position.saved_step = SAVED_AT
         return loss
 
 
@@ -117,7 +119,7 @@ def _roll_back(loop: _Loop, step: int) -> tuple[list[float], dict]:
     assert loop.guard.is_spike(first)
     record = {"step": step, "loss": first}
     loop.watchdog.beats.clear()
-    spikes.roll_back(loop, loop._loader(None, consumed=0, workers=0), record=record,
+    spikes.roll_back(loop.state, loop.loader(None, consumed=0, workers=0), record=record,
                      losses=losses)
     [spike] = loop.metrics.records
     return losses, spike
@@ -132,7 +134,7 @@ def test_a_data_spike_whose_replay_differs_in_the_last_bits_is_quarantined(tmp_p
     assert (spike["verdict"], spike["to_step"], spike["samples"]) == ("data", 2, [12, 13, 14, 15])
     assert spike["replay_loss"] != LOSS * SPIKE_FACTOR  # the replay differed from the first run
     assert loop.spikes.quarantine == [12, 13, 14, 15]
-    assert (loop.step, loop.consumed_samples, len(losses)) == (2, 8, 2)
+    assert (loop.position.step, loop.position.consumed_samples, len(losses)) == (2, 8, 2)
     assert loop.spikes.counts.fields() == {"spikes_skipped": 0, "spikes_rolled_back": 1,
                                            "spikes_transient": 0, "samples_quarantined": 4}
     assert [b for b in loop.watchdog.beats if b is not None] == [2, 3, 4, 2]
@@ -146,7 +148,7 @@ def test_a_transient_spike_is_replayed_away_and_its_rank_named(tmp_path, monkeyp
     losses, spike = _roll_back(loop, 4)
     assert (spike["verdict"], spike["to_step"], spike["samples"]) == ("transient", 2, [])
     assert spike["hosts"] == [loop.watchdog.host] and loop.spikes.quarantine == []
-    assert (loop.step, loop.consumed_samples) == (4, 16)
+    assert (loop.position.step, loop.position.consumed_samples) == (4, 16)
     assert losses[-1] == spike["replay_loss"] != LOSS  # the replayed step, in its last bits
     assert [b for b in loop.watchdog.beats if b is not None] == [2, 3, 4]
     assert loop.spikes.counts.transient == 1

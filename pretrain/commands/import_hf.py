@@ -24,7 +24,10 @@ def run(args: argparse.Namespace) -> None:
 
     src, out = Path(args.src), Path(args.output)
     m = import_hf(src, out).model
-    fields = " ".join(f"--set model.{k}={getattr(m, k)}" for k in _MODEL_FIELDS)
+    from pretrain.families import ROPE_SCALING_FIELDS
+
+    names = _MODEL_FIELDS + ROPE_SCALING_FIELDS.get(m.rope_scaling, ())
+    fields = " ".join(f"--set model.{k}={getattr(m, k)}" for k in names)
     print(f"[import-hf] {num_parameters(m) / 1e6:.2f}M parameters from {src} -> {out}\n"
           f"train from them with: pretrain train --config <yours> --set model.init_from={out} "
           f"{fields}")

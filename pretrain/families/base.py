@@ -8,6 +8,13 @@ from typing import Any, Callable
 from pretrain.config import PARTITION_METHODS, ModelConfig
 from pretrain.errors import ConfigError
 
+# the settings of each model.rope_scaling type: weights and the run reading them agree on these
+# too when either uses it (Llama 3.2's factor 32 is not Llama 3.1's 8)
+ROPE_SCALING_FIELDS: dict[str, tuple[str, ...]] = {
+    "llama3": ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_max_positions"),
+}
+
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 
@@ -55,6 +62,12 @@ class Family:
     # it on export: `pretrain.model.mup.fold_for_export`)
     query_scale: str = "self_attn.q_proj.weight"
     architecture_fields: tuple[str, ...] = field(default=())  # fields weights must agree on
+
+    def fields_to_agree(self, *cfgs: ModelConfig) -> tuple[str, ...]:
+        """The `ModelConfig` fields weights and a run must agree on: `architecture_fields` and
+        the settings of the rotary scaling either config uses."""
+        scaling = [f for cfg in cfgs for f in ROPE_SCALING_FIELDS.get(cfg.rope_scaling, ())]
+        return self.architecture_fields + tuple(dict.fromkeys(scaling))
 
     def module(self, role: str) -> type:
         """The class of the building block `role` ("attention", ...), imported when asked: the

@@ -77,7 +77,7 @@ def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
 
 def check_same_architecture(found: ModelConfig, expected: ModelConfig, *, source: str) -> None:
     """`CheckpointError` naming every architecture field where the weights' config differs."""
-    fields = family_of(expected).architecture_fields
+    fields = family_of(expected).fields_to_agree(found, expected)
     diffs = [f"model.{name}: run {getattr(expected, name)!r}, weights {getattr(found, name)!r}"
              for name in fields if getattr(found, name) != getattr(expected, name)]
     if diffs:

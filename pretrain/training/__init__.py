@@ -4,6 +4,8 @@
 - `engine`: the DeepSpeed engine (flat or pipelined) for a resolved run; `fsdp2`: PyTorch's
   `fully_shard` engine with the same interface;
 - `evaluators`: the validation loss and the lm-eval tasks during the run;
+- `loop_state`: `LoopState`, what a spike's rollback and the evaluations read and move of a
+  run (its `Position`: step, samples consumed, newest checkpoint), built by the trainer;
 - `faults`: signals, time limits, the save cadence and non-finite steps (`RunControl`,
   `NonFiniteGuard`); `spikes`: loss spikes; `stragglers`: slow ranks; `hang`, `hang_verdict`
   and `collective_log`: the watchdog that names the rank a collective waits for;

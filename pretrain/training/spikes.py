@@ -58,6 +58,7 @@ from pretrain.checkpoint.paths import read_meta
 from pretrain.config import SpikeAction
 from pretrain.dist import gather_for_io
 from pretrain.log import log
+from pretrain.training.loop_state import LoopState
 
 QUARANTINE_KEY = "quarantined_samples"  # in a checkpoint's meta.json
 
@@ -120,43 +121,43 @@ class LossSpikes:
         return loss
 
 
-def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
+def roll_back(state: LoopState, batches: Iterator, *, record: dict[str, Any],
               losses: list[float]) -> Iterator:
-    """`rollback` for the step of `record`, a spike that `trainer` (the run's
-    `pretrain.training.trainer.Trainer`, whose engine, step, data position and checkpoints this moves)
-    just took: replay it from the last checkpoint, then keep the replay (transient) or
-    quarantine the step's samples and go back to that checkpoint (data); the steps undone leave
-    `losses`. Collective. Returns the data iterator to go on with (`batches` is closed)."""
-    step, spikes = record["step"], trainer.spikes
-    samples, first_local = trainer._step_samples, trainer._local_loss
-    if trainer._saved_step is None:
+    """`rollback` for the step of `record`, a spike the run of `state` just took (its engine,
+    position and checkpoints this moves): replay it from the last checkpoint, then keep the replay
+    (transient) or quarantine the step's samples and go back to that checkpoint (data); the steps
+    undone leave `losses`. Collective. Returns the data iterator to go on with (`batches` is
+    closed)."""
+    step, spikes, position = record["step"], state.spikes, state.position
+    samples, first_local = position.step_samples, position.local_loss
+    if position.saved_step is None:
         log(f"[spike] step {step}: no checkpoint to roll back to yet; the update is "
-                      "kept", main=trainer.main, level="warning")
+                      "kept", main=state.main, level="warning")
         return batches
-    trainer._finish_save()
+    state.finish_save()
     batches.close()
-    point = _restore(trainer)
-    batches = trainer._loader(trainer.train_data, consumed=trainer.consumed_samples,
-                              workers=trainer.cfg.data.num_workers)
+    point = _restore(state)
+    batches = state.loader(state.train_data, consumed=position.consumed_samples,
+                           workers=state.cfg.data.num_workers)
     replay_mean = None
-    while trainer.step < step:
-        replay_mean, _ = trainer.train_step(batches)
+    while position.step < step:
+        replay_mean, _ = state.train_step(batches)
         if replay_mean is None:  # a stop request: the loop stops at this step (not quarantined)
             return batches
-        trainer.step += 1
-        trainer.watchdog.beat(trainer.step)
-        trainer.consumed_samples += trainer.global_batch
-    guard = trainer.guard
-    differing = _ranks_whose_loss_changed(first_local, trainer._local_loss,
+        position.step += 1
+        state.watchdog.beat(position.step)
+        position.consumed_samples += state.global_batch
+    guard = state.guard
+    differing = _ranks_whose_loss_changed(first_local, position.local_loss,
                                           factor=guard.spike_factor)
     if not spikes_again(guard, replay_mean):
         spikes.counts.transient += 1
         where = ", ".join(f"rank {r} (host {h})" for r, h in differing) or "no single rank"
         log(f"[spike] step {step}: replayed from step {point.step}, the loss is now "
                       f"{replay_mean:.4f} (was {record['loss']:.4f}): a transient fault on "
-                      f"{where}; going on from the replayed step", main=trainer.main,
+                      f"{where}; going on from the replayed step", main=state.main,
                       level="warning")
-        _write_record(trainer, step=step, verdict="transient", to_step=point.step, samples=[],
+        _write_record(state, step=step, verdict="transient", to_step=point.step, samples=[],
                       hosts=[h for _, h in differing], replay_loss=replay_mean)
         if losses:
             losses[-1] = replay_mean  # the step as the run now holds it
@@ -165,18 +166,18 @@ def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
     spikes.quarantine = sorted(set(spikes.quarantine) | set(samples))
     spikes.counts.rolled_back += 1
     spikes.counts.quarantined += len(samples)
-    _restore(trainer)
-    del losses[len(losses) - min(len(losses), step - trainer.step):]
+    _restore(state)
+    del losses[len(losses) - min(len(losses), step - position.step):]
     log(f"[spike] step {step}: the replay from step {point.step} spikes again (loss "
                   f"{replay_mean:.4f}, was {record['loss']:.4f}): a data problem. Rolled back "
                   f"to step {point.step}; "
                   f"quarantined its {len(samples)} samples (numbers {_ranges(samples)}), left "
                   "out of the data stream and listed in every later checkpoint",
-                  main=trainer.main, level="warning")
-    _write_record(trainer, step=step, verdict="data", to_step=point.step, samples=samples,
+                  main=state.main, level="warning")
+    _write_record(state, step=step, verdict="data", to_step=point.step, samples=samples,
                   hosts=[], replay_loss=replay_mean)
-    return trainer._loader(trainer.train_data, consumed=trainer.consumed_samples,
-                           workers=trainer.cfg.data.num_workers)
+    return state.loader(state.train_data, consumed=position.consumed_samples,
+                        workers=state.cfg.data.num_workers)
 
 
 def spikes_again(guard: Any, replay_loss: float) -> bool:
@@ -193,16 +194,17 @@ def loss_changed(first: float, replay: float, *, factor: float) -> bool:
     return max(first, replay) > factor * min(first, replay)
 
 
-def _restore(trainer: Any) -> checkpoint.ResumePoint:
+def _restore(state: LoopState) -> checkpoint.ResumePoint:
     """Load the newest checkpoint this run saved into the engine (collective), with the hang
     watchdog paused (its waits have train.io_timeout_minutes, as a save's)."""
-    path = trainer.run_dir / "checkpoints" / f"step{trainer._saved_step}"
+    position = state.position
+    path = state.run_dir / "checkpoints" / f"step{position.saved_step}"
     point = checkpoint.ResumePoint(path, read_meta(path))
-    with trainer.watchdog.paused():
-        checkpoint.load(trainer.engine, point, cfg=trainer.cfg, groups=trainer.groups,
-                        layout=trainer.checkpoint_layout, rank=trainer.world.rank)
-    trainer.step, trainer.consumed_samples = point.step, point.meta["consumed_samples"]
-    trainer.watchdog.beat(point.step)  # the last finished step is the checkpoint's again
+    with state.watchdog.paused():
+        checkpoint.load(state.engine, point, cfg=state.cfg, groups=state.groups,
+                        layout=state.checkpoint_layout, rank=state.rank)
+    position.step, position.consumed_samples = point.step, point.meta["consumed_samples"]
+    state.watchdog.beat(point.step)  # the last finished step is the checkpoint's again
     return point
 
 
@@ -215,8 +217,8 @@ def _ranks_whose_loss_changed(first: float, replay: float, *,
     return [(rank, host) for rank, host, changed in gather_for_io(mine) if changed]
 
 
-def _write_record(trainer: Any, **fields: Any) -> None:
-    trainer.metrics.write({"kind": "spike", **fields, **trainer.spikes.counts.fields()})
+def _write_record(state: LoopState, **fields: Any) -> None:
+    state.metrics.write({"kind": "spike", **fields, **state.spikes.counts.fields()})
 
 
 def _ranges(numbers: list[int]) -> str:

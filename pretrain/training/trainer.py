@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from pretrain.resolve.topology import ProcessGroups
 from pretrain.training import curves, faults, hang, spikes, stragglers
 from pretrain.training.engine import TimedBatches, build_engine, engine_loss
 from pretrain.training.evaluators import TaskEvaluator, ValidationLoss
+from pretrain.training.loop_state import LoopState, Position
 from pretrain.training.metrics import StepRecords, announce_run, format_step_line, global_grad_norm
 from pretrain.training.memory_snapshot import MemorySnapshots
 from pretrain.training.profiler import StepProfiler
@@ -82,9 +82,10 @@ class Trainer:
             self._write_run_configs()
         self.engine = build_engine(cfg, ds_config, groups, main=self.main)
         self.pipelined = ModelForm.of(self.engine) is ModelForm.PIPELINE
-        self.step, self.consumed_samples = 0, 0
+        # the step, samples consumed, newest checkpoint's step, the running step's sample numbers
+        # and this replica's loss of it: what a rollback (`pretrain.training.spikes`) moves too
+        self.position = Position()
         self._steps_run = 0  # steps completed by this process (a stop waits for the first)
-        self._saved_step: int | None = None  # the step the newest checkpoint holds
         self.saver = checkpoint.Saver(self.engine, ckpt_dir=self.run_dir / "checkpoints",
                                       keep_last=cfg.checkpoint.keep_last,
                                       keep_every=cfg.checkpoint.keep_every, rank=world.rank,
@@ -96,8 +97,6 @@ class Trainer:
         self.checkpoint_layout = run.checkpoint_layout
         # what a loss spike does, and the sample numbers the data stream leaves out
         self.spikes = spikes.LossSpikes(cfg.train.on_loss_spike, excluded=cfg.data.exclude_samples)
-        self._step_samples: list[int] = []  # the global sample numbers of the step being run
-        self._local_loss = math.nan  # this replica's loss of the last step (a rollback's replay)
         self._spike_skipped = False  # the last step's update was dropped for a spike
         if resume is not None:
             self._resume(resume)
@@ -115,12 +114,45 @@ class Trainer:
         self.metrics = MetricsSink(self.run_dir, enabled=self.main, settings=cfg.logging,
                                    run_config=cfg.to_dict())
         self._curves_step: int | None = None  # the step curves.png shows; -1: drawing failed
-        self.validation = ValidationLoss(self)  # every train.eval_interval steps and the last
-        self.tasks = TaskEvaluator(self)  # eval.tasks (lm-eval), after the steps it is due
+        self.state = self._loop_state()  # what the rollback and the evaluations take
+        self.validation = ValidationLoss(self.state)  # every train.eval_interval steps and the last
+        self.tasks = TaskEvaluator(self.state)  # eval.tasks (lm-eval), after the steps it is due
         announce_run(self.metrics, cfg, world, self.engine, self.records, layout=self.layout,
                      train_data=self.train_data, run_dir=self.run_dir)
 
     # ---- setup ------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The last finished optimizer step."""
+        return self.position.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.position.step = value
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples the finished steps read."""
+        return self.position.consumed_samples
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self.position.consumed_samples = value
+
+    def _loop_state(self) -> LoopState:
+        """The run as a spike's rollback and the evaluations see it: its pieces and the loop's
+        position, shared (a rollback moves this trainer's step)."""
+        return LoopState(
+            cfg=self.cfg, position=self.position, engine=self.engine, device=self.device,
+            main=self.main, rank=self.world.rank, world_size=self.world.world_size,
+            groups=self.groups, run_dir=self.run_dir, checkpoint_layout=self.checkpoint_layout,
+            global_batch=self.global_batch, grad_accum=self.grad_accum, pipelined=self.pipelined,
+            train_data=self.train_data, valid_data=self.valid_data, tokenizer=self.tokenizer,
+            watchdog=self.watchdog, guard=self.guard, control=self.control, metrics=self.metrics,
+            spikes=self.spikes, loader=self._loader, train_step=self.train_step,
+            finish_save=self._finish_save, mean_over_dp=self._mean_over_dp,
+            draw_curves=self._draw_curves)
+
     def _watchers(self) -> tuple[hang.Watchdog, faults.NonFiniteGuard, stragglers.StragglerWatch]:
         """What watches every step of this rank: the hang watchdog (started with the loop: a rank
         without progress for train.hang_timeout_minutes is named), the non-finite and spike
@@ -193,7 +225,7 @@ class Trainer:
         change = checkpoint.load(self.engine, point, cfg=self.cfg, groups=self.groups,
                                  layout=self.checkpoint_layout, rank=self.world.rank)
         self.step, self.consumed_samples = point.step, point.meta["consumed_samples"]
-        self._saved_step = point.step
+        self.position.saved_step = point.step
         self.spikes.resume(point.meta)
         if point.meta["global_batch"] != self.global_batch:
             raise ConfigError(f"{point.path} was trained with a global batch of "
@@ -223,9 +255,10 @@ class Trainer:
         """The step's loss, the mean over replicas of each replica's `local` loss (through
         the spike seam); this replica's share is kept for a rollback's replay."""
         local = self.spikes.observed_loss(local.detach().float(), step=self.step + 1,
-                                          samples=self._step_samples, dp_rank=self.dp_rank)
+                                          samples=self.position.step_samples,
+                                          dp_rank=self.dp_rank)
         if self.spikes.rolls_back:  # a host sync only where a replay may compare it
-            self._local_loss = local.item()
+            self.position.local_loss = local.item()
         return self._mean_over_dp(local)
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float | None, float]:
@@ -234,8 +267,8 @@ class Trainer:
         is abandoned (`pretrain.training.faults`: the engine state is still the last completed step's).
         With train.on_loss_spike=skip a spike's update is dropped (`pretrain.training.spikes`)."""
         timed = TimedBatches(batches)
-        self._step_samples = stream_numbers(self.consumed_samples, self.global_batch,
-                                            skip=self.spikes.quarantine)
+        self.position.step_samples = stream_numbers(self.consumed_samples, self.global_batch,
+                                                    skip=self.spikes.quarantine)
         self._spike_skipped = False
         if self.pipelined:  # DeepSpeed's 1F1B schedule pulls the micro-batches itself
             loss = self.engine.train_batch(data_iter=self._pipeline_micro_batches(timed))
@@ -321,7 +354,7 @@ class Trainer:
                 break
             self._show_step(record, bar)
             if record["loss_spike"] and self.spikes.rolls_back:
-                batches = spikes.roll_back(self, batches, record=record, losses=result.losses)
+                batches = spikes.roll_back(self.state, batches, record=record, losses=result.losses)
                 if self.step < record["step"]:  # back at the checkpoint (or stopped in replay)
                     continue
             self.validation.after_step(self.step, result.eval_losses)
@@ -423,7 +456,7 @@ class Trainer:
             self._draw_curves()
             self.metrics.close(status="KILLED")
             return result
-        if self._saved_step != self.step:  # the last step is always resumable, save_final or not
+        if self.position.saved_step != self.step:  # the last step is always resumable
             self.save()
         self._finish_save()
         if self.cfg.checkpoint.save_final:
@@ -441,7 +474,7 @@ class Trainer:
         result.stop_reason = stop
         log(f"[stop] {stop}: saving step {self.step}, then exiting to be requeued",
                       main=self.main, level="warning")
-        if self._saved_step != self.step:
+        if self.position.saved_step != self.step:
             self.save()
         self._finish_save()
         if self.main:
@@ -476,7 +509,7 @@ class Trainer:
         with self.watchdog.paused():  # its waits have train.io_timeout_minutes
             path = self.saver.save(meta=meta, client_state=state)
         self.control.mark_saved()
-        self._saved_step = self.step
+        self.position.saved_step = self.step
         took = f"{time.perf_counter() - self._save_started:.1f}s"
         log(f"[checkpoint] {path}: state copied in {took}, written in the background"
                       if self.saver.in_flight else f"[checkpoint] {path} in {took}", main=self.main)
