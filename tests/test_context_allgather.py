@@ -281,3 +281,17 @@ def test_train_allgather_context4_with_document_masks_matches_one_process(short_
     run = train(tmp_path, short_documents, nprocs=4, name="cp4",
                 overrides=[*SEQ, *MASKED, *ALLGATHER, "parallel.context=4"])
     _assert_trains_like(run, single, 4)
+
+
+@pytest.mark.slow
+def test_train_allgather_expert2_context2_matches_one_process(tiny_data, tmp_path):
+    """tensor 2 = expert 2 x context 2 on the tiny MoE (1 kv head a tensor rank): each expert
+    rank routes half of its head-tail chunks; losses, gradient norms, the auxiliary losses and
+    the tokens per expert are one process's."""
+    from tests.test_moe import _assert_same_steps, _moe_train
+
+    single = _moe_train(tmp_path, tiny_data, name="single")
+    run = _moe_train(tmp_path, tiny_data, name="ep2_cp2", nprocs=4, overrides=[
+        "parallel.tensor=2", "parallel.expert=2", "parallel.context=2", *ALLGATHER])
+    assert "tp 2 x pp 1 x cp 2 (allgather) x dp 1" in run.stdout
+    _assert_same_steps(run, single)
