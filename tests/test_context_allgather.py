@@ -295,3 +295,27 @@ def test_train_allgather_expert2_context2_matches_one_process(tiny_data, tmp_pat
         "parallel.tensor=2", "parallel.expert=2", "parallel.context=2", *ALLGATHER])
     assert "tp 2 x pp 1 x cp 2 (allgather) x dp 1" in run.stdout
     _assert_same_steps(run, single)
+
+
+@pytest.mark.slow
+def test_allgather_checkpoint_resumes_under_ulysses_and_onto_context1(tiny_data, tmp_path):
+    """The kind is no part of a checkpoint's layout (the same shards of the same weights): an
+    all-gather run's step-3 checkpoint continues its steps under Ulysses and on one process."""
+    from pretrain.testing.runs import rel_diff
+    from tests.test_context_parallel import _resumed
+
+    common = ["model.seq_length=256", "train.steps=6"]
+    source = _train_allgather(tmp_path, tiny_data, [*common, "checkpoint.save_interval=3"])
+    step3 = source.run_dir / "checkpoints" / "step3"
+    after = source.losses[3:]
+    for name, nprocs, overrides in [("ulysses", 2, ["parallel.context=2"]), ("one", 1, [])]:
+        resumed = _resumed(tmp_path, tiny_data, step3, name=name, nprocs=nprocs,
+                           overrides=[*common, *overrides])
+        assert len(resumed.losses) == 3 and rel_diff(resumed.losses, after) < 1e-5, name
+
+
+def _train_allgather(tmp_path, data, overrides):
+    from pretrain.testing.runs import train
+
+    return train(tmp_path, data, nprocs=2, name="source",
+                 overrides=[*overrides, *ALLGATHER, "parallel.context=2"])
