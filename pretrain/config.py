@@ -370,6 +370,12 @@ PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
 PIPELINE_SCHEDULES = {"1f1b": 1, "interleaved_1f1b": None, "zero_bubble": None, "zbv": 2,
                       "dualpipe_v": 2}
 
+# How context parallelism runs attention (`pretrain.model.context_parallel`): "ulysses" swaps
+# each rank's chunk for whole heads by all-to-all (tensor x context must divide the kv heads);
+# "allgather" keeps each rank's queries and all-gathers the keys and values over the context
+# group, the sequence cut into 2 x context chunks, rank r holding chunks r and 2 x context-1-r.
+CONTEXT_KINDS = ("ulysses", "allgather")
+
 
 @dataclass
 class ParallelConfig(_Freezable):
@@ -382,6 +388,9 @@ class ParallelConfig(_Freezable):
     context: int = 1  # context parallelism (DeepSpeed-Ulysses): each sequence split into
     # this many contiguous chunks over as many ranks; attention swaps chunks for heads by an
     # all-to-all per layer (inside a node, next to tensor)
+    context_kind: str = "ulysses"  # one of CONTEXT_KINDS: ulysses (all-to-all of heads; tensor
+    # x context must divide the kv heads) or allgather (keys and values all-gathered, any head
+    # count; each rank holds a head and a tail chunk of every sequence, equal causal work)
     sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tensor > 1)
     pipeline_partition: str = "parameters"  # one of PARTITION_METHODS
     expert: int = 1  # expert parallelism: each MoE layer's experts split over this many ranks,
@@ -394,6 +403,9 @@ class ParallelConfig(_Freezable):
         if self.pipeline_partition not in PARTITION_METHODS:
             _fail("parallel", "pipeline_partition", self.pipeline_partition,
                   f"choose one of {', '.join(PARTITION_METHODS)}")
+        if self.context_kind not in CONTEXT_KINDS:
+            _fail("parallel", "context_kind", self.context_kind,
+                  f"choose one of {', '.join(CONTEXT_KINDS)}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             _fail("parallel", "pipeline_schedule", self.pipeline_schedule,
                   f"choose one of {', '.join(PIPELINE_SCHEDULES)}")

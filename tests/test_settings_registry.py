@@ -100,6 +100,7 @@ REGISTRY: dict[str, str] = {
     "parallel.tensor": "tests/test_tensor_parallel.py::test_model_tp2_matches_tp1",
     "parallel.pipeline": "tests/test_pipeline.py::test_pp2_matches_single_process",
     "parallel.context": "tests/test_context_parallel.py::test_model_context2_loss_and_grads_equal_one_process",
+    "parallel.context_kind": "tests/test_context_allgather.py::test_train_allgather_matches_one_process",
     "parallel.expert": ("tests/test_expert_parallel.py::"
                         "test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1"),
     # data.*
@@ -314,6 +315,7 @@ MUTANT_OF: dict[str, str] = {
     "model.moe_capacity_factor": "moe-capacity-factor-ignored",
     "parallel.tensor": "model-tp-forward-not-reduced",
     "parallel.context": "context-chunk-positions-from-zero",
+    "parallel.context_kind": "context-allgather-kind-ignored",
     "parallel.expert": "ep-experts-counted-on-every-rank-in-the-norm",
     "parallel.sequence_parallel": "model-sequence-parallel-setting-ignored",
     "parallel.pipeline_partition": "model-pipeline-partition-ignored",

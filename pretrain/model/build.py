@@ -29,11 +29,12 @@ from pretrain.model.pipeline import SequentialPipeline, pipeline_module, sequent
 
 def build_model(cfg: ModelConfig, *, seed: int, tp_group=None,
                 sequence_parallel: bool = False, cp_group=None,
-                expert_parallel: bool = False) -> LlamaModel:
+                expert_parallel: bool = False, context_kind: str = "ulysses") -> LlamaModel:
     """A `LlamaModel` initialised from `seed`: every tensor-parallel layout of the same seed
     holds shards of bitwise the same model (`cp_group`: context parallelism, same weights)."""
     model = LlamaModel(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                       cp_group=cp_group, expert_parallel=expert_parallel)
+                       cp_group=cp_group, expert_parallel=expert_parallel,
+                       context_kind=context_kind)
     init_weights(model, cfg, seed=seed, tp_group=tp_group)
     return model
 
@@ -88,10 +89,10 @@ def _construct(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
             activation_checkpoint_func=(selective_checkpoint if cfg.model.activation_checkpointing
                                         == Recompute.SELECTIVE else torch_checkpoint),
             groups_by_ranks=groups.by_ranks, cp_group=groups.context,
-            expert_parallel=p.expert > 1)
+            expert_parallel=p.expert > 1, context_kind=p.context_kind)
     return LlamaModel(cfg.model, tp_group=tp_group, sequence_parallel=p.sequence_parallel,
                       cp_group=groups.context,  # None at parallel.context 1
-                      expert_parallel=p.expert > 1)
+                      expert_parallel=p.expert > 1, context_kind=p.context_kind)
 
 
 def build_for_layout(cfg: RunConfig, groups, *,

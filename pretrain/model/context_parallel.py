@@ -18,13 +18,41 @@ The loss of a context rank is its chunk's mean (scaled when ignored labels make 
 label counts differ), so that the average DeepSpeed takes over its data-parallel group (data x
 context ranks, `pretrain.resolve.topology`) is the gradient of the whole sequence's mean.
 
+All-gather context parallelism (`parallel.context_kind: allgather`; Llama 3's long-context
+training, Dubey et al. 2024) needs no head count divisible by anything: each rank keeps its
+queries and all heads, and the keys and values of the whole sequence are all-gathered over the
+context group (one all-gather of (k, v) per layer forward; its backward reduce-scatters their
+gradients, each rank getting the sum of every rank's gradient of its own keys and values):
+
+    k, v (B, T/N, kv_heads, hd) --all-gather--> (B, T, kv_heads, hd)
+    each local query attends the keys at global positions at or before its own
+
+A contiguous cut would leave the last rank N times the causal work of the first, so the
+sequence is cut into 2N chunks and rank r holds chunks r and 2N-1-r (head-tail balancing,
+`pretrain.data.loader.context_chunks`): every rank then attends over 2N chunks of keys' worth
+of pairs. The loader, the rotary positions (`token_positions`) and the mask all follow that
+order; the gathered keys are put back in sequence order, and each of a rank's two query chunks
+attends a prefix of them (lower-right causal: its own chunk's diagonal), the document mask
+built from the whole sequence's document ids.
+
 Nothing here holds state: layers take the context group they are given (None: no context
 parallelism, and every function is the identity).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from pretrain.data.loader import context_positions
+from pretrain.model.documents import masked_backends
+from pretrain.model.tensor_parallel import all_gather_along, reduce_scatter_along
+
+ULYSSES, ALLGATHER = "ulysses", "allgather"  # parallel.context_kind (`config.CONTEXT_KINDS`)
 
 
 def cp_world_size(group) -> int:
@@ -95,3 +123,76 @@ def chunk_loss_scale(labels: torch.Tensor, group, ignore_index: int = -100) -> t
     total = kept.clone()
     dist.all_reduce(total, group=group)
     return (kept * n / total).float()
+
+
+# ---- all-gather context parallelism --------------------------------------------------------------
+
+def token_positions(tokens: int, group, kind: str, device=None) -> torch.Tensor:
+    """The global positions (tokens,) int64 of this rank's `tokens` tokens, in the order it
+    holds them: its contiguous chunk (Ulysses) or its head and tail chunks (all-gather)."""
+    n = cp_world_size(group)
+    positions = context_positions(tokens * n, rank=cp_rank(group), size=n,
+                                  head_tail=kind == ALLGATHER)
+    return torch.from_numpy(positions).to(device)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dimension `dim` over the context group (rank-major);
+    backward reduce-scatters: rank r gets the sum over the ranks of the gradient of its part."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim: int):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along(grad, ctx.group, ctx.dim), None, None
+
+
+def _in_sequence_order(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """Gathered head-tail chunks (rank-major along `dim`: rank r's chunks r, 2n-1-r) put back in
+    sequence order: chunk j < n is rank j's first, chunk j >= n rank 2n-1-j's second."""
+    pieces = x.unflatten(dim, (n, 2, -1))  # (..., rank, which, piece, ...)
+    heads = pieces.select(dim + 1, 0)  # chunks 0 .. n-1
+    tails = pieces.select(dim + 1, 1).flip(dim)  # chunks n .. 2n-1
+    return torch.cat((heads, tails), dim=dim).flatten(dim, dim + 1)
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
+                        scale: float | None,
+                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries q (B, T/N, nh, hd) over the keys and values of
+    the whole sequence, all-gathered from each rank's k, v (B, T/N, nkv, hd) (rotated, global
+    positions); returns (B, nh, T/N, hd). The rank's tokens are its head and tail chunks
+    (`context_chunks`). `document_ids` (B, T) of the whole sequence: keys of the query's own
+    document only."""
+    n, rank = cp_world_size(group), cp_rank(group)
+    local = q.shape[1]
+    if local % 2:
+        raise ValueError(f"all-gather context parallelism: {local} tokens per rank do not make "
+                         "two equal head and tail chunks")
+    piece = local // 2
+    kv = _GatherSequence.apply(torch.stack((k, v)), group, 2)  # (2, B, T, nkv, hd)
+    k, v = _in_sequence_order(kv, n, 2).transpose(2, 3).unbind(0)  # (B, nkv, T, hd) each
+    q = q.transpose(1, 2)  # (B, nh, T/N, hd)
+    gqa = q.shape[1] != k.shape[1]
+    outputs = []
+    for which, chunk in enumerate((rank, 2 * n - 1 - rank)):
+        start, end = chunk * piece, (chunk + 1) * piece  # the query chunk's global positions
+        queries = q[:, :, which * piece:(which + 1) * piece]
+        keys, values = k[:, :, :end], v[:, :, :end]  # every key at or before the chunk's last
+        if document_ids is None:  # the chunk's own keys causal, every earlier key seen
+            y = F.scaled_dot_product_attention(queries, keys, values,
+                                               attn_mask=causal_lower_right(piece, end),
+                                               enable_gqa=gqa, scale=scale)
+        else:  # and only keys of the query's own document (ids of the whole sequence)
+            ids = document_ids[:, :end]
+            mask = (ids[:, start:end, None] == ids[:, None, :]) \
+                & torch.ones(piece, end, dtype=torch.bool, device=ids.device).tril(start)
+            backends = masked_backends(q.device.type, q.dtype)
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
+                                                   enable_gqa=gqa, scale=scale)
+        outputs.append(y)
+    return torch.cat(outputs, dim=2)

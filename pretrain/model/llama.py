@@ -58,8 +58,10 @@ from pretrain.config import ModelConfig, Recompute
 from pretrain.errors import ConfigError
 import pretrain.model.mup as mup
 import pretrain.model.documents as documents
-from pretrain.model.context_parallel import (chunk_loss_scale, chunk_offset, cp_world_size,
-                                             heads_to_sequence, sequence_to_heads)
+from pretrain.model.context_parallel import (ALLGATHER, ULYSSES, allgather_attention,
+                                             chunk_loss_scale, chunk_offset, cp_world_size,
+                                             heads_to_sequence, sequence_to_heads,
+                                             token_positions)
 from pretrain.model.documents import Boundaries, document_attention, document_positions
 from pretrain.families import (ONES, RESIDUAL, check_tensor_split, family_of,
                                tensor_partition_dim_of)
@@ -141,13 +143,15 @@ class Attention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None) -> None:
+                 cp_group=None, context_kind: str = ULYSSES) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.head_dim = hd
         # context parallelism: x is this rank's chunk of each sequence; q, k, v are exchanged for
-        # the whole sequence of 1/N of the heads around the attention (`context_parallel`)
-        self.cp_group = cp_group
+        # the whole sequence of 1/N of the heads around the attention (Ulysses), or the keys and
+        # values of the whole sequence are all-gathered for this chunk's queries (allgather:
+        # `context_parallel`)
+        self.cp_group, self.context_kind = cp_group, context_kind
         # None: SDPA's 1/sqrt(head_dim); muP: sqrt(base head dim) / head_dim (`mup.softmax_scale`)
         self.softmax_scale = mup.softmax_scale(cfg)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
@@ -184,9 +188,14 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
         q, k = self.heads_before_rotary(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # cos/sin: x's positions
+        if self.cp_group is not None and cache is not None:
+            raise ValueError("context parallelism is for training: generate with context 1")
+        if self.cp_group is not None and self.context_kind == ALLGATHER:
+            # this chunk's queries over the gathered keys and values: (B, nh, T/N, hd)
+            y = allgather_attention(q, k, v, self.cp_group, scale=self.softmax_scale,
+                                    document_ids=document_ids)
+            return self._output(y, B, T)
         if self.cp_group is not None:  # (B, T/N, heads, hd) -> (B, T, heads/N, hd)
-            if cache is not None:
-                raise ValueError("context parallelism is for training: generate with context 1")
             q, k, v = (sequence_to_heads(t, self.cp_group) for t in (q, k, v))
         q = q.transpose(1, 2)  # (B, nh, T, hd)
         k = k.transpose(1, 2)  # (B, nkv, T, hd)
@@ -216,7 +225,8 @@ class Attention(nn.Module):
     def _output(self, y: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """o_proj of the attention's output y (B, nh, T, hd), back in x's sequence layout."""
         y = y.transpose(1, 2)  # (B, T, nh, hd)
-        if self.cp_group is not None:  # (B, T, heads/N, hd) -> this chunk's (B, T/N, heads, hd)
+        if self.cp_group is not None and self.context_kind == ULYSSES:
+            # (B, T, heads/N, hd) -> this chunk's (B, T/N, heads, hd)
             y = heads_to_sequence(y.contiguous(), self.cp_group)
         y = y.reshape(B, T, -1)  # (B, T, nh*hd)
         return self.o_proj(y)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
@@ -282,14 +292,15 @@ class DecoderLayer(nn.Module):
     Its attention is the model family's (`Attention`, or a subclass the family names)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None, expert_parallel: bool = False, layer_index: int = 0) -> None:
+                 cp_group=None, expert_parallel: bool = False, layer_index: int = 0,
+                 context_kind: str = ULYSSES) -> None:
         super().__init__()
         norm_group = tp_group if sequence_parallel else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                        sequence_parallel_group=norm_group)
         attention = family_of(cfg).module("attention")  # the family's (`pretrain.families`)
         self.self_attn = attention(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                   cp_group=cp_group)
+                                   cp_group=cp_group, context_kind=context_kind)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                                 sequence_parallel_group=norm_group)
         if cfg.num_experts:  # a routed mixture of SwiGLU experts (`pretrain.model.moe`)
@@ -316,13 +327,14 @@ class LlamaBackbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
                  sequence_parallel: bool = False, cp_group=None,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, context_kind: str = ULYSSES) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
                                             sequence_parallel=sequence_parallel)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                         cp_group=cp_group, expert_parallel=expert_parallel, layer_index=i)
+                         cp_group=cp_group, expert_parallel=expert_parallel, layer_index=i,
+                         context_kind=context_kind)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                             sequence_parallel_group=tp_group if sequence_parallel else None)
@@ -348,14 +360,18 @@ class LlamaModel(nn.Module):
     Context rank c gets chunk c of every sequence (inputs and their labels, T/N tokens each);
     attention exchanges heads for the whole sequence, and the loss is the chunk's share of the
     whole sequence's mean, times N (DeepSpeed averages it over the context ranks).
+    `context_kind` "allgather": context rank c gets chunks c and 2N-1-c of 2N instead
+    (`data.loader.context_chunks`), and attention all-gathers the keys and values.
     """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None, expert_parallel: bool = False) -> None:
+                 cp_group=None, expert_parallel: bool = False,
+                 context_kind: str = ULYSSES) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
         self.cp_group = cp_group if cp_world_size(cp_group) > 1 else None
+        self.context_kind = context_kind
         self.tensor_parallel = tp_world_size(tp_group)
         check_tensor_split(cfg, self.tensor_parallel)
         self.tensor_parallel_rank = tp_rank(tp_group)
@@ -367,7 +383,8 @@ class LlamaModel(nn.Module):
         self.padded_vocab_size = cfg.padded_vocab_size(self.tensor_parallel)
         self.model = LlamaBackbone(cfg, padded_vocab_size=self.padded_vocab_size,
                                    tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                   cp_group=self.cp_group, expert_parallel=expert_parallel)
+                                   cp_group=self.cp_group, expert_parallel=expert_parallel,
+                                   context_kind=context_kind)
         # column-parallel rows of the vocabulary, like `column_linear`; its forward also gives the
         # loss, chunked by cfg.loss_chunk_tokens (ZeRO-3 gathers the weight for that forward)
         self.lm_head = LMHead(cfg.hidden_size, self.padded_vocab_size, vocab_size=cfg.vocab_size,
@@ -407,7 +424,13 @@ class LlamaModel(nn.Module):
         past = 0 if cache is None or cache[0].keys is None else cache[0].keys.shape[2]
         if self.cp_group is not None:  # T is this rank's chunk: global positions from its start
             past = chunk_offset(T, self.cp_group)
-        if document_ids is None:
+        if self.cp_group is not None and self.context_kind == ALLGATHER:
+            # this rank's head and tail chunks: their global positions, or in their documents
+            positions = token_positions(T, self.cp_group, ALLGATHER, x.device)  # (T,)
+            if document_ids is not None:
+                positions = document_positions(document_ids)[:, positions]  # (B, T)
+            cos, sin = self.model.rotary_emb.at(positions, x.dtype)
+        elif document_ids is None:
             cos, sin = self.model.rotary_emb(past + T, x.dtype)  # (past + T, hd) each
             cos, sin = cos[past:], sin[past:]
         else:  # this rank's tokens' positions inside their documents: (B, T, hd) each

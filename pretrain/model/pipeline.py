@@ -105,7 +105,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.families import check_pipeline_split, check_tensor_split
-from pretrain.model.context_parallel import chunk_loss_scale, chunk_offset
+from pretrain.model.context_parallel import (ALLGATHER, ULYSSES, chunk_loss_scale, chunk_offset,
+                                             token_positions)
 import pretrain.model.documents as documents
 from pretrain.model.documents import Boundaries, document_positions
 from pretrain.model.layers import RMSNorm, RotaryEmbedding, rotary_embedding, vocab_embedding
@@ -209,10 +210,10 @@ class DecoderLayerPipe(DecoderLayer):
 
     def __init__(self, cfg: ModelConfig, *, rotary: RotaryEmbedding, tp_group=None,
                  sequence_parallel: bool = False, cp_group=None, expert_parallel: bool = False,
-                 layer_index: int = 0) -> None:
+                 layer_index: int = 0, context_kind: str = ULYSSES) -> None:
         super().__init__(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
                          cp_group=cp_group, expert_parallel=expert_parallel,
-                         layer_index=layer_index)
+                         layer_index=layer_index, context_kind=context_kind)
         # one table object shared by the stage's layers: non-persistent buffers, no parameters
         self.rotary_emb = rotary
         self.sequence_shards = _sequence_shards(tp_group, sequence_parallel)
@@ -222,11 +223,15 @@ class DecoderLayerPipe(DecoderLayer):
         state = StageActivations.from_tuple(activations)
         T = state.hidden.shape[1] * self.sequence_shards  # full sequence length (or chunk)
         first = 0 if self.cp_group is None else chunk_offset(T, self.cp_group)
+        # all-gather context parallelism: this rank's head and tail chunks' global positions
+        mine = (token_positions(T, self.cp_group, ALLGATHER, state.hidden.device)
+                if self.cp_group is not None and self.self_attn.context_kind == ALLGATHER
+                else slice(first, first + T))
         if state.document_ids is not None:  # positions inside each document (B, T, hd)
             if state.boundaries is None:  # the stage's first layer: once per micro-batch
                 state.boundaries = documents.document_boundaries(state.document_ids,
                                                                  state.hidden)
-            positions = document_positions(state.document_ids)[:, first:first + T]
+            positions = document_positions(state.document_ids)[:, mine]
             cos, sin = self.rotary_emb.at(positions, state.hidden.dtype)
             hidden = super().forward(state.hidden, cos, sin, None, state.document_ids,
                                      state.boundaries)
@@ -234,6 +239,10 @@ class DecoderLayerPipe(DecoderLayer):
         cache = self.kv_cache
         if cache is not None and cache.keys is not None:  # positions after the cached ones
             first = cache.keys.shape[2]
+        if not isinstance(mine, slice):
+            cos, sin = self.rotary_emb.at(mine, state.hidden.dtype)  # (T, hd) each
+            return dataclasses.replace(state, hidden=super().forward(state.hidden, cos, sin,
+                                                                     cache)).to_tuple()
         # (T, hd) each: the positions of this input (or of this context rank's chunk)
         cos, sin = (t[first:] for t in self.rotary_emb(first + T, state.hidden.dtype))
         hidden = super().forward(state.hidden, cos, sin, cache)
@@ -301,10 +310,12 @@ class PipelineLoss:
 # ---- the model definition ------------------------------------------------------------------------
 
 def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                         cp_group=None, expert_parallel: bool = False) -> list[LayerSpec]:
+                         cp_group=None, expert_parallel: bool = False,
+                         context_kind: str = ULYSSES) -> list[LayerSpec]:
     """`LlamaModel` as DeepSpeed layer specs: embedding, cfg.num_layers decoder layers, final
     norm, lm_head (see the module docstring for the index of each). `expert_parallel`: each
-    decoder layer's experts are split over the tensor ranks, as in `LlamaModel`."""
+    decoder layer's experts are split over the tensor ranks, as in `LlamaModel`;
+    `context_kind`: how the context ranks attend (`LlamaModel`)."""
     tensor_parallel = tp_world_size(tp_group)
     check_tensor_split(cfg, tensor_parallel)
     if sequence_parallel and tensor_parallel == 1:
@@ -325,6 +336,7 @@ def pipeline_layer_specs(cfg: ModelConfig, *, tp_group=None, sequence_parallel: 
     return [embedding,
             *(LayerSpec(DecoderLayerPipe, cfg, rotary=rotary, **parallel, layer_index=i,
                         **({"cp_group": cp_group} if cp_group is not None else {}),
+                        **({"context_kind": context_kind} if context_kind != ULYSSES else {}),
                         **({"expert_parallel": True} if expert_parallel else {}))
               for i in range(cfg.num_layers)),
             LayerSpec(FinalNormPipe, cfg, **parallel),
@@ -418,7 +430,8 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
                     activation_checkpoint_interval: int = 0,
                     activation_checkpoint_func: Callable = torch_checkpoint,
                     groups_by_ranks: Mapping[tuple[int, ...], Any] | None = None,
-                    cp_group=None, expert_parallel: bool = False) -> PipelineModule:
+                    cp_group=None, expert_parallel: bool = False,
+                    context_kind: str = ULYSSES) -> PipelineModule:
     """This rank's stage of the pipelined `LlamaModel`, weights left at their defaults
     (`pretrain.model.build_pipeline_model` also initialises them).
 
@@ -429,7 +442,8 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
     `mpu` and train with `engine.train_batch(iter_of((input_ids, labels)))`.
     `groups_by_ranks` (`ProcessGroups.by_ranks`): groups DeepSpeed's grid reuses.
     `cp_group`: the context-parallel group (`ProcessGroups.context`): each stage's context
-    ranks compute and send their chunk of the sequence.
+    ranks compute and send their chunk of the sequence (`context_kind`: Ulysses' contiguous
+    chunk, or all-gather's head and tail chunks).
     `expert_parallel`: the tensor ranks of a stage hold whole experts of its MoE layers
     (`pretrain.model.expert_parallel`; parallel.expert = tp).
     """
@@ -441,7 +455,8 @@ def pipeline_module(cfg: ModelConfig, *, num_stages: int, topology=None, tp_grou
                            "build_flat_pipeline")
     ds_topology = _deepspeed_topology(topology, num_stages=num_stages, tp_group=tp_group)
     specs = pipeline_layer_specs(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                 cp_group=cp_group, expert_parallel=expert_parallel)
+                                 cp_group=cp_group, expert_parallel=expert_parallel,
+                                 context_kind=context_kind)
     # no_grad: the constructor broadcasts tied weights in place; with grad mode on, autograd
     # records that c10d::broadcast_ (which has no autograd kernel) and warns in every backward
     with torch.no_grad(), _reusing_process_groups(groups_by_ranks):

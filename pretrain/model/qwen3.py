@@ -22,9 +22,9 @@ class Qwen3Attention(Attention):
     """`Attention` whose q and k heads are RMS-normalised (over head_dim) before RoPE."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None) -> None:
+                 cp_group=None, context_kind: str = "ulysses") -> None:
         super().__init__(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                         cp_group=cp_group)
+                         cp_group=cp_group, context_kind=context_kind)
         heads_group = tp_group if tp_world_size(tp_group) > 1 else None  # heads split over it
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, sequence_parallel_group=heads_group)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, sequence_parallel_group=heads_group)

@@ -110,6 +110,12 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out
 
 
+def reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum every rank's `x` and keep this rank's part along `dim` (no autograd: for the
+    backward of gathers outside this module, e.g. all-gather context parallelism)."""
+    return _reduce_scatter(x, group, dim)
+
+
 # ---- autograd functions, in pairs -------------------------------------------------------------
 
 class _CopyToTP(torch.autograd.Function):

@@ -50,6 +50,7 @@ from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
 from pretrain.resolve.fsdp2_rules import layout_refusals, raise_refusals
 from pretrain.errors import ConfigError
 from pretrain.resolve.layout import Layout
+from pretrain.plan.context import gathered_kv_bytes
 
 GB = 2**30
 
@@ -203,6 +204,10 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
     layer_input = m.hidden_size * tokens * act_bytes / (lay.tensor if lay.sequence_parallel else 1)
     recomputed = layout_recomputed_layers(lay, layers)
     per_micro = recomputed * layer_input + (layers - recomputed) * full_layer
+    # all-gather context parallelism: + the whole sequence's K and V each layer keeps
+    gathered = gathered_kv_bytes(m, lay)  # 0 otherwise (`plan.context`)
+    per_micro += (layers - recomputed) * gathered
+    full_layer += gathered
     # + recomputation's workspace: one layer's activations while it runs forward again
     activations = in_flight * per_micro + (full_layer if recomputed else 0.0)
     if "embed" in items:

@@ -173,7 +173,7 @@ def current_rank(plans: list[Plan], plan: Plan | None, why: str, *, margin: floa
 # The parts of a step, compute split into the model's FLOPs and recomputation's.
 STEP_TERMS = {"compute": "compute", "recompute": "recomputation",
               "tensor_comm": "tensor-parallel communication",
-              "context_comm": "context-parallel all-to-alls", "bubble": "pipeline bubble",
+              "context_comm": "context-parallel all-to-alls or all-gathers", "bubble": "pipeline bubble",
               "pipeline_comm": "pipeline point-to-point", "data_comm": "data-parallel communication",
               "offload": "offload", "memory_bound": "memory-bound copies"}
 SLOWER_THAN_BEST = 0.10  # the pre-flight warns past this: the best predicted 1.10x faster

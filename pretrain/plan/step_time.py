@@ -35,6 +35,7 @@ from pretrain.resolve.layout import Layout
 from pretrain.resolve.ds_config import DTYPE_BYTES, gradient_dtypes
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
                                     MATMUL_EFFICIENCY, MEMORY_BANDWIDTH_EFFICIENCY, Cluster)
+from pretrain.plan.context import allgather_context
 from pretrain.plan.memory import (bytes_per_param, fsdp2_offloads, fsdp2_shard_ranks,
                                   steps_with_bf16_optimizer)
 
@@ -102,6 +103,8 @@ def _context_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
     forward, their gradients backward, once more per recomputed layer."""
     if layout.context == 1:
         return 0.0
+    if layout.context_kind == "allgather":  # K and V gathered instead (`plan.context`)
+        return allgather_context(model, layout, cluster, layers=mb.layers).seconds
     gbps = _link_gbps(cluster, layout.tensor * layout.context)
     kv = model.num_kv_heads * model.head_dim
     q = model.num_heads * model.head_dim

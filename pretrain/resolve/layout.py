@@ -39,7 +39,8 @@ class Layout:
     reduce_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2 ipg, ZeRO 3 reduce)
     allgather_bucket: int = DEEPSPEED_DEFAULT_BUCKET  # elements (ZeRO 1/2), prefetch (ZeRO 3)
     max_live_parameters: int = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters
-    context: int = 1  # context-parallel ranks per sequence (parallel.context, Ulysses)
+    context: int = 1  # context-parallel ranks per sequence (parallel.context)
+    context_kind: str = "ulysses"  # parallel.context_kind: ulysses (all-to-all) or allgather
     expert: int = 1  # expert-parallel ranks (parallel.expert): 1 or the tensor group
     fsdp2_replicas: int = 1  # train.fsdp2_replicas: HSDP replica groups of data x context ranks
     engine: str = "deepspeed"  # train.engine: whose pipeline (DeepSpeed's 1F1B or fsdp2's)
@@ -108,11 +109,16 @@ def check_fsdp2_replicas(layout: Layout) -> None:
 
 
 def check_context(model: ModelConfig, layout: Layout) -> None:
-    """Context parallelism (DeepSpeed-Ulysses): each of the tensor x context ranks of a
-    sequence attends with whole query and kv heads over the whole sequence, and holds an equal
-    contiguous chunk of it (of tensor x context tokens under sequence parallelism)."""
+    """Context parallelism. Ulysses: each of the tensor x context ranks of a sequence attends
+    with whole query and kv heads over the whole sequence, and holds an equal contiguous chunk
+    of it (of tensor x context tokens under sequence parallelism). All-gather: no head count
+    rule (each rank keeps its tensor rank's heads and gathers the keys and values); the
+    sequence is cut into 2 x context equal chunks, two per rank (head and tail)."""
     cp, tp = layout.context, layout.tensor
     if cp == 1:
+        return
+    if layout.context_kind == "allgather":
+        _check_allgather(model, layout)
         return
     for name in ("num_heads", "num_kv_heads"):
         if getattr(model, name) % (tp * cp):
@@ -129,6 +135,24 @@ def check_context(model: ModelConfig, layout: Layout) -> None:
     if model.compile:
         raise ConfigError(f"model.compile=true with parallel.context={cp}: not supported yet "
                           "(the compiled decoder layers would hold the all-to-all of attention, "
+                          "untested); set model.compile=false or parallel.context=1")
+
+
+def _check_allgather(model: ModelConfig, layout: Layout) -> None:
+    """All-gather context parallelism: 2 x context equal chunks of each sequence, and (under
+    sequence parallelism) each rank's two of them split again over the tensor ranks."""
+    cp, tp = layout.context, layout.tensor
+    if model.seq_length % (2 * cp):
+        raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by 2 x "
+                          f"parallel.context = {2 * cp} with parallel.context_kind=allgather (each "
+                          "rank holds a head and a tail chunk of every sequence)")
+    if layout.sequence_parallel and (model.seq_length // cp) % tp:
+        raise ConfigError(f"model.seq_length={model.seq_length}: each context rank's "
+                          f"{model.seq_length // cp} tokens must be divisible by parallel.tensor="
+                          f"{tp} for sequence parallelism with parallel.context_kind=allgather")
+    if model.compile:
+        raise ConfigError(f"model.compile=true with parallel.context={cp}: not supported yet "
+                          "(the compiled decoder layers would hold the all-gather of attention, "
                           "untested); set model.compile=false or parallel.context=1")
 
 

@@ -197,7 +197,7 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     sequence_parallel=p.sequence_parallel,
                     precision=planned_precision(t.precision),
                     partition=p.pipeline_partition, context=p.context,
-                    expert=p.expert, fsdp2_replicas=t.fsdp2_replicas,
+                    context_kind=p.context_kind, expert=p.expert, fsdp2_replicas=t.fsdp2_replicas,
                     engine=t.engine.value)
     check_layout(m, layout)
     if Fp8Recipe(t.fp8) is not Fp8Recipe.NONE and layout.precision is Precision.FP16:

@@ -288,7 +288,8 @@ def announce_run(sink: MetricsSink, cfg: RunConfig, world: World,
     dp_size, global_batch, grad_accum = layout.data, layout.global_batch, layout.grad_accum
     sink.write({"kind": "run", "world_size": world.world_size, "launcher": world.launcher,
                 "tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-                "context": cfg.parallel.context, "data_parallel": dp_size, **facts,
+                "context": cfg.parallel.context, "context_kind": cfg.parallel.context_kind,
+                "data_parallel": dp_size, **facts,
                 "parameters": n_params, "global_batch": global_batch,
                 "grad_accum": grad_accum, "precision": cfg.train.precision.value,
                 "train_samples": train_samples, "train_samples_per_source": per_source,
@@ -296,10 +297,13 @@ def announce_run(sink: MetricsSink, cfg: RunConfig, world: World,
                 "deepspeed_config": cfg.deepspeed, "timeouts_minutes": group_timeouts(),
                 "torch": torch.__version__,
                 "deepspeed": deepspeed.__version__})
+    p = cfg.parallel
+    context = (f" x cp {p.context}{' (allgather)' if p.context_kind == 'allgather' else ''}"
+               if p.context > 1 else "")
     log(
         f"[run] {n_params / 1e6:.1f}M parameters | world {world.world_size} ({world.launcher}) = "
         f"tp {cfg.parallel.tensor} x pp {cfg.parallel.pipeline}"
-        f"{f' x cp {cfg.parallel.context}' if cfg.parallel.context > 1 else ''} x dp {dp_size} | "
+        f"{context} x dp {dp_size} | "
         f"ZeRO-{facts['zero_stage']} offload opt={facts['offload_optimizer']} "
         f"param={facts['offload_param']} | {cfg.train.precision.value} | "
         f"global batch {global_batch} = micro {cfg.train.micro_batch_size} x accum "

@@ -123,7 +123,8 @@ def construct_stages(cfg: RunConfig, groups) -> PipelineStages:
     p, m = cfg.parallel, cfg.model
     tp_group = groups.tensor if groups.topology.tensor > 1 else None
     specs = pipeline_layer_specs(m, tp_group=tp_group, sequence_parallel=p.sequence_parallel,
-                                 cp_group=groups.context, expert_parallel=p.expert > 1)
+                                 cp_group=groups.context, expert_parallel=p.expert > 1,
+                                 context_kind=p.context_kind)
     num_stages = p.pipeline * p.virtual_stages
     spans = stage_spans(m.num_layers, num_stages)
     loss = PipelineLoss(vocab_size=m.vocab_size, tp_group=tp_group,

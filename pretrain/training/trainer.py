@@ -208,7 +208,8 @@ class Trainer:
                              consumed_samples=consumed, workers=workers,
                              pin_memory=self.device.startswith("cuda"),
                              context_rank=self.context_rank, context_size=self.context_size,
-                             skip=skip, document_eod=self._document_eod())
+                             skip=skip, document_eod=self._document_eod(),
+                             head_tail=self.cfg.parallel.context_kind == "allgather")
 
     def _document_eod(self) -> int | None:
         """The end-of-document id the loader marks documents by (data.document_mask)."""
