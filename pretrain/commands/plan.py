@@ -27,7 +27,8 @@ import math
 import os
 import sys
 
-from pretrain.config import RunConfig, add_config_arguments, config_overrides, load_config
+from pretrain.config import (Fp8Recipe, Optimizer, RunConfig, add_config_arguments,
+                             config_overrides, load_config)
 from pretrain.errors import ConfigError
 from pretrain.resolve.layout import planned_precision
 from pretrain.plan.clusters import CLUSTER_PRESETS, Cluster, make_cluster
@@ -128,7 +129,9 @@ def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
     margin = _margin(args)
     plans = search(cfg.model, cluster, global_batch=gbs,
                    precision=planned_precision(cfg.train.precision), engines=set(engines),
-                   memory_margin=margin, engine=cfg.train.engine)
+                   memory_margin=margin, engine=cfg.train.engine,
+                   fp8=Fp8Recipe(cfg.train.fp8).value,
+                   optimizer=Optimizer(cfg.train.optimizer).value)
     if not plans:
         need = minimum_memory_gb(cfg.model, cluster,
                                  precision=planned_precision(cfg.train.precision))
