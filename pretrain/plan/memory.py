@@ -1,10 +1,15 @@
 """The planner's model of memory: what one GPU of the heaviest pipeline stage holds.
 
 Parameters, gradients and optimizer states by precision, ZeRO stage (sharded over data x
-context ranks) and offload; activations by recompute mode, context parallelism (1/context of the
-tokens per rank) and sequence parallelism (after Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models") with the micro-batches 1F1B keeps in flight (stage i
-holds pp - i); and DeepSpeed's communication buffers.
+context ranks) and offload; activations by recompute mode (none, full, every k, selective:
+`selective_layer_activation_elements`), context parallelism (1/context of the tokens per rank)
+and sequence parallelism (after Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models") with the micro-batches the pipeline schedule keeps in flight
+(`micro_batches_in_flight`: 1F1B's stage i holds pp - i); and DeepSpeed's communication
+buffers. `train.optimizer: muon` keeps one fp32 momentum for the layers' projection matrices
+instead of Adam's two moments (4 bytes fewer a parameter, `MUON_STATE_SAVING`) and gathers them
+whole for its step (`muon_step_bytes`); `train.fp8` adds its casts and scales (`fp8_buffers`)
+and, under fsdp2's tensorwise recipe, all-gathers the projections in FP8.
 
 Bytes per parameter (P = compute dtype bytes: 2 for bf16/fp16, 4 for fp32):
 
@@ -37,7 +42,10 @@ to a multiple of the ranks is not counted). The shards are fp32 and are the opti
 two fp32 moments: 4 + 4 + 8 = 16 bytes per parameter / ranks in fp32 and bf16 alike, all three
 in host memory under `CPUOffloadPolicy` (either offload of the JSON on cpu). No DeepSpeed
 buckets; the buffers are the gathered units and the gradients in flight
-(`fsdp2_gathered_bytes`, `fsdp2_gradients_in_flight`).
+(`fsdp2_gathered_bytes`, `fsdp2_gradients_in_flight`). Its pipelines
+(`torch.distributed.pipelining`, `parallel.pipeline_schedule`) give each rank the layer specs of
+its virtual stages (`pretrain.arithmetic.pipeline_rank_items`) and keep every unit gathered and
+every gradient unsharded, in fp32, until the step's last backward.
 """
 from __future__ import annotations
 

@@ -4,11 +4,16 @@ The step splits into compute (hardware FLOPs of the slowest stage at the sustain
 tensor-parallel communication (with expert parallelism's all-to-alls, the dispatch and combine
 of each MoE layer forward and backward, which run on the tensor group; `expert_comm` shows
 them apart), context-parallel all-to-alls (four per attention layer forward: q, k, v and the
-output; four backward; on the intra-node link while tensor x context fits a node), the 1F1B
-pipeline bubble, pipeline point-to-point transfers, exposed data-parallel communication and the
-offloaded optimizer step, and memory-bound copies on each micro-batch's critical path
+output; four backward; on the intra-node link while tensor x context fits a node), the
+pipeline bubble of the schedule (`pipeline_bubble_slots`: DeepSpeed's 1F1B, or fsdp2's
+interleaved, zero-bubble, ZBV and DualPipeV schedules), pipeline point-to-point transfers (v
+sends a micro-batch with v virtual stages), exposed data-parallel communication and the
+offloaded optimizer step, memory-bound copies on each micro-batch's critical path
 (`memory_bound`: the fused projections' weight concatenations, DeepSpeed's BF16_Optimizer's fp32
-gradient sum); the efficiency assumptions are those of `pretrain.plan.clusters`.
+gradient sum, `train.fp8`'s casts), and Muon's step (`optimizer`: its matrices gathered whole and
+orthogonalised on every rank); the efficiency assumptions are those of `pretrain.plan.clusters`.
+Under `train.fp8` the block projections' FLOPs run at the cluster's FP8 peak
+(`fp8_flops_per_token`), attention's products, the router and the head at the bf16 one.
 
 Data-parallel gradients go in the run's `communication_data_type` (the resolved DeepSpeed JSON's,
 fp32 for bf16 under ZeRO and in pipelines by the resolver's rule, `resolve.ds_config`): bf16
