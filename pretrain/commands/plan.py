@@ -5,7 +5,8 @@ Without launching anything or creating a process group, it loads the config exac
 world size, derives the layout and checks it with the rules the model build applies, and prints
 the layout with the planner's per-GPU memory breakdown and predicted step time, tokens/s and MFU,
 under the config's `train.engine` (DeepSpeed's or FSDP2's sharding; `--search` ranks that
-engine's layouts).
+engine's layouts, fsdp2's pipelines under each of their schedules), `train.fp8` and
+`train.optimizer`.
 Any problem is one `error:` line and exit status 2, so a Slurm script can call it before
 `srun`::
 
@@ -63,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, search: bool = True) -> No
                         "(default 0.2: bf16 runs measured up to 1.19x the predicted peak)")
     if search:
         parser.add_argument("--search", action="store_true",
-                            help="rank every valid layout of the model on the cluster that fits")
+                            help="rank every valid layout of the model on the cluster that fits "
+                                 "(under train.engine=fsdp2 each pipeline schedule and its "
+                                 "virtual stages too; train.fp8 and train.optimizer kept)")
         parser.add_argument("--global-batch", type=int,
                             help="samples per step for --search (default: the config's)")
         parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
