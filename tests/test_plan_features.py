@@ -52,20 +52,33 @@ def test_each_schedule_s_bubble_in_micro_batch_slots(schedule, virtual, slots):
     ("interleaved_1f1b", 2, [5.5, 4.5, 3.5, 2.5]),
     ("zero_bubble", 1, [4, 4, 4, 4]), ("zbv", 2, [4, 4, 4, 4]),
     ("dualpipe_v", 2, [4.5, 4.5, 4.5, 4.5])])
-def test_each_schedule_s_micro_batches_in_flight_are_torch_s(schedule, virtual, flights):
-    """The micro-batches each rank of a pp 4 pipeline holds at its peak (8 a step): the hand
-    values, and what torch's own action lists give replayed (`schedule_replay`), with its
-    bubble; fewer micro-batches than the warm-up wants cap it."""
+def test_each_schedule_s_micro_batches_in_flight_by_hand(schedule, virtual, flights):
+    """The micro-batches each rank of a pp 4 pipeline holds at its peak (8 a step); fewer
+    micro-batches than the warm-up wants cap it."""
     layout = _fsdp2(pipeline=4, global_batch=8, schedule=schedule, virtual_stages=virtual)
     assert [micro_batches_in_flight(layout, r) for r in range(4)] == pytest.approx(flights)
-    if schedule != "1f1b":  # Schedule1F1B runs one stage a rank, without an action list
-        from pretrain.testing.schedule_replay import replay
-
-        replayed = replay(schedule, pipeline=4, virtual_stages=virtual, micro_batches=8)
-        assert replayed.peak_in_flight == pytest.approx(flights)
-        assert replayed.bubble_slots == pytest.approx(pipeline_bubble_slots(layout))
     few = replace(layout, global_batch=2)
     assert max(micro_batches_in_flight(few, r) for r in range(4)) <= 2
+
+
+@pytest.mark.slow  # imports torch.distributed.pipelining (2 s), no ranks
+@pytest.mark.parametrize("pipeline, micro_batches", [(2, 4), (4, 8), (8, 16), (4, 12)])
+def test_the_schedule_formulas_are_torch_s_action_lists_replayed(pipeline, micro_batches):
+    """Each schedule torch builds an action list for (`schedule_replay`: forwards, input and
+    weight backwards a third of a slot each), replayed: its bubble in slots and every rank's
+    peak micro-batches in flight are the planner's."""
+    from pretrain.testing.schedule_replay import REPLAYED, replay
+
+    for schedule in REPLAYED:
+        for virtual in ((1, 2, 4) if schedule in ("interleaved_1f1b", "zero_bubble") else (2,)):
+            layout = _fsdp2(pipeline=pipeline, global_batch=micro_batches, schedule=schedule,
+                            virtual_stages=virtual)
+            replayed = replay(schedule, pipeline=pipeline, virtual_stages=virtual,
+                              micro_batches=micro_batches)
+            where = (schedule, virtual)
+            assert replayed.bubble_slots == pytest.approx(pipeline_bubble_slots(layout)), where
+            assert replayed.peak_in_flight == pytest.approx(
+                [micro_batches_in_flight(layout, r) for r in range(pipeline)]), where
 
 
 def test_fsdp2_pipeline_ranks_hold_their_virtual_stages_looped_or_v_shaped():
