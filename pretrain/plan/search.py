@@ -59,7 +59,9 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *,
     """Memory and time of `layout` under `engine`; raises ConfigError if the layout is invalid
     (or one `engine` does not run). `ds`: the run's resolved DeepSpeed JSON, whose gradient
     dtypes and bf16 settings DeepSpeed follows; None (a search's layouts) plans what the
-    resolver fills into the shipped JSONs' "auto"."""
+    resolver fills into the shipped JSONs' "auto". The layout is planned as `engine` runs it
+    (its `engine` field set: whose pipeline, DeepSpeed's 1F1B or fsdp2's schedule)."""
+    layout = replace(layout, engine=Engine(engine).value)
     check_layout(model, layout)
     stages = stage_items(model, layout)
     if engine is Engine.FSDP2:
