@@ -1,4 +1,5 @@
-"""Pipeline bubble of DeepSpeed's 1F1B schedule at pp = 2, measured against the theory.
+"""Pipeline bubble of DeepSpeed's 1F1B schedule at pp = 2, measured against the theory; with
+`--schedules`, of each of fsdp2's schedules (torch.distributed.pipelining) against the planner.
 
 Two gloo ranks (one core each) run a 2-stage pipeline of the Llama model for m = 1, 2, 4, 8
 micro-batches per step (the same micro-batch size, `engine.set_train_batch_size`). A step
@@ -7,6 +8,21 @@ should take (m + p - 1) micro-batch slots; the busy part is m slots, so the bubb
 line through all m), and the measured bubble fraction of m is 1 - m * slope / step_time(m).
 
     .venv/bin/python bench/pipeline_bubble.py          # ~2 minutes on 2 cores
+
+`--schedules`: two gloo ranks (one core each) run torch's schedules (`1f1b`, `interleaved_1f1b`
+with 2 and 4 stages a rank, `zero_bubble` with 1 and 2, `zbv`, `dualpipe_v`) over a stack of 8
+residual MLP blocks (hidden 256, 1024 inner, 256 tokens a micro-batch, fp32) cut into pp x v
+stages, for m = 4 and 8 micro-batches a step. Each rank also times its own work of the step
+alone (each micro-batch's forward and backward through its stages, no pipeline: "busy"); the
+measured bubble fraction is 1 - busy / step time (each the fastest of the steps, the least
+disturbed by other processes; the mean of the two ranks'), beside the planner's b / (m + b),
+b = `pipeline_bubble_slots`. The peak activation memory of each rank is the most
+bytes autograd holds saved at once (`saved_tensors_hooks`: each saved tensor counted from its
+save to its release), over one micro-batch's saved bytes through the rank's stages: the
+micro-batches in flight, beside the planner's (`micro_batches_in_flight`) and torch's action
+lists replayed (`pretrain.testing.schedule_replay`).
+
+    .venv/bin/python bench/pipeline_bubble.py --schedules   # ~2 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -66,12 +82,167 @@ def _rank(rank: int, world_size: int, micro_counts: list[int], steps: int, layer
     return step_times
 
 
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 1),
+             ("zero_bubble", 2), ("zbv", 2), ("dualpipe_v", 2))
+HIDDEN, INNER, TOKENS = 256, 1024, 256
+
+
+def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
+                   layers: int) -> dict:
+    import weakref
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from pretrain.arithmetic import stage_indices, stage_spans
+    from pretrain.training.pipeline_schedules import SCHEDULE_CLASSES
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(HIDDEN, INNER), nn.Linear(INNER, HIDDEN)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    held = {"now": 0, "peak": 0}
+
+    class Saved:
+        def __init__(self, tensor) -> None:
+            self.tensor, self.size = tensor, tensor.numel() * tensor.element_size()
+            held["now"] += self.size
+            held["peak"] = max(held["peak"], held["now"])
+            weakref.finalize(self, _release, self.size)
+
+    def _release(size: int) -> None:
+        held["now"] -= size
+
+    hooks = (lambda t: Saved(t), lambda saved: saved.tensor)
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(layers)]
+    results = {}
+    for schedule_name, v in SCHEDULES:
+        stages = world_size * v
+        # every stage its share of the blocks (stage_spans' cut, the layer specs less the
+        # embedding, norm and head a model's stages would add)
+        spans = [(start - (start > 0), stop - 1 if stop <= layers else layers)
+                 for start, stop in stage_spans(layers, stages)]
+        mine = stage_indices(rank, pipeline=world_size, virtual_stages=v, schedule=schedule_name)
+        modules = {i: nn.Sequential(*blocks[spans[i][0]:spans[i][1]]) for i in mine}
+        x = torch.randn(TOKENS, HIDDEN)
+        # one micro-batch's saved bytes through this rank's stages
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            held.update(now=0, peak=0)
+            outs = [modules[i](x.clone().requires_grad_()) for i in mine]
+            per_micro = held["now"]
+            del outs
+        results[(schedule_name, v, "per_micro")] = per_micro
+        for m in micro_counts:
+            pipeline_stages = [PipelineStage(modules[i], i, stages, torch.device("cpu"))
+                               for i in mine]
+            cls = get_schedule_class(SCHEDULE_CLASSES[schedule_name])
+            single = issubclass(cls, PipelineScheduleSingle)
+            schedule = cls(pipeline_stages[0] if single else pipeline_stages, n_microbatches=m,
+                           loss_fn=lambda out, target: out.pow(2).mean())
+            first = any(s.is_first for s in pipeline_stages)
+            last = any(s.is_last for s in pipeline_stages)
+            batch = torch.randn(m * TOKENS, HIDDEN)
+
+            def step():
+                kwargs = {"target": torch.zeros(m * TOKENS, HIDDEN)} if last else {}
+                # return_outputs=False, as the run's driver: the last stage keeps no outputs
+                # (whose graphs would hold every micro-batch's activations to the step's end)
+                schedule.step(*((batch,) if first else ()), return_outputs=False, **kwargs)
+                for module in modules.values():
+                    module.zero_grad(set_to_none=True)
+
+            def alone():
+                """The rank's own work of the step, without the pipeline: each micro-batch's
+                forward and backward through each of its stages."""
+                for micro in batch.chunk(m):
+                    for i in mine:
+                        out = modules[i](micro.clone().requires_grad_())
+                        out.backward(torch.ones_like(out))
+                for module in modules.values():
+                    module.zero_grad(set_to_none=True)
+
+            step()  # warm-up (and torch's shape inference)
+            alone()
+            times, busy, peaks = [], [], []
+            for _ in range(steps):
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                alone()
+                busy.append(time.perf_counter() - start)
+                torch.distributed.barrier()
+                with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                    held.update(now=0, peak=0)
+                    start = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - start)
+                    peaks.append(held["peak"])
+            # the fastest of the steps: the least disturbed by other processes on the cores
+            results[(schedule_name, v, m)] = (min(times), max(peaks), min(busy))
+    return results
+
+
+def _schedules(args) -> None:
+    from pretrain.config import Recompute
+    from pretrain.plan.memory import micro_batches_in_flight
+    from pretrain.plan.step_time import pipeline_bubble_slots
+    from pretrain.resolve.layout import Layout
+    from pretrain.testing.schedule_replay import replay
+
+    pp = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_on_ranks(_schedule_rank, world_size=pp, tmp_path=Path(tmp),
+                               timeout_s=1200, args=(args.micro_batches, args.steps, args.layers))
+    print(f"machine: {machine()}; 2 ranks x 1 thread, gloo; shared load (other engineers' jobs "
+          "may run beside it)")
+    print(f"model: {args.layers} residual MLP blocks (hidden {HIDDEN}, inner {INNER}), "
+          f"{TOKENS} tokens a micro-batch, fp32, pp={pp}; m = {args.micro_batches}")
+    print(f"{'schedule':<18}{'v':>2}" + "".join(
+        f"{f'step m={m}':>11}{'busy':>8}{'bubble':>8}{'planner':>8}" for m in args.micro_batches)
+        + f"{'in flight r0/r1 (m=' + str(max(args.micro_batches)) + ')':>28}{'planner':>10}"
+        f"{'replay':>10}")
+    for name, v in SCHEDULES:
+        m_top = max(args.micro_batches)
+        layout = Layout(pipeline=pp, global_batch=m_top, engine="fsdp2", schedule=name,
+                        virtual_stages=v, recompute=Recompute.NONE)
+        planned = pipeline_bubble_slots(layout)
+        row = f"{name:<18}{v:>2}"
+        for m in args.micro_batches:
+            step = statistics.fmean(r[(name, v, m)][0] for r in results)
+            busy = statistics.fmean(r[(name, v, m)][2] for r in results)
+            row += (f"{step * 1e3:>9.0f}ms{busy * 1e3:>6.0f}ms{1 - busy / step:>8.3f}"
+                    f"{planned / (m + planned):>8.3f}")
+        flight = [r[(name, v, m_top)][1] / r[(name, v, "per_micro")] for r in results]
+        planned_flight = [micro_batches_in_flight(layout, rank) for rank in range(pp)]
+        replayed = (replay(name, pipeline=pp, virtual_stages=v, micro_batches=m_top)
+                    .peak_in_flight if name != "1f1b" else planned_flight)
+        row += (f"{'/'.join(f'{f:.2f}' for f in flight):>28}"
+                f"{'/'.join(f'{f:.1f}' for f in planned_flight):>10}"
+                f"{'/'.join(f'{f:.1f}' for f in replayed):>10}")
+        print(row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=None)
+    parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--schedules", action="store_true",
+                        help="fsdp2's schedules (torch.distributed.pipelining) against the planner")
     args = parser.parse_args()
+    if args.schedules:
+        args.micro_batches = args.micro_batches or [4, 8]
+        args.steps = args.steps or 5
+        _schedules(args)
+        return
+    args.micro_batches = args.micro_batches or [1, 2, 4, 8]
+    args.steps = args.steps or 5
     with tempfile.TemporaryDirectory() as tmp:
         results = run_on_ranks(_rank, world_size=2, tmp_path=Path(tmp), timeout_s=1200,
                                args=(args.micro_batches, args.steps, args.layers))

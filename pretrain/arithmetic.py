@@ -20,6 +20,7 @@ import functools
 import math
 
 from pretrain.config import ModelConfig, Recompute
+from pretrain.errors import ConfigError
 from pretrain.families import family_of
 from pretrain.resolve.layout import Layout
 
@@ -29,6 +30,28 @@ def layer_parameters(m: ModelConfig) -> tuple[int, int]:
     table: Llama's q, o, k, v and SwiGLU's three projections (each expert's) are sharded; the
     two RMSNorms (and a mixture of experts' router, Qwen3's q/k norms) are replicated."""
     return family_of(m).layer_parameters(m)
+
+
+def layer_muon_matrices(m: ModelConfig) -> list[tuple[int, int]]:
+    """The unsharded (rows, columns) of one decoder layer's matrices Muon steps under
+    `train.optimizer: muon` (the family's table), each orthogonalised whole."""
+    return family_of(m).projection_shapes(m)
+
+
+def layer_fp8_matrices(m: ModelConfig) -> list[tuple[int, int]]:
+    """The unsharded (rows, columns) of one decoder layer's matrices that `train.fp8` multiplies
+    in FP8 (`pretrain.model.fp8`): its attention and MLP projections, each expert's; the
+    router, the embedding and the head stay in the run's precision. (Projections whose local
+    sizes are not multiples of 16 stay too: not modelled, no recipe has one.)"""
+    return family_of(m).projection_shapes(m)
+
+
+def newton_schulz_flops(rows: int, cols: int, *, steps: int = 5) -> float:
+    """FLOPs of Muon's Newton-Schulz on one rows x cols matrix (torch.optim.Muon's quintic
+    iteration on the shorter side r of the two, the other c): per step A = X X^T (2 r^2 c),
+    B = b A + c A A (2 r^3), X = a X + B X (2 r^2 c)."""
+    r, c = min(rows, cols), max(rows, cols)
+    return steps * (4.0 * r * r * c + 2.0 * r ** 3)
 
 
 def layer_active_matmul_parameters(m: ModelConfig) -> int:
@@ -100,10 +123,13 @@ def stage_items(m: ModelConfig, layout: Layout) -> list[list[str]]:
     `pretrain.model.pipeline` (embedding, decoder layers, final norm, output projection), cut
     as DeepSpeed's `PipelineModule` cuts them for `parallel.pipeline_partition`: 'uniform' gives
     every stage the same number of specs, 'parameters' balances the specs' parameters on one
-    GPU, 'type:DecoderLayerPipe' balances decoder layers only."""
+    GPU, 'type:DecoderLayerPipe' balances decoder layers only. Under `train.engine: fsdp2`
+    one list per pipeline rank: the specs of its virtual stages (`pipeline_rank_items`)."""
     items = ["embed"] + ["layer"] * m.num_layers + ["norm", "head"]
     if layout.pipeline == 1:
         return [items]
+    if layout.engine == "fsdp2":
+        return pipeline_rank_items(m, layout)
     if layout.partition == "uniform":
         parts = partition_uniform(len(items), layout.pipeline)
     else:
@@ -116,6 +142,50 @@ def stage_items(m: ModelConfig, layout: Layout) -> list[list[str]]:
             weights = {"embed": 0, "layer": 1, "norm": 0, "head": 0}
         parts = partition_balanced(tuple(weights[i] for i in items), layout.pipeline)
     return [items[parts[s]:parts[s + 1]] for s in range(layout.pipeline)]
+
+
+# ---- train.engine: fsdp2's pipelines (torch.distributed.pipelining) ----------------------------
+
+V_SHAPED = ("zbv", "dualpipe_v")  # two stages a rank, the second counted back from the end
+
+
+def stage_indices(pipeline_rank: int, *, pipeline: int, virtual_stages: int,
+                  schedule: str) -> list[int]:
+    """The stages rank `pipeline_rank` of the pipeline group holds, in order: looped (r, r + pp,
+    ...) for 1F1B and the interleaved schedules, V-shaped (r and 2 pp - 1 - r) for ZBV and
+    DualPipeV, which torch places that way."""
+    if schedule in V_SHAPED:
+        return [pipeline_rank, 2 * pipeline - 1 - pipeline_rank]
+    return [pipeline_rank + v * pipeline for v in range(virtual_stages)]
+
+
+def stage_spans(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """[start, stop) of each stage in the layer-spec list (0: embedding, 1 .. L: decoder
+    layers, L + 1: norm, L + 2: head): each stage gets num_layers // num_stages decoder layers,
+    the first num_layers % num_stages one more; the embedding opens the first stage, the norm
+    and head close the last."""
+    if num_layers < num_stages:
+        raise ConfigError(f"parallel.pipeline x parallel.virtual_stages = {num_stages} stages "
+                          f"for model.num_layers={num_layers}: every stage needs a decoder "
+                          f"layer; use at most {num_layers} stages")
+    base, extra = divmod(num_layers, num_stages)
+    stops = [1 + sum(base + (s < extra) for s in range(stage + 1))
+             for stage in range(num_stages)]
+    starts = [0] + stops[:-1]
+    stops[-1] = num_layers + 3
+    return list(zip(starts, stops))
+
+
+def pipeline_rank_items(m: ModelConfig, layout: Layout) -> list[list[str]]:
+    """Each pipeline rank's items under fsdp2's pipelines: the specs of the stages it holds
+    (`stage_indices`), `pipeline x virtual_stages` stages cut by `stage_spans`."""
+    items = ["embed"] + ["layer"] * m.num_layers + ["norm", "head"]
+    spans = stage_spans(m.num_layers, layout.pipeline * layout.virtual_stages)
+    return [[item for stage in stage_indices(rank, pipeline=layout.pipeline,
+                                             virtual_stages=layout.virtual_stages,
+                                             schedule=layout.schedule)
+             for item in items[slice(*spans[stage])]]
+            for rank in range(layout.pipeline)]
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:

@@ -165,7 +165,7 @@ def test_the_readme_first_screen_says_what_for_whom_why_and_where_it_stands():
 
 
 RECIPE_ROW = re.compile(r"^\| `configs/(\w+)\.yaml` \| (\d+) x 8 H100 \|.*\| ([\d,]+) \| "
-                        r"([\d.]+)%[^|]*\| ([\d.]+) GB \|$", re.M)
+                        r"([\d.]+)%[^|]*\| ([\d.]+) GB \|(?: ([\d,]+) \(([\d.]+)x\) \|)?$", re.M)
 
 
 @pytest.mark.parametrize("document", ["README.md", "docs/launching.md"])
@@ -181,14 +181,23 @@ def test_the_recipe_tables_print_what_plan_predicts(document):
     rows = RECIPE_ROW.findall((REPO / document).read_text())
     assert {row[0] for row in rows} == {"llama_7b", "llama_13b", "llama_70b", "mixtral_8x7b",
                                         "qwen3_8b"}
-    for recipe, nodes, tokens, mfu, memory in rows:
-        cluster = make_cluster("h100-80gb", nodes=int(nodes))
-        settled = settle_for_plan(load_config(REPO / "configs" / f"{recipe}.yaml"),
+    def planned(recipe: str, cluster, *overrides: str):
+        settled = settle_for_plan(load_config(REPO / "configs" / f"{recipe}.yaml", overrides),
                                   on_this_machine=False)
         run = dry_run(settled, world_size=cluster.world_size, accelerator="cuda")
-        plan = estimate(run.cfg.model, run.layout, cluster, engine=run.cfg.train.engine)
+        return estimate(run.cfg.model, run.layout, cluster, engine=run.cfg.train.engine)
+
+    for recipe, nodes, tokens, mfu, memory, fp8_tokens, fp8_ratio in rows:
+        cluster = make_cluster("h100-80gb", nodes=int(nodes))
+        plan = planned(recipe, cluster)
         assert (tokens, mfu, memory) == (f"{plan.tokens_per_s:,.0f}", f"{100 * plan.mfu:.1f}",
                                          f"{plan.memory.total / GB:.1f}"), recipe
+        # the README's FP8 column: the same command with --set train.fp8=tensorwise
+        assert bool(fp8_tokens) == (document == "README.md"), recipe
+        if fp8_tokens:
+            fp8 = planned(recipe, cluster, "train.fp8=tensorwise")
+            assert (fp8_tokens, fp8_ratio) == (
+                f"{fp8.tokens_per_s:,.0f}", f"{fp8.tokens_per_s / plan.tokens_per_s:.2f}"), recipe
 
 
 def _recipe_summary(name: str) -> str:

@@ -320,8 +320,10 @@ def test_the_step_time_is_the_sum_of_its_parts_and_each_part_follows_its_dimensi
                          precision=Precision.FP32)) == {"compute", "context_comm", "data_comm"}
     assert spent(replace(alone, data=16)) == {"compute", "data_comm"}
     assert spent(replace(alone, zero_stage=1, offload_optimizer="cpu")) == {"compute", "offload"}
+    assert spent(replace(alone, optimizer="muon")) == {"compute", "optimizer"}  # Newton-Schulz
     every = replace(alone, tensor=2, pipeline=2, context=2, data=4, zero_stage=1,
-                    offload_optimizer="cpu", sequence_parallel=True, recompute=Recompute.FULL)
+                    offload_optimizer="cpu", sequence_parallel=True, recompute=Recompute.FULL,
+                    optimizer="muon")
     assert spent(every, LLAMA_7B) == set(parts)
 
 

@@ -135,8 +135,8 @@ def test_fsdp2_offload_copies_shards_every_micro_batch_and_steps_on_the_host():
 
 
 def test_fsdp2_refuses_what_it_does_not_run():
-    refused = [(replace(ZERO3, pipeline=2, data=1, zero_stage=1),
-                "parallel.pipeline=2 under train.engine=fsdp2: the planner does not model"),
+    refused = [(replace(ZERO3, pipeline=2, data=1, schedule="zbv", virtual_stages=2),
+                "parallel.pipeline_schedule=zbv with ZeRO stage 3"),
                (replace(ZERO3, zero_stage=0), "train.engine=fsdp2 cannot run this config: .*"
                                               "ZeRO stage 0")]
     for layout, reason in refused:
@@ -150,7 +150,12 @@ def test_the_search_under_fsdp2_ranks_only_what_fsdp2_runs():
                    engine=Engine.FSDP2)
     assert plans and all(p.engine is Engine.FSDP2 for p in plans)
     assert {p.layout.zero_stage for p in plans} == {2, 3}  # ZeRO-1's JSON is ZeRO-2's here
-    assert all(p.layout.pipeline == 1 for p in plans)
+    # pipelines under fsdp2's schedules, none splitting the backward at ZeRO-3
+    piped = [p.layout for p in plans if p.layout.pipeline > 1]
+    assert piped and all(lay.engine == "fsdp2" for lay in piped)
+    assert len({lay.schedule for lay in piped}) > 1
+    assert not any(lay.zero_stage == 3 and lay.schedule in ("zero_bubble", "zbv", "dualpipe_v")
+                   for lay in piped)
     # sequence parallelism wherever the tensor is split, as under DeepSpeed
     assert all(p.layout.sequence_parallel == (p.layout.tensor > 1) for p in plans)
     assert any(p.layout.tensor > 1 for p in plans)

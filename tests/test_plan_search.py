@@ -57,10 +57,10 @@ def test_each_recipe_is_within_10_percent_of_the_best_layout_with_the_margin(rec
     cfg = load_config(REPO / "configs" / f"{recipe}.yaml")
     settled = settle_for_plan(cfg, on_this_machine=False)
     layout = dry_run(settled, world_size=cluster.world_size, accelerator="cuda").layout
-    own = estimate(cfg.model, layout, cluster)
+    own = estimate(cfg.model, layout, cluster, engine=cfg.train.engine)
     plans = search(cfg.model, cluster, global_batch=layout.global_batch,
                    precision=layout.precision, engines=set(shipped_ds_configs()),
-                   memory_margin=DEFAULT_MEMORY_MARGIN)
+                   memory_margin=DEFAULT_MEMORY_MARGIN, engine=cfg.train.engine)
     assert keeps_margin(own, DEFAULT_MEMORY_MARGIN), own.memory.total / GB
     assert times_slower(own, plans[0]) <= 1 + SLOWER_THAN_BEST, plans[0].layout.describe()
 

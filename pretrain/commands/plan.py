@@ -5,7 +5,8 @@ Without launching anything or creating a process group, it loads the config exac
 world size, derives the layout and checks it with the rules the model build applies, and prints
 the layout with the planner's per-GPU memory breakdown and predicted step time, tokens/s and MFU,
 under the config's `train.engine` (DeepSpeed's or FSDP2's sharding; `--search` ranks that
-engine's layouts).
+engine's layouts, fsdp2's pipelines under each of their schedules), `train.fp8` and
+`train.optimizer`.
 Any problem is one `error:` line and exit status 2, so a Slurm script can call it before
 `srun`::
 
@@ -27,7 +28,8 @@ import math
 import os
 import sys
 
-from pretrain.config import RunConfig, add_config_arguments, config_overrides, load_config
+from pretrain.config import (Fp8Recipe, Optimizer, RunConfig, add_config_arguments,
+                             config_overrides, load_config)
 from pretrain.errors import ConfigError
 from pretrain.resolve.layout import planned_precision
 from pretrain.plan.clusters import CLUSTER_PRESETS, Cluster, make_cluster
@@ -62,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, search: bool = True) -> No
                         "(default 0.2: bf16 runs measured up to 1.19x the predicted peak)")
     if search:
         parser.add_argument("--search", action="store_true",
-                            help="rank every valid layout of the model on the cluster that fits")
+                            help="rank every valid layout of the model on the cluster that fits "
+                                 "(under train.engine=fsdp2 each pipeline schedule and its "
+                                 "virtual stages too; train.fp8 and train.optimizer kept)")
         parser.add_argument("--global-batch", type=int,
                             help="samples per step for --search (default: the config's)")
         parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
@@ -128,7 +132,9 @@ def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
     margin = _margin(args)
     plans = search(cfg.model, cluster, global_batch=gbs,
                    precision=planned_precision(cfg.train.precision), engines=set(engines),
-                   memory_margin=margin, engine=cfg.train.engine)
+                   memory_margin=margin, engine=cfg.train.engine,
+                   fp8=Fp8Recipe(cfg.train.fp8).value,
+                   optimizer=Optimizer(cfg.train.optimizer).value)
     if not plans:
         need = minimum_memory_gb(cfg.model, cluster,
                                  precision=planned_precision(cfg.train.precision))

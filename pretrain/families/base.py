@@ -62,6 +62,10 @@ class Family:
     # it on export: `pretrain.model.mup.fold_for_export`)
     query_scale: str = "self_attn.q_proj.weight"
     architecture_fields: tuple[str, ...] = field(default=())  # fields weights must agree on
+    # features per token of attention's projection outputs the family normalises before RoPE
+    # (sharded over tensor parallelism with the heads); each such norm saves its input for
+    # backward, as the layer's norms do (the planner's activation memory)
+    normed_projection_width: Callable[[ModelConfig], int] = lambda cfg: 0
 
     def fields_to_agree(self, *cfgs: ModelConfig) -> tuple[str, ...]:
         """The `ModelConfig` fields weights and a run must agree on: `architecture_fields` and
@@ -121,6 +125,13 @@ class Family:
                 count = count * cfg.experts_per_token / cfg.num_experts
             total += count
         return int(total)
+
+    def projection_shapes(self, cfg: ModelConfig) -> list[tuple[int, int]]:
+        """The unsharded shapes of one decoder layer's projection matrices (its table's `muon`
+        rows: attention's and the MLP's, each expert's own; not the router): what
+        `train.optimizer: muon` steps and `train.fp8` multiplies in FP8."""
+        return [tuple(self.parameter(name).shape(cfg)) for name in self.layer(cfg)
+                if self.parameter(name).muon]
 
 
 def _product(shape: tuple[int, ...]) -> int:

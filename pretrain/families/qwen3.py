@@ -58,6 +58,7 @@ QWEN3 = Family(
     modules={"attention": "pretrain.model.qwen3:Qwen3Attention"},
     hf_config=hf_config,
     from_hf_config=from_hf_config,
+    normed_projection_width=lambda cfg: (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim,
     query_scale="self_attn.q_norm.weight",  # q_proj's scale is normalised away
     architecture_fields=ARCHITECTURE_FIELDS,
 )

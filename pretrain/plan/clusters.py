@@ -53,11 +53,14 @@ class Cluster:
     inter_node_gbps: float  # one GPU's share of the node's NICs
     pcie_gbps: float = 25.0  # host <-> device, for CPU offload
     memory_gbps: float = 2039.0  # device memory bandwidth (HBM), for memory-bound copies
+    fp8_tflops: float | None = None  # dense FP8 peak per GPU (None: no FP8 matmuls, train.fp8)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"cluster {name}={getattr(self, name)!r}: must be a positive integer")
+        if self.fp8_tflops is not None and self.fp8_tflops <= 0:
+            raise ConfigError(f"cluster fp8_tflops={self.fp8_tflops!r}: must be positive")
         for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
                      "pcie_gbps", "memory_gbps"):
             if getattr(self, name) <= 0:
@@ -68,16 +71,16 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
 
-# Data-sheet numbers. A100: 312 TFLOP/s bf16, NVLink 3 (600 GB/s bidirectional), 8x HDR 200 Gb/s
-# per node, HBM2e 2039 GB/s. H100 SXM: 989 TFLOP/s bf16, NVLink 4 (900 GB/s bidirectional), 8x
-# NDR 400 Gb/s, HBM3 3350 GB/s.
+# Data-sheet numbers. A100: 312 TFLOP/s bf16 (no FP8), NVLink 3 (600 GB/s bidirectional), 8x HDR
+# 200 Gb/s per node, HBM2e 2039 GB/s. H100 SXM: 989 TFLOP/s bf16, 1979 FP8 (dense), NVLink 4
+# (900 GB/s bidirectional), 8x NDR 400 Gb/s, HBM3 3350 GB/s.
 CLUSTER_PRESETS: dict[str, dict] = {
     "a100-80gb": dict(gpus_per_node=8, gpu_memory_gb=80.0, peak_tflops=312.0,
                       intra_node_gbps=300.0, inter_node_gbps=25.0, pcie_gbps=25.0,
                       memory_gbps=2039.0),
     "h100-80gb": dict(gpus_per_node=8, gpu_memory_gb=80.0, peak_tflops=989.0,
                       intra_node_gbps=450.0, inter_node_gbps=50.0, pcie_gbps=50.0,
-                      memory_gbps=3350.0),
+                      memory_gbps=3350.0, fp8_tflops=1979.0),
 }
 
 

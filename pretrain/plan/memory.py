@@ -1,10 +1,15 @@
 """The planner's model of memory: what one GPU of the heaviest pipeline stage holds.
 
 Parameters, gradients and optimizer states by precision, ZeRO stage (sharded over data x
-context ranks) and offload; activations by recompute mode, context parallelism (1/context of the
-tokens per rank) and sequence parallelism (after Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models") with the micro-batches 1F1B keeps in flight (stage i
-holds pp - i); and DeepSpeed's communication buffers.
+context ranks) and offload; activations by recompute mode (none, full, every k, selective:
+`selective_layer_activation_elements`), context parallelism (1/context of the tokens per rank)
+and sequence parallelism (after Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models") with the micro-batches the pipeline schedule keeps in flight
+(`micro_batches_in_flight`: 1F1B's stage i holds pp - i); and DeepSpeed's communication
+buffers. `train.optimizer: muon` keeps one fp32 momentum for the layers' projection matrices
+instead of Adam's two moments (4 bytes fewer a parameter, `MUON_STATE_SAVING`) and gathers them
+whole for its step (`muon_step_bytes`); `train.fp8` adds its casts and scales (`fp8_buffers`)
+and, under fsdp2's tensorwise recipe, all-gathers the projections in FP8.
 
 Bytes per parameter (P = compute dtype bytes: 2 for bf16/fp16, 4 for fp32):
 
@@ -37,17 +42,23 @@ to a multiple of the ranks is not counted). The shards are fp32 and are the opti
 two fp32 moments: 4 + 4 + 8 = 16 bytes per parameter / ranks in fp32 and bf16 alike, all three
 in host memory under `CPUOffloadPolicy` (either offload of the JSON on cpu). No DeepSpeed
 buckets; the buffers are the gathered units and the gradients in flight
-(`fsdp2_gathered_bytes`, `fsdp2_gradients_in_flight`).
+(`fsdp2_gathered_bytes`, `fsdp2_gradients_in_flight`). Its pipelines
+(`torch.distributed.pipelining`, `parallel.pipeline_schedule`) give each rank the layer specs of
+its virtual stages (`pretrain.arithmetic.pipeline_rank_items`) and keep every unit gathered and
+every gradient unsharded, in fp32, until the step's last backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pretrain.arithmetic import layer_parameters, layout_recomputed_layers, stage_parameters
-from pretrain.config import ModelConfig, Precision
+from pretrain.arithmetic import (layer_fp8_matrices, layer_muon_matrices, layer_parameters,
+                                 layout_recomputed_layers, stage_parameters)
+from pretrain.config import ModelConfig, Precision, Recompute
+from pretrain.families import family_of
 from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
-from pretrain.resolve.fsdp2_rules import layout_refusals, raise_refusals
+from pretrain.resolve.fsdp2_rules import (SPLIT_BACKWARD, layout_refusals, raise_refusals,
+                                          reshards_after_forward)
 from pretrain.errors import ConfigError
 from pretrain.resolve.layout import Layout
 from pretrain.plan.context import gathered_kv_bytes
@@ -89,20 +100,46 @@ def layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, fl
     elements of the activation dtype: replicated: the two RMSNorms' inputs and outputs (4; 6 in
     16-bit, where the norm saves its fp32 upcast); sharded: q (1), k and v (2*kv/h), the attention
     output (1) and the output projection's input (1) (q's width heads x head_dim), and SwiGLU's gate, up, silu(gate) and
-    product (4*f/h). A mixture of experts (pretrain/model/moe.py) runs SwiGLU on experts_per_token
+    product (4*f/h). A family that normalises attention's projections per head (its
+    `normed_projection_width`: Qwen3's q and k) adds those norms' inputs and outputs (2 units of
+    the width, 3 in 16-bit: the upcast), sharded with the heads. A mixture of experts (pretrain/model/moe.py) runs SwiGLU on experts_per_token
     (k) copies of each token (4*k*f/h, sharded) and holds, on the whole gathered sequence even
     under sequence parallelism, the k gathered inputs and the k expert outputs (2*k) and the
     router's fp32 logits and probabilities (2 * num_experts elements, counted as h-dtype ones).
+    Selective recompute: `selective_layer_activation_elements`.
     """
+    if layout.recompute == Recompute.SELECTIVE:
+        return selective_layer_activation_elements(m, layout)
     h = m.hidden_size
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim  # q is h unless head_dim is set
-    replicated = (4.0 if layout.precision == Precision.FP32 else 6.0) * h
+    norm_units = 2.0 if layout.precision == Precision.FP32 else 3.0
+    replicated = 2 * norm_units * h
     copies = m.experts_per_token if m.num_experts else 1
-    sharded = (3.0 * q + 2.0 * kv + 4.0 * copies * m.ffn_hidden_size) / layout.tensor
+    sharded = (3.0 * q + 2.0 * kv + 4.0 * copies * m.ffn_hidden_size
+               + norm_units * family_of(m).normed_projection_width(m)) / layout.tensor
     if layout.sequence_parallel:
         replicated /= layout.tensor
     if m.num_experts:
         replicated += 2.0 * copies * h + 2.0 * m.num_experts
+    return replicated, sharded
+
+
+def selective_layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(replicated, sharded) elements per token a decoder layer keeps under
+    `model.activation_checkpointing: selective` (`pretrain.model.recompute`: the outputs of its
+    matmuls and of attention saved, every other operator recomputed in backward): the layer's
+    input (h; 1/tp of it under sequence parallelism, the checkpoint's input); the outputs of the
+    row-parallel projections, o and down (h each, the whole sequence on each tensor rank: the
+    reduction or reduce-scatter comes after the matmul; k down outputs under a mixture of
+    experts, and the router's logits); sharded: the q, k and v projections (q + 2 kv), the
+    attention output (q), SwiGLU's gate and up (2 f, k copies under a mixture of experts). The
+    norms (the family's per-head ones too), rotary, silu and products are recomputed."""
+    h = m.hidden_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    copies = m.experts_per_token if m.num_experts else 1
+    layer_input = h / layout.tensor if layout.sequence_parallel else float(h)
+    replicated = layer_input + h + copies * h + m.num_experts
+    sharded = (2.0 * q + 2.0 * kv + 2.0 * copies * m.ffn_hidden_size) / layout.tensor
     return replicated, sharded
 
 
@@ -150,6 +187,8 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str], *
         # end of backward unless each is added and freed in its hook (immediate_grad_update)
         grads = n * (4 if immediate_grad_update(lay, ds) else p_b + 4)
         optimizer = n * 12.0  # fp32 master + Adam m + v, sharded below even at ZeRO 0
+    muon = muon_parameters(m, lay, items)
+    optimizer -= MUON_STATE_SAVING * muon  # one momentum for Muon's matrices, not Adam's two
     if lay.zero_stage >= 1 or bf16_optimizer:
         optimizer /= dp
     if lay.zero_stage >= 2:
@@ -183,21 +222,96 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str], *
     if lay.zero_stage >= 1 and lay.offload_optimizer == "none" and lay.precision != Precision.FP32 \
             and not bf16_optimizer:
         buffers += n * 4 / dp  # fp32 gradient partition the optimizer steps on
+    buffers += fp8_buffers(m, lay)
+    # Muon's step comes after backward has freed the activations: only what exceeds them
+    buffers += max(0.0, muon_step_bytes(m, lay, items, flat_group=lay.zero_stage in (1, 2))
+                   - activations)
     return MemoryBreakdown(stage=stage, parameters_count=n, params=params, grads=grads,
                            optimizer=optimizer, activations=activations, buffers=buffers,
                            host=host)
 
 
+# bytes per parameter Muon's matrices save against AdamW: one fp32 momentum, not two moments
+MUON_STATE_SAVING = 4
+
+
+def muon_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
+    """Parameters of the matrices Muon steps (`train.optimizer: muon`) that one GPU of this
+    stage holds before ZeRO sharding (its tensor-parallel shard); 0 under AdamW."""
+    if layout.optimizer != "muon":
+        return 0
+    return items.count("layer") * sum(r * c for r, c in layer_muon_matrices(m)) // layout.tensor
+
+
+def muon_step_bytes(m: ModelConfig, layout: Layout, items: list[str], *,
+                    flat_group: bool) -> float:
+    """Transient bytes of Muon's step (`pretrain.training.muon`): the Nesterov update gathered
+    whole in fp32 - the stage's whole flat group of hidden matrices at once where DeepSpeed's
+    ZeRO-1/2 partitions it (`flat_group`), else one matrix at a time (tensor-parallel or
+    ZeRO-3/FSDP2 shards; none unsharded) - and Newton-Schulz's bf16 workspace on the largest
+    matrix (r x c, r the shorter side): X and B X (r c each), A and B (r^2 each)."""
+    n = muon_parameters(m, layout, items)
+    if not n:
+        return 0.0
+    rows, cols = max(layer_muon_matrices(m), key=lambda shape: shape[0] * shape[1])
+    short = min(rows, cols)
+    workspace = 2 * (2 * rows * cols + 2 * short * short)
+    sharded = layout.tensor > 1 or layout.zero_stage >= 1 or layout.engine == "fsdp2"
+    gathered = n * 4 if flat_group else (rows * cols * 4 if sharded else 0)
+    return gathered + workspace
+
+
+def fp8_buffers(m: ModelConfig, layout: Layout) -> float:
+    """Bytes of `train.fp8`'s casts in flight (`pretrain.model.fp8`): torchao casts each block
+    projection's weight to e4m3 (1 byte an element) for its matmul, one decoder layer's at a time
+    at most, with its scales (one fp32 per tensor under tensorwise; per row and per column
+    under rowwise, whose backward casts along the other dimension). The inputs' casts are the
+    size of activations the layer already saves (not counted); the parameters and the saved
+    activations stay in the run's precision."""
+    if layout.fp8 == "none":
+        return 0.0
+    matrices = layer_fp8_matrices(m)
+    weights = sum(r * c for r, c in matrices) / layout.tensor
+    scales = (len(matrices) if layout.fp8 == "tensorwise"
+              else sum(r + c for r, c in matrices) / layout.tensor)
+    return weights * 1.0 + scales * 4.0
+
+
+def micro_batches_in_flight(layout: Layout, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of one
+    micro-batch through all of the rank's layers (its virtual stages' together), as
+    `torch.distributed.pipelining`'s schedules order their actions (a stage's activations are
+    counted held until its weight gradients are computed):
+
+    - DeepSpeed's pipeline and `1f1b`: pp - rank (all of them if fewer);
+    - `interleaved_1f1b` and `zero_bubble` (v virtual stages): torch's warm-up runs
+      (v - 1) pp + 2 (pp - 1 - rank) forwards of one stage, and one more before the first
+      backward: ((v - 1) pp + 2 (pp - 1 - rank) + 1) / v, at most the step's micro-batches;
+      the zero-bubble variant's weight gradients, deferred, hold pp on every rank instead;
+    - `zbv`: pp on every rank (1F1B's peak, balanced: the V's two stages);
+    - `dualpipe_v`: pp + 1/2 (one stage's micro-batch more, DeepSeek's "PP + 1" of a half).
+
+    `bench/pipeline_bubble.py` replays torch's own action lists and measures the peaks."""
+    p, m, v = layout.pipeline, layout.grad_accum, layout.virtual_stages
+    if layout.engine != "fsdp2" or layout.schedule == "1f1b":
+        return float(min(p - rank, m))
+    if layout.schedule == "interleaved_1f1b":
+        return min((v - 1) * p + 2 * (p - 1 - rank) + 1, v * m) / v
+    if layout.schedule in ("zero_bubble", "zbv"):
+        return float(min(p, m))
+    return min(p + 0.5, float(m))  # dualpipe_v
+
+
 def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[str]) -> float:
     """Bytes of activations one GPU of pipeline stage `stage` (its `items`) holds at the peak:
-    the micro-batches 1F1B keeps in flight, recomputation's workspace, the loss's logits. The
+    the micro-batches its schedule keeps in flight (`micro_batches_in_flight`), recomputation's workspace, the loss's logits. The
     model's own code saves them, whichever engine shards its weights."""
     lay = layout
     act_bytes = 4 if lay.precision == Precision.FP32 else 2
     # context parallelism: a rank holds T/context tokens of every activation (attention's
     # q, k, v and output after the all-to-all: T tokens of heads/context, the same elements)
     tokens = lay.micro_batch * m.seq_length / lay.context
-    in_flight = min(lay.pipeline - stage, lay.grad_accum)  # 1F1B: pp - stage, all if fewer
+    in_flight = micro_batches_in_flight(lay, stage)
     layers = items.count("layer")
     rep, shard = layer_activation_elements(m, lay)
     full_layer = (rep + shard) * tokens * act_bytes
@@ -210,6 +324,10 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
     full_layer += gathered
     # + recomputation's workspace: one layer's activations while it runs forward again
     activations = in_flight * per_micro + (full_layer if recomputed else 0.0)
+    if lay.recompute == Recompute.SELECTIVE and layers:
+        # what selective recompute rebuilds of one layer in its backward, beside what it kept
+        kept = layer_activation_elements(m, replace(lay, recompute=Recompute.NONE))
+        activations += (sum(kept) - rep - shard) * tokens * act_bytes
     if "embed" in items:
         activations += in_flight * layer_input
     if "head" in items:  # logits shard in the compute dtype + fp32 softmax of the loss
@@ -222,17 +340,41 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
 
 def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
     """ConfigError for what fsdp2 does not run (the rules `pretrain.resolve.fsdp2_rules` applies to a
-    run config), so that no plan is made of it."""
-    if layout.pipeline > 1:
-        raise ConfigError(f"parallel.pipeline={layout.pipeline} under train.engine=fsdp2: the "
-                          "planner does not model fsdp2's pipeline schedules (their bubble and "
-                          "micro-batches in flight) yet; plan parallel.pipeline=1, or the "
-                          "pipeline under train.engine=deepspeed")
-    raise_refusals(layout_refusals(
+    run config, and what torch's schedules refuse), so that no plan is made of it."""
+    refusals = layout_refusals(
         num_experts=m.num_experts,
         fp16=layout.precision == Precision.FP16,
         zero_stage=layout.zero_stage, offload=[layout.offload_optimizer, layout.offload_param],
-        where="the DeepSpeed config"))
+        where="the DeepSpeed config")
+    if layout.pipeline > 1:
+        refusals += pipeline_refusals(m, layout)
+    raise_refusals(refusals)
+
+
+def pipeline_refusals(m: ModelConfig, layout: Layout) -> list[str]:
+    """Why fsdp2's pipeline cannot run `layout`'s schedule: `fsdp2_rules.check_fsdp2`'s rules
+    of a layout (zero-bubble schedules under ZeRO-3, tied embeddings) and the micro-batch counts
+    torch's schedules take (DualPipeV: at least the stages; the interleaved ones: a multiple of
+    their rounds, max(1, micro-batches // pp))."""
+    p, micro, schedule = layout.pipeline, layout.grad_accum, layout.schedule
+    refusals = []
+    if schedule in SPLIT_BACKWARD and reshards_after_forward(layout.zero_stage):
+        refusals.append(f"parallel.pipeline_schedule={schedule} with ZeRO stage 3: the "
+                        "zero-bubble schedules need the weights kept gathered from forward to "
+                        "backward (a ZeRO-1/2 JSON)")
+    if m.tie_embeddings:
+        refusals.append(f"model.tie_embeddings=true with parallel.pipeline={p}: fsdp2's "
+                        "pipeline does not sum the tied gradient")
+    stages = p * layout.virtual_stages
+    if schedule == "dualpipe_v" and micro < stages:
+        refusals.append(f"parallel.pipeline_schedule=dualpipe_v with {micro} micro-batches a "
+                        f"step: DualPipeV needs at least the {stages} stages")
+    rounds = max(1, micro // p)
+    if schedule in ("interleaved_1f1b", "zero_bubble") and micro % rounds:
+        refusals.append(f"parallel.pipeline_schedule={schedule} with {micro} micro-batches a "
+                        f"step: torch needs a multiple of its {rounds} rounds (micro-batches // "
+                        f"parallel.pipeline)")
+    return refusals
 
 
 def fsdp2_units(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[int, int, int]:
@@ -259,11 +401,18 @@ def fsdp2_gathered_bytes(m: ModelConfig, layout: Layout, items: list[str]) -> fl
     """Unsharded parameters (compute dtype) at the peak: the root unit's, gathered for the whole
     forward and again for the whole backward; the layer units kept gathered (1, the one
     computing, when resharded after forward (ZeRO-3's JSON); every layer from its forward to its
-    backward otherwise); and one more layer's all-gather output: forward keeps the computing
-    unit's until the next unit's copy-out, backward prefetches the next unit's."""
+    backward otherwise, and in a pipeline, where torch keeps every unit gathered from its first
+    backward to the step's last (`reshard_after_backward` off)); and one more layer's
+    all-gather output: forward keeps the computing unit's until the next unit's copy-out,
+    backward prefetches the next unit's. Under `train.fp8: tensorwise` the block projections
+    are all-gathered in FP8 (1 byte an element, torchao's FP8 all-gather)."""
     layer, root, layers = fsdp2_units(m, layout, items)
-    kept = 1 if layout.zero_stage == 3 else layers
-    return (root + (kept + 1) * layer) * _compute_bytes(layout)
+    kept = 1 if layout.zero_stage == 3 and layout.pipeline == 1 else layers
+    layer_bytes = layer * _compute_bytes(layout)
+    if layout.fp8 == "tensorwise":
+        fp8 = sum(r * c for r, c in layer_fp8_matrices(m)) / layout.tensor
+        layer_bytes -= fp8 * (_compute_bytes(layout) - 1)
+    return root * _compute_bytes(layout) + (kept + 1) * layer_bytes
 
 
 def fsdp2_gradients_in_flight(m: ModelConfig, layout: Layout, items: list[str]) -> float:
@@ -271,8 +420,12 @@ def fsdp2_gradients_in_flight(m: ModelConfig, layout: Layout, items: list[str]) 
     root unit's first ones, the head's and the final norm's, which wait for the embedding's at
     the end of backward to be reduced with them (the embedding's come when the activations are
     gone: not counted); one layer's being computed, and its fp32 reduce-scatter input, which
-    FSDP2 keeps until the next unit's reduce-scatter."""
+    FSDP2 keeps until the next unit's reduce-scatter. In a pipeline torch turns the gradient
+    reduction off until the step's last backward: every parameter of the rank keeps its
+    unsharded gradient, accumulated in fp32 (the reduce dtype)."""
     layer, _, _ = fsdp2_units(m, layout, items)
+    if layout.pipeline > 1:
+        return stage_parameters(m, layout, items) * 4.0
     head = m.padded_vocab_size(layout.tensor) // layout.tensor * m.hidden_size + m.hidden_size
     return (head + layer) * _compute_bytes(layout) + layer * 4
 
@@ -281,16 +434,22 @@ def _compute_bytes(layout: Layout) -> int:
     return 4 if layout.precision == Precision.FP32 else 2
 
 
-def fsdp2_stage_memory(m: ModelConfig, layout: Layout, items: list[str]) -> MemoryBreakdown:
-    """Per-GPU bytes under train.engine: fsdp2 (one stage: fsdp2 runs no pipeline)."""
+def fsdp2_stage_memory(m: ModelConfig, layout: Layout, items: list[str], *,
+                       stage: int = 0) -> MemoryBreakdown:
+    """Per-GPU bytes under train.engine: fsdp2 of pipeline rank `stage` (its `items`: its
+    stages' specs together)."""
     check_fsdp2_layout(m, layout)
     n = stage_parameters(m, layout, items)
     ranks = fsdp2_shard_ranks(layout)
-    params, grads, optimizer = 4 * n / ranks, 4 * n / ranks, 8 * n / ranks
+    optimizer_bytes = 8 * n - MUON_STATE_SAVING * muon_parameters(m, layout, items)
+    params, grads, optimizer = 4 * n / ranks, 4 * n / ranks, optimizer_bytes / ranks
     host = 0.0
     if fsdp2_offloads(layout):
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    activations = stage_activations(m, layout, stage, items)
     buffers = fsdp2_gathered_bytes(m, layout, items) + fsdp2_gradients_in_flight(m, layout, items)
-    return MemoryBreakdown(stage=0, parameters_count=n, params=params, grads=grads,
-                           optimizer=optimizer, activations=stage_activations(m, layout, 0, items),
+    buffers += fp8_buffers(m, layout)
+    buffers += max(0.0, muon_step_bytes(m, layout, items, flat_group=False) - activations)
+    return MemoryBreakdown(stage=stage, parameters_count=n, params=params, grads=grads,
+                           optimizer=optimizer, activations=activations,
                            buffers=buffers, host=host)

@@ -28,7 +28,9 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         f"engine  {_engine(plan)} | offload optimizer={layout.offload_optimizer} "
         f"param={layout.offload_param} | {layout.precision.value} | recompute "
         f"{layout.recompute.value} | sequence parallel "
-        f"{'on' if layout.sequence_parallel else 'off'} | partition {layout.partition}",
+        f"{'on' if layout.sequence_parallel else 'off'} | partition {layout.partition}"
+        f"{f' | fp8 {layout.fp8}' if layout.fp8 != 'none' else ''}"
+        f"{f' | optimizer {layout.optimizer}' if layout.optimizer != 'adamw' else ''}",
         f"model   {_count(num_parameters(m))} parameters{_active(m)}, "
         f"{model_flops_per_token(m):.3g} FLOPs/token, seq {m.seq_length}",
         *([_experts_line(m, layout)] if m.num_experts else []),
@@ -45,7 +47,11 @@ def _engine(plan: Plan) -> str:
     kept = "resharded after forward" if stage == 3 else "kept gathered from forward to backward"
     replicas = plan.layout.fsdp2_replicas
     hsdp = f", HSDP {replicas} replica groups" if replicas > 1 else ""
-    return f"fsdp2 (fully_shard per decoder layer, the JSON's ZeRO-{stage}: {kept}{hsdp})"
+    lay = plan.layout
+    pipe = (f", pipeline {lay.schedule} with {lay.virtual_stages} stage"
+            f"{'s' if lay.virtual_stages > 1 else ''} a rank" if lay.pipeline > 1 else "")
+    return (f"fsdp2 (fully_shard per decoder layer, the JSON's ZeRO-{stage}: {kept}{hsdp}"
+            f"{pipe})")
 
 
 def _active(m) -> str:
@@ -87,6 +93,8 @@ def format_plan(plan: Plan) -> str:
            "memory_bound")),
         *([f"  {'context_comm':<14}{t.context_comm:9.3f} s {pct(t.context_comm)}"]
           if lay.context > 1 else []),
+        *([f"  {'optimizer':<14}{t.optimizer:9.3f} s {pct(t.optimizer)} (Muon: gathers and "
+           "Newton-Schulz)"] if t.optimizer else []),
         *([f"  (tensor_comm: expert all-to-alls {t.expert_comm:.3f} s, "
            f"{pct(t.expert_comm).strip()} of the step)"] if lay.expert > 1 else []),
         f"throughput {plan.tokens_per_s:,.0f} tokens/s | model "
@@ -106,6 +114,9 @@ def selecting_arguments(layout: Layout, ds_config: str, *,
             f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
             *([f"parallel.context={layout.context}"] if layout.context > 1 else []),
             *([f"parallel.expert={layout.expert}"] if layout.expert > 1 else []),
+            *([f"parallel.pipeline_schedule={layout.schedule}",
+               f"parallel.virtual_stages={layout.virtual_stages}"]
+              if layout.pipeline > 1 and engine is Engine.FSDP2 else []),
             f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
             f"train.micro_batch_size={layout.micro_batch}",
             f"model.activation_checkpointing={layout.recompute.value}",
@@ -175,7 +186,8 @@ STEP_TERMS = {"compute": "compute", "recompute": "recomputation",
               "tensor_comm": "tensor-parallel communication",
               "context_comm": "context-parallel all-to-alls or all-gathers", "bubble": "pipeline bubble",
               "pipeline_comm": "pipeline point-to-point", "data_comm": "data-parallel communication",
-              "offload": "offload", "memory_bound": "memory-bound copies"}
+              "offload": "offload", "memory_bound": "memory-bound copies",
+              "optimizer": "Muon's step"}
 SLOWER_THAN_BEST = 0.10  # the pre-flight warns past this: the best predicted 1.10x faster
 
 
@@ -186,7 +198,7 @@ def step_terms(plan: Plan) -> dict[str, float]:
     return {"compute": t.compute * model_share, "recompute": t.compute * (1 - model_share),
             "tensor_comm": t.tensor_comm, "context_comm": t.context_comm, "bubble": t.bubble,
             "pipeline_comm": t.pipeline_comm, "data_comm": t.data_comm, "offload": t.offload,
-            "memory_bound": t.memory_bound}
+            "memory_bound": t.memory_bound, "optimizer": t.optimizer}
 
 
 def times_slower(plan: Plan, best: Plan) -> float:
@@ -223,7 +235,7 @@ def slower_layout_warnings(model: ModelConfig, plan: Plan, *, margin: float) -> 
     engines = shipped_ds_configs()
     plans = search(model, plan.cluster, global_batch=plan.layout.global_batch,
                    precision=plan.layout.precision, engines=set(engines), memory_margin=margin,
-                   engine=plan.engine)
+                   engine=plan.engine, fp8=plan.layout.fp8, optimizer=plan.layout.optimizer)
     return warnings_against_best(plan, plans, margin=margin, ds_configs=engines)
 
 

@@ -59,11 +59,14 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *,
     """Memory and time of `layout` under `engine`; raises ConfigError if the layout is invalid
     (or one `engine` does not run). `ds`: the run's resolved DeepSpeed JSON, whose gradient
     dtypes and bf16 settings DeepSpeed follows; None (a search's layouts) plans what the
-    resolver fills into the shipped JSONs' "auto"."""
+    resolver fills into the shipped JSONs' "auto". The layout is planned as `engine` runs it
+    (its `engine` field set: whose pipeline, DeepSpeed's 1F1B or fsdp2's schedule)."""
+    layout = replace(layout, engine=Engine(engine).value)
     check_layout(model, layout)
     stages = stage_items(model, layout)
     if engine is Engine.FSDP2:
-        memories = [fsdp2_stage_memory(model, layout, items) for items in stages]
+        memories = [fsdp2_stage_memory(model, layout, items, stage=s)
+                    for s, items in enumerate(stages)]
     else:
         memories = [stage_memory(model, layout, s, items, ds=ds)
                     for s, items in enumerate(stages)]
@@ -115,7 +118,8 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
            allow_offload: bool = True,
            engines: set[tuple[int, str, str]] | None = None,
            contexts: tuple[int, ...] | None = None, memory_margin: float = 0.0,
-           engine: Engine = Engine.DEEPSPEED) -> list[Plan]:
+           engine: Engine = Engine.DEEPSPEED, fp8: str = "none",
+           optimizer: str = "adamw") -> list[Plan]:
     """Every valid layout of `cluster.world_size` GPUs that fits with `memory_margin` to spare
     (`keeps_margin`) under `engine`, fastest first.
 
@@ -127,14 +131,16 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     and for a mixture of experts expert parallelism over the tensor ranks or none
     (`expert_sizes`).
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
-    passes those a shipped DeepSpeed JSON selects). Under fsdp2: no pipelines or ZeRO 0
-    (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
+    passes those a shipped DeepSpeed JSON selects). Under fsdp2: no ZeRO 0 nor what its
+    pipelines refuse (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
     of the same offload is allowed (both mean the same FSDP2); HSDP's replica groups as
-    `hsdp_replicas` gives them.
+    `hsdp_replicas` gives them; a pipeline under each of `pipeline_schedules`' schedules.
+    `fp8` and `optimizer` (the run's train.fp8 and train.optimizer) are kept, not searched.
     """
     check_margin(memory_margin)
     world = cluster.world_size
-    base = Layout(precision=precision, global_batch=global_batch)
+    base = Layout(precision=precision, global_batch=global_batch, engine=Engine(engine).value,
+                  fp8=fp8, optimizer=optimizer)
     plans = []
     tps = [t for t in _divisors(cluster.gpus_per_node) if t & (t - 1) == 0]
     if contexts is None:
@@ -160,16 +166,33 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
             if engine is Engine.FSDP2 and stage == 1 and (
                     engines is None or engine_key(replace(layout, zero_stage=2)) in engines):
                 continue
-            for replicas in hsdp_replicas(layout, cluster) if engine is Engine.FSDP2 else (1,):
+            for replicas, (schedule, virtual) in itertools.product(
+                    hsdp_replicas(layout, cluster) if engine is Engine.FSDP2 else (1,),
+                    pipeline_schedules(layout, engine)):
                 try:
-                    plan = estimate(model, replace(layout, fsdp2_replicas=replicas), cluster,
-                                    engine=engine)
+                    plan = estimate(model, replace(layout, fsdp2_replicas=replicas,
+                                                   schedule=schedule, virtual_stages=virtual),
+                                    cluster, engine=engine)
                 except ConfigError:
                     continue
                 if plan.fits and keeps_margin(plan, memory_margin):
                     plans.append(plan)
     plans.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     return plans
+
+
+# (parallel.pipeline_schedule, parallel.virtual_stages) a search tries for an fsdp2 pipeline
+FSDP2_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
+                   ("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2), ("dualpipe_v", 2))
+
+
+def pipeline_schedules(layout: Layout, engine: Engine) -> tuple[tuple[str, int], ...]:
+    """The (schedule, virtual stages) a search tries for `layout`: DeepSpeed's 1F1B, or under
+    fsdp2 with a pipeline each of `FSDP2_SCHEDULES` (those whose stages outnumber the layers,
+    or whose micro-batches torch refuses, are skipped by `estimate`)."""
+    if engine is not Engine.FSDP2 or layout.pipeline == 1:
+        return (("1f1b", 1),)
+    return FSDP2_SCHEDULES
 
 
 def hsdp_replicas(layout: Layout, cluster: Cluster) -> tuple[int, ...]:

@@ -4,11 +4,16 @@ The step splits into compute (hardware FLOPs of the slowest stage at the sustain
 tensor-parallel communication (with expert parallelism's all-to-alls, the dispatch and combine
 of each MoE layer forward and backward, which run on the tensor group; `expert_comm` shows
 them apart), context-parallel all-to-alls (four per attention layer forward: q, k, v and the
-output; four backward; on the intra-node link while tensor x context fits a node), the 1F1B
-pipeline bubble, pipeline point-to-point transfers, exposed data-parallel communication and the
-offloaded optimizer step, and memory-bound copies on each micro-batch's critical path
+output; four backward; on the intra-node link while tensor x context fits a node), the
+pipeline bubble of the schedule (`pipeline_bubble_slots`: DeepSpeed's 1F1B, or fsdp2's
+interleaved, zero-bubble, ZBV and DualPipeV schedules), pipeline point-to-point transfers (v
+sends a micro-batch with v virtual stages), exposed data-parallel communication and the
+offloaded optimizer step, memory-bound copies on each micro-batch's critical path
 (`memory_bound`: the fused projections' weight concatenations, DeepSpeed's BF16_Optimizer's fp32
-gradient sum); the efficiency assumptions are those of `pretrain.plan.clusters`.
+gradient sum, `train.fp8`'s casts), and Muon's step (`optimizer`: its matrices gathered whole and
+orthogonalised on every rank); the efficiency assumptions are those of `pretrain.plan.clusters`.
+Under `train.fp8` the block projections' FLOPs run at the cluster's FP8 peak
+(`fp8_flops_per_token`), attention's products, the router and the head at the bf16 one.
 
 Data-parallel gradients go in the run's `communication_data_type` (the resolved DeepSpeed JSON's,
 fp32 for bf16 under ZeRO and in pipelines by the resolver's rule, `resolve.ds_config`): bf16
@@ -28,9 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pretrain.arithmetic import (layout_recomputed_layers, model_flops_per_token,
-                                 stage_flops_per_token, stage_parameters)
+from pretrain.arithmetic import (layer_active_matmul_parameters, layer_fp8_matrices,
+                                 layer_muon_matrices,
+                                 layout_recomputed_layers, model_flops_per_token,
+                                 newton_schulz_flops, stage_flops_per_token, stage_parameters)
 from pretrain.config import Engine, ModelConfig, Precision
+from pretrain.errors import ConfigError
 from pretrain.resolve.layout import Layout
 from pretrain.resolve.ds_config import DTYPE_BYTES, gradient_dtypes
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
@@ -52,6 +60,7 @@ class TimeBreakdown:
     offload: float  # host <-> device copies and the CPU optimizer step
     context_comm: float = 0.0  # context parallelism's all-to-alls of attention (Ulysses)
     memory_bound: float = 0.0  # weight concatenations, BF16_Optimizer's fp32 gradient sums
+    optimizer: float = 0.0  # Muon's step: its matrices gathered whole and Newton-Schulz
     # of tensor_comm, expert parallelism's token dispatch and combine: all-to-alls over the
     # tensor group, on its links (a part, shown on its own; not a field: not added again)
     expert_comm: ClassVar[float] = 0.0
@@ -59,7 +68,8 @@ class TimeBreakdown:
     @property
     def step(self) -> float:
         return (self.compute + self.tensor_comm + self.bubble + self.pipeline_comm
-                + self.data_comm + self.offload + self.context_comm + self.memory_bound)
+                + self.data_comm + self.offload + self.context_comm + self.memory_bound
+                + self.optimizer)
 
 
 def _ring_seconds(nbytes: float, ranks: int, gbps: float, *, passes: float) -> float:
@@ -129,17 +139,50 @@ def _expert_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Micr
         / (_link_gbps(cluster, layout.tensor) * 1e9 * COLLECTIVE_EFFICIENCY)
 
 
+def pipeline_bubble_slots(layout: Layout) -> float:
+    """The pipeline's fill and drain, in micro-batch slots (one micro-batch's forward and
+    backward through all of a rank's layers), of the schedule (`torch.distributed.pipelining`'s
+    under fsdp2, DeepSpeed's 1F1B), with pp ranks and v virtual stages a rank and a backward
+    split into input gradients (B) and weight gradients (W), F = B = W a third of a slot:
+
+    - DeepSpeed's pipeline and `1f1b`: pp - 1;
+    - `interleaved_1f1b`: (pp - 1) / v: the stages v times shorter;
+    - `zero_bubble` (torch's interleaved zero bubble) and `zbv`: (pp - 1) / (3 v): the deferred
+      W fill all but F + B - W of each slot of the fill and drain (ZB-H1, Qi et al. 2023);
+    - `dualpipe_v`: (pp - 1) / 3: its overlapped F&B pairs start a stage later than ZBV's.
+
+    `bench/pipeline_bubble.py` replays torch's action lists with these costs (the same slots)
+    and measures the schedules on CPU ranks."""
+    p, v = layout.pipeline, layout.virtual_stages
+    if layout.engine != "fsdp2" or layout.schedule == "1f1b":
+        return float(p - 1)
+    if layout.schedule == "interleaved_1f1b":
+        return (p - 1) / v
+    if layout.schedule in ("zero_bubble", "zbv"):
+        return (p - 1) / (3.0 * v)
+    return (p - 1) / 3.0  # dualpipe_v
+
+
+def pipeline_p2p_bytes(layout: Layout, boundary: float) -> float:
+    """Bytes one pipeline rank sends point to point in a step: each micro-batch's boundary
+    activations (`boundary` bytes) forward out of each of its v stages, and their gradients
+    backward (2 v per micro-batch; the first and last stages send one way only, not counted
+    off: the busiest rank's)."""
+    return 2.0 * layout.virtual_stages * layout.grad_accum * boundary
+
+
 def _pipeline_p2p(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> float:
-    """Seconds of a step's stage-to-stage activations and gradients (1F1B). DeepSpeed
-    (pipe_partitioned) and Megatron split the boundary activations over TP ranks; under
-    sequence parallelism each TP rank holds its slice anyway."""
+    """Seconds of a step's stage-to-stage activations and gradients on the critical path: the
+    sends of every micro-batch's stages (v a rank: `pipeline_p2p_bytes`) and the fill's and
+    drain's pp - 2 more. DeepSpeed (pipe_partitioned) and Megatron split the boundary
+    activations over TP ranks; under sequence parallelism each TP rank holds its slice anyway."""
     if layout.pipeline == 1:
         return 0.0
     cross_node = layout.tensor * layout.context * layout.data >= cluster.gpus_per_node  # a stage
     gbps = cluster.inter_node_gbps if cross_node else cluster.intra_node_gbps  # fills a node
     boundary = mb.tokens * model.hidden_size * mb.act_bytes / layout.tensor
-    return 2 * (layout.grad_accum + layout.pipeline - 2) * boundary \
-        / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+    sent = pipeline_p2p_bytes(layout, boundary) + 2 * (layout.pipeline - 2) * boundary
+    return sent / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
 
 
 def _data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *, stage_params: int,
@@ -167,31 +210,41 @@ def _data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *, stage_param
     return exposed
 
 
-def fsdp2_bytes_per_micro_batch(layout: Layout, *, stage_params: int) -> tuple[float, float]:
+def fsdp2_bytes_per_micro_batch(layout: Layout, *, stage_params: int,
+                                fp8_params: float = 0.0) -> tuple[float, float]:
     """(all-gathered, reduce-scattered) bytes of one micro-batch under fsdp2, whole tensors
     before the ring's (ranks - 1) / ranks: every unit gathered in the compute dtype forward and,
-    resharded after forward, backward; every gradient reduced in fp32 (the bf16 policy's
+    resharded after forward, backward (`fp8_params` of them, the block projections under
+    `train.fp8: tensorwise`, in FP8: 1 byte); every gradient reduced in fp32 (the bf16 policy's
     reduce dtype, fp32 runs' own)."""
     compute_bytes = 4 if layout.precision == Precision.FP32 else 2
     gathers = 2 if layout.zero_stage == 3 else 1
-    return gathers * stage_params * compute_bytes, stage_params * 4.0
+    gathered = stage_params * compute_bytes - fp8_params * (compute_bytes - 1)
+    return gathers * gathered, stage_params * 4.0
 
 
 def _fsdp2_data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *,
-                     stage_params: int, grad_bytes: int) -> float:
+                     stage_params: int, grad_bytes: int, fp8_params: float = 0.0) -> float:
     """Seconds of FSDP2's exposed collectives: those of every micro-batch, less its compute.
     The shard group is consecutive data x context ranks (every tensor rank's between them);
     HSDP's replica groups stride across all the data x context ranks. FSDP2 reduces in its
     policy's reduce dtype (fp32, `fsdp2_bytes_per_micro_batch`), whatever the JSON's
-    communication_data_type (`grad_bytes`, not read)."""
+    communication_data_type (`grad_bytes`, not read). In a pipeline torch keeps the units
+    gathered and their gradients unreduced until the step's last backward: one all-gather
+    (ZeRO-3: every micro-batch's) and one reduce-scatter a step, less one micro-batch's
+    compute."""
     shards = fsdp2_shard_ranks(layout)
     gbps = _link_gbps(cluster, layout.tensor * shards)
-    gathered, reduced = fsdp2_bytes_per_micro_batch(layout, stage_params=stage_params)
-    per_micro_batch = (_ring_seconds(gathered, shards, gbps, passes=1)
-                       + _ring_seconds(reduced, shards, gbps, passes=1)
-                       + _ring_seconds(reduced / shards, layout.fsdp2_replicas,
-                                       _link_gbps(cluster, layout.world_size), passes=2))
-    return layout.grad_accum * max(0.0, per_micro_batch - mb.compute)
+    gathered, reduced = fsdp2_bytes_per_micro_batch(layout, stage_params=stage_params,
+                                                    fp8_params=fp8_params)
+    gather_s = _ring_seconds(gathered, shards, gbps, passes=1)
+    reduce_s = (_ring_seconds(reduced, shards, gbps, passes=1)
+                + _ring_seconds(reduced / shards, layout.fsdp2_replicas,
+                                _link_gbps(cluster, layout.world_size), passes=2))
+    if layout.pipeline > 1:
+        gathers = layout.grad_accum if layout.zero_stage == 3 else 1
+        return max(0.0, gathers * gather_s + reduce_s - mb.compute)
+    return layout.grad_accum * max(0.0, gather_s + reduce_s - mb.compute)
 
 
 def _fsdp2_offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> float:
@@ -247,41 +300,120 @@ def _memory_bound(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
     return nbytes / (cluster.memory_gbps * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY)
 
 
+def fp8_flops_per_token(model: ModelConfig, layout: Layout, layers: int) -> float:
+    """Training FLOPs per token on one GPU of `layers` decoder layers that `train.fp8` runs in
+    FP8: every block projection's three matmuls (forward, and backward's two), a token's
+    experts_per_token experts under a mixture of experts, once more per recomputed layer's
+    forward; attention's products, the router and the head stay in the run's precision."""
+    if layout.fp8 == "none":
+        return 0.0
+    # a token's projections: the layer's active matrices less the router (num_experts x h)
+    per_token = 2.0 * (layer_active_matmul_parameters(model)
+                       - model.num_experts * model.hidden_size)
+    passes = 3 * layers + layout_recomputed_layers(layout, layers)
+    return per_token * passes / layout.tensor
+
+
+# bytes a dynamic FP8 cast moves per element: the amax read (2), the cast's read (2) and
+# write (1) of a 16-bit operand
+FP8_CAST_BYTES = 5.0
+
+
+def fp8_cast_elements(model: ModelConfig, layout: Layout, mb: _MicroBatch) -> float:
+    """Elements one micro-batch casts to FP8 on the slowest stage (`train.fp8`), each a
+    memory-bound pass of `FP8_CAST_BYTES`: per layer forward the projections' inputs (h for
+    q/k/v and gate/up, heads x head_dim for o, f for down; k copies of the MLP's under a mixture
+    of experts) and weights; backward casts the output gradients (as many as the outputs) and
+    the inputs and weights again along their other dimension: twice forward's."""
+    if layout.fp8 == "none":
+        return 0.0
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q = model.num_heads * model.head_dim
+    copies = model.experts_per_token if model.num_experts else 1
+    inputs = mb.tokens * (2 * h + q + copies * (2 * h + f)) / layout.tensor
+    # every weight a GPU holds (of each expert 1/tp, or E/ep whole: the same count)
+    weights = sum(r * c for r, c in layer_fp8_matrices(model)) / layout.tensor
+    passes = 3 * mb.layers + 3 * layout_recomputed_layers(layout, mb.layers)
+    return passes * (inputs + weights)
+
+
+def muon_step_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, *,
+                      layers: int) -> float:
+    """Seconds of `train.optimizer: muon`'s step beyond AdamW's (`pretrain.training.muon`):
+    the Nesterov updates' pieces all-gathered in fp32 over the data x context ranks where they
+    are sharded (ZeRO 1-3, fsdp2), then over the tensor ranks, and every rank's Newton-Schulz
+    on each whole matrix of its `layers` (bf16, at the matmul rate)."""
+    if layout.optimizer != "muon" or not layers:
+        return 0.0
+    matrices = layer_muon_matrices(model) * layers
+    whole = sum(r * c for r, c in matrices) * 4.0
+    seconds = 0.0
+    replicas = layout.data * layout.context
+    if layout.zero_stage >= 1 or layout.engine == "fsdp2":
+        seconds += _ring_seconds(whole / layout.tensor, replicas,
+                                 _link_gbps(cluster, layout.tensor * replicas), passes=1)
+    seconds += _ring_seconds(whole, layout.tensor, _link_gbps(cluster, layout.tensor), passes=1)
+    flops = sum(newton_schulz_flops(r, c) for r, c in matrices)
+    return seconds + flops / (cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+
+
 def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
                   stages: list[list[str]], *, engine: Engine = Engine.DEEPSPEED,
                   ds: dict[str, Any] | None = None) -> tuple[TimeBreakdown, float, float]:
     """(time breakdown, model FLOPs per GPU per step, hardware FLOPs per GPU per step).
 
     Per micro-batch the slowest stage computes and copies, then waits for its TP and CP
-    collectives; a step is `grad_accum` of them, the pipeline's fill and drain, and what data
-    parallelism and offloading (`engine`'s) do not hide. `ds`: the run's resolved DeepSpeed
-    JSON (communication dtype, gradient accumulation dtype); None plans what the resolver
-    fills into an "auto" one."""
+    collectives; a step is `grad_accum` of them, the pipeline's fill and drain (its schedule's
+    `pipeline_bubble_slots`), and what data parallelism and offloading (`engine`'s) do not
+    hide, and Muon's step. Under `train.fp8` the block projections compute at the cluster's
+    FP8 peak (`fp8_flops_per_token`) and their casts are memory-bound copies. `ds`: the run's
+    resolved DeepSpeed JSON (communication dtype, gradient accumulation dtype); None plans
+    what the resolver fills into an "auto" one."""
+    if layout.fp8 != "none" and not cluster.fp8_tflops:
+        raise ConfigError(f"train.fp8={layout.fp8} on {cluster.name}: its GPUs have no FP8 "
+                          "matmuls (compute capability 8.9 or more: H100, H200, L40S); set "
+                          "train.fp8=none")
     flops = [stage_flops_per_token(model, layout, items) for items in stages]
-    slow_model, slow_hw = max(flops, key=lambda f: f[1])
+    slow_index = max(range(len(stages)), key=lambda i: flops[i][1])
+    slow_model, slow_hw = flops[slow_index]
     tokens = layout.micro_batch * model.seq_length / layout.context
+    layers = max(items.count("layer") for items in stages)
+    fp8_flops = fp8_flops_per_token(model, layout, stages[slow_index].count("layer"))
+    peak = cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY
+    compute = (slow_hw - fp8_flops) * tokens / peak
+    if fp8_flops:
+        compute += fp8_flops * tokens / (cluster.fp8_tflops * 1e12 * MATMUL_EFFICIENCY)
     mb = _MicroBatch(tokens=tokens, act_bytes=4 if layout.precision == Precision.FP32 else 2,
-                     layers=max(items.count("layer") for items in stages),
-                     compute=slow_hw * tokens / (cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY))
+                     layers=layers, compute=compute)
     tensor_mb = _tensor_comm(model, layout, cluster, mb)
     context_mb = _context_comm(model, layout, cluster, mb)
     expert_mb = _expert_comm(model, layout, cluster, mb)
     stage_params = max(stage_parameters(model, layout, items) for items in stages)
     micro_batches = layout.grad_accum
     deepspeed = engine is not Engine.FSDP2
-    data_comm, offload = (_data_comm, _offload) if deepspeed else (_fsdp2_data_comm,
-                                                                   _fsdp2_offload)
     copies_mb = _memory_bound(model, layout, cluster, mb, stage_params=stage_params,
                               bf16_optimizer=deepspeed and steps_with_bf16_optimizer(layout, ds))
+    copies_mb += fp8_cast_elements(model, layout, mb) * FP8_CAST_BYTES \
+        / (cluster.memory_gbps * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY)
+    grad_bytes = DTYPE_BYTES[gradient_dtypes(layout, ds)[1]]
+    if deepspeed:
+        data_comm = _data_comm(layout, cluster, mb, stage_params=stage_params,
+                               grad_bytes=grad_bytes)
+        offload = _offload(layout, cluster, stage_params=stage_params)
+    else:
+        fp8_params = (layers * sum(r * c for r, c in layer_fp8_matrices(model)) / layout.tensor
+                      if layout.fp8 == "tensorwise" else 0.0)
+        data_comm = _fsdp2_data_comm(layout, cluster, mb, stage_params=stage_params,
+                                     grad_bytes=grad_bytes, fp8_params=fp8_params)
+        offload = _fsdp2_offload(layout, cluster, stage_params=stage_params)
     times = TimeBreakdown(
         compute=micro_batches * mb.compute, tensor_comm=micro_batches * (tensor_mb + expert_mb),
-        bubble=(layout.pipeline - 1) * (mb.compute + tensor_mb + context_mb + expert_mb
-                                        + copies_mb),
+        bubble=pipeline_bubble_slots(layout) * (mb.compute + tensor_mb + context_mb + expert_mb
+                                                + copies_mb),
         pipeline_comm=_pipeline_p2p(model, layout, cluster, mb),
-        data_comm=data_comm(layout, cluster, mb, stage_params=stage_params,
-                            grad_bytes=DTYPE_BYTES[gradient_dtypes(layout, ds)[1]]),
-        offload=offload(layout, cluster, stage_params=stage_params),
-        context_comm=micro_batches * context_mb, memory_bound=micro_batches * copies_mb)
+        data_comm=data_comm, offload=offload,
+        context_comm=micro_batches * context_mb, memory_bound=micro_batches * copies_mb,
+        optimizer=muon_step_seconds(model, layout, cluster, layers=layers))
     times.expert_comm = micro_batches * expert_mb
     model_flops = model_flops_per_token(model) * layout.global_batch * model.seq_length \
         / layout.world_size

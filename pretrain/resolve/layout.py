@@ -44,6 +44,10 @@ class Layout:
     expert: int = 1  # expert-parallel ranks (parallel.expert): 1 or the tensor group
     fsdp2_replicas: int = 1  # train.fsdp2_replicas: HSDP replica groups of data x context ranks
     engine: str = "deepspeed"  # train.engine: whose pipeline (DeepSpeed's 1F1B or fsdp2's)
+    schedule: str = "1f1b"  # parallel.pipeline_schedule (fsdp2's; DeepSpeed runs 1F1B)
+    virtual_stages: int = 1  # parallel.virtual_stages: pipeline stages per rank
+    fp8: str = "none"  # train.fp8: none | tensorwise | rowwise (the block projections' matmuls)
+    optimizer: str = "adamw"  # train.optimizer: adamw | muon (the layers' matrices)
 
     @property
     def world_size(self) -> int:
@@ -65,6 +69,9 @@ class Layout:
         cp = f" cp{self.context}" if self.context > 1 else ""
         cp += f" ep{self.expert}" if self.expert > 1 else ""
         cp += f" hsdp{self.fsdp2_replicas}" if self.fsdp2_replicas > 1 else ""
+        if self.pipeline > 1 and (self.schedule != "1f1b" or self.virtual_stages > 1):
+            cp += f" {self.schedule}" + (f" v{self.virtual_stages}"
+                                         if self.virtual_stages > 1 else "")
         return (f"tp{self.tensor} pp{self.pipeline}{cp} dp{self.data} mbs{self.micro_batch} "
                 f"ZeRO-{self.zero_stage}{' offload ' + ','.join(off) if off else ''} "
                 f"recompute={self.recompute.value}{' sp' if self.sequence_parallel else ''}")

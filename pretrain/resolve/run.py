@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from pretrain.config import (Engine, Fp8Recipe, Precision, Recompute, RunConfig, SpikeAction,
-                             freeze)
+from pretrain.config import (Engine, Fp8Recipe, Optimizer, Precision, Recompute, RunConfig,
+                             SpikeAction, freeze)
 from pretrain.data.build import check_run_data
 from pretrain.resolve.ds_config import engine_fields, fill_ds_config, read_run_json
 from pretrain.errors import CheckpointError, ConfigError
@@ -197,8 +197,11 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     sequence_parallel=p.sequence_parallel,
                     precision=planned_precision(t.precision),
                     partition=p.pipeline_partition, context=p.context,
-                    context_kind=p.context_kind, expert=p.expert, fsdp2_replicas=t.fsdp2_replicas,
-                    engine=t.engine.value)
+                    context_kind=p.context_kind, expert=p.expert,
+                    fsdp2_replicas=t.fsdp2_replicas,
+                    engine=t.engine.value, schedule=p.pipeline_schedule,
+                    virtual_stages=p.virtual_stages, fp8=Fp8Recipe(t.fp8).value,
+                    optimizer=Optimizer(t.optimizer).value)
     check_layout(m, layout)
     if Fp8Recipe(t.fp8) is not Fp8Recipe.NONE and layout.precision is Precision.FP16:
         raise ConfigError(f"train.fp8={Fp8Recipe(t.fp8).value} with train.precision=fp16: "

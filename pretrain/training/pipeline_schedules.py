@@ -36,8 +36,8 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
 
+from pretrain.arithmetic import V_SHAPED, stage_indices, stage_spans
 from pretrain.config import Precision, RunConfig
-from pretrain.errors import ConfigError
 from pretrain.model.pipeline import (PipelineLoss, SequentialPipeline, StageActivations,
                                      pipeline_layer_specs)
 
@@ -45,34 +45,6 @@ from pretrain.model.pipeline import (PipelineLoss, SequentialPipeline, StageActi
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
                     "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble",
                     "dualpipe_v": "DualPipeV"}
-V_SHAPED = ("zbv", "dualpipe_v")  # two stages a rank, the second counted back from the end
-
-
-def stage_indices(pipeline_rank: int, *, pipeline: int, virtual_stages: int,
-                  schedule: str) -> list[int]:
-    """The stages rank `pipeline_rank` of the pipeline group holds, in order."""
-    if schedule in V_SHAPED:
-        return [pipeline_rank, 2 * pipeline - 1 - pipeline_rank]
-    return [pipeline_rank + v * pipeline for v in range(virtual_stages)]
-
-
-def stage_spans(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """[start, stop) of each stage in the layer-spec list (0: embedding, 1 .. L: decoder
-    layers, L + 1: norm, L + 2: head): each stage gets num_layers // num_stages decoder layers,
-    the first num_layers % num_stages one more; the embedding opens the first stage, the norm
-    and head close the last."""
-    if num_layers < num_stages:
-        raise ConfigError(f"parallel.pipeline x parallel.virtual_stages = {num_stages} stages "
-                          f"for model.num_layers={num_layers}: every stage needs a decoder "
-                          f"layer; use at most {num_layers} stages")
-    base, extra = divmod(num_layers, num_stages)
-    stops = [1 + sum(base + (s < extra) for s in range(stage + 1))
-             for stage in range(num_stages)]
-    starts = [0] + stops[:-1]
-    stops[-1] = num_layers + 3
-    return list(zip(starts, stops))
-
-
 class StageModule(nn.Module):
     """One pipeline stage: its layer specs built and registered under their spec index."""
 

@@ -1,0 +1,261 @@
+"""The planner's accounting of fsdp2's pipeline schedules, FP8, selective recompute, Muon and a
+family's per-head norms, each formula against a hand computation (`pretrain.plan`)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pretrain.arithmetic import newton_schulz_flops, pipeline_rank_items, stage_items
+from pretrain.config import Engine, ModelConfig, Precision, Recompute
+from pretrain.errors import ConfigError
+from pretrain.plan.clusters import MATMUL_EFFICIENCY, make_cluster
+from pretrain.plan.memory import (fp8_buffers, fsdp2_gathered_bytes, layer_activation_elements,
+                                  micro_batches_in_flight, muon_parameters, muon_step_bytes,
+                                  stage_activations, stage_memory)
+from pretrain.plan.search import FSDP2_SCHEDULES, estimate, search
+from pretrain.plan.step_time import (fp8_flops_per_token, muon_step_seconds,
+                                     pipeline_bubble_slots, pipeline_p2p_bytes)
+from pretrain.resolve.layout import Layout
+
+# a small model whose counts are easy by hand: h 64, 4 heads of 16 (2 kv heads), f 128
+SMALL = ModelConfig(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
+                    num_layers=8, seq_length=32, vocab_size=256, tie_embeddings=False,
+                    fused_projections=False)
+# q 64x64, k 32x64, v 32x64, o 64x64, gate/up 128x64, down 64x128
+PROJECTIONS = 4096 + 2048 + 2048 + 4096 + 3 * 8192  # 36,864
+H100 = make_cluster("h100-80gb", nodes=1)
+
+
+def _fsdp2(**fields) -> Layout:
+    return Layout(engine="fsdp2", zero_stage=2, **fields)
+
+
+# ---- pipeline schedules ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule, virtual, slots", [
+    ("1f1b", 1, 7.0), ("interleaved_1f1b", 2, 3.5), ("interleaved_1f1b", 4, 1.75),
+    ("zero_bubble", 1, 7 / 3), ("zero_bubble", 2, 7 / 6), ("zbv", 2, 7 / 6),
+    ("dualpipe_v", 2, 7 / 3)])
+def test_each_schedule_s_bubble_in_micro_batch_slots(schedule, virtual, slots):
+    """pp 8: 1F1B fills and drains in pp - 1 = 7 slots; interleaving divides by v; the
+    zero-bubble schedules leave F + B - W = a third of each slot (of each of v stages'); DualPipeV
+    a third of 1F1B's; DeepSpeed's pipeline is 1F1B whatever the layout says."""
+    layout = _fsdp2(pipeline=8, global_batch=16, schedule=schedule, virtual_stages=virtual)
+    assert pipeline_bubble_slots(layout) == pytest.approx(slots)
+    assert pipeline_bubble_slots(replace(layout, engine="deepspeed")) == 7.0
+
+
+@pytest.mark.parametrize("schedule, virtual, flights", [
+    ("1f1b", 1, [4, 3, 2, 1]),
+    # ((v - 1) pp + 2 (pp - 1 - rank) + 1) / v = (4 + 6 + 1) / 2 at rank 0
+    ("interleaved_1f1b", 2, [5.5, 4.5, 3.5, 2.5]),
+    ("zero_bubble", 1, [4, 4, 4, 4]), ("zbv", 2, [4, 4, 4, 4]),
+    ("dualpipe_v", 2, [4.5, 4.5, 4.5, 4.5])])
+def test_each_schedule_s_micro_batches_in_flight_by_hand(schedule, virtual, flights):
+    """The micro-batches each rank of a pp 4 pipeline holds at its peak (8 a step); fewer
+    micro-batches than the warm-up wants cap it."""
+    layout = _fsdp2(pipeline=4, global_batch=8, schedule=schedule, virtual_stages=virtual)
+    assert [micro_batches_in_flight(layout, r) for r in range(4)] == pytest.approx(flights)
+    few = replace(layout, global_batch=2)
+    assert max(micro_batches_in_flight(few, r) for r in range(4)) <= 2
+
+
+@pytest.mark.slow  # imports torch.distributed.pipelining (2 s), no ranks
+@pytest.mark.parametrize("pipeline, micro_batches", [(2, 4), (4, 8), (8, 16), (4, 12)])
+def test_the_schedule_formulas_are_torch_s_action_lists_replayed(pipeline, micro_batches):
+    """Each schedule torch builds an action list for (`schedule_replay`: forwards, input and
+    weight backwards a third of a slot each), replayed: its bubble in slots and every rank's
+    peak micro-batches in flight are the planner's."""
+    from pretrain.testing.schedule_replay import REPLAYED, replay
+
+    for schedule in REPLAYED:
+        for virtual in ((1, 2, 4) if schedule in ("interleaved_1f1b", "zero_bubble") else (2,)):
+            layout = _fsdp2(pipeline=pipeline, global_batch=micro_batches, schedule=schedule,
+                            virtual_stages=virtual)
+            replayed = replay(schedule, pipeline=pipeline, virtual_stages=virtual,
+                              micro_batches=micro_batches)
+            where = (schedule, virtual)
+            assert replayed.bubble_slots == pytest.approx(pipeline_bubble_slots(layout)), where
+            assert replayed.peak_in_flight == pytest.approx(
+                [micro_batches_in_flight(layout, r) for r in range(pipeline)]), where
+
+
+def test_fsdp2_pipeline_ranks_hold_their_virtual_stages_looped_or_v_shaped():
+    """8 layers in pp 2 x v 2 stages of 2: looped, rank 0 holds stages 0 and 2 (the embedding
+    and layers 1-2, 5-6), rank 1 stages 1 and 3 (the norm and head); V-shaped, rank 0 holds
+    stages 0 and 3: the embedding and the head."""
+    looped = pipeline_rank_items(SMALL, _fsdp2(pipeline=2, virtual_stages=2, global_batch=4,
+                                               schedule="interleaved_1f1b"))
+    assert looped == [["embed"] + ["layer"] * 4, ["layer"] * 4 + ["norm", "head"]]
+    v_shaped = _fsdp2(pipeline=2, virtual_stages=2, global_batch=4, schedule="zbv")
+    assert stage_items(SMALL, v_shaped) == [["embed"] + ["layer"] * 4 + ["norm", "head"],
+                                            ["layer"] * 4]
+    assert estimate(SMALL, v_shaped, H100, engine=Engine.FSDP2).memory.stage == 0
+
+
+def test_point_to_point_bytes_double_with_the_virtual_stages():
+    """A rank sends each micro-batch's boundary out of each of its v stages and its gradient
+    back: 2 v m boundaries a step."""
+    layout = _fsdp2(pipeline=4, global_batch=8, schedule="interleaved_1f1b", virtual_stages=2)
+    assert pipeline_p2p_bytes(layout, 1000.0) == 2 * 2 * 8 * 1000.0
+    one = replace(layout, schedule="1f1b", virtual_stages=1)
+    p2p = [estimate(SMALL, lay, H100, engine=Engine.FSDP2).time.pipeline_comm
+           for lay in (one, layout)]
+    # 2 (v m + pp - 2) boundaries on the critical path: 2 x 10 against 2 x 18
+    assert p2p[1] / p2p[0] == pytest.approx(18 / 10)
+
+
+def test_a_pipeline_of_fsdp2_plans_each_schedule_and_refuses_what_torch_refuses():
+    """fsdp2's pipelines are planned (the bubble shrinking with the schedule), and refused where
+    the run is: zero-bubble schedules at ZeRO-3, DualPipeV with fewer micro-batches than
+    stages, tied embeddings."""
+    base = _fsdp2(pipeline=2, global_batch=8)
+    bubbles = {(s, v): estimate(SMALL, replace(base, schedule=s, virtual_stages=v), H100,
+                                engine=Engine.FSDP2).time.bubble for s, v in FSDP2_SCHEDULES}
+    assert bubbles[("zbv", 2)] < bubbles[("zero_bubble", 1)] < bubbles[("interleaved_1f1b", 2)] \
+        < bubbles[("1f1b", 1)]
+    with pytest.raises(ConfigError, match="ZeRO stage 3"):
+        estimate(SMALL, replace(base, schedule="zbv", virtual_stages=2, zero_stage=3), H100,
+                 engine=Engine.FSDP2)
+    with pytest.raises(ConfigError, match="DualPipeV needs at least the 4 stages"):
+        estimate(SMALL, replace(base, schedule="dualpipe_v", virtual_stages=2, global_batch=2),
+                 H100, engine=Engine.FSDP2)
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        estimate(replace(SMALL, tie_embeddings=True), base, H100, engine=Engine.FSDP2)
+
+
+def test_search_tries_the_schedules_under_fsdp2_only():
+    """`plan --search` under fsdp2 ranks pipelines of several schedules and virtual stages;
+    under DeepSpeed only its 1F1B."""
+    cluster = make_cluster("h100-80gb", nodes=1, gpus_per_node=4)
+    fsdp2 = search(SMALL, cluster, global_batch=16, micro_batches=(1,), engine=Engine.FSDP2)
+    tried = {(p.layout.schedule, p.layout.virtual_stages) for p in fsdp2 if p.layout.pipeline > 1}
+    assert tried == set(FSDP2_SCHEDULES)
+    deepspeed = search(SMALL, cluster, global_batch=16, micro_batches=(1,))
+    assert {(p.layout.schedule, p.layout.virtual_stages) for p in deepspeed} == {("1f1b", 1)}
+
+
+def test_fsdp2_pipelines_keep_units_gathered_and_gradients_unreduced_to_the_step_s_end():
+    """torch's pipeline stages turn FSDP2's gradient reduction and resharding off until the last
+    micro-batch: every parameter of the rank keeps an unsharded fp32 gradient."""
+    layout = _fsdp2(pipeline=2, global_batch=8)
+    items = stage_items(SMALL, layout)[1]
+    plan = estimate(SMALL, layout, H100, engine=Engine.FSDP2)
+    from pretrain.arithmetic import stage_parameters
+    from pretrain.plan.memory import fsdp2_gradients_in_flight
+
+    assert fsdp2_gradients_in_flight(SMALL, layout, items) == 4 * stage_parameters(SMALL, layout,
+                                                                                   items)
+    assert plan.memory.buffers >= fsdp2_gradients_in_flight(SMALL, layout, items)
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------
+
+def test_fp8_runs_the_block_projections_at_the_fp8_peak():
+    """The projections' 2 x 36,864 FLOPs a token forward, x 3 with backward, per layer; at tp 2
+    half; the step's compute drops by those FLOPs' time at bf16 less at FP8 (1979 TFLOP/s)."""
+    layout = Layout(global_batch=8, fp8="tensorwise")
+    assert fp8_flops_per_token(SMALL, layout, 1) == 6 * PROJECTIONS
+    assert fp8_flops_per_token(SMALL, replace(layout, tensor=2), 8) == 8 * 6 * PROJECTIONS / 2
+    assert fp8_flops_per_token(SMALL, replace(layout, recompute=Recompute.FULL), 1) == \
+        8 * PROJECTIONS
+    bf16 = estimate(SMALL, replace(layout, fp8="none"), H100).time
+    fp8 = estimate(SMALL, layout, H100).time
+    tokens = 8 * SMALL.seq_length
+    saved = 8 * 6 * PROJECTIONS * tokens * (1 / 989e12 - 1 / 1979e12) / MATMUL_EFFICIENCY
+    assert bf16.compute - fp8.compute == pytest.approx(saved, rel=1e-9)
+    assert fp8.memory_bound > bf16.memory_bound  # the casts
+    with pytest.raises(ConfigError, match="no FP8 matmuls"):
+        estimate(SMALL, layout, make_cluster("a100-80gb", nodes=1))
+
+
+def test_fp8_memory_the_casts_scales_and_fsdp2_s_fp8_all_gather():
+    """One layer's e4m3 weights (1 byte each) and their scales: 7 fp32 scales (tensorwise) or
+    one per row and per column (rowwise); FSDP2 all-gathers the projections in FP8 under
+    tensorwise only: a byte less per element of each gathered layer."""
+    rows_cols = 2 * (64 + 64) + 2 * (32 + 64) + 2 * (128 + 64) + (64 + 128)
+    assert fp8_buffers(SMALL, Layout(fp8="tensorwise")) == PROJECTIONS + 7 * 4
+    assert fp8_buffers(SMALL, Layout(fp8="rowwise")) == PROJECTIONS + 4 * rows_cols
+    assert fp8_buffers(SMALL, Layout()) == 0
+    layout = _fsdp2(global_batch=8, data=8)
+    items = stage_items(SMALL, layout)[0]
+    plain = fsdp2_gathered_bytes(SMALL, layout, items)
+    # ZeRO-2's units stay gathered: 8 layers + 1 more in flight
+    assert plain - fsdp2_gathered_bytes(SMALL, replace(layout, fp8="tensorwise"), items) == \
+        9 * PROJECTIONS
+    assert fsdp2_gathered_bytes(SMALL, replace(layout, fp8="rowwise"), items) == plain
+
+
+# ---- selective recompute -----------------------------------------------------------------------
+
+def test_selective_recompute_keeps_the_matmul_and_attention_outputs():
+    """h 64, q 64, kv 32, f 128, bf16, tp 1: selective keeps the layer input, o's and down's
+    outputs (64 each) and q, k, v, attention's output, gate and up (2 x 64 + 2 x 32 + 2 x 128
+    = 448): 640 elements a token, between none's 6 x 64 + 3 x 64 + 2 x 32 + 4 x 128 = 1152
+    and full's 64 (the layer input); at tp 2 with sequence parallelism 32 + 128 + 224."""
+    layout = Layout(global_batch=8, recompute=Recompute.SELECTIVE)
+    assert layer_activation_elements(SMALL, layout) == (192, 448)
+    assert sum(layer_activation_elements(SMALL, replace(layout, recompute=Recompute.NONE))) == 1152
+    assert layer_activation_elements(SMALL, replace(layout, tensor=2, sequence_parallel=True)) \
+        == (32 + 128, 224)
+    items = stage_items(SMALL, layout)[0]
+    peaks = {mode: stage_activations(SMALL, replace(layout, recompute=mode), 0, items)
+             for mode in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)}
+    assert peaks[Recompute.FULL] < peaks[Recompute.SELECTIVE] < peaks[Recompute.NONE]
+    tokens = SMALL.seq_length
+    rest = peaks[Recompute.NONE] - 8 * 1152 * tokens * 2  # the embedding's and the head's
+    # 8 layers kept, one layer's rebuilt intermediates (1152 - 640) while it runs backward
+    assert peaks[Recompute.SELECTIVE] - rest == (8 * 640 + 512) * tokens * 2
+    # no matmul runs twice: the hardware FLOPs are the model's
+    plan = estimate(SMALL, layout, H100)
+    assert plan.hfu == pytest.approx(plan.mfu)
+
+
+# ---- Muon --------------------------------------------------------------------------------------
+
+def test_muon_keeps_one_momentum_per_matrix_and_pays_its_gathers_and_newton_schulz():
+    """The projections (36,864 a layer) step with one fp32 momentum: 4 bytes fewer each than
+    AdamW's two moments, sharded alike; each step gathers them whole and orthogonalises each:
+    5 steps of 4 r^2 c + 2 r^3 FLOPs (r the shorter side)."""
+    layout = Layout(global_batch=8, data=4, zero_stage=1, optimizer="muon")
+    items = stage_items(SMALL, layout)[0]
+    assert muon_parameters(SMALL, layout, items) == 8 * PROJECTIONS
+    assert muon_parameters(SMALL, replace(layout, tensor=2), items) == 8 * PROJECTIONS // 2
+    adamw = stage_memory(SMALL, replace(layout, optimizer="adamw"), 0, items)
+    muon = stage_memory(SMALL, layout, 0, items)
+    assert adamw.optimizer - muon.optimizer == 4 * 8 * PROJECTIONS / 4
+    fsdp2 = _fsdp2(global_batch=8, data=4)
+    assert estimate(SMALL, fsdp2, H100, engine=Engine.FSDP2).memory.optimizer - estimate(
+        SMALL, replace(fsdp2, optimizer="muon"), H100, engine=Engine.FSDP2).memory.optimizer \
+        == 4 * 8 * PROJECTIONS / 4
+    assert newton_schulz_flops(128, 64) == 5 * (4 * 64 * 64 * 128 + 2 * 64 ** 3)
+    flops = 8 * (2 * newton_schulz_flops(64, 64) + 2 * newton_schulz_flops(32, 64)
+                 + 3 * newton_schulz_flops(128, 64))
+    alone = Layout(global_batch=8, optimizer="muon")
+    assert muon_step_seconds(SMALL, alone, H100, layers=8) == pytest.approx(
+        flops / (989e12 * MATMUL_EFFICIENCY))
+    assert muon_step_seconds(SMALL, layout, H100, layers=8) > muon_step_seconds(
+        SMALL, alone, H100, layers=8)  # + the gather over data parallelism
+    # ZeRO-1's step gathers the stage's flat group of matrices whole, in fp32
+    assert muon_step_bytes(SMALL, layout, items, flat_group=True) >= 4 * 8 * PROJECTIONS
+    assert muon_step_bytes(SMALL, replace(layout, optimizer="adamw"), items,
+                           flat_group=True) == 0
+
+
+# ---- a family's per-head norms -----------------------------------------------------------------
+
+def test_qwen3_s_q_and_k_norms_save_their_inputs_through_the_family():
+    """Qwen3 normalises q and k per head ((4 + 2) x 16 = 96 features a token): its norms save
+    input, output and (16-bit) the fp32 upcast, sharded with the heads; selective recompute
+    recomputes them."""
+    qwen3 = replace(SMALL, family="qwen3")
+    layout = Layout(global_batch=8)
+    llama_rep, llama_shard = layer_activation_elements(SMALL, layout)
+    assert layer_activation_elements(qwen3, layout) == (llama_rep, llama_shard + 3 * 96)
+    fp32 = replace(layout, precision=Precision.FP32, tensor=2)
+    assert layer_activation_elements(qwen3, fp32)[1] - layer_activation_elements(SMALL, fp32)[1] \
+        == 2 * 96 / 2
+    selective = replace(layout, recompute=Recompute.SELECTIVE)
+    assert layer_activation_elements(qwen3, selective) == layer_activation_elements(SMALL,
+                                                                                    selective)
