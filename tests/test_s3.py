@@ -225,6 +225,14 @@ def test_killed_run_resumes_from_the_store(prefix, tiny_data, tmp_path, uninterr
         assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, key
     for text in (killed.stdout + killed.stderr, again.stdout + again.stderr):
         assert SECRET_KEY not in text and ACCESS_KEY not in text
+    # what the run records names the store, not a node's copy (a path no other node has)
+    import yaml
+
+    recorded = storage.read_bytes(storage.join(prefix, "config.yaml")).decode()
+    assert yaml.safe_load(recorded)["run_dir"] == prefix and str(tmp_path) not in recorded
+    meta = json.loads(storage.read_bytes(storage.join(prefix, "checkpoints/step20/meta.json")))
+    assert meta["config"]["run_dir"] == prefix
+    assert f"run dir {prefix} (this node's copy: " in again.stdout
     # a reader of weights (generate, export-hf, eval) takes the run in the store as it is
     from pretrain.checkpoint.weights import load_weights
 

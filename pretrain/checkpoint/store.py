@@ -52,6 +52,16 @@ def mirror_of(run_dir: str | Path) -> str | None:
     return json.loads(mark.read_text())["url"] if mark.is_file() else None
 
 
+def recorded_config(cfg):
+    """The config a run records (config.yaml, meta.json and the checkpoints' client state,
+    final/config.yaml, the metrics' run record): a run staged from the store names its URL as
+    run_dir, not the node's copy (a path no other node or later job has)."""
+    import dataclasses
+
+    url = mirror_of(cfg.run_dir)
+    return cfg if url is None else dataclasses.replace(cfg, run_dir=url)
+
+
 def complete_steps(objects: dict[str, int]) -> list[str]:
     """The step directories (`step<N>`) that `objects` (key under the run: size) holds complete,
     newest first."""
