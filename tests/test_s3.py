@@ -578,3 +578,66 @@ def _resume_from_store(rank: int, world_size: int, args: list[str], node: str, o
     state = {**point.meta, "config": cfg.to_dict()}  # the new layout's, as a save records it
     saver.save(meta=state, client_state=state)
     return from_store, kept
+
+
+# ---- saves a fault path makes reach the store ---------------------------------------------------
+
+@pytest.mark.slow
+def test_a_save_the_hang_watchdog_completes_is_uploaded(prefix, tiny_data, tmp_path):
+    """Two ranks, run_dir in the store; rank 1 blocks as step 2 starts. Step 1's background
+    save, completed by the watchdogs (the training threads cannot meet), reaches the store
+    complete, `latest` naming it, with the verdict and the hang record: the requeued job, on
+    any node, resumes from it."""
+    from pretrain.checkpoint.store import complete_steps
+    from pretrain.testing.faults import hang_environment
+    from pretrain.testing.runs import run_pretrain, train_args
+    from test_hang import HANG_RUN
+
+    node = tmp_path / "node"
+    node.mkdir()
+    env = {**hang_environment(2, 1, "block", directory=tmp_path), "TMPDIR": str(node)}
+    run = run_pretrain(train_args(prefix, tiny_data, overrides=HANG_RUN), run_dir=node,
+                       launcher="torchrun", nprocs=2, timeout=300, env=env)
+    assert f"exitcode  : 75" in run.stderr, run.stderr[-3000:]
+    assert "[hang] checkpoint step1 uploaded to" in run.stdout + run.stderr, run.stdout[-3000:]
+    objects = storage.sizes(prefix)
+    assert complete_steps(objects) == ["step1"], sorted(objects)
+    assert storage.read_bytes(storage.join(prefix, "checkpoints", "latest")) == b"step1"
+    manifest = json.loads(storage.read_bytes(storage.join(prefix, "checkpoints/step1/manifest.json")))
+    for name, size in manifest["files"].items():  # both ranks' files
+        assert objects.get(f"checkpoints/step1/{name}") == size, name
+    assert {"hang/verdict.txt", "hang/rank0.txt", "hang/rank1.txt"} <= set(objects)
+    records = [json.loads(line) for line in storage.read_bytes(
+        storage.join(prefix, "metrics.jsonl")).decode().splitlines()]
+    assert [r["ranks"] for r in records if r["kind"] == "hang"] == [[1]]
+
+
+_TERM_AT = """import os, signal
+from pretrain.training.faults import RunControl
+
+def micro_batch_started(self, at, *, step, micro, rank):
+    if (at, step, micro) == ("step", {step}, 0) and not os.environ.get("TERMED"):
+        os.environ["TERMED"] = "1"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+RunControl.micro_batch_started = micro_batch_started
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_save_reaches_the_store_before_the_exit(prefix, tiny_data, tmp_path):
+    """SIGTERM as step 7 begins (a pod evicted, a job preempted): the save the stop makes is
+    complete in the store, with stopped.json naming its step, before the process exits 75."""
+    from pretrain.checkpoint.store import complete_steps
+
+    directory = tmp_path / "term"
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(_TERM_AT.format(step=7))
+    run = _store_run(prefix, tiny_data, node=tmp_path / "node",
+                     env={"PYTHONPATH": os.pathsep.join([str(directory), str(REPO)])})
+    assert run.returncode == 75, run.stderr[-3000:]
+    stopped = json.loads(storage.read_bytes(storage.join(prefix, "stopped.json")))
+    assert stopped["exit_code"] == 75 and 6 <= stopped["step"] < 20
+    assert complete_steps(storage.sizes(prefix))[0] == f"step{stopped['step']}"
+    assert storage.read_bytes(storage.join(prefix, "checkpoints", "latest")) == \
+        f"step{stopped['step']}".encode()

@@ -416,11 +416,17 @@ def start_upload(tag_dir: Path, url: str, *, mine: Iterable[str],
     _UPLOADS.append(thread)
 
 
-def wait_for_uploads() -> None:
+def wait_for_uploads(*, timeout_s: float | None = None) -> bool:
     """Return once this process's uploads have ended (uploaded or warned): before the next save
-    (its pruning may delete what an upload reads) and before the process exits."""
+    (its pruning may delete what an upload reads) and before the process exits. With
+    `timeout_s`, False when one is still running then."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while _UPLOADS:
-        _UPLOADS.pop(0).join()
+        _UPLOADS[0].join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if _UPLOADS[0].is_alive():
+            return False
+        _UPLOADS.pop(0)
+    return True
 
 
 def _wait_for_objects(step_url: str, listed: dict[str, int]) -> None:
