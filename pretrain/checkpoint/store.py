@@ -17,7 +17,19 @@ it puts the manifest. `checkpoint.keep_last` and `keep_every` prune the store as
 disk.
 
 Metrics and logs are written locally and uploaded at each completed save and at the end of
-the run (`upload_run_files`), only the files that changed.
+the run (`upload_run_files`), only the files that changed; a hang watchdog's exit uploads the
+save it completes and the records too (`Saver.*_without_collectives`). The config a staged run
+records names the store URL as its run_dir (`recorded_config`).
+
+`train` stages by ranges (`stage_run(ranged=True)`): the checkpoint's tensor files stay in the
+store, as placeholders of their size listed in `RANGED_MARK`. A reader of such a file
+(`zero_shards.load_checkpoint_file`) gets `load_ranged`'s view of it: torch's zip directory and
+pickle read by ranged GETs and loaded with `map_location="meta"`, which records where each
+storage's bytes lie in the file (torch's `_checkpoint_offset`), so every tensor is a meta
+tensor at a known offset; `materialize`, at the points where the readers copy elements out,
+reads just those bytes. A resume that reshards thus reads each rank's pieces; one on the
+checkpoint's own layout, which DeepSpeed loads from whole files, downloads them first
+(`fetch_whole`).
 """
 from __future__ import annotations
 
