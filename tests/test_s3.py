@@ -473,7 +473,8 @@ def test_a_file_in_the_store_is_read_by_the_ranges_its_readers_copy(prefix, tmp_
     metadata = storage.TRAFFIC.read - before
     assert metadata < 12_000, metadata  # of a 164 kB file
     for view, expected in [(loaded["big"][10:20], saved["big"][10:20]),
-                           (loaded["big"].reshape(-1)[1000:1500], saved["big"].reshape(-1)[1000:1500]),
+                           (loaded["big"].reshape(-1)[1000:1500],
+                            saved["big"].reshape(-1)[1000:1500]),
                            (loaded["big"][5:9, 32:48], saved["big"][5:9, 32:48]),
                            (loaded["half"][:, 1:3], saved["half"][:, 1:3])]:
         start = storage.TRAFFIC.read
@@ -603,7 +604,8 @@ def test_a_save_the_hang_watchdog_completes_is_uploaded(prefix, tiny_data, tmp_p
     objects = storage.sizes(prefix)
     assert complete_steps(objects) == ["step1"], sorted(objects)
     assert storage.read_bytes(storage.join(prefix, "checkpoints", "latest")) == b"step1"
-    manifest = json.loads(storage.read_bytes(storage.join(prefix, "checkpoints/step1/manifest.json")))
+    manifest = json.loads(storage.read_bytes(storage.join(prefix,
+                                                          "checkpoints/step1/manifest.json")))
     for name, size in manifest["files"].items():  # both ranks' files
         assert objects.get(f"checkpoints/step1/{name}") == size, name
     assert {"hang/verdict.txt", "hang/rank0.txt", "hang/rank1.txt"} <= set(objects)

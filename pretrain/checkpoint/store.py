@@ -300,19 +300,38 @@ def materialize(tensor):
     """A real tensor equal to `tensor`; a meta tensor of `load_ranged` is read from the store,
     only the bytes of its elements (one ranged GET per contiguous run; the span that covers
     them when that is at most a quarter more)."""
+    return materialize_all([tensor])[0]
+
+
+def materialize_all(tensors: list) -> list:
+    """`materialize` of each of `tensors`, the ranged GETs of all of them sent together (a
+    reader copying many runs out of one file: the rows of a column block)."""
+    plans = [_plan(t) for t in tensors]
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for plan in plans:
+        if plan is not None:
+            wanted.setdefault(plan[0], []).extend(plan[1])
+    got = {url: iter(storage.read_ranges(url, ranges)) for url, ranges in wanted.items()}
+    return [t if plan is None else plan[2]([next(got[plan[0]]) for _ in plan[1]])
+            for t, plan in zip(tensors, plans)]
+
+
+def _plan(tensor):
+    """None for a real tensor; for a meta tensor of `load_ranged`: (its object's URL, the byte
+    ranges to read, a function of their bytes giving the tensor)."""
     import numpy as np
     import torch
 
     if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
-        return tensor
+        return None
     st = tensor.untyped_storage()
     url = getattr(st, "_checkpoint_url", None)
     if url is None:
         raise CheckpointError("a tensor of a checkpoint read by ranges lost its place in the store")
-    if tensor.numel() == 0:
-        return torch.empty(tensor.shape, dtype=tensor.dtype)
     size, stride, first = tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
-    width, base = tensor.element_size(), st._checkpoint_offset
+    width, base, dtype = tensor.element_size(), st._checkpoint_offset, tensor.dtype
+    if tensor.numel() == 0:
+        return url, [], lambda parts: torch.empty(size, dtype=dtype)
     runs = None
     if tensor.is_contiguous():
         runs = [[first, first + tensor.numel()]]
@@ -326,16 +345,15 @@ def materialize(tensor):
                 runs[-1][1] += size[-1]
             else:
                 runs.append([start, start + size[-1]])
-    needed = tensor.numel()
     lo = first + sum((n - 1) * s for n, s in zip(size, stride) if s < 0)
     hi = first + sum((n - 1) * s for n, s in zip(size, stride) if s > 0) + 1
-    if runs is not None and (len(runs) == 1 or hi - lo > 1.25 * needed):
-        data = b"".join(storage.read_ranges(url, [(base + a * width, base + b * width)
-                                                   for a, b in runs]))
-        return torch.frombuffer(bytearray(data), dtype=tensor.dtype).view(size).clone()
-    [data] = storage.read_ranges(url, [(base + lo * width, base + hi * width)])
-    flat = torch.frombuffer(bytearray(data), dtype=tensor.dtype)
-    return flat.as_strided(size, stride, first - lo).clone()
+    if runs is not None and (len(runs) == 1 or hi - lo > 1.25 * tensor.numel()):
+        return url, [(base + a * width, base + b * width) for a, b in runs], \
+            lambda parts: torch.frombuffer(bytearray(b"".join(parts)),
+                                           dtype=dtype).view(size).clone()
+    return url, [(base + lo * width, base + hi * width)], \
+        lambda parts: torch.frombuffer(bytearray(parts[0]), dtype=dtype).as_strided(
+            size, stride, first - lo).clone()
 
 
 def local_checkpoint(url: str, *, log=print) -> Path:

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 
 import pretrain.checkpoint.safe_load as safe_load
-from pretrain.checkpoint.store import materialize
+from pretrain.checkpoint.store import materialize, materialize_all
 from pretrain.errors import CheckpointError
 
 
@@ -136,8 +136,12 @@ class ZeroMasters(Mapping):
             for group, lo, hi, at in parts:
                 if groups[group] is None:
                     raise KeyError(f"{name}: its group holds no {self.key!r}")
-                out[at:at + hi - lo].copy_(materialize(groups[group].reshape(-1)[lo:hi]))
-            del groups
+            # a file in the store: every run's ranged GET sent together
+            read = materialize_all([groups[group].reshape(-1)[lo:hi]
+                                    for group, lo, hi, _ in parts])
+            for (group, lo, hi, at), piece in zip(parts, read):
+                out[at:at + hi - lo].copy_(piece)
+            del groups, read
         self.bytes_read += out.numel() * out.element_size()
         return out
 
