@@ -13,7 +13,15 @@ of every parameter two ways, in alternating rounds:
 Printed: bytes copied out of the files and seconds per way, and their ratios (measured in the
 same run). Page-cache state is whatever the save left (the files were just written).
 
+With `--store` the checkpoint is uploaded to a local S3 store (SeaweedFS,
+`pretrain.testing.seaweedfs`) as a run directory, and the same rank reads its pieces from a
+fresh node two ways: staged by ranges (`store.stage_run(ranged=True)`: the tensor files left in
+the store, each piece read by ranged GETs) against staged whole (the checkpoint downloaded, then
+the pieces read from the copy). Printed: bytes from the store (client-counted,
+`storage.TRAFFIC`: staging, zip directories and pickles included) and seconds, and the ratios.
+
     .venv/bin/python bench/reshard_read.py          # a few minutes on 2 loaded cores
+    .venv/bin/python bench/reshard_read.py --store  # the same, read from a local S3 store
 """
 from __future__ import annotations
 
@@ -71,7 +79,50 @@ def _read(step_dir: Path, cfg, *, pieces: bool) -> tuple[int, float]:
     return copied, time.perf_counter() - start
 
 
+def _from_store(step_dir: Path, cfg, scratch: Path) -> None:
+    """Upload `step_dir` as a run's checkpoint to a local S3 store; print what rank 0 of the
+    new layout reads from it staged by ranges against staged whole."""
+    import os
+
+    from pretrain import storage
+    from pretrain.checkpoint import store
+    from pretrain.testing.seaweedfs import SeaweedServer
+
+    server = SeaweedServer(scratch / "seaweedfs", volumes=16)
+    server.start()
+    os.environ.update(server.env())
+    try:
+        storage.filesystem().mkdir("bench")
+        url = "s3://bench/run"
+        names = sorted(p.name for p in step_dir.iterdir() if p.is_file())
+        assert store.upload_files(step_dir, [n for n in names if n != "manifest.json"],
+                                  url) is None
+        store.complete_upload(step_dir, url, uploaded=set(names) - {"manifest.json"})
+        size = sum(p.stat().st_size for p in step_dir.iterdir() if p.is_file())
+        results: dict[str, list[tuple[int, float]]] = {"ranged": [], "whole": []}
+        for r in range(ROUNDS):
+            for way in ("whole", "ranged"):
+                os.environ["TMPDIR"] = str(scratch / f"node-{way}{r}")  # a fresh node
+                store._LOADED.clear()
+                before, start = storage.TRAFFIC.read, time.perf_counter()
+                local = store.stage_run(url, log=lambda text: None, ranged=way == "ranged")
+                _read(local / "checkpoints" / step_dir.name, cfg, pieces=True)
+                results[way].append((storage.TRAFFIC.read - before,
+                                     time.perf_counter() - start))
+    finally:
+        server.stop()
+    ranged_b, whole_b = results["ranged"][0][0], results["whole"][0][0]
+    ranged_s = median([s for _, s in results["ranged"]])
+    whole_s = median([s for _, s in results["whole"]])
+    print(f"from the store (SeaweedFS on this machine), checkpoint {size / 1e6:.1f} MB:")
+    print(f"ranged: {ranged_b / 1e6:.1f} MB from the store in {ranged_s:.2f} s")
+    print(f"whole:  {whole_b / 1e6:.1f} MB from the store in {whole_s:.2f} s")
+    print(f"ratio ranged/whole: bytes {ranged_b / whole_b:.3f}, time {ranged_s / whole_s:.3f}")
+
+
 def main() -> None:
+    import sys
+
     from pretrain.checkpoint.paths import step_dirs
     from pretrain.config import load_config
 
@@ -80,6 +131,11 @@ def main() -> None:
         step_dir = next(iter(step_dirs(Path(out) / "checkpoints", follow_latest=True)))
         size = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
         cfg = load_config("configs/tiny.yaml", OVERRIDES).model
+        if "--store" in sys.argv[1:]:
+            print(f"machine: {machine()}; reader: rank 0 of tp {NEW_TP} x dp {NEW_DP}, "
+                  f"median of {ROUNDS} rounds")
+            _from_store(step_dir, cfg, Path(out))
+            return
         results: dict[str, list[tuple[int, float]]] = {"pieces": [], "whole": []}
         for _ in range(ROUNDS):
             for way in ("whole", "pieces"):

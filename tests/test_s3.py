@@ -225,6 +225,14 @@ def test_killed_run_resumes_from_the_store(prefix, tiny_data, tmp_path, uninterr
         assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, key
     for text in (killed.stdout + killed.stderr, again.stdout + again.stderr):
         assert SECRET_KEY not in text and ACCESS_KEY not in text
+    # what the run records names the store, not a node's copy (a path no other node has)
+    import yaml
+
+    recorded = storage.read_bytes(storage.join(prefix, "config.yaml")).decode()
+    assert yaml.safe_load(recorded)["run_dir"] == prefix and str(tmp_path) not in recorded
+    meta = json.loads(storage.read_bytes(storage.join(prefix, "checkpoints/step20/meta.json")))
+    assert meta["config"]["run_dir"] == prefix
+    assert f"run dir {prefix} (this node's copy: " in again.stdout
     # a reader of weights (generate, export-hf, eval) takes the run in the store as it is
     from pretrain.checkpoint.weights import load_weights
 
@@ -441,3 +449,197 @@ def test_every_ranks_files_reach_the_store(prefix, tiny_data, tmp_path):
     assert {"rng_rank00000.pt", "rng_rank00001.pt"} <= set(manifest["files"]), run.stdout[-2000:]
     for name, size in manifest["files"].items():
         assert objects.get(f"checkpoints/step4/{name}") == size, name
+
+
+# ---- checkpoints read by byte ranges ------------------------------------------------------------
+
+def test_a_file_in_the_store_is_read_by_the_ranges_its_readers_copy(prefix, tmp_path):
+    """`load_ranged` reads a torch file's directory, pickle and small tensors; `materialize`
+    reads, of a big tensor, only the elements of the view asked for (rows, a block of columns,
+    bf16), equal to torch.load's."""
+    from pretrain.checkpoint.store import load_ranged, materialize
+
+    saved = {"big": torch.randn(256, 128), "half": torch.randn(64, 64).bfloat16(),
+             "step": torch.tensor(7.0), "nested": [{"shape": (3, 4)}, torch.arange(5)]}
+    torch.save(saved, tmp_path / "x.pt")
+    url = storage.join(prefix, "x.pt")
+    storage.put_file(tmp_path / "x.pt", url)
+    size = (tmp_path / "x.pt").stat().st_size
+    before = storage.TRAFFIC.read
+    loaded = load_ranged(url, size)
+    assert loaded["big"].is_meta and loaded["half"].is_meta
+    assert float(loaded["step"]) == 7.0 and loaded["nested"][0] == {"shape": (3, 4)}
+    assert torch.equal(loaded["nested"][1], torch.arange(5))
+    metadata = storage.TRAFFIC.read - before
+    assert metadata < 12_000, metadata  # of a 164 kB file
+    for view, expected in [(loaded["big"][10:20], saved["big"][10:20]),
+                           (loaded["big"].reshape(-1)[1000:1500],
+                            saved["big"].reshape(-1)[1000:1500]),
+                           (loaded["big"][5:9, 32:48], saved["big"][5:9, 32:48]),
+                           (loaded["half"][:, 1:3], saved["half"][:, 1:3])]:
+        start = storage.TRAFFIC.read
+        got = materialize(view)
+        assert not got.is_meta and got.dtype == expected.dtype
+        assert torch.equal(got, expected)
+        assert storage.TRAFFIC.read - start <= 1.25 * expected.numel() * expected.element_size()
+    assert load_ranged(url, size) is loaded  # once per process
+
+
+def test_ranged_staging_leaves_tensor_files_in_the_store(prefix, tmp_path, monkeypatch):
+    """A ranged staging downloads meta, manifest and RNG files and leaves placeholders of the
+    tensor files' sizes (the size check passes, the CRC of what is left in the store is not
+    read); `fetch_whole` downloads them for a resume that loads whole files."""
+    from pretrain.checkpoint import store
+    from pretrain.checkpoint.paths import RANGED_MARK, verify
+    from pretrain.checkpoint.zero_shards import load_checkpoint_file
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, tmp_path / "t.pt")
+    blob = (tmp_path / "t.pt").read_bytes()
+    import zlib
+
+    files = {"mp_rank_00_model_states.pt": blob, "rng_rank00000.pt": b"rng",
+             "meta.json": json.dumps({"step": 4}).encode()}
+    manifest = {"files": {n: len(b) for n, b in files.items()},
+                "crc32": {n: zlib.crc32(b) for n, b in files.items()}}
+    for name, data in [*files.items(), ("manifest.json", json.dumps(manifest).encode())]:
+        (tmp_path / name).write_bytes(data)
+        storage.put_file(tmp_path / name, storage.join(prefix, "checkpoints/step4", name))
+    before = storage.TRAFFIC.read
+    local = store.stage_run(prefix, log=lambda text: None, ranged=True)
+    step = local / "checkpoints" / "step4"
+    assert storage.TRAFFIC.read - before < 1000  # the meta, manifest and RNG only
+    assert (step / "rng_rank00000.pt").read_bytes() == b"rng"
+    assert (step / "mp_rank_00_model_states.pt").stat().st_size == len(blob)
+    assert (step / RANGED_MARK).is_file()
+    assert verify(step, content=True) is None
+    tensor = load_checkpoint_file(step / "mp_rank_00_model_states.pt")["w"]
+    assert torch.equal(store.materialize(tensor[100:200]), torch.arange(100, 200).float())
+    store.fetch_whole(step)
+    assert (step / "mp_rank_00_model_states.pt").read_bytes() == blob
+    assert not (step / RANGED_MARK).exists()
+    store.stage_run(prefix, log=lambda text: None, ranged=True)  # a whole copy stays whole
+    assert (step / "mp_rank_00_model_states.pt").read_bytes() == blob
+
+
+@pytest.mark.slow  # a training run through the launcher, then two ranks resharding
+def test_a_tp2_checkpoint_in_the_store_resumed_at_pp2_reads_each_ranks_shard(prefix, tiny_data,
+                                                                            tmp_path):
+    """A tp 2 checkpoint in the store, resumed at pp 2 on a node with nothing local: each rank
+    reads from the store (bytes counted by the client, staging, pickles and all) at most 1.25x
+    the fp32 masters and Adam moments it keeps, and the state it resumes is the saved one."""
+    from pretrain.testing.ranks import run_on_ranks
+    from pretrain.testing.runs import train, train_args
+    from test_reshard import _assert_same_state
+
+    common = ["train.steps=2", "checkpoint.save_interval=2"]
+    saved = train(tmp_path, tiny_data, nprocs=2, name="tp2",
+                  overrides=common + ["parallel.tensor=2"])
+    step_dir = saved.run_dir / "checkpoints" / "step2"
+    names = sorted(p.name for p in step_dir.iterdir() if p.is_file())
+    for name in sorted(names, key=lambda n: n == "manifest.json"):  # the manifest last
+        storage.put_file(step_dir / name, storage.join(prefix, "checkpoints/step2", name))
+    new = ["parallel.pipeline=2"]
+    volumes = run_on_ranks(_resume_from_store, world_size=2, tmp_path=tmp_path,
+                           args=(train_args(prefix, tiny_data, overrides=common + new),
+                                 str(tmp_path / "node"), str(tmp_path / "resaved")))
+    size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
+    for rank, (from_store, kept) in enumerate(volumes):
+        print(f"rank {rank}: {from_store} bytes from the store, keeps {kept}, checkpoint {size}")
+        assert 0 < from_store <= 1.25 * kept, (rank, from_store, kept, size)
+    assert sum(v[0] for v in volumes) < size  # nobody downloaded the checkpoint
+    _assert_same_state(step_dir, tmp_path / "resaved" / "checkpoints" / "step2")
+
+
+def _resume_from_store(rank: int, world_size: int, args: list[str], node: str, out: str):
+    """Stage the run in the store by ranges (this "node": `node`), reshard its checkpoint into
+    the new layout's engine, save it locally under `out`: (bytes read from the store, bytes of
+    the masters and moments this rank keeps)."""
+    import dataclasses
+
+    from pretrain.checkpoint import find_resume
+    from pretrain.checkpoint.reshard import load_resharded
+    from pretrain.checkpoint.saver import Saver
+    from pretrain.checkpoint.store import stage_run
+    from pretrain.training.engine import build_engine
+    from test_reshard import _new_layout
+
+    os.environ["TMPDIR"] = node
+    cfg, ds_config, groups = _new_layout(rank, world_size, args)
+    before = storage.TRAFFIC.read
+    local = stage_run(cfg.run_dir, log=lambda text: None, ranged=True)
+    cfg = dataclasses.replace(cfg, run_dir=str(local))
+    engine = build_engine(cfg, ds_config, groups, main=False)
+    point = find_resume(cfg, resume_from=None, log=lambda text: None)
+    load_resharded(engine, point.path, point.meta, cfg=cfg, groups=groups, rank=rank)
+    from_store = storage.TRAFFIC.read - before
+    kept = sum(p.numel() for p in engine.module.parameters()) * 4 * 3  # masters + 2 moments
+    saver = Saver(engine, ckpt_dir=Path(out) / "checkpoints", keep_last=1, keep_every=0,
+                  rank=rank, background=False)
+    state = {**point.meta, "config": cfg.to_dict()}  # the new layout's, as a save records it
+    saver.save(meta=state, client_state=state)
+    return from_store, kept
+
+
+# ---- saves a fault path makes reach the store ---------------------------------------------------
+
+@pytest.mark.slow
+def test_a_save_the_hang_watchdog_completes_is_uploaded(prefix, tiny_data, tmp_path):
+    """Two ranks, run_dir in the store; rank 1 blocks as step 2 starts. Step 1's background
+    save, completed by the watchdogs (the training threads cannot meet), reaches the store
+    complete, `latest` naming it, with the verdict and the hang record: the requeued job, on
+    any node, resumes from it."""
+    from pretrain.checkpoint.store import complete_steps
+    from pretrain.testing.faults import hang_environment
+    from pretrain.testing.runs import run_pretrain, train_args
+    from test_hang import HANG_RUN
+
+    node = tmp_path / "node"
+    node.mkdir()
+    env = {**hang_environment(2, 1, "block", directory=tmp_path), "TMPDIR": str(node)}
+    run = run_pretrain(train_args(prefix, tiny_data, overrides=HANG_RUN), run_dir=node,
+                       launcher="torchrun", nprocs=2, timeout=300, env=env)
+    assert f"exitcode  : 75" in run.stderr, run.stderr[-3000:]
+    assert "[hang] checkpoint step1 uploaded to" in run.stdout + run.stderr, run.stdout[-3000:]
+    objects = storage.sizes(prefix)
+    assert complete_steps(objects) == ["step1"], sorted(objects)
+    assert storage.read_bytes(storage.join(prefix, "checkpoints", "latest")) == b"step1"
+    manifest = json.loads(storage.read_bytes(storage.join(prefix,
+                                                          "checkpoints/step1/manifest.json")))
+    for name, size in manifest["files"].items():  # both ranks' files
+        assert objects.get(f"checkpoints/step1/{name}") == size, name
+    assert {"hang/verdict.txt", "hang/rank0.txt", "hang/rank1.txt"} <= set(objects)
+    records = [json.loads(line) for line in storage.read_bytes(
+        storage.join(prefix, "metrics.jsonl")).decode().splitlines()]
+    assert [r["ranks"] for r in records if r["kind"] == "hang"] == [[1]]
+
+
+_TERM_AT = """import os, signal
+from pretrain.training.faults import RunControl
+
+def micro_batch_started(self, at, *, step, micro, rank):
+    if (at, step, micro) == ("step", {step}, 0) and not os.environ.get("TERMED"):
+        os.environ["TERMED"] = "1"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+RunControl.micro_batch_started = micro_batch_started
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_save_reaches_the_store_before_the_exit(prefix, tiny_data, tmp_path):
+    """SIGTERM as step 7 begins (a pod evicted, a job preempted): the save the stop makes is
+    complete in the store, with stopped.json naming its step, before the process exits 75."""
+    from pretrain.checkpoint.store import complete_steps
+
+    directory = tmp_path / "term"
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(_TERM_AT.format(step=7))
+    run = _store_run(prefix, tiny_data, node=tmp_path / "node",
+                     env={"PYTHONPATH": os.pathsep.join([str(directory), str(REPO)])})
+    assert run.returncode == 75, run.stderr[-3000:]
+    stopped = json.loads(storage.read_bytes(storage.join(prefix, "stopped.json")))
+    assert stopped["exit_code"] == 75 and 6 <= stopped["step"] < 20
+    assert complete_steps(storage.sizes(prefix))[0] == f"step{stopped['step']}"
+    assert storage.read_bytes(storage.join(prefix, "checkpoints", "latest")) == \
+        f"step{stopped['step']}".encode()

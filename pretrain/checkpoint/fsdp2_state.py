@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
+from pretrain.checkpoint.store import materialize
 from pretrain.checkpoint.zero_shards import load_checkpoint_file
 from pretrain.errors import CheckpointError
 
@@ -57,7 +58,8 @@ class _RowPieces(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         entries = sorted((f["tensors"][name] for f in self._files if name in f["tensors"]),
                          key=lambda e: e["row"])
-        parts = [e.get(self._key, torch.zeros_like(e["master"])) for e in entries]
+        parts = [materialize(e[self._key]) if self._key in e else torch.zeros(e["master"].shape)
+                 for e in entries]
         whole = torch.cat(parts)
         if tuple(whole.shape) != tuple(entries[0]["shape"]):
             raise CheckpointError(f"{name}: the fsdp2 files hold {tuple(whole.shape)} of its shard "

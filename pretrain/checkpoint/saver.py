@@ -21,8 +21,11 @@ import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from pretrain.checkpoint.store import (mirror_of, start_upload, upload_run_files_or_warn,
+from pretrain.checkpoint.store import (complete_upload, mirror_of, start_upload, upload_files,
+                                       upload_run_files, upload_run_files_or_warn,
                                        wait_for_uploads)
+from pretrain.checkpoint.store import prune as store_prune
+from pretrain.storage import join, put_file
 from pretrain.checkpoint.paths import MANIFEST, tag_step, write_latest, write_manifest
 from pretrain.checkpoint.reshard import OPTIMIZER_NAMES, optimizer_parameter_names
 from pretrain.checkpoint.writer import ShardWriter
@@ -155,6 +158,53 @@ class Saver:
         tag_dir, meta = self.in_flight
         self._write_completion(tag_dir, meta, reports)
         return tag_dir
+
+    def upload_without_collectives(self, written: dict[str, Any], *,
+                                   timeout_s: float) -> str | None:
+        """A run in the object store: upload this rank's files `written` of the save in flight
+        now (a hang watchdog's exit; the background uploads of earlier saves are waited for,
+        up to `timeout_s`, first). None when uploaded or there is no store, else what failed."""
+        if self.store_url is None or self.in_flight is None:
+            return None
+        if not wait_for_uploads(timeout_s=timeout_s):
+            return f"an earlier save was still uploading after {timeout_s:.0f} s"
+        return upload_files(self.in_flight[0], written, self.store_url)
+
+    def complete_upload_without_collectives(self, reports: list[dict[str, Any]]) -> str | None:
+        """After `complete_from`, once every rank's `upload_without_collectives` succeeded:
+        the rest of the save, `manifest.json` last, `latest`, pruning, now. None when done or
+        there is no store, else what failed."""
+        if self.store_url is None or self.in_flight is None:
+            return None
+        tag_dir = self.in_flight[0]
+        try:
+            complete_upload(tag_dir, self.store_url, uploaded={name for report in reports
+                                                               for name in report})
+            store_prune(self.store_url, keep_last=self.keep_last, keep_every=self.keep_every)
+        except Exception as exc:  # noqa: BLE001 - reported by the watchdog
+            return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        return None
+
+    def upload_records_without_collectives(self, own: list[Path], *, main: bool,
+                                           timeout_s: float) -> str | None:
+        """A run in the object store, before a hang watchdog's exit: this process's background
+        uploads waited for (up to `timeout_s`), then rank 0 (`main`) uploads the run's changed
+        files (metrics.jsonl with the hang record, hang/), another rank its files `own` (its
+        dumps, on its node). None when done or there is no store, else what failed."""
+        if self.store_url is None:
+            return None
+        if not wait_for_uploads(timeout_s=timeout_s):
+            return f"a save was still uploading after {timeout_s:.0f} s"
+        run_dir = self.ckpt_dir.parent
+        try:
+            if main:
+                upload_run_files(run_dir, self.store_url)
+            for path in own:
+                if path.is_file():
+                    put_file(path, join(self.store_url, *path.relative_to(run_dir).parts))
+        except Exception as exc:  # noqa: BLE001 - reported by the watchdog
+            return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        return None
 
     def _write_completion(self, tag_dir: Path, meta: dict[str, Any],
                           reports: list[dict[str, Any]]) -> None:

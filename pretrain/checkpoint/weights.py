@@ -39,7 +39,7 @@ from pretrain import storage
 from pretrain.checkpoint.fsdp2_state import fsdp2_client_state, fsdp2_shards, is_fsdp2_checkpoint
 from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FINAL_TOKENIZER_DIR,
                                        FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
-from pretrain.checkpoint.store import local_checkpoint
+from pretrain.checkpoint.store import local_checkpoint, materialize
 from pretrain.checkpoint.safetensors_stream import LazyTensors, SafetensorsWriter
 from pretrain.checkpoint.zero_shards import ZeroMasters, load_checkpoint_file
 from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_config
@@ -364,7 +364,7 @@ class MergedShards(Mapping):
         dim = self._split_dim(name)
         if dim is None:
             source, local = self._holder(name)
-            tensor = source[local]
+            tensor = materialize(source[local])
         else:  # each shard copied into its place as it is read: the whole tensor and one shard
             shape = list(full_parameter_shape(name, self._cfg))
             shape[dim] = shard_range(name, self._cfg, tp_rank=0, tp_size=self._tp).shape[dim] \
@@ -372,7 +372,7 @@ class MergedShards(Mapping):
             tensor, filled = torch.empty(shape), 0
             for rank in range(self._tp):
                 source, local = self._shards[name][rank]
-                shard = source[local]
+                shard = materialize(source[local])
                 tensor.narrow(dim, filled, shard.shape[dim]).copy_(shard)
                 filled += shard.shape[dim]
                 del shard
@@ -428,8 +428,8 @@ def _read_block(source: Mapping[str, torch.Tensor], local: str,
             (c0, c1), width = cols[0], full[1]
             runs = [(r * width + c0, r * width + c1) for r in range(r0, r1)]
         return source.read_runs(local, runs).view(shape)
-    tensor = source[local]  # memory-mapped: the slice below reads only its pages
-    return tensor[tuple(slice(lo, hi) for lo, hi in block)].float().clone()
+    tensor = source[local]  # memory-mapped (or in the store): only the block's bytes are read
+    return materialize(tensor[tuple(slice(lo, hi) for lo, hi in block)]).float().clone()
 
 
 def _engine_tokenizer(info: dict, *, step_dir: Path, cfg: RunConfig) -> Path | None:

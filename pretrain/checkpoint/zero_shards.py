@@ -31,12 +31,20 @@ from typing import Iterator
 import torch
 
 import pretrain.checkpoint.safe_load as safe_load
+from pretrain.checkpoint.store import materialize, materialize_all
 from pretrain.errors import CheckpointError
 
 
 def load_checkpoint_file(path: Path) -> dict:
-    """A DeepSpeed checkpoint file, memory-mapped: tensors are read when touched."""
+    """A DeepSpeed checkpoint file, memory-mapped: tensors are read when touched. A file of a
+    checkpoint staged from the object store by ranges is read from the store: its tensors are
+    meta tensors until `materialize` reads the elements a reader copies out."""
+    from pretrain.checkpoint.store import load_ranged, ranged_object
+
     try:
+        url = ranged_object(path)
+        if url is not None:
+            return load_ranged(url, Path(path).stat().st_size)
         return safe_load.load(path, mmap=True)
     except CheckpointError:  # a pickle naming a type no checkpoint holds: refused as such
         raise
@@ -128,8 +136,12 @@ class ZeroMasters(Mapping):
             for group, lo, hi, at in parts:
                 if groups[group] is None:
                     raise KeyError(f"{name}: its group holds no {self.key!r}")
-                out[at:at + hi - lo].copy_(groups[group].reshape(-1)[lo:hi])
-            del groups
+            # a file in the store: every run's ranged GET sent together
+            read = materialize_all([groups[group].reshape(-1)[lo:hi]
+                                    for group, lo, hi, _ in parts])
+            for (group, lo, hi, at), piece in zip(parts, read):
+                out[at:at + hi - lo].copy_(piece)
+            del groups, read
         self.bytes_read += out.numel() * out.element_size()
         return out
 
@@ -158,7 +170,7 @@ class ZeroMasters(Mapping):
         for g, lo, hi in parts:
             if groups[g] is None:
                 raise KeyError(f"group {g} holds no {self.key!r}")
-            into[filled:filled + hi - lo].copy_(groups[g].reshape(-1)[lo:hi])
+            into[filled:filled + hi - lo].copy_(materialize(groups[g].reshape(-1)[lo:hi]))
             filled += hi - lo
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> NoReturn:
 
         store_url = cfg.run_dir
         storage.check_writable(store_url)
-        cfg = dataclasses.replace(cfg, run_dir=str(stage_run(store_url, log=log)))
+        cfg = dataclasses.replace(cfg, run_dir=str(stage_run(store_url, log=log, ranged=True)))
     # Every check that can fail does so before a process group or an engine exists: in
     # `settle_config` (sinks, eval tasks, data, precision) and `lay_out` (the layout).
     set_cpu_threads(world)  # before precision's measurement, which uses this rank's threads
@@ -106,6 +106,10 @@ def run(args: argparse.Namespace) -> NoReturn:
     world = dataclasses.replace(world, world_size=fit.used)
     run = lay_out(settled, world_size=world.world_size, rank=world.rank, device_type=device_type,
                   same_layout_only=args.require_same_layout)
+    if store_url is not None and run.resume is not None and not _resharded(run):
+        from pretrain.checkpoint.store import fetch_whole
+
+        fetch_whole(run.resume.path)  # DeepSpeed loads its own layout from whole files
     from pretrain.training import collective_log, hang
 
     collective_log.install()  # before DeepSpeed's backend keeps references to the collectives
@@ -131,6 +135,18 @@ def run(args: argparse.Namespace) -> NoReturn:
         _exit_on_fault(exc, rank=world.rank)
         raise
     exit_distributed(EXIT_REQUEUE if result.stop_reason else 0)
+
+
+def _resharded(run) -> bool:
+    """Whether resuming `run.resume` reshards it (`checkpoint.load`: fsdp2 always, DeepSpeed
+    on another layout), reading each rank's byte ranges; else DeepSpeed reads whole files."""
+    from pretrain.config import Engine
+    from pretrain.resolve.run import layout_change
+
+    point = run.resume
+    return run.cfg.train.engine is Engine.FSDP2 or (
+        not point.universal and layout_change(point.meta["layout"], run.checkpoint_layout)
+        is not None)
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:

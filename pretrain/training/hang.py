@@ -259,6 +259,7 @@ class Watchdog:
         if self.rank == 0 and self.on_verdict is not None:
             with contextlib.suppress(Exception):
                 self.on_verdict(json.loads(self._get("record") or "{}"))
+        self._upload_records()
         self._set(f"left/{self.rank}", "1")
         if self.rank == 0:  # it holds the store under most launchers: leave last
             self._wait_for_all([f"left/{r}" for r in answered], self.window)
@@ -269,23 +270,63 @@ class Watchdog:
     def _complete_save(self, *, first: bool) -> None:
         """A background save in flight whose files every rank has written is completed here
         (the training threads cannot meet to do it), so the requeued job resumes from it: each
-        answering rank publishes its written files, the lowest one writes the manifest."""
+        answering rank publishes its written files, the lowest one writes the manifest. A run
+        in the object store then gets it uploaded as a regular save does: each rank its own
+        files, the lowest one, once all are in the store, the rest and the manifest last
+        (within `upload_window`: a save not uploaded then stays node-local, with a warning)."""
         tag = self.saver.pending() if self.saver is not None else None
         if tag is None:
             return
         written = self.saver.written_without_collectives(timeout_s=self.window)
         if written is not None:
             self._set(f"save/{tag}/{self.rank}", json.dumps(written))
-        if not first:
+        completed = None
+        if first:
+            keys = [f"save/{tag}/{r}" for r in range(self.world_size)]
+            if not self._wait_for_all(keys, self.window):
+                self.log(f"[hang] checkpoint {tag} left incomplete: not every rank has written "
+                         "its files; resuming starts from the previous checkpoint")
+                return
+            completed = [json.loads(self._get(key)) for key in keys]
+            path = self.saver.complete_from(completed)
+            self.log(f"[hang] checkpoint {path} completed before the exit (every rank had "
+                     "written its files): the requeued job resumes from it")
+        if written is None or getattr(self.saver, "store_url", None) is None:
             return
-        keys = [f"save/{tag}/{r}" for r in range(self.world_size)]
-        if not self._wait_for_all(keys, self.window):
-            self.log(f"[hang] checkpoint {tag} left incomplete: not every rank has written its "
-                     "files; resuming starts from the previous checkpoint")
+        window = self.upload_window()
+        error = self.saver.upload_without_collectives(written, timeout_s=window)
+        self._set(f"uploaded/{tag}/{self.rank}", error or "")
+        if completed is None:
             return
-        path = self.saver.complete_from([json.loads(self._get(key)) for key in keys])
-        self.log(f"[hang] checkpoint {path} completed before the exit (every rank had written "
-                 "its files): the requeued job resumes from it")
+        keys = [f"uploaded/{tag}/{r}" for r in range(self.world_size)]
+        if not self._wait_for_all(keys, window):
+            error = f"not every rank's files reached the store within {window:.0f} s"
+        error = error or next((e for e in map(self._get, keys) if e), None) or \
+            self.saver.complete_upload_without_collectives(completed)
+        self.log(f"[hang] checkpoint {tag} was not uploaded to {self.saver.store_url} ({error}): "
+                 "it stays on this node; the store keeps its last complete checkpoint" if error
+                 else f"[hang] checkpoint {tag} uploaded to {self.saver.store_url}")
+
+    def _upload_records(self) -> None:
+        """A run in the object store: its records (metrics with the hang record, the dumps)
+        uploaded before the exit, as at the end of a run."""
+        upload = getattr(self.saver, "upload_records_without_collectives", None)
+        if upload is None or getattr(self.saver, "store_url", None) is None:
+            return
+        own = [self.dir / f"rank{self.rank}.txt", self.dir / f"flight_recorder_rank{self.rank}.pkl"]
+        error = upload(own, main=self.rank == 0, timeout_s=self.upload_window())
+        if error:
+            self.log(f"[hang] rank {self.rank}'s records were not uploaded to "
+                     f"{self.saver.store_url} ({error}): they stay in {self.dir.parent}")
+
+    def upload_window(self) -> float:
+        """Seconds the hang's uploads may take: the hang timeout (as long as a step may go
+        without progress), within what the platform's grace leaves after a SIGTERM."""
+        window = self.timeout_s
+        if self.platform_grace_s is not None and self._sigterm_at is not None:
+            left = self.platform_grace_s - self.window - (self.clock() - self._sigterm_at)
+            window = min(window, max(left, 1.0))
+        return window
 
     def _dump(self, reason: str) -> None:
         now = time.time()

@@ -20,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
 from pretrain import checkpoint
+from pretrain.checkpoint.store import recorded_config
 from pretrain.config import Precision
 from pretrain.data import Tokenizer
 from pretrain.data.build import Samples, build_datasets
@@ -64,6 +65,8 @@ class Trainer:
         self.cfg, self.world, self.ds_config, self.groups = cfg, world, ds_config, groups
         self.main = world.is_main
         self.run_dir = Path(cfg.run_dir)
+        # the config as recorded: a run in the object store names its URL, not this node's copy
+        self.recorded_cfg = recorded_config(cfg)
         self.device = get_accelerator().current_device_name()
         self.layout = run.layout
         self._agree_on_precision(run.precision)
@@ -112,13 +115,15 @@ class Trainer:
         self.records = StepRecords(cfg, world_size=world.world_size, device=self.device,
                                    main=self.main)
         self.metrics = MetricsSink(self.run_dir, enabled=self.main, settings=cfg.logging,
-                                   run_config=cfg.to_dict())
+                                   run_config=self.recorded_cfg.to_dict())
         self._curves_step: int | None = None  # the step curves.png shows; -1: drawing failed
         self.state = self._loop_state()  # what the rollback and the evaluations take
         self.validation = ValidationLoss(self.state)  # every train.eval_interval steps and the last
         self.tasks = TaskEvaluator(self.state)  # eval.tasks (lm-eval), after the steps it is due
         announce_run(self.metrics, cfg, world, self.engine, self.records, layout=self.layout,
-                     train_data=self.train_data, run_dir=self.run_dir)
+                     train_data=self.train_data, run_dir=self.run_dir
+                     if self.recorded_cfg.run_dir == cfg.run_dir else
+                     f"{self.recorded_cfg.run_dir} (this node's copy: {self.run_dir})")
 
     # ---- setup ------------------------------------------------------------------------------
     @property
@@ -241,7 +246,7 @@ class Trainer:
     def _write_run_configs(self) -> None:
         """The run's config and resolved DeepSpeed config, next to its checkpoints."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.cfg.save(self.run_dir / "config.yaml")
+        self.recorded_cfg.save(self.run_dir / "config.yaml")
         (self.run_dir / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2))
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -463,7 +468,8 @@ class Trainer:
         if self.cfg.checkpoint.save_final:
             with self.watchdog.paused():  # its waits have train.io_timeout_minutes
                 result.final_dir = checkpoint.save_final(
-                    self.engine, cfg=self.cfg, groups=self.groups, tokenizer=self.tokenizer,
+                    self.engine, cfg=self.recorded_cfg, groups=self.groups,
+                    tokenizer=self.tokenizer,
                     run_dir=self.run_dir, step=self.step, main=self.main)
             warn(f"[checkpoint] final weights in {result.final_dir}", main=self.main)
         self._draw_curves()
@@ -501,7 +507,7 @@ class Trainer:
         save completes in `_finish_save`."""
         cfg = self.cfg
         state, meta = checkpoint.checkpoint_meta(
-            cfg, step=self.step, consumed_samples=self.consumed_samples,
+            self.recorded_cfg, step=self.step, consumed_samples=self.consumed_samples,
             global_batch=self.global_batch, tokenizer=self.tokenizer, git_commit=self._git_commit,
             layout=self.checkpoint_layout)
         meta.update(self.spikes.meta_fields())  # the quarantine every later resume honours
