@@ -33,8 +33,21 @@ SHAPES = {
                "model.rope_low_freq_factor=2", "model.rope_high_freq_factor=8"],
     "qwen3": ["model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000",
               "model.norm_eps=1e-6"],
+    # Qwen3-MoE: fine-grained experts (inner 40, not the dense layers' 176), the mixture every
+    # second layer of 3 (layers 0 and 2 dense), top-3 of 6 renormalised, GQA, head_dim 24
+    "qwen3_moe": ["model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000",
+                  "model.norm_eps=1e-6", "model.num_layers=3", "model.num_kv_heads=2",
+                  "model.num_experts=6", "model.experts_per_token=3",
+                  "model.moe_ffn_hidden_size=40", "model.moe_layer_interval=2",
+                  "model.moe_norm_topk_prob=true"],
+    # and the router's plain softmax weights (norm_topk_prob false), the mixture every layer
+    "qwen3_moe_softmax": ["model.family=qwen3", "model.head_dim=24", "model.num_experts=6",
+                          "model.experts_per_token=2", "model.moe_ffn_hidden_size=40",
+                          "model.moe_norm_topk_prob=false"],
 }
-HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
+HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+              "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+              "qwen3_moe_softmax": transformers.Qwen3MoeForCausalLM}
 
 
 def model_cfg(shape: str, *more: str):
@@ -86,7 +99,10 @@ def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path)
     cli("import-hf", tmp_path / "src", "--output", tmp_path / "init")
     weights = load_weights(tmp_path / "init")
     assert weights.model.family == model_cfg(shape).family
-    assert weights.model.head_dim == {"llama3": 16, "qwen3": 24}[shape]  # qwen3: not 64 / 4
+    assert weights.model.head_dim == (16 if shape == "llama3" else 24)  # qwen3: not 64 / 4
+    for name in ("num_experts", "experts_per_token", "moe_ffn_hidden_size",
+                 "moe_layer_interval", "moe_norm_topk_prob", "num_layers"):
+        assert getattr(weights.model, name) == getattr(model_cfg(shape), name), name
     assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     expected = _assert_equals_transformers(weights, hf, ids, prompt=9, new_tokens=12)
@@ -130,13 +146,16 @@ def test_llama3_frequencies_are_transformers():
     assert (ratio == 1).any() and (ratio == 8).any() and ((ratio > 1) & (ratio < 8)).any()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_parameter_table_is_the_built_model(family):
+@pytest.mark.parametrize("family, more", [*((f, ()) for f in FAMILIES),
+                                          ("qwen3", SHAPES["qwen3_moe"])],
+                         ids=[*FAMILIES, "qwen3_moe"])
+def test_parameter_table_is_the_built_model(family, more):
     """Every parameter a family's model holds is in its table with the shape the table gives
-    (a q_norm is head_dim long, not a hidden_size norm), the seeded init fills it (norms 1),
-    and the counts from the table are the model's."""
+    (a q_norm is head_dim long, not a hidden_size norm; a fine-grained expert's projections
+    its own inner size, the dense layers' theirs), the seeded init fills it (norms 1), and the
+    counts from the table are the model's."""
     cfg = load_config(None, ["model.preset=tiny", f"model.family={family}", "model.head_dim=24",
-                             f"model.vocab_size={VOCAB}"]).model
+                             f"model.vocab_size={VOCAB}", *more]).model
     model = build_model(cfg, seed=3)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 24, 64)  # 4 heads of 24
     params = dict(model.named_parameters())
@@ -150,6 +169,10 @@ def test_parameter_table_is_the_built_model(family):
         if family_of(cfg).parameter(name).init == "ones":
             assert bool((init == 1).all()), name
     assert model.num_parameters() == num_parameters(cfg)
+    if cfg.num_experts:  # layer 1 the mixture, layers 0 and 2 dense
+        assert params["model.layers.1.mlp.experts.5.down_proj.weight"].shape == (64, 40)
+        assert params["model.layers.2.mlp.down_proj.weight"].shape == (64, 176)
+        assert sorted({n.split(".")[2] for n in params if ".experts." in n}) == ["1"]
 
 
 # ---- trained on layouts: an imported Qwen3 ------------------------------------------------------
@@ -239,3 +262,32 @@ def test_a_mup_qwen3_exports_its_attention_scale_into_the_q_norm():
     with torch.no_grad():
         ours, theirs = model(ids), hf(ids).logits
     assert ((ours - theirs).abs().max() / ours.abs().max()).item() < 1e-5
+
+
+# ---- Qwen3-MoE: counts by layer ---------------------------------------------------------------
+
+def test_qwen3_moe_counts_sum_its_layers_dense_and_mixture():
+    """The planner's counts sum each layer as the family makes it: the published Qwen3-MoE
+    shapes' totals and active parameters (Qwen's model cards: 30.5B / 3.3B, 235B / 22B); the
+    tiny interval-2 model's layers counted by the table as built, a pipeline stage's layers
+    knowing their index (the mixture layer weighs more than a dense one)."""
+    from pretrain.arithmetic import (layer_parameters, num_active_parameters, stage_items,
+                                     stage_parameters)
+    from pretrain.resolve.layout import Layout
+
+    for preset, total, active in (("qwen3_30b_a3b", 30.5e9, 3.3e9),
+                                  ("qwen3_235b_a22b", 235e9, 22e9)):
+        m = load_config(None, [f"model.preset={preset}"]).model
+        assert abs(num_parameters(m) / total - 1) < 0.01, preset
+        assert abs(num_active_parameters(m) / active - 1) < 0.02, preset
+
+    cfg = model_cfg("qwen3_moe", "model.num_layers=4")  # layers 1 and 3 the mixtures
+    model = build_model(cfg, seed=1)
+    built = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert built == [sum(layer_parameters(cfg, i)) for i in range(4)]
+    assert built[0] == built[2] < built[1] == built[3]
+    layout = Layout(pipeline=2, partition="uniform")  # [embed, 0, 1, 2], [3, norm, head]
+    stages = stage_items(cfg, layout)
+    embed = cfg.padded_vocab_size(1) * cfg.hidden_size
+    assert [stage_parameters(cfg, layout, items) for items in stages] == \
+        [embed + sum(built[:3]), built[3] + cfg.hidden_size + embed]

@@ -141,7 +141,7 @@ class Expert(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, project: Callable) -> None:
         super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f = cfg.hidden_size, cfg.expert_ffn_hidden_size
         self.gate_proj = column_linear(h, f, tp_group=tp_group)
         self.up_proj = column_linear(h, f, tp_group=tp_group)
         # row-parallel weight (h, f/tp); read directly so that no all-reduce runs per expert
@@ -193,12 +193,14 @@ def looped_outputs(experts: list[Expert], rows: torch.Tensor, sizes: list[int]) 
 class Routing:
     """The router's decisions for N tokens: which expert each kept assignment goes to."""
 
-    def __init__(self, logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> None:
+    def __init__(self, logits: torch.Tensor, *, top_k: int, capacity_factor: float,
+                 renormalise: bool = True) -> None:
         N, E = logits.shape
         self.probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
         top_p, top_e = torch.topk(self.probs, top_k, dim=-1)  # (N, k)
         self.top_experts = top_e
-        weights = top_p / top_p.sum(dim=-1, keepdim=True)  # renormalised over the k (Mixtral)
+        # renormalised over the k (Mixtral; Qwen3-MoE's norm_topk_prob), or the softmax's own
+        weights = top_p / top_p.sum(dim=-1, keepdim=True) if renormalise else top_p
         expert_of = top_e.reshape(-1)  # (N*k,) token-major: token 0's choices first
         # (E,) before any drop; a scatter, not bincount, which reads the largest index back
         self.selected = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(
@@ -249,6 +251,7 @@ class MoE(nn.Module):
         self.context_parallel = cp_world_size(cp_group)
         self.cp_group = cp_group if self.context_parallel > 1 else None
         self.top_k = cfg.experts_per_token
+        self.renormalise = cfg.moe_norm_topk_prob  # the k probabilities summed to 1 (Mixtral)
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated
@@ -290,7 +293,8 @@ class MoE(nn.Module):
     def route(self, flat: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
         """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
         logits = self.gate(flat).float()
-        routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor)
+        routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor,
+                          renormalise=self.renormalise)
         # the ranks routing other tokens of this micro-batch: expert ranks (their chunks of
         # the same tokens; tensor ranks without experts route the same tokens), context ranks
         sharing = [g for g in (self.expert_group, self.cp_group) if g is not None]

@@ -44,7 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pretrain.arithmetic import layer_parameters, layout_recomputed_layers, stage_parameters
+from pretrain.arithmetic import (largest_layer_on_gpu, layer_indices, layer_on_gpu,
+                                 layout_recomputed_layers, mean, stage_parameters)
+from pretrain.families import family_of
 from pretrain.config import ModelConfig, Precision
 from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
 from pretrain.resolve.fsdp2_rules import layout_refusals, raise_refusals
@@ -79,7 +81,8 @@ def bytes_per_param(layout: Layout) -> tuple[int, int, int]:
     return low, low, 12
 
 
-def layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, float]:
+def layer_activation_elements(m: ModelConfig, layout: Layout,
+                              index: int = 0) -> tuple[float, float]:
     """Activation elements one decoder layer saves for backward per token (micro-batch of one
     sample), split into (replicated over TP unless sequence parallel, sharded over TP).
 
@@ -92,15 +95,19 @@ def layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, fl
     (k) copies of each token (4*k*f/h, sharded) and holds, on the whole gathered sequence even
     under sequence parallelism, the k gathered inputs and the k expert outputs (2*k) and the
     router's fp32 logits and probabilities (2 * num_experts elements, counted as h-dtype ones).
+    Layer `index`'s MLP is the family's (`Family.moe_layer`): dense or the mixture, whose experts
+    are `expert_ffn_hidden_size` wide.
     """
     h = m.hidden_size
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim  # q is h unless head_dim is set
     replicated = (4.0 if layout.precision == Precision.FP32 else 6.0) * h
-    copies = m.experts_per_token if m.num_experts else 1
-    sharded = (3.0 * q + 2.0 * kv + 4.0 * copies * m.ffn_hidden_size) / layout.tensor
+    moe = family_of(m).moe_layer(m, index)
+    copies = m.experts_per_token if moe else 1
+    inner = m.expert_ffn_hidden_size if moe else m.ffn_hidden_size
+    sharded = (3.0 * q + 2.0 * kv + 4.0 * copies * inner) / layout.tensor
     if layout.sequence_parallel:
         replicated /= layout.tensor
-    if m.num_experts:
+    if moe:
         replicated += 2.0 * copies * h + 2.0 * m.num_experts
     return replicated, sharded
 
@@ -175,8 +182,7 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str], *
         # default) of them, and parameters gathered in forward stay until their reuse in
         # backward (stage3_max_reuse_distance, also 1e9). Measured on CPU (bench/plan_memory.py):
         # about two gathered copies of a model under the limit; one layer at least.
-        sharded, replicated = layer_parameters(m)
-        layer_full = (sharded // lay.tensor + replicated) * p_b
+        layer_full = largest_layer_on_gpu(m, lay, items) * p_b
         gathered = 2 * min(n, lay.max_live_parameters) * p_b
         buffers += max(gathered, 2 * layer_full) + min(lay.reduce_bucket, n) * g_b
     if lay.zero_stage >= 1 and lay.offload_optimizer == "none" and lay.precision != Precision.FP32 \
@@ -197,14 +203,16 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
     # q, k, v and output after the all-to-all: T tokens of heads/context, the same elements)
     tokens = lay.micro_batch * m.seq_length / lay.context
     in_flight = min(lay.pipeline - stage, lay.grad_accum)  # 1F1B: pp - stage, all if fewer
-    layers = items.count("layer")
-    rep, shard = layer_activation_elements(m, lay)
-    full_layer = (rep + shard) * tokens * act_bytes
+    indices = layer_indices(items)
+    layers = len(indices)
+    # each layer's saved activations (a family may mix dense and mixture layers)
+    full = [sum(layer_activation_elements(m, lay, i)) * tokens * act_bytes for i in indices]
+    full_layer = mean(full)  # the stage's mean layer
     layer_input = m.hidden_size * tokens * act_bytes / (lay.tensor if lay.sequence_parallel else 1)
     recomputed = layout_recomputed_layers(lay, layers)
     per_micro = recomputed * layer_input + (layers - recomputed) * full_layer
-    # + recomputation's workspace: one layer's activations while it runs forward again
-    activations = in_flight * per_micro + (full_layer if recomputed else 0.0)
+    # + recomputation's workspace: one (the largest) layer's activations while it runs forward
+    activations = in_flight * per_micro + (max(full) if recomputed else 0.0)
     if "embed" in items:
         activations += in_flight * layer_input
     if "head" in items:  # logits shard in the compute dtype + fp32 softmax of the loss
@@ -233,10 +241,9 @@ def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
 def fsdp2_units(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[int, int, int]:
     """(parameters of one decoder-layer unit, of the root unit, layer units) on one GPU before
     sharding: its tensor-parallel shard of each."""
-    sharded, replicated = layer_parameters(m)
-    layer = sharded // layout.tensor + replicated
-    layers = items.count("layer")
-    return layer, stage_parameters(m, layout, items) - layers * layer, layers
+    indices = layer_indices(items)
+    root = stage_parameters(m, layout, items) - sum(layer_on_gpu(m, layout, i) for i in indices)
+    return largest_layer_on_gpu(m, layout, items), root, len(indices)
 
 
 def fsdp2_shard_ranks(layout: Layout) -> int:

@@ -28,9 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pretrain.arithmetic import (layout_recomputed_layers, model_flops_per_token,
+from pretrain.arithmetic import (layout_recomputed_layers, mean, model_flops_per_token,
                                  stage_flops_per_token, stage_parameters)
 from pretrain.config import Engine, ModelConfig, Precision
+from pretrain.families import family_of
 from pretrain.resolve.layout import Layout
 from pretrain.resolve.ds_config import DTYPE_BYTES, gradient_dtypes
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
@@ -121,7 +122,9 @@ def _expert_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Micr
         return 0.0
     rows = mb.tokens / ep * model.experts_per_token
     exchanged = rows * model.hidden_size * mb.act_bytes
-    all_to_alls = 4 * mb.layers + 2 * layout_recomputed_layers(layout, mb.layers)
+    # the stage's mixture layers: every layer (Mixtral), or the family's share of them
+    share = len(family_of(model).moe_layers(model)) / model.num_layers
+    all_to_alls = (4 * mb.layers + 2 * layout_recomputed_layers(layout, mb.layers)) * share
     return all_to_alls * (ep - 1) / ep * exchanged \
         / (_link_gbps(cluster, layout.tensor) * 1e9 * COLLECTIVE_EFFICIENCY)
 
@@ -226,7 +229,10 @@ def _concatenated_weights(model: ModelConfig, layout: Layout) -> float:
     if not model.fused_projections:
         return 0.0
     qkv = model.hidden_size * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    gate_up = 2 * model.hidden_size * model.ffn_hidden_size * max(1, model.num_experts)
+    family = family_of(model)  # dense and mixture layers (a family may mix them): their mean
+    gate_up = mean([2 * model.hidden_size * (
+        model.expert_ffn_hidden_size * model.num_experts if family.moe_layer(model, i)
+        else model.ffn_hidden_size) for i in range(model.num_layers)])
     return (qkv + gate_up) / layout.tensor
 
 
