@@ -924,6 +924,9 @@ _OTHER_STACKS_NAMES = {
     "num_attention_heads": "num_heads", "num_hidden_layers": "num_layers",
     "num_key_value_heads": "num_kv_heads", "intermediate_size": "ffn_hidden_size",
     "max_position_embeddings": "seq_length", "data_path": "dataset",
+    "num_local_experts": "num_experts", "num_experts_per_tok": "experts_per_token",
+    "moe_intermediate_size": "moe_ffn_hidden_size", "decoder_sparse_step": "moe_layer_interval",
+    "norm_topk_prob": "moe_norm_topk_prob",
 }
 
 

@@ -186,13 +186,12 @@ QWEN3_LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def imported_qwen3(tiny_data, tmp_path_factory) -> Path:
-    """A random transformers Qwen3 of the tokenizer's 512 tokens, imported (final/ format)."""
-    root = tmp_path_factory.mktemp("qwen3_import")
+def _import_random(shape: str, root: Path) -> Path:
+    """A random transformers model of `shape` with the tokenizer's 512 tokens, imported
+    (final/ format)."""
     torch.manual_seed(5)
-    cfg = load_config(None, ["model.preset=tiny", *SHAPES["qwen3"]]).model
-    hf = transformers.Qwen3ForCausalLM(to_hf_config(cfg, attn_implementation="eager"))
+    cfg = load_config(None, ["model.preset=tiny", *SHAPES[shape]]).model
+    hf = HF_CLASSES[shape](to_hf_config(cfg, attn_implementation="eager"))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
@@ -202,11 +201,18 @@ def imported_qwen3(tiny_data, tmp_path_factory) -> Path:
     return root / "init"
 
 
-def _qwen3_run(tmp_path, tiny_data, imported, *, nprocs: int, overrides: list[str], name: str):
+@pytest.fixture(scope="module")
+def imported_qwen3(tiny_data, tmp_path_factory) -> Path:
+    """A random transformers Qwen3 of the tokenizer's 512 tokens, imported (final/ format)."""
+    return _import_random("qwen3", tmp_path_factory.mktemp("qwen3_import"))
+
+
+def _qwen3_run(tmp_path, tiny_data, imported, *, nprocs: int, overrides: list[str], name: str,
+               shape: str = "qwen3"):
     from pretrain.testing.runs import train
 
     return train(tmp_path, tiny_data, nprocs=nprocs, name=name, overrides=[
-        *SHAPES["qwen3"], f"model.init_from={imported}", f"train.steps={LAYOUT_STEPS}",
+        *SHAPES[shape], f"model.init_from={imported}", f"train.steps={LAYOUT_STEPS}",
         "checkpoint.save_final=true", *overrides])
 
 
@@ -242,6 +248,60 @@ def test_imported_qwen3_trains_on_a_layout_like_one_process_and_exports_as_trans
     weights = load_weights(final)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
     _assert_equals_transformers(weights, hf, ids, prompt=5, new_tokens=8)
+
+
+# ---- trained on layouts: an imported Qwen3-MoE -------------------------------------------------
+
+QWEN3_MOE_LAYOUTS = {
+    # name: overrides on 2 ranks; the fine-grained experts sliced over the tensor ranks (each
+    # holds 20 of every expert's 40 inner features), or whole on them (3 each)
+    "tp2_sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+    "tp2_expert2": ["parallel.tensor=2", "parallel.expert=2"],
+}
+# the balance loss and z-loss on, so that their gradients are compared too
+MOE_LOSSES = ["model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
+
+
+@pytest.fixture(scope="module")
+def imported_qwen3_moe(tiny_data, tmp_path_factory) -> Path:
+    return _import_random("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe_import"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_single(tiny_data, tmp_path_factory, imported_qwen3_moe):
+    return _qwen3_run(tmp_path_factory.mktemp("qwen3_moe_single"), tiny_data,
+                      imported_qwen3_moe, nprocs=1, overrides=MOE_LOSSES, name="single",
+                      shape="qwen3_moe")
+
+
+@pytest.mark.slow  # `pretrain train` on 2 forked ranks
+@pytest.mark.parametrize("layout", QWEN3_MOE_LAYOUTS)
+def test_imported_qwen3_moe_trains_on_tensor_and_expert_layouts_like_one_process(
+        layout, tiny_data, tmp_path, imported_qwen3_moe, qwen3_moe_single):
+    """An imported Qwen3-MoE (a mixture between two dense layers) trains at tp 2 with its
+    experts sliced, and at expert 2 (the tensor ranks each holding 3 whole experts), as one
+    process does (losses and gradient norms, 1e-5); exported, it is transformers' class."""
+    from pretrain.testing.runs import rel_diff
+
+    run = _qwen3_run(tmp_path, tiny_data, imported_qwen3_moe, nprocs=2,
+                     overrides=[*MOE_LOSSES, *QWEN3_MOE_LAYOUTS[layout]], name=layout,
+                     shape="qwen3_moe")
+    assert run.records[0]["tensor"] == 2
+    assert rel_diff(run.losses, qwen3_moe_single.losses) < 1e-5, (run.losses,
+                                                                 qwen3_moe_single.losses)
+    norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"]
+             for x in (run, qwen3_moe_single)]
+    assert rel_diff(*norms) < 1e-5, norms
+    # the router's statistics: the one mixture layer's 6 experts, every assignment counted
+    moe = [r for r in run.records if r["kind"] == "train"][-1]
+    assert len(moe["moe_expert_tokens"]) == 1 and len(moe["moe_expert_tokens"][0]) == 6
+
+    final = run.run_dir / "final"
+    cli("export-hf", final, "--output", tmp_path / "hf", "--dtype", "fp32")
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf",
+                                                          attn_implementation="eager").eval()
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    _assert_equals_transformers(load_weights(final), hf, ids, prompt=5, new_tokens=8)
 
 
 def test_a_mup_qwen3_exports_its_attention_scale_into_the_q_norm():

@@ -1,10 +1,13 @@
-"""A routed mixture of SwiGLU experts (Mixtral's form; `model.num_experts` > 0).
+"""A routed mixture of SwiGLU experts (Mixtral's and Qwen3-MoE's form; `model.num_experts` > 0).
 
-Each decoder layer's MLP becomes `MoE`: a router (`gate`, a bias-free h -> E linear) gives every
-token softmax probabilities over the E experts in fp32; the token goes to its
+A decoder layer's MLP becomes `MoE` where its family says so (`Family.moe_layer`: Mixtral every
+layer, Qwen3-MoE every `moe_layer_interval`-th): a router (`gate`, a bias-free h -> E linear)
+gives every token softmax probabilities over the E experts in fp32; the token goes to its
 `experts_per_token` (k) most likely experts, whose outputs are summed with the k probabilities
-renormalised to sum to 1 (Mixtral; with k = 1 the weight is 1 and the router learns from the
-auxiliary losses only). Each expert is a SwiGLU MLP, down(silu(gate(x)) * up(x)).
+renormalised to sum to 1 (Mixtral, `moe_norm_topk_prob`; with k = 1 the weight is 1 and the
+router learns from the auxiliary losses only) or as they are (Qwen3-MoE's `norm_topk_prob`
+false). Each expert is a SwiGLU MLP, down(silu(gate(x)) * up(x)), of `expert_ffn_hidden_size`
+inner features (Qwen3-MoE's fine-grained experts: `moe_ffn_hidden_size`).
 
 Parameter names (Hugging Face `MixtralForCausalLM` keeps the router as `mlp.gate.weight`; its
 experts are stacked 3-D tensors, which `pretrain.model.hf` splits and stacks):
