@@ -346,6 +346,9 @@ def test_qwen3_moe_counts_sum_its_layers_dense_and_mixture():
     built = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
     assert built == [sum(layer_parameters(cfg, i)) for i in range(4)]
     assert built[0] == built[2] < built[1] == built[3]
+    expert = 3 * 64 * 40  # a token uses 3 of the 6 experts of layers 1 and 3, and their router
+    assert num_active_parameters(cfg, include_embeddings=False) == \
+        sum(built) - 2 * (6 - 3) * expert + cfg.hidden_size
     layout = Layout(pipeline=2, partition="uniform")  # [embed, 0, 1, 2], [3, norm, head]
     stages = stage_items(cfg, layout)
     embed = cfg.padded_vocab_size(1) * cfg.hidden_size

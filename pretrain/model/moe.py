@@ -235,6 +235,45 @@ class Routing:
         return E * torch.sum(fraction * self.probs.mean(dim=0))
 
 
+def sigmoid_choice(logits: torch.Tensor, *, top_k: int, bias: torch.Tensor | None = None,
+                   groups: int = 1, topk_groups: int = 1, renormalise: bool = True,
+                   scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router choice for logits (N, E): (experts (N, k), combine weights (N, k)
+    fp32, scores (N, E) fp32), as transformers' `DeepseekV3TopkRouter` (the k in no order).
+
+    Scores are sigmoid(logits); the choice adds the per-expert `bias` (auxiliary-loss-free
+    balancing: it steers which experts are chosen, never the weights, and is updated outside the
+    gradient, `updated_expert_bias`); with `groups` > 1 the E experts form that many groups, a
+    group's score is the sum of its 2 best biased scores, and each token chooses among the
+    experts of its `topk_groups` best groups only (group-limited routing). The weights are the
+    chosen experts' unbiased scores, renormalised to 1 (`renormalise`), times `scaling`
+    (transformers' `routed_scaling_factor`). Not wired into `MoE` yet: off by default."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores if bias is None else scores + bias.float()
+    if groups > 1:
+        N, E = choice.shape
+        group_scores = choice.view(N, groups, E // groups).topk(2, dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, topk_groups, dim=-1, sorted=False).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(E // groups, dim=1),
+                                    float("-inf"))
+    top_e = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, top_e)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return top_e, weights * scaling, scores
+
+
+def updated_expert_bias(bias: torch.Tensor, expert_tokens: torch.Tensor,
+                        rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing step (its paper, section 2.1.2): after a step
+    whose assignments per expert were `expert_tokens` (E,), each expert's bias rises by `rate`
+    if it was underloaded (below the mean), falls by `rate` if overloaded, outside the
+    gradient."""
+    load = expert_tokens.to(bias.dtype)
+    return bias + rate * torch.sign(load.mean() - load)
+
+
 class MoE(nn.Module):
     """A routed mixture of SwiGLU experts in place of a decoder layer's MLP (module docstring)."""
 
