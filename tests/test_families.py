@@ -254,9 +254,11 @@ def test_imported_qwen3_trains_on_a_layout_like_one_process_and_exports_as_trans
 
 QWEN3_MOE_LAYOUTS = {
     # name: overrides on 2 ranks; the fine-grained experts sliced over the tensor ranks (each
-    # holds 20 of every expert's 40 inner features), or whole on them (3 each)
+    # holds 20 of every expert's 40 inner features), or whole on them (3 each); two pipeline
+    # stages cut by parameters, each building its layers' own MLPs (the mixture in layer 1)
     "tp2_sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"],
     "tp2_expert2": ["parallel.tensor=2", "parallel.expert=2"],
+    "pp2": ["parallel.pipeline=2"],
 }
 # the balance loss and z-loss on, so that their gradients are compared too
 MOE_LOSSES = ["model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
@@ -279,14 +281,16 @@ def qwen3_moe_single(tiny_data, tmp_path_factory, imported_qwen3_moe):
 def test_imported_qwen3_moe_trains_on_tensor_and_expert_layouts_like_one_process(
         layout, tiny_data, tmp_path, imported_qwen3_moe, qwen3_moe_single):
     """An imported Qwen3-MoE (a mixture between two dense layers) trains at tp 2 with its
-    experts sliced, and at expert 2 (the tensor ranks each holding 3 whole experts), as one
-    process does (losses and gradient norms, 1e-5); exported, it is transformers' class."""
+    experts sliced, at expert 2 (the tensor ranks each holding 3 whole experts) and on two
+    pipeline stages as one process does (losses and gradient norms, 1e-5); exported, it is
+    transformers' class."""
     from pretrain.testing.runs import rel_diff
 
     run = _qwen3_run(tmp_path, tiny_data, imported_qwen3_moe, nprocs=2,
                      overrides=[*MOE_LOSSES, *QWEN3_MOE_LAYOUTS[layout]], name=layout,
                      shape="qwen3_moe")
-    assert run.records[0]["tensor"] == 2
+    head = run.records[0]
+    assert (head["tensor"], head["pipeline"]) == ((1, 2) if layout == "pp2" else (2, 1))
     assert rel_diff(run.losses, qwen3_moe_single.losses) < 1e-5, (run.losses,
                                                                  qwen3_moe_single.losses)
     norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"]
