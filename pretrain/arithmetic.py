@@ -9,10 +9,12 @@ counted whole (4 * seq * heads * head_dim per layer forward: 4 * seq * hidden in
 training = 3 x forward; recomputed layers run their forward once more, which only hardware
 FLOPs count.
 
-Mixture of experts (`model.num_experts` > 0): a layer holds num_experts SwiGLU experts and a
-router (num_experts x hidden, replicated over tensor parallelism), but a token runs through
+Mixture of experts (`model.num_experts` > 0): a mixture layer holds num_experts SwiGLU experts
+and a router (num_experts x hidden, replicated over tensor parallelism), but a token runs through
 `experts_per_token` of them: parameter counts and memory use the total, FLOPs the active
-parameters (router included).
+parameters (router included). Which layers are mixtures is the family's (`Family.moe_layer`:
+Mixtral every layer, Qwen3-MoE every `moe_layer_interval`-th), so every count sums its layers one
+by one; a pipeline stage's layers are `LayerItem`s that know their index.
 """
 from __future__ import annotations
 
@@ -25,25 +27,58 @@ from pretrain.families import family_of
 from pretrain.resolve.layout import Layout
 
 
-def layer_parameters(m: ModelConfig) -> tuple[int, int]:
-    """(tensor-parallel-sharded, replicated) parameters of one decoder layer, by the family's
-    table: Llama's q, o, k, v and SwiGLU's three projections (each expert's) are sharded; the
-    two RMSNorms (and a mixture of experts' router, Qwen3's q/k norms) are replicated."""
-    return family_of(m).layer_parameters(m)
+class LayerItem(str):
+    """A decoder layer of a pipeline stage's items (`stage_items`): equal to "layer", and
+    knowing its index (`.index`) for the counts that differ by layer."""
+
+    index: int
+
+    def __new__(cls, index: int) -> "LayerItem":
+        item = super().__new__(cls, "layer")
+        item.index = index
+        return item
 
 
-def layer_muon_matrices(m: ModelConfig) -> list[tuple[int, int]]:
-    """The unsharded (rows, columns) of one decoder layer's matrices Muon steps under
+def layer_indices(items: list[str]) -> list[int]:
+    """The decoder layers of a stage's `items`: their indices (`LayerItem`); plain "layer"
+    items count from layer 0 (a whole model's list)."""
+    layers = [item for item in items if item == "layer"]
+    return [getattr(item, "index", n) for n, item in enumerate(layers)]
+
+
+def layer_parameters(m: ModelConfig, index: int = 0) -> tuple[int, int]:
+    """(tensor-parallel-sharded, replicated) parameters of decoder layer `index`, by the
+    family's table: Llama's q, o, k, v and SwiGLU's three projections (each expert's) are
+    sharded; the two RMSNorms (and a mixture of experts' router, Qwen3's q/k norms) are
+    replicated."""
+    return family_of(m).layer_parameters(m, index)
+
+
+def layer_muon_matrices(m: ModelConfig, index: int = 0) -> list[tuple[int, int]]:
+    """The unsharded (rows, columns) of decoder layer `index`'s matrices Muon steps under
     `train.optimizer: muon` (the family's table), each orthogonalised whole."""
-    return family_of(m).projection_shapes(m)
+    return family_of(m).projection_shapes(m, index)
 
 
-def layer_fp8_matrices(m: ModelConfig) -> list[tuple[int, int]]:
-    """The unsharded (rows, columns) of one decoder layer's matrices that `train.fp8` multiplies
+def layer_fp8_matrices(m: ModelConfig, index: int = 0) -> list[tuple[int, int]]:
+    """The unsharded (rows, columns) of decoder layer `index`'s matrices that `train.fp8` multiplies
     in FP8 (`pretrain.model.fp8`): its attention and MLP projections, each expert's; the
     router, the embedding and the head stay in the run's precision. (Projections whose local
     sizes are not multiples of 16 stay too: not modelled, no recipe has one.)"""
-    return family_of(m).projection_shapes(m)
+    return family_of(m).projection_shapes(m, index)
+
+
+def mean_layer_elements(m: ModelConfig, matrices_of) -> float:
+    """Elements of a decoder layer's matrices listed by `matrices_of(m, index)`
+    (`layer_muon_matrices`, `layer_fp8_matrices`), averaged over the model's layers (a family
+    may mix dense and mixture layers; for a model of like layers, any one layer's)."""
+    return sum(r * c for i in range(m.num_layers) for r, c in matrices_of(m, i)) / m.num_layers
+
+
+def largest_matrix(m: ModelConfig, matrices_of) -> tuple[int, int]:
+    """The largest (rows, columns) of every decoder layer's matrices listed by `matrices_of`."""
+    return max((shape for i in range(m.num_layers) for shape in matrices_of(m, i)),
+               key=lambda shape: shape[0] * shape[1])
 
 
 def newton_schulz_flops(rows: int, cols: int, *, steps: int = 5) -> float:
@@ -54,10 +89,10 @@ def newton_schulz_flops(rows: int, cols: int, *, steps: int = 5) -> float:
     return steps * (4.0 * r * r * c + 2.0 * r ** 3)
 
 
-def layer_active_matmul_parameters(m: ModelConfig) -> int:
-    """The matrix parameters of one decoder layer a token is multiplied with: attention, the
+def layer_active_matmul_parameters(m: ModelConfig, index: int = 0) -> int:
+    """The matrix parameters of decoder layer `index` a token is multiplied with: attention, the
     SwiGLU MLP or its experts_per_token experts, and the router."""
-    return family_of(m).layer_matmul_parameters(m, active=True)
+    return family_of(m).layer_matmul_parameters(m, index, active=True)
 
 
 def _attention_width(m: ModelConfig) -> int:
@@ -67,26 +102,48 @@ def _attention_width(m: ModelConfig) -> int:
 
 def num_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
     """Parameter count of the unpadded model (what a Hugging Face export holds)."""
-    n = m.num_layers * sum(layer_parameters(m)) + m.hidden_size  # + final norm
+    n = sum(sum(layer_parameters(m, i)) for i in range(m.num_layers)) + m.hidden_size  # + norm
     if include_embeddings:
         n += m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
     return n
+
+
+def _layer_active_parameters(m: ModelConfig, index: int) -> int:
+    """The parameters one token uses in decoder layer `index` (the router counted once)."""
+    layer = layer_active_matmul_parameters(m, index) + layer_parameters(m, index)[1]  # + norms
+    if family_of(m).moe_layer(m, index):
+        layer -= m.num_experts * m.hidden_size  # the router, replicated, is a matmul counted above
+    return layer
 
 
 def num_active_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
     """Parameters one token uses (`num_parameters` for a dense model): a mixture of experts
-    counts experts_per_token experts per layer, and its router."""
-    layer = layer_active_matmul_parameters(m) + layer_parameters(m)[1]  # + the norms
-    layer -= m.num_experts * m.hidden_size  # the router, replicated, is a matmul counted above
-    n = m.num_layers * layer + m.hidden_size
+    counts experts_per_token experts per mixture layer, and its router."""
+    n = sum(_layer_active_parameters(m, i) for i in range(m.num_layers)) + m.hidden_size
     if include_embeddings:
         n += m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
     return n
 
 
-def layer_forward_flops_per_token(m: ModelConfig) -> float:
-    """Forward matmul FLOPs of one decoder layer per token (active parameters under MoE)."""
-    return 2.0 * layer_active_matmul_parameters(m) + 4.0 * m.seq_length * _attention_width(m)
+def layer_forward_flops_per_token(m: ModelConfig, index: int = 0) -> float:
+    """Forward matmul FLOPs of decoder layer `index` per token (active parameters under MoE)."""
+    return 2.0 * layer_active_matmul_parameters(m, index) \
+        + 4.0 * m.seq_length * _attention_width(m)
+
+
+def mean_layer_forward_flops_per_token(m: ModelConfig, indices: list[int]) -> float:
+    """`layer_forward_flops_per_token` averaged over the decoder layers `indices` (0: none)."""
+    return mean([layer_forward_flops_per_token(m, i) for i in indices])
+
+
+def mean(values: list[float]) -> float:
+    """The mean of `values` (0 for none); exactly the value when they are all one (the layers
+    of a family whose layers are alike: no rounding of a sum)."""
+    if not values:
+        return 0.0
+    if all(v == values[0] for v in values):
+        return values[0]
+    return sum(values) / len(values)
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
@@ -113,7 +170,9 @@ def hardware_flops_per_token(m: ModelConfig) -> float:
     of every recomputed layer (the telemetry's HFU; MFU counts the former only)."""
     extra = recomputed_layers(m.activation_checkpointing,
                               interval=m.activation_checkpointing_interval, layers=m.num_layers)
-    return model_flops_per_token(m) + extra * layer_forward_flops_per_token(m)
+    # the mean layer's forward (the family's dense and mixture layers alike, or mixed)
+    return model_flops_per_token(m) + extra * mean_layer_forward_flops_per_token(
+        m, list(range(m.num_layers)))
 
 
 # ---- per pipeline stage ---------------------------------------------------------------------
@@ -125,7 +184,7 @@ def stage_items(m: ModelConfig, layout: Layout) -> list[list[str]]:
     every stage the same number of specs, 'parameters' balances the specs' parameters on one
     GPU, 'type:DecoderLayerPipe' balances decoder layers only. Under `train.engine: fsdp2`
     one list per pipeline rank: the specs of its virtual stages (`pipeline_rank_items`)."""
-    items = ["embed"] + ["layer"] * m.num_layers + ["norm", "head"]
+    items = ["embed"] + [LayerItem(i) for i in range(m.num_layers)] + ["norm", "head"]
     if layout.pipeline == 1:
         return [items]
     if layout.engine == "fsdp2":
@@ -134,13 +193,13 @@ def stage_items(m: ModelConfig, layout: Layout) -> list[list[str]]:
         parts = partition_uniform(len(items), layout.pipeline)
     else:
         if layout.partition == "parameters":
-            sharded, replicated = layer_parameters(m)
             vocab = m.padded_vocab_size(layout.tensor) * m.hidden_size // layout.tensor
-            weights = {"embed": vocab, "layer": sharded // layout.tensor + replicated,
-                       "norm": m.hidden_size, "head": vocab}
+            weights = {"embed": vocab, "norm": m.hidden_size, "head": vocab}
+            weight = [layer_on_gpu(m, layout, i.index) if i == "layer" else weights[i]
+                      for i in items]
         else:  # type:DecoderLayerPipe
-            weights = {"embed": 0, "layer": 1, "norm": 0, "head": 0}
-        parts = partition_balanced(tuple(weights[i] for i in items), layout.pipeline)
+            weight = [1 if i == "layer" else 0 for i in items]
+        parts = partition_balanced(tuple(weight), layout.pipeline)
     return [items[parts[s]:parts[s + 1]] for s in range(layout.pipeline)]
 
 
@@ -231,13 +290,31 @@ def partition_balanced(weights: tuple[int, ...], num_parts: int) -> tuple[int, .
 def stage_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
     """Parameters one GPU of this stage holds (its tensor-parallel shard plus replicated norms),
     before ZeRO sharding."""
-    sharded, replicated = layer_parameters(m)
     vocab = m.padded_vocab_size(layout.tensor) * m.hidden_size // layout.tensor
-    n = items.count("layer") * (sharded // layout.tensor + replicated)
+    n = sum(layer_on_gpu(m, layout, i) for i in layer_indices(items))
     n += vocab * items.count("embed") + m.hidden_size * items.count("norm")
     if "head" in items:  # the output projection: its own copy unless tied in the same stage
         n += 0 if m.tie_embeddings and "embed" in items else vocab
     return n
+
+
+def layer_on_gpu(m: ModelConfig, layout: Layout, index: int) -> int:
+    """Parameters one GPU holds of decoder layer `index`: its tensor-parallel shard plus the
+    replicated ones, before ZeRO sharding."""
+    sharded, replicated = layer_parameters(m, index)
+    return sharded // layout.tensor + replicated
+
+
+def largest_layer_on_gpu(m: ModelConfig, layout: Layout, items: list[str]) -> int:
+    """The most parameters one GPU holds of one decoder layer of `items` (a mixture layer's,
+    where the family mixes dense and mixture layers); 0 without layers."""
+    return max((layer_on_gpu(m, layout, i) for i in layer_indices(items)), default=0)
+
+
+def moe_layer_count(m: ModelConfig, items: list[str]) -> int:
+    """How many of the decoder layers of `items` are mixtures of experts."""
+    family = family_of(m)
+    return sum(1 for i in layer_indices(items) if family.moe_layer(m, i))
 
 
 def expert_parameters_per_rank(m: ModelConfig, layout: Layout, *, layers: int) -> int:
@@ -246,7 +323,7 @@ def expert_parameters_per_rank(m: ModelConfig, layout: Layout, *, layers: int) -
     experts; the same count either way, as each rank holds 1/tp of them."""
     if not m.num_experts:
         return 0
-    expert = 3 * m.hidden_size * m.ffn_hidden_size
+    expert = 3 * m.hidden_size * m.expert_ffn_hidden_size
     if layout.expert > 1:
         return layers * (m.num_experts // layout.expert) * expert
     return layers * m.num_experts * expert // layout.tensor
@@ -260,10 +337,10 @@ def layout_recomputed_layers(layout: Layout, layers: int) -> int:
 def stage_flops_per_token(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[float, float]:
     """(model, hardware) training FLOPs per token of this stage on one GPU: forward + backward is
     3x forward; recomputed layers run their forward once more (hardware FLOPs only)."""
-    layer_fwd = layer_forward_flops_per_token(m)
-    layers = items.count("layer")
-    model = 3.0 * layer_fwd * layers
+    indices = layer_indices(items)
+    model = 3.0 * sum(layer_forward_flops_per_token(m, i) for i in indices)
     if "head" in items:
         model += 6.0 * m.vocab_size * m.hidden_size
-    hardware = model + layer_fwd * layout_recomputed_layers(layout, layers)
+    hardware = model + mean_layer_forward_flops_per_token(m, indices) \
+        * layout_recomputed_layers(layout, len(indices))
     return model / layout.tensor, hardware / layout.tensor

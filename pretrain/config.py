@@ -226,6 +226,17 @@ class ModelConfig(_Freezable):
     moe_z_loss_coeff: float = 0.0  # router z-loss weight (mean logsumexp(router logits)^2)
     moe_capacity_factor: float = 0.0  # > 0: an expert takes at most ceil(factor * tokens * k /
     # num_experts) tokens of a forward, the rest are dropped and counted; 0: dropless
+    moe_ffn_hidden_size: int = 0  # qwen3: each expert's SwiGLU inner size (fine-grained
+    # experts, beside the dense layers' ffn_hidden_size); 0: ffn_hidden_size (llama: always)
+    moe_layer_interval: int = 1  # qwen3: layer i's MLP is the mixture when (i + 1) % this == 0,
+    # the dense MLP otherwise (Hugging Face's decoder_sparse_step); llama: 1
+    moe_norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1
+    # (Mixtral, Qwen3-MoE's norm_topk_prob); false: the softmax's own (qwen3 only)
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each expert's SwiGLU inner size."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def __post_init__(self) -> None:
         if self.vocab_size != VOCAB_AUTO and (isinstance(self.vocab_size, str)
@@ -283,6 +294,12 @@ class ModelConfig(_Freezable):
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor"):
             if getattr(self, name) < 0:
                 _fail("model", name, getattr(self, name), "must be 0 (off) or positive")
+        if self.moe_ffn_hidden_size < 0:
+            _fail("model", "moe_ffn_hidden_size", self.moe_ffn_hidden_size,
+                  "must be 0 (ffn_hidden_size) or each expert's inner size")
+        if self.moe_layer_interval < 1:
+            _fail("model", "moe_layer_interval", self.moe_layer_interval,
+                  "must be a positive integer (1: every layer's MLP is the mixture)")
 
     def _check_family(self) -> None:
         if self.family not in MODEL_FAMILIES:
@@ -300,10 +317,18 @@ class ModelConfig(_Freezable):
                 _fail("model", "rope_low_freq_factor/rope_high_freq_factor",
                       (self.rope_low_freq_factor, self.rope_high_freq_factor),
                       "need 0 < low < high (the blend between them divides by high - low)")
-        if self.num_experts and self.family != "llama":
+        if self.num_experts and self.family not in MOE_FAMILIES:
             _fail("model", "num_experts", self.num_experts,
-                  f"a mixture of experts is the llama family's (Mixtral); model.family="
-                  f"{self.family} has a dense MLP")
+                  f"a mixture of experts is the {' and '.join(MOE_FAMILIES)} families' "
+                  f"(Mixtral, Qwen3-MoE); model.family={self.family} has a dense MLP")
+        if self.family == "llama":  # Mixtral: every layer's MLP, experts of ffn_hidden_size
+            for name, value, default in (("moe_ffn_hidden_size", self.moe_ffn_hidden_size, 0),
+                                         ("moe_layer_interval", self.moe_layer_interval, 1),
+                                         ("moe_norm_topk_prob", self.moe_norm_topk_prob, True)):
+                if value != default:
+                    _fail("model", name, value,
+                          f"is Qwen3-MoE's (model.family=qwen3); Mixtral (model.family=llama) "
+                          f"has {name}={default}")
 
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
         """Vocabulary rounded up so each tensor-parallel shard is a multiple of vocab_pad_multiple."""
@@ -317,6 +342,7 @@ class ModelConfig(_Freezable):
 
 # model.family: the families of `pretrain.model.families` (the config names them without torch)
 MODEL_FAMILIES = ("llama", "qwen3")
+MOE_FAMILIES = ("llama", "qwen3")  # those with model.num_experts > 0: Mixtral, Qwen3-MoE
 ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -358,6 +384,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3_32b": dict(family="qwen3", vocab_size=151936, hidden_size=5120, num_layers=64,
                       num_heads=64, num_kv_heads=8, head_dim=128, ffn_hidden_size=25600,
                       seq_length=4096, rope_theta=1000000.0, norm_eps=1e-6),
+    # Qwen3-MoE shapes (Qwen3-30B-A3B, -235B-A22B): 128 fine-grained experts, top 8 renormalised,
+    # every layer a mixture (ffn_hidden_size: transformers' intermediate_size, no dense layer)
+    "qwen3_30b_a3b": dict(family="qwen3", vocab_size=151936, hidden_size=2048, num_layers=48,
+                          num_heads=32, num_kv_heads=4, head_dim=128, ffn_hidden_size=6144,
+                          seq_length=4096, rope_theta=1000000.0, norm_eps=1e-6,
+                          num_experts=128, experts_per_token=8, moe_ffn_hidden_size=768,
+                          moe_norm_topk_prob=True, moe_aux_loss_coeff=0.001),
+    "qwen3_235b_a22b": dict(family="qwen3", vocab_size=151936, hidden_size=4096, num_layers=94,
+                            num_heads=64, num_kv_heads=4, head_dim=128, ffn_hidden_size=12288,
+                            seq_length=4096, rope_theta=1000000.0, norm_eps=1e-6,
+                            num_experts=128, experts_per_token=8, moe_ffn_hidden_size=1536,
+                            moe_norm_topk_prob=True, moe_aux_loss_coeff=0.001),
 }
 
 
@@ -898,6 +936,9 @@ _OTHER_STACKS_NAMES = {
     "num_attention_heads": "num_heads", "num_hidden_layers": "num_layers",
     "num_key_value_heads": "num_kv_heads", "intermediate_size": "ffn_hidden_size",
     "max_position_embeddings": "seq_length", "data_path": "dataset",
+    "num_local_experts": "num_experts", "num_experts_per_tok": "experts_per_token",
+    "moe_intermediate_size": "moe_ffn_hidden_size", "decoder_sparse_step": "moe_layer_interval",
+    "norm_topk_prob": "moe_norm_topk_prob",
 }
 
 

@@ -37,10 +37,27 @@ SHAPES = {
                "model.rope_low_freq_factor=1.5", "model.rope_high_freq_factor=6"],
     "qwen3": ["model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000",
               "model.norm_eps=1e-6"],
+    # Qwen3-MoE: fine-grained experts (inner 40, not the dense layers' 176), the mixture every
+    # second layer of 3 (layers 0 and 2 dense), top-3 of 6 renormalised, GQA, head_dim 24
+    "qwen3_moe": ["model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000",
+                  "model.norm_eps=1e-6", "model.num_layers=3", "model.num_kv_heads=2",
+                  "model.num_experts=6", "model.experts_per_token=3",
+                  "model.moe_ffn_hidden_size=40", "model.moe_layer_interval=2",
+                  "model.moe_norm_topk_prob=true"],
+    # and the router's plain softmax weights (norm_topk_prob false), the mixture every layer
+    "qwen3_moe_softmax": ["model.family=qwen3", "model.head_dim=24", "model.num_experts=6",
+                          "model.experts_per_token=2", "model.moe_ffn_hidden_size=40",
+                          "model.moe_norm_topk_prob=false"],
 }
 SHAPES["qwen3_tied"] = [*SHAPES["qwen3"], "model.tie_embeddings=true"]  # as Qwen3-0.6B
+# trained: the balance loss and z-loss on, so that their gradients are compared too
+SHAPES["qwen3_moe_losses"] = [*SHAPES["qwen3_moe"], "model.moe_aux_loss_coeff=0.01",
+                              "model.moe_z_loss_coeff=0.001"]
 HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-              "qwen3_tied": transformers.Qwen3ForCausalLM}
+              "qwen3_tied": transformers.Qwen3ForCausalLM,
+              "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+              "qwen3_moe_softmax": transformers.Qwen3MoeForCausalLM,
+              "qwen3_moe_losses": transformers.Qwen3MoeForCausalLM}
 
 
 def model_cfg(shape: str, *more: str):
@@ -99,6 +116,9 @@ def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path,
     assert weights.model.family == model_cfg(shape).family
     assert weights.model.head_dim == (16 if shape == "llama3" else 24)  # qwen3: not 64 / 4
     assert weights.model.tie_embeddings == (shape == "qwen3_tied")
+    for name in ("num_experts", "experts_per_token", "moe_ffn_hidden_size",
+                 "moe_layer_interval", "moe_norm_topk_prob", "num_layers"):
+        assert getattr(weights.model, name) == getattr(model_cfg(shape), name), name
     assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     expected = _assert_equals_transformers(weights, hf, ids, prompt=9, new_tokens=12)
@@ -158,13 +178,16 @@ def test_llama3_frequencies_are_transformers():
     assert (ratio == 1).any() and (ratio == 8).any() and ((ratio > 1) & (ratio < 8)).any()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_parameter_table_is_the_built_model(family):
+@pytest.mark.parametrize("family, more", [*((f, ()) for f in FAMILIES),
+                                          ("qwen3", SHAPES["qwen3_moe"])],
+                         ids=[*FAMILIES, "qwen3_moe"])
+def test_parameter_table_is_the_built_model(family, more):
     """Every parameter a family's model holds is in its table with the shape the table gives
-    (a q_norm is head_dim long, not a hidden_size norm), the seeded init fills it (norms 1),
-    and the counts from the table are the model's."""
+    (a q_norm is head_dim long, not a hidden_size norm; a fine-grained expert's projections
+    its own inner size, the dense layers' theirs), the seeded init fills it (norms 1), and the
+    counts from the table are the model's."""
     cfg = load_config(None, ["model.preset=tiny", f"model.family={family}", "model.head_dim=24",
-                             f"model.vocab_size={VOCAB}"]).model
+                             f"model.vocab_size={VOCAB}", *more]).model
     model = build_model(cfg, seed=3)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 24, 64)  # 4 heads of 24
     params = dict(model.named_parameters())
@@ -207,6 +230,12 @@ FAMILY_LAYOUTS = {
     ("qwen3", "cp2_zero3_offload"): (2, ["deepspeed=ds_configs/zero3_offload_cpu.json",
                                          "parallel.context=2"]),
     ("qwen3_tied", "zero2_tp2_dp2"): (4, ["deepspeed=ds_configs/zero2.json", "parallel.tensor=2"]),
+    # Qwen3-MoE (a mixture between two dense layers): the fine-grained experts sliced over the
+    # tensor ranks (each holds 20 of every expert's 40 inner features), or whole on them (3
+    # each); two pipeline stages cut by parameters, each building its layers' own MLPs
+    ("qwen3_moe_losses", "tp2_sp"): (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    ("qwen3_moe_losses", "tp2_expert2"): (2, ["parallel.tensor=2", "parallel.expert=2"]),
+    ("qwen3_moe_losses", "pp2"): (2, ["parallel.pipeline=2"]),
 }
 
 
@@ -252,12 +281,16 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
                       name=layout)
     head = run.records[0]
     asked = {k: int(v) for o in overrides if o.startswith("parallel.") and "=" in o
-             for k, v in [o.removeprefix("parallel.").split("=")] if v.isdigit()}
+             for k, v in [o.removeprefix("parallel.").split("=")]
+             if k in ("tensor", "pipeline", "context")}
     assert {k: head[k] for k in asked} == asked, head
     assert head["tensor"] * head["pipeline"] * head["context"] * head["data_parallel"] == nprocs
     assert rel_diff(run.losses, single.losses) < 1e-5, (run.losses, single.losses)
     norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"] for x in (run, single)]
     assert rel_diff(*norms) < 1e-5, norms
+    if "moe" in shape:  # the router's statistics: the one mixture layer's 6 experts
+        moe = [r for r in run.records if r["kind"] == "train"][-1]
+        assert len(moe["moe_expert_tokens"]) == 1 and len(moe["moe_expert_tokens"][0]) == 6
 
     final = run.run_dir / "final"
     cli("export-hf", final, "--output", tmp_path / "hf", "--dtype", "fp32")
@@ -288,3 +321,35 @@ def test_a_mup_qwen3_exports_its_attention_scale_into_the_q_norm():
     with torch.no_grad():
         ours, theirs = model(ids), hf(ids).logits
     assert ((ours - theirs).abs().max() / ours.abs().max()).item() < 1e-5
+
+
+# ---- Qwen3-MoE: counts by layer ---------------------------------------------------------------
+
+def test_qwen3_moe_counts_sum_its_layers_dense_and_mixture():
+    """The planner's counts sum each layer as the family makes it: the published Qwen3-MoE
+    shapes' totals and active parameters (Qwen's model cards: 30.5B / 3.3B, 235B / 22B); the
+    tiny interval-2 model's layers counted by the table as built, a pipeline stage's layers
+    knowing their index (the mixture layer weighs more than a dense one)."""
+    from pretrain.arithmetic import (layer_parameters, num_active_parameters, stage_items,
+                                     stage_parameters)
+    from pretrain.resolve.layout import Layout
+
+    for preset, total, active in (("qwen3_30b_a3b", 30.5e9, 3.3e9),
+                                  ("qwen3_235b_a22b", 235e9, 22e9)):
+        m = load_config(None, [f"model.preset={preset}"]).model
+        assert abs(num_parameters(m) / total - 1) < 0.01, preset
+        assert abs(num_active_parameters(m) / active - 1) < 0.02, preset
+
+    cfg = model_cfg("qwen3_moe", "model.num_layers=4")  # layers 1 and 3 the mixtures
+    model = build_model(cfg, seed=1)
+    built = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert built == [sum(layer_parameters(cfg, i)) for i in range(4)]
+    assert built[0] == built[2] < built[1] == built[3]
+    expert = 3 * 64 * 40  # a token uses 3 of the 6 experts of layers 1 and 3, and their router
+    assert num_active_parameters(cfg, include_embeddings=False) == \
+        sum(built) - 2 * (6 - 3) * expert + cfg.hidden_size
+    layout = Layout(pipeline=2, partition="uniform")  # [embed, 0, 1, 2], [3, norm, head]
+    stages = stage_items(cfg, layout)
+    embed = cfg.padded_vocab_size(1) * cfg.hidden_size
+    assert [stage_parameters(cfg, layout, items) for items in stages] == \
+        [embed + sum(built[:3]), built[3] + cfg.hidden_size + embed]

@@ -125,3 +125,41 @@ def _grouped_expert_parallel_on_ranks(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_expert_parallel_ranks_run_their_experts_grouped_as_the_loop_does(tmp_path):
     run_on_ranks(_grouped_expert_parallel_on_ranks, world_size=2, tmp_path=tmp_path)
+
+
+# Qwen3-MoE's fine-grained experts: many narrow ones (16 of inner 32, beside a dense 96), top-4,
+# the chosen probabilities not renormalised (norm_topk_prob false)
+FINE = dataclasses.replace(CFG, family="qwen3", num_experts=16, experts_per_token=4,
+                           moe_ffn_hidden_size=32, moe_norm_topk_prob=False)
+
+
+@pytest.mark.parametrize("renormalise", [False, True])
+def test_fine_grained_experts_grouped_equal_the_loop_and_transformers_block(renormalise):
+    """The fine-grained shape: the grouped matmul equals the loop (output, every gradient), and
+    both are transformers' `Qwen3MoeSparseMoeBlock` holding the same weights, with and without
+    renormalising the top-k probabilities."""
+    import transformers
+
+    from pretrain.model.hf import to_hf_config
+
+    cfg = dataclasses.replace(FINE, moe_norm_topk_prob=renormalise)
+    grouped, looped = _grouped_and_looped(cfg, seed=4)
+    assert looped.experts[0].gate_proj.weight.shape == (32, 64)
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(6))
+    out, x_grad, grads = _run(grouped, x, g)
+    ref_out, ref_x_grad, ref_grads = _run(looped, x, g)
+    _assert_close(out, ref_out, "output")
+    _assert_close(x_grad, ref_x_grad, "input gradient")
+    for name, grad in grads.items():
+        _assert_close(grad, ref_grads[name], name)
+
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(
+        to_hf_config(cfg))
+    experts = looped.experts
+    with torch.no_grad():
+        block.gate.weight.copy_(looped.gate.weight)
+        block.experts.gate_up_proj.copy_(torch.stack(
+            [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]))
+        block.experts.down_proj.copy_(torch.stack([e.down_proj.weight for e in experts]))
+        _assert_close(looped(x), block(x), "transformers' block")

@@ -96,6 +96,10 @@ REGISTRY: dict[str, str] = {
         "tests/test_bite_moe.py::test_the_z_loss_alone_reaches_the_router_gradient",
     "model.moe_capacity_factor":
         "tests/test_moe.py::test_capacity_factor_drops_and_counts_the_assignments_over_capacity",
+    "model.moe_ffn_hidden_size": T_FAMILY_HF,
+    "model.moe_layer_interval": T_FAMILY_HF,
+    "model.moe_norm_topk_prob": ("tests/test_moe_grouped.py::"
+                                 "test_fine_grained_experts_grouped_equal_the_loop_and_transformers_block"),
     # parallel.*
     "parallel.tensor": "tests/test_tensor_parallel.py::test_model_tp2_matches_tp1",
     "parallel.pipeline": "tests/test_pipeline.py::test_pp2_matches_single_process",
@@ -313,6 +317,9 @@ MUTANT_OF: dict[str, str] = {
     "model.moe_aux_loss_coeff": "moe-aux-coeff-ignored",
     "model.moe_z_loss_coeff": "moe-z-coeff-fixed",
     "model.moe_capacity_factor": "moe-capacity-factor-ignored",
+    "model.moe_ffn_hidden_size": "qwen3moe-expert-size-is-dense",
+    "model.moe_layer_interval": "qwen3moe-interval-ignored",
+    "model.moe_norm_topk_prob": "qwen3moe-topk-always-renormalised",
     "parallel.tensor": "model-tp-forward-not-reduced",
     "parallel.context": "context-chunk-positions-from-zero",
     "parallel.context_kind": "context-allgather-kind-ignored",

@@ -31,10 +31,10 @@ from pretrain.config import Precision, RunConfig
 from pretrain.data import Tokenizer as OurTokenizer
 from pretrain.data.tokenizer import copy_tokenizer_files
 from pretrain.errors import CheckpointError
+from pretrain.families import family_of
 from pretrain.files import atomic_directory
 from pretrain.model import DTYPES
 from pretrain.model.hf import hf_architecture, to_hf_config
-from pretrain.model.mixtral import MixtralExport
 from pretrain.model.mup import check_exportable, fold_for_export
 
 # Encoded by both tokenizers after conversion: code, indentation, digits, a newline run, bytes.
@@ -108,12 +108,14 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
     model = weights.model
     if model.num_experts and model.moe_capacity_factor:
         print(f"[export-hf] note: model.moe_capacity_factor={model.moe_capacity_factor} drops "
-              "tokens over an expert's capacity; transformers' Mixtral is dropless, so its "
-              "logits differ wherever a token was dropped here")
+              f"tokens over an expert's capacity; transformers' {hf_architecture(model)} is "
+              "dropless, so its logits differ wherever a token was dropped here")
     ours = OurTokenizer.load(weights.tokenizer)
     torch_dtype = DTYPES[Precision(dtype)]
-    # a mixture of experts is written with Mixtral's stacked expert tensors
-    state = MixtralExport(weights.state, model) if model.num_experts else weights.state
+    # a mixture of experts under its family's checkpoint names (Mixtral's differ from ours)
+    family = family_of(model)
+    state = family.module("hf_export")(weights.state, model) \
+        if model.num_experts and "hf_export" in family.modules else weights.state
     shapes = {name: tensor_shape(state, name) for name in sorted(state)}
     shards = _shards(shapes, itemsize=torch_dtype.itemsize, max_bytes=parse_size(max_shard_size))
     with atomic_directory(out) as tmp:

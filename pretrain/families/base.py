@@ -53,9 +53,13 @@ class Family:
     hf_architectures: tuple[str, ...]  # transformers classes of its checkpoints (first: ours)
     hf_model_types: tuple[str, ...]  # config.json model_type values it reads
     differs: str  # what differs from a Llama 2 decoder, in a line (the README's table)
-    parameters: dict[str, Parameter]  # by module name: embed_tokens, q_proj, ..., norm, lm_head
-    layer: Callable[[ModelConfig], list[str]]  # one decoder layer's names after model.layers.N.
-    modules: dict[str, str]  # the model's building blocks, "package.module:Class"
+    # by module name: embed_tokens, q_proj, ..., norm, lm_head; an expert's projection may have
+    # its own row, "experts.<module>" (its shape differs from the dense MLP's)
+    parameters: dict[str, Parameter]
+    # decoder layer `index`'s parameter names after model.layers.N. (its MLP dense or mixture)
+    layer: Callable[[ModelConfig, int], list[str]]
+    # the model's building blocks, "package.module:Class": "attention", "mlp" (dense), "moe"
+    modules: dict[str, str]
     hf_config: Callable[[ModelConfig], tuple[str, dict[str, Any]]]  # (transformers class, fields)
     from_hf_config: Callable[[dict, str], dict[str, Any]]  # ModelConfig fields of a config.json
     # the last parameter that scales the queries linearly (muP's attention scale folds into
@@ -67,11 +71,23 @@ class Family:
     # backward, as the layer's norms do (the planner's activation memory)
     normed_projection_width: Callable[[ModelConfig], int] = lambda cfg: 0
 
+    # whether decoder layer `index`'s MLP is the mixture of experts (`modules["moe"]`) or the
+    # dense one (`modules["mlp"]`); by default every layer's when model.num_experts > 0
+    moe_layer: Callable[[ModelConfig, int], bool] = lambda cfg, index: cfg.num_experts > 0
+
     def fields_to_agree(self, *cfgs: ModelConfig) -> tuple[str, ...]:
         """The `ModelConfig` fields weights and a run must agree on: `architecture_fields` and
         the settings of the rotary scaling either config uses."""
         scaling = [f for cfg in cfgs for f in ROPE_SCALING_FIELDS.get(cfg.rope_scaling, ())]
         return self.architecture_fields + tuple(dict.fromkeys(scaling))
+
+    def mlp_module(self, cfg: ModelConfig, index: int) -> type:
+        """The class of decoder layer `index`'s MLP: the mixture of experts or the dense one."""
+        return self.module("moe" if self.moe_layer(cfg, index) else "mlp")
+
+    def moe_layers(self, cfg: ModelConfig) -> list[int]:
+        """The indices of the decoder layers whose MLP is the mixture of experts."""
+        return [i for i in range(cfg.num_layers) if self.moe_layer(cfg, i)]
 
     def module(self, role: str) -> type:
         """The class of the building block `role` ("attention", ...), imported when asked: the
@@ -85,6 +101,8 @@ class Family:
             return self.parameters["embed_tokens"]
         parts = name.rsplit(".", 2)
         module = parts[-2] if len(parts) == 3 else parts[0]
+        if ".experts." in name and f"experts.{module}" in self.parameters:
+            return self.parameters[f"experts.{module}"]
         if parts[-1] != "weight" or module not in self.parameters:
             raise KeyError(f"unknown parameter name {name!r}: not a {self.name} parameter")
         return self.parameters[module]
@@ -93,17 +111,17 @@ class Family:
         """Every parameter's Hugging Face name in module order (tied: no lm_head.weight)."""
         names = [EMBED]
         for i in range(cfg.num_layers):
-            names += [f"model.layers.{i}.{n}" for n in self.layer(cfg)]
+            names += [f"model.layers.{i}.{n}" for n in self.layer(cfg, i)]
         names.append("model.norm.weight")
         if not cfg.tie_embeddings:
             names.append(LM_HEAD)
         return names
 
-    def layer_parameters(self, cfg: ModelConfig) -> tuple[int, int]:
-        """(tensor-parallel-sharded, replicated) parameters of one decoder layer, from the
-        table: every parameter counted once, whatever the family."""
+    def layer_parameters(self, cfg: ModelConfig, index: int) -> tuple[int, int]:
+        """(tensor-parallel-sharded, replicated) parameters of decoder layer `index`, from
+        the table: every parameter counted once, whatever the family."""
         sharded = replicated = 0
-        for name in self.layer(cfg):
+        for name in self.layer(cfg, index):
             row = self.parameter(name)
             count = _product(row.shape(cfg))
             if row.tp_dim is None:
@@ -112,11 +130,12 @@ class Family:
                 sharded += count
         return sharded, replicated
 
-    def layer_matmul_parameters(self, cfg: ModelConfig, *, active: bool = False) -> int:
-        """The matrix parameters of one decoder layer (a token's, `active`: a mixture of experts
-        counts experts_per_token of its experts)."""
+    def layer_matmul_parameters(self, cfg: ModelConfig, index: int, *,
+                                active: bool = False) -> int:
+        """The matrix parameters of decoder layer `index` (a token's, `active`: a mixture of
+        experts counts experts_per_token of its experts)."""
         total = 0
-        for name in self.layer(cfg):
+        for name in self.layer(cfg, index):
             row = self.parameter(name)
             if row.mup != HIDDEN:
                 continue
@@ -126,11 +145,11 @@ class Family:
             total += count
         return int(total)
 
-    def projection_shapes(self, cfg: ModelConfig) -> list[tuple[int, int]]:
-        """The unsharded shapes of one decoder layer's projection matrices (its table's `muon`
+    def projection_shapes(self, cfg: ModelConfig, index: int = 0) -> list[tuple[int, int]]:
+        """The unsharded shapes of decoder layer `index`'s projection matrices (its table's `muon`
         rows: attention's and the MLP's, each expert's own; not the router): what
         `train.optimizer: muon` steps and `train.fp8` multiplies in FP8."""
-        return [tuple(self.parameter(name).shape(cfg)) for name in self.layer(cfg)
+        return [tuple(self.parameter(name).shape(cfg)) for name in self.layer(cfg, index)
                 if self.parameter(name).muon]
 
 
@@ -146,12 +165,15 @@ def _product(shape: tuple[int, ...]) -> int:
 def check_tensor_split(model: ModelConfig, tensor: int) -> None:
     """Each tensor-parallel rank must hold whole query heads, whole kv heads and an equal slice
     of the MLP."""
-    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+    names = ("num_heads", "num_kv_heads", "ffn_hidden_size")
+    if model.moe_ffn_hidden_size:  # fine-grained experts: each rank holds 1/tp of each
+        names += ("moe_ffn_hidden_size",)
+    for name in names:
         if getattr(model, name) % tensor:
             raise ConfigError(
                 f"parallel.tensor={tensor}: must divide model.{name}={getattr(model, name)} "
-                f"(each rank holds a whole share: tensor={tensor} must divide num_heads, "
-                "num_kv_heads and ffn_hidden_size)")
+                f"(each rank holds a whole share: tensor={tensor} must divide "
+                f"{', '.join(names)})")
 
 
 def check_pipeline_split(model: ModelConfig, pipeline: int, *, partition_method: str) -> None:

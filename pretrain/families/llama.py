@@ -39,24 +39,34 @@ PARAMETERS: dict[str, Parameter] = {
     "down_proj": Parameter(lambda c: (c.hidden_size, c.ffn_hidden_size), 1, RESIDUAL, HIDDEN, muon=True),
     # a mixture of experts' router, mlp.gate.weight (E, h): replicated
     "gate": Parameter(lambda c: (c.num_experts, c.hidden_size), None, NORMAL, HIDDEN),
+    # an expert's projections (mlp.experts.M.*): SwiGLU's, of the experts' inner size (Mixtral:
+    # ffn_hidden_size; Qwen3-MoE's fine-grained experts: moe_ffn_hidden_size)
+    "experts.gate_proj": Parameter(lambda c: (c.expert_ffn_hidden_size, c.hidden_size), 0, NORMAL, HIDDEN, muon=True),
+    "experts.up_proj": Parameter(lambda c: (c.expert_ffn_hidden_size, c.hidden_size), 0, NORMAL, HIDDEN, muon=True),
+    "experts.down_proj": Parameter(lambda c: (c.hidden_size, c.expert_ffn_hidden_size), 1, RESIDUAL, HIDDEN, muon=True),
 }
 
 ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
              "self_attn.o_proj.weight")
 
 
-def mlp_names(cfg: ModelConfig) -> list[str]:
-    """The MLP's parameters: SwiGLU's three, or a router and every expert's three (2-D, named
-    like the dense MLP's: `mlp.experts.M.gate_proj.weight`)."""
-    if not cfg.num_experts:
+def mlp_names(cfg: ModelConfig, moe: bool) -> list[str]:
+    """The MLP's parameters: SwiGLU's three, or (`moe`) a router and every expert's three (2-D,
+    named like the dense MLP's: `mlp.experts.M.gate_proj.weight`)."""
+    if not moe:
         return ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     return ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight"
                                   for e in range(cfg.num_experts) for p in ("gate", "up", "down")]
 
 
-def layer(cfg: ModelConfig) -> list[str]:
+def every_layer_moe(cfg: ModelConfig, index: int) -> bool:
+    """Mixtral: every layer's MLP is the mixture when the model has experts."""
+    return cfg.num_experts > 0
+
+
+def layer(cfg: ModelConfig, index: int) -> list[str]:
     return ["input_layernorm.weight", *ATTENTION, "post_attention_layernorm.weight",
-            *mlp_names(cfg)]
+            *mlp_names(cfg, every_layer_moe(cfg, index))]
 
 
 def rope_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -82,9 +92,23 @@ def common_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def hf_config(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
-    """(transformers config class, its fields): `LlamaConfig`. A mixture of experts is written
-    as a `MixtralConfig` by `pretrain.model.hf` (its fields from `pretrain.model.mixtral`)."""
+    """(transformers config class, its fields): `LlamaConfig`, or `MixtralConfig` for a
+    mixture of experts."""
+    if cfg.num_experts:
+        return "MixtralConfig", {**common_hf_fields(cfg), **mixtral_config_fields(cfg)}
     return "LlamaConfig", {**common_hf_fields(cfg), "mlp_bias": False}
+
+
+def mixtral_config_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The `transformers.MixtralConfig` fields beyond the shared ones (no biases to name)."""
+    return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                router_aux_loss_coef=cfg.moe_aux_loss_coeff, router_jitter_noise=0.0,
+                sliding_window=None, output_router_logits=False)
+
+
+def is_mixtral(hf: dict) -> bool:
+    return hf.get("model_type") == "mixtral" or \
+        "MixtralForCausalLM" in (hf.get("architectures") or [])
 
 
 # config.json fields that change the function but that our model does not implement
@@ -133,16 +157,34 @@ def common_fields_from_hf(hf: dict, source: str) -> dict[str, Any]:
 
 
 def from_hf_config(hf: dict, source: str) -> dict[str, Any]:
-    """`ModelConfig` fields of a Llama config.json (a Mixtral one's experts are read by
-    `pretrain.model.hf`)."""
-    return common_fields_from_hf(hf, source)
+    """`ModelConfig` fields of a Llama or Mixtral config.json."""
+    fields = common_fields_from_hf(hf, source)
+    if is_mixtral(hf):
+        if hf.get("sliding_window"):
+            raise CheckpointError(f"{source} uses sliding-window attention (sliding_window="
+                                  f"{hf['sliding_window']}); this model attends to the whole "
+                                  "sequence")
+        try:
+            fields.update(num_experts=int(hf["num_local_experts"]),
+                          experts_per_token=int(hf.get("num_experts_per_tok", 2)),
+                          moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
+        except KeyError as exc:
+            raise CheckpointError(f"{source} lacks the config field {exc.args[0]!r}") from None
+    return fields
 
 
 # fields the weights of a checkpoint and the run that reads them must agree on
 ARCHITECTURE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads",
                        "num_kv_heads", "head_dim", "ffn_hidden_size", "tie_embeddings",
                        "rope_theta", "rope_scaling", "norm_eps", "num_experts",
-                       "experts_per_token")
+                       "experts_per_token", "moe_ffn_hidden_size", "moe_layer_interval",
+                       "moe_norm_topk_prob")
+
+# the building blocks: attention, the dense SwiGLU MLP, the routed mixture of SwiGLU experts
+MODULES = {"attention": "pretrain.model.llama:Attention", "mlp": "pretrain.model.llama:MLP",
+           "moe": "pretrain.model.moe:MoE"}
+# the building blocks and Mixtral's checkpoint names of its experts (`export-hf`)
+LLAMA_MODULES = {**MODULES, "hf_export": "pretrain.model.mixtral:MixtralExport"}
 
 LLAMA = Family(
     name="llama",
@@ -151,8 +193,9 @@ LLAMA = Family(
     differs="the reference: GQA, RoPE (Llama 3's llama3 scaling), SwiGLU; Mixtral's experts",
     parameters=PARAMETERS,
     layer=layer,
-    modules={"attention": "pretrain.model.llama:Attention"},
+    modules=LLAMA_MODULES,
     hf_config=hf_config,
     from_hf_config=from_hf_config,
     architecture_fields=ARCHITECTURE_FIELDS,
+    moe_layer=every_layer_moe,
 )

@@ -1,5 +1,5 @@
 """Conversion between our model and Hugging Face's class of its family (`LlamaForCausalLM`,
-`MixtralForCausalLM`, `Qwen3ForCausalLM`: `pretrain.families`).
+`MixtralForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`: `pretrain.families`).
 
 The parameter names are already Hugging Face's (see `pretrain.model.llama`), so a conversion
 only handles the two differences:
@@ -27,25 +27,20 @@ LM_HEAD = "lm_head.weight"
 
 def to_hf_config(cfg: ModelConfig, **overrides) -> "transformers.PretrainedConfig":  # noqa: F821
     """The transformers config of the same architecture, of the family's class (a
-    `MixtralConfig` for a mixture of experts); `overrides` set extra fields (e.g. bos_token_id /
-    eos_token_id from the tokenizer)."""
+    `MixtralConfig` or `Qwen3MoeConfig` for a mixture of experts); `overrides` set extra fields
+    (e.g. bos_token_id / eos_token_id from the tokenizer)."""
     import transformers
 
-    from pretrain.model.mixtral import mixtral_config_fields
-
     config_class, fields = family_of(cfg).hf_config(cfg)
-    if cfg.num_experts:
-        for llama_only in ("attention_bias", "mlp_bias"):
-            fields.pop(llama_only, None)
-        config_class = "MixtralConfig"
-        fields.update(mixtral_config_fields(cfg))
     fields.update(overrides)
     return getattr(transformers, config_class)(**fields)
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
-    """The transformers model class a `config.json` of `cfg` names."""
-    return "MixtralForCausalLM" if cfg.num_experts else family_of(cfg).hf_architectures[0]
+    """The transformers model class a `config.json` of `cfg` names: its config class's
+    (`MixtralConfig` -> `MixtralForCausalLM`)."""
+    config_class, _ = family_of(cfg).hf_config(cfg)
+    return config_class.removesuffix("Config") + "ForCausalLM"
 
 
 def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
@@ -54,25 +49,13 @@ def model_fields_from_hf_config(hf: dict, *, source: str) -> dict:
     `CheckpointError` when no family reads it, or it uses something our model lacks (biases,
     another activation, a rope scaling other than Llama 3's, sliding windows).
     """
-    from pretrain.model.mixtral import is_mixtral, moe_fields_from_hf_config
-
     family = family_of_hf_config(hf)
     if family is None:
         known = ", ".join(a for f in FAMILIES.values() for a in f.hf_architectures)
         raise CheckpointError(f"{source} is of no model family here (model_type="
                               f"{hf.get('model_type')!r}, architectures={hf.get('architectures')}): "
                               f"give a directory saved from transformers' {known}")
-    fields = family.from_hf_config(hf, source)
-    if is_mixtral(hf):
-        if hf.get("sliding_window"):
-            raise CheckpointError(f"{source} uses sliding-window attention (sliding_window="
-                                  f"{hf['sliding_window']}); this model attends to the whole "
-                                  "sequence")
-        try:
-            fields.update(moe_fields_from_hf_config(hf))
-        except KeyError as exc:
-            raise CheckpointError(f"{source} lacks the config field {exc.args[0]!r}") from None
-    return fields
+    return family.from_hf_config(hf, source)
 
 
 def check_same_architecture(found: ModelConfig, expected: ModelConfig, *, source: str) -> None:

@@ -289,7 +289,8 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block; attribute names follow Hugging Face's LlamaDecoderLayer.
-    Its attention is the model family's (`Attention`, or a subclass the family names)."""
+    Its attention is the model family's (`Attention`, or a subclass the family names), its MLP
+    the one the family gives layer `layer_index` (`Family.mlp_module`: `MLP` or `MoE`)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  cp_group=None, expert_parallel: bool = False, layer_index: int = 0,
@@ -303,12 +304,14 @@ class DecoderLayer(nn.Module):
                                    cp_group=cp_group, context_kind=context_kind)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                                                 sequence_parallel_group=norm_group)
-        if cfg.num_experts:  # a routed mixture of SwiGLU experts (`pretrain.model.moe`)
-            self.mlp = MoE(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
+        # the family's MLP of this layer: a routed mixture of SwiGLU experts (`MoE`) or dense
+        mlp = family_of(cfg).mlp_module(cfg, layer_index)
+        if issubclass(mlp, MoE):
+            self.mlp = mlp(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel,
                            project=fused_projections, expert_parallel=expert_parallel,
                            cp_group=cp_group, layer_index=layer_index)
         else:
-            self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+            self.mlp = mlp(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None,

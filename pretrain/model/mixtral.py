@@ -72,7 +72,7 @@ class MixtralImport(Mapping):
     def __init__(self, state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
         self.state, self.cfg = state, cfg
         self.source: dict[str, tuple] = {}  # our name -> (their name, expert or None, part)
-        f = cfg.ffn_hidden_size
+        f = cfg.expert_ffn_hidden_size
         for name in state:
             stacked, legacy = _STACKED.match(name), _LEGACY.match(name)
             if stacked:
@@ -114,22 +114,3 @@ class MixtralImport(Mapping):
         if rows is None:
             return shape[1:]
         return (shape[1] // 2, shape[2])
-
-
-def is_mixtral(hf_config: dict) -> bool:
-    return hf_config.get("model_type") == "mixtral" or \
-        "MixtralForCausalLM" in (hf_config.get("architectures") or [])
-
-
-def moe_fields_from_hf_config(hf: dict) -> dict:
-    """The mixture-of-experts `ModelConfig` fields of a Mixtral `config.json`."""
-    return dict(num_experts=int(hf["num_local_experts"]),
-                experts_per_token=int(hf.get("num_experts_per_tok", 2)),
-                moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
-
-
-def mixtral_config_fields(cfg: ModelConfig) -> dict:
-    """The `transformers.MixtralConfig` fields beyond Llama's shared ones."""
-    return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                router_aux_loss_coef=cfg.moe_aux_loss_coeff, router_jitter_noise=0.0,
-                sliding_window=None, output_router_logits=False)

@@ -1,10 +1,13 @@
-"""A routed mixture of SwiGLU experts (Mixtral's form; `model.num_experts` > 0).
+"""A routed mixture of SwiGLU experts (Mixtral's and Qwen3-MoE's form; `model.num_experts` > 0).
 
-Each decoder layer's MLP becomes `MoE`: a router (`gate`, a bias-free h -> E linear) gives every
-token softmax probabilities over the E experts in fp32; the token goes to its
+A decoder layer's MLP becomes `MoE` where its family says so (`Family.moe_layer`: Mixtral every
+layer, Qwen3-MoE every `moe_layer_interval`-th): a router (`gate`, a bias-free h -> E linear)
+gives every token softmax probabilities over the E experts in fp32; the token goes to its
 `experts_per_token` (k) most likely experts, whose outputs are summed with the k probabilities
-renormalised to sum to 1 (Mixtral; with k = 1 the weight is 1 and the router learns from the
-auxiliary losses only). Each expert is a SwiGLU MLP, down(silu(gate(x)) * up(x)).
+renormalised to sum to 1 (Mixtral, `moe_norm_topk_prob`; with k = 1 the weight is 1 and the
+router learns from the auxiliary losses only) or as they are (Qwen3-MoE's `norm_topk_prob`
+false). Each expert is a SwiGLU MLP, down(silu(gate(x)) * up(x)), of `expert_ffn_hidden_size`
+inner features (Qwen3-MoE's fine-grained experts: `moe_ffn_hidden_size`).
 
 Parameter names (Hugging Face `MixtralForCausalLM` keeps the router as `mlp.gate.weight`; its
 experts are stacked 3-D tensors, which `pretrain.model.hf` splits and stacks):
@@ -141,7 +144,7 @@ class Expert(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, project: Callable) -> None:
         super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f = cfg.hidden_size, cfg.expert_ffn_hidden_size
         self.gate_proj = column_linear(h, f, tp_group=tp_group)
         self.up_proj = column_linear(h, f, tp_group=tp_group)
         # row-parallel weight (h, f/tp); read directly so that no all-reduce runs per expert
@@ -193,12 +196,14 @@ def looped_outputs(experts: list[Expert], rows: torch.Tensor, sizes: list[int]) 
 class Routing:
     """The router's decisions for N tokens: which expert each kept assignment goes to."""
 
-    def __init__(self, logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> None:
+    def __init__(self, logits: torch.Tensor, *, top_k: int, capacity_factor: float,
+                 renormalise: bool = True) -> None:
         N, E = logits.shape
         self.probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
         top_p, top_e = torch.topk(self.probs, top_k, dim=-1)  # (N, k)
         self.top_experts = top_e
-        weights = top_p / top_p.sum(dim=-1, keepdim=True)  # renormalised over the k (Mixtral)
+        # renormalised over the k (Mixtral; Qwen3-MoE's norm_topk_prob), or the softmax's own
+        weights = top_p / top_p.sum(dim=-1, keepdim=True) if renormalise else top_p
         expert_of = top_e.reshape(-1)  # (N*k,) token-major: token 0's choices first
         # (E,) before any drop; a scatter, not bincount, which reads the largest index back
         self.selected = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(
@@ -230,6 +235,45 @@ class Routing:
         return E * torch.sum(fraction * self.probs.mean(dim=0))
 
 
+def sigmoid_choice(logits: torch.Tensor, *, top_k: int, bias: torch.Tensor | None = None,
+                   groups: int = 1, topk_groups: int = 1, renormalise: bool = True,
+                   scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router choice for logits (N, E): (experts (N, k), combine weights (N, k)
+    fp32, scores (N, E) fp32), as transformers' `DeepseekV3TopkRouter` (the k in no order).
+
+    Scores are sigmoid(logits); the choice adds the per-expert `bias` (auxiliary-loss-free
+    balancing: it steers which experts are chosen, never the weights, and is updated outside the
+    gradient, `updated_expert_bias`); with `groups` > 1 the E experts form that many groups, a
+    group's score is the sum of its 2 best biased scores, and each token chooses among the
+    experts of its `topk_groups` best groups only (group-limited routing). The weights are the
+    chosen experts' unbiased scores, renormalised to 1 (`renormalise`), times `scaling`
+    (transformers' `routed_scaling_factor`). Not wired into `MoE` yet: off by default."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores if bias is None else scores + bias.float()
+    if groups > 1:
+        N, E = choice.shape
+        group_scores = choice.view(N, groups, E // groups).topk(2, dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, topk_groups, dim=-1, sorted=False).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(E // groups, dim=1),
+                                    float("-inf"))
+    top_e = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, top_e)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return top_e, weights * scaling, scores
+
+
+def updated_expert_bias(bias: torch.Tensor, expert_tokens: torch.Tensor,
+                        rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing step (its paper, section 2.1.2): after a step
+    whose assignments per expert were `expert_tokens` (E,), each expert's bias rises by `rate`
+    if it was underloaded (below the mean), falls by `rate` if overloaded, outside the
+    gradient."""
+    load = expert_tokens.to(bias.dtype)
+    return bias + rate * torch.sign(load.mean() - load)
+
+
 class MoE(nn.Module):
     """A routed mixture of SwiGLU experts in place of a decoder layer's MLP (module docstring)."""
 
@@ -249,6 +293,7 @@ class MoE(nn.Module):
         self.context_parallel = cp_world_size(cp_group)
         self.cp_group = cp_group if self.context_parallel > 1 else None
         self.top_k = cfg.experts_per_token
+        self.renormalise = cfg.moe_norm_topk_prob  # the k probabilities summed to 1 (Mixtral)
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated
@@ -290,7 +335,8 @@ class MoE(nn.Module):
     def route(self, flat: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
         """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
         logits = self.gate(flat).float()
-        routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor)
+        routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor,
+                          renormalise=self.renormalise)
         # the ranks routing other tokens of this micro-batch: expert ranks (their chunks of
         # the same tokens; tensor ranks without experts route the same tokens), context ranks
         sharing = [g for g in (self.expert_group, self.cp_group) if g is not None]

@@ -147,9 +147,12 @@ def optimizer_groups(model: torch.nn.Module | Iterable[tuple[str, torch.nn.Param
 
 
 def _kind_examples(cfg: ModelConfig) -> list[str]:
-    """The parameters of a one-layer model of `cfg`'s family: every kind the whole model has."""
-    return [EMBED, "model.norm.weight"] + [f"model.layers.0.{name}"
-                                            for name in family_of(cfg).layer(cfg)]
+    """The parameters of the model's embedding, final norm and of one layer of each kind it
+    has (dense, mixture): every kind the whole model has."""
+    family = family_of(cfg)
+    kinds = {family.moe_layer(cfg, i): i for i in range(cfg.num_layers)}  # one of each
+    return [EMBED, "model.norm.weight"] + [f"model.layers.{i}.{name}" for i in kinds.values()
+                                            for name in family.layer(cfg, i)]
 
 
 def _as_many_groups_as_the_whole_model(groups: list[dict[str, Any]],

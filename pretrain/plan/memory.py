@@ -52,8 +52,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pretrain.arithmetic import (layer_fp8_matrices, layer_muon_matrices, layer_parameters,
-                                 layout_recomputed_layers, stage_parameters)
+from pretrain.arithmetic import (largest_layer_on_gpu, largest_matrix, layer_fp8_matrices,
+                                 layer_indices, layer_muon_matrices, layer_on_gpu,
+                                 layout_recomputed_layers, mean, mean_layer_elements,
+                                 stage_parameters)
 from pretrain.config import ModelConfig, Precision, Recompute
 from pretrain.families import family_of
 from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
@@ -91,7 +93,8 @@ def bytes_per_param(layout: Layout) -> tuple[int, int, int]:
     return low, low, 12
 
 
-def layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, float]:
+def layer_activation_elements(m: ModelConfig, layout: Layout,
+                              index: int = 0) -> tuple[float, float]:
     """Activation elements one decoder layer saves for backward per token (micro-batch of one
     sample), split into (replicated over TP unless sequence parallel, sharded over TP).
 
@@ -106,25 +109,29 @@ def layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, fl
     (k) copies of each token (4*k*f/h, sharded) and holds, on the whole gathered sequence even
     under sequence parallelism, the k gathered inputs and the k expert outputs (2*k) and the
     router's fp32 logits and probabilities (2 * num_experts elements, counted as h-dtype ones).
-    Selective recompute: `selective_layer_activation_elements`.
+    Layer `index`'s MLP is the family's (`Family.moe_layer`): dense or the mixture, whose experts
+    are `expert_ffn_hidden_size` wide. Selective recompute: `selective_layer_activation_elements`.
     """
     if layout.recompute == Recompute.SELECTIVE:
-        return selective_layer_activation_elements(m, layout)
+        return selective_layer_activation_elements(m, layout, index)
     h = m.hidden_size
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim  # q is h unless head_dim is set
     norm_units = 2.0 if layout.precision == Precision.FP32 else 3.0
     replicated = 2 * norm_units * h
-    copies = m.experts_per_token if m.num_experts else 1
-    sharded = (3.0 * q + 2.0 * kv + 4.0 * copies * m.ffn_hidden_size
+    moe = family_of(m).moe_layer(m, index)
+    copies = m.experts_per_token if moe else 1
+    inner = m.expert_ffn_hidden_size if moe else m.ffn_hidden_size
+    sharded = (3.0 * q + 2.0 * kv + 4.0 * copies * inner
                + norm_units * family_of(m).normed_projection_width(m)) / layout.tensor
     if layout.sequence_parallel:
         replicated /= layout.tensor
-    if m.num_experts:
+    if moe:
         replicated += 2.0 * copies * h + 2.0 * m.num_experts
     return replicated, sharded
 
 
-def selective_layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, float]:
+def selective_layer_activation_elements(m: ModelConfig, layout: Layout,
+                                        index: int = 0) -> tuple[float, float]:
     """(replicated, sharded) elements per token a decoder layer keeps under
     `model.activation_checkpointing: selective` (`pretrain.model.recompute`: the outputs of its
     matmuls and of attention saved, every other operator recomputed in backward): the layer's
@@ -136,10 +143,12 @@ def selective_layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple
     norms (the family's per-head ones too), rotary, silu and products are recomputed."""
     h = m.hidden_size
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    copies = m.experts_per_token if m.num_experts else 1
+    moe = family_of(m).moe_layer(m, index)
+    copies = m.experts_per_token if moe else 1
+    inner = m.expert_ffn_hidden_size if moe else m.ffn_hidden_size
     layer_input = h / layout.tensor if layout.sequence_parallel else float(h)
-    replicated = layer_input + h + copies * h + m.num_experts
-    sharded = (2.0 * q + 2.0 * kv + 2.0 * copies * m.ffn_hidden_size) / layout.tensor
+    replicated = layer_input + h + copies * h + (m.num_experts if moe else 0)
+    sharded = (2.0 * q + 2.0 * kv + 2.0 * copies * inner) / layout.tensor
     return replicated, sharded
 
 
@@ -215,8 +224,7 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str], *
         # default) of them, and parameters gathered in forward stay until their reuse in
         # backward (stage3_max_reuse_distance, also 1e9). Measured on CPU (bench/plan_memory.py):
         # about two gathered copies of a model under the limit; one layer at least.
-        sharded, replicated = layer_parameters(m)
-        layer_full = (sharded // lay.tensor + replicated) * p_b
+        layer_full = largest_layer_on_gpu(m, lay, items) * p_b
         gathered = 2 * min(n, lay.max_live_parameters) * p_b
         buffers += max(gathered, 2 * layer_full) + min(lay.reduce_bucket, n) * g_b
     if lay.zero_stage >= 1 and lay.offload_optimizer == "none" and lay.precision != Precision.FP32 \
@@ -240,7 +248,7 @@ def muon_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
     stage holds before ZeRO sharding (its tensor-parallel shard); 0 under AdamW."""
     if layout.optimizer != "muon":
         return 0
-    return items.count("layer") * sum(r * c for r, c in layer_muon_matrices(m)) // layout.tensor
+    return sum(r * c for i in layer_indices(items) for r, c in layer_muon_matrices(m, i)) // layout.tensor
 
 
 def muon_step_bytes(m: ModelConfig, layout: Layout, items: list[str], *,
@@ -253,7 +261,7 @@ def muon_step_bytes(m: ModelConfig, layout: Layout, items: list[str], *,
     n = muon_parameters(m, layout, items)
     if not n:
         return 0.0
-    rows, cols = max(layer_muon_matrices(m), key=lambda shape: shape[0] * shape[1])
+    rows, cols = largest_matrix(m, layer_muon_matrices)
     short = min(rows, cols)
     workspace = 2 * (2 * rows * cols + 2 * short * short)
     sharded = layout.tensor > 1 or layout.zero_stage >= 1 or layout.engine == "fsdp2"
@@ -270,7 +278,9 @@ def fp8_buffers(m: ModelConfig, layout: Layout) -> float:
     activations stay in the run's precision."""
     if layout.fp8 == "none":
         return 0.0
-    matrices = layer_fp8_matrices(m)
+    # the layer with the most FP8 weights (a family may mix dense and mixture layers)
+    matrices = max((layer_fp8_matrices(m, i) for i in range(m.num_layers)),
+                   key=lambda shapes: sum(r * c for r, c in shapes))
     weights = sum(r * c for r, c in matrices) / layout.tensor
     scales = (len(matrices) if layout.fp8 == "tensorwise"
               else sum(r + c for r, c in matrices) / layout.tensor)
@@ -312,22 +322,25 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
     # q, k, v and output after the all-to-all: T tokens of heads/context, the same elements)
     tokens = lay.micro_batch * m.seq_length / lay.context
     in_flight = micro_batches_in_flight(lay, stage)
-    layers = items.count("layer")
-    rep, shard = layer_activation_elements(m, lay)
-    full_layer = (rep + shard) * tokens * act_bytes
+    indices = layer_indices(items)
+    layers = len(indices)
+    # each layer's saved activations (a family may mix dense and mixture layers)
+    kept = [layer_activation_elements(m, lay, i) for i in indices]
+    full = [sum(elements) * tokens * act_bytes for elements in kept]
+    full_layer = mean(full)  # the stage's mean layer
     layer_input = m.hidden_size * tokens * act_bytes / (lay.tensor if lay.sequence_parallel else 1)
     recomputed = layout_recomputed_layers(lay, layers)
     per_micro = recomputed * layer_input + (layers - recomputed) * full_layer
     # all-gather context parallelism: + the whole sequence's K and V each layer keeps
     gathered = gathered_kv_bytes(m, lay)  # 0 otherwise (`plan.context`)
     per_micro += (layers - recomputed) * gathered
-    full_layer += gathered
-    # + recomputation's workspace: one layer's activations while it runs forward again
-    activations = in_flight * per_micro + (full_layer if recomputed else 0.0)
+    # + recomputation's workspace: one (the largest) layer's activations while it runs forward
+    activations = in_flight * per_micro + (max(full) + gathered if recomputed else 0.0)
     if lay.recompute == Recompute.SELECTIVE and layers:
         # what selective recompute rebuilds of one layer in its backward, beside what it kept
-        kept = layer_activation_elements(m, replace(lay, recompute=Recompute.NONE))
-        activations += (sum(kept) - rep - shard) * tokens * act_bytes
+        whole = [sum(layer_activation_elements(m, replace(lay, recompute=Recompute.NONE), i))
+                 for i in indices]
+        activations += max(w - sum(k) for w, k in zip(whole, kept)) * tokens * act_bytes
     if "embed" in items:
         activations += in_flight * layer_input
     if "head" in items:  # logits shard in the compute dtype + fp32 softmax of the loss
@@ -380,10 +393,9 @@ def pipeline_refusals(m: ModelConfig, layout: Layout) -> list[str]:
 def fsdp2_units(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[int, int, int]:
     """(parameters of one decoder-layer unit, of the root unit, layer units) on one GPU before
     sharding: its tensor-parallel shard of each."""
-    sharded, replicated = layer_parameters(m)
-    layer = sharded // layout.tensor + replicated
-    layers = items.count("layer")
-    return layer, stage_parameters(m, layout, items) - layers * layer, layers
+    indices = layer_indices(items)
+    root = stage_parameters(m, layout, items) - sum(layer_on_gpu(m, layout, i) for i in indices)
+    return largest_layer_on_gpu(m, layout, items), root, len(indices)
 
 
 def fsdp2_shard_ranks(layout: Layout) -> int:
@@ -410,7 +422,7 @@ def fsdp2_gathered_bytes(m: ModelConfig, layout: Layout, items: list[str]) -> fl
     kept = 1 if layout.zero_stage == 3 and layout.pipeline == 1 else layers
     layer_bytes = layer * _compute_bytes(layout)
     if layout.fp8 == "tensorwise":
-        fp8 = sum(r * c for r, c in layer_fp8_matrices(m)) / layout.tensor
+        fp8 = mean_layer_elements(m, layer_fp8_matrices) / layout.tensor
         layer_bytes -= fp8 * (_compute_bytes(layout) - 1)
     return root * _compute_bytes(layout) + (kept + 1) * layer_bytes
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pretrain.arithmetic import (expert_parameters_per_rank, model_flops_per_token,
                                  num_active_parameters, num_parameters)
 from pretrain.config import Engine, ModelConfig, RunConfig
+from pretrain.families import family_of
 from pretrain.resolve.ds_config import shipped_ds_configs
 from pretrain.hardware import format_flops
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
@@ -66,7 +67,8 @@ def _experts_line(m: ModelConfig, layout: Layout) -> str:
     """How the experts lie on a GPU and what they weigh there (before ZeRO sharding)."""
     held = (f"{m.num_experts // layout.expert} of {m.num_experts} experts whole"
             if layout.expert > 1 else f"1/{layout.tensor} of each of {m.num_experts} experts")
-    layers = -(-m.num_layers // layout.pipeline)  # the heaviest stage's
+    # the heaviest stage's mixture layers
+    layers = -(-len(family_of(m).moe_layers(m)) // layout.pipeline)
     n = expert_parameters_per_rank(m, layout, layers=layers)
     return f"experts {held} per GPU: {_count(n)} expert parameters ({layers} layers)"
 

@@ -33,12 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pretrain.arithmetic import (layer_active_matmul_parameters, layer_fp8_matrices,
-                                 layer_muon_matrices,
-                                 layout_recomputed_layers, model_flops_per_token,
-                                 newton_schulz_flops, stage_flops_per_token, stage_parameters)
+from pretrain.arithmetic import (layer_active_matmul_parameters,
+                                 layer_fp8_matrices, layer_muon_matrices,
+                                 layout_recomputed_layers, mean, mean_layer_elements,
+                                 model_flops_per_token, newton_schulz_flops,
+                                 stage_flops_per_token, stage_parameters)
 from pretrain.config import Engine, ModelConfig, Precision
 from pretrain.errors import ConfigError
+from pretrain.families import family_of
 from pretrain.resolve.layout import Layout
 from pretrain.resolve.ds_config import DTYPE_BYTES, gradient_dtypes
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
@@ -134,7 +136,9 @@ def _expert_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Micr
         return 0.0
     rows = mb.tokens / ep * model.experts_per_token
     exchanged = rows * model.hidden_size * mb.act_bytes
-    all_to_alls = 4 * mb.layers + 2 * layout_recomputed_layers(layout, mb.layers)
+    # the stage's mixture layers: every layer (Mixtral), or the family's share of them
+    share = len(family_of(model).moe_layers(model)) / model.num_layers
+    all_to_alls = (4 * mb.layers + 2 * layout_recomputed_layers(layout, mb.layers)) * share
     return all_to_alls * (ep - 1) / ep * exchanged \
         / (_link_gbps(cluster, layout.tensor) * 1e9 * COLLECTIVE_EFFICIENCY)
 
@@ -282,7 +286,10 @@ def _concatenated_weights(model: ModelConfig, layout: Layout) -> float:
     if not model.fused_projections:
         return 0.0
     qkv = model.hidden_size * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    gate_up = 2 * model.hidden_size * model.ffn_hidden_size * max(1, model.num_experts)
+    family = family_of(model)  # dense and mixture layers (a family may mix them): their mean
+    gate_up = mean([2 * model.hidden_size * (
+        model.expert_ffn_hidden_size * model.num_experts if family.moe_layer(model, i)
+        else model.ffn_hidden_size) for i in range(model.num_layers)])
     return (qkv + gate_up) / layout.tensor
 
 
@@ -308,8 +315,12 @@ def fp8_flops_per_token(model: ModelConfig, layout: Layout, layers: int) -> floa
     if layout.fp8 == "none":
         return 0.0
     # a token's projections: the layer's active matrices less the router (num_experts x h)
-    per_token = 2.0 * (layer_active_matmul_parameters(model)
-                       - model.num_experts * model.hidden_size)
+    # (the model's mean layer: a family may mix dense and mixture layers)
+    family = family_of(model)
+    per_token = 2.0 * mean([layer_active_matmul_parameters(model, i)
+                            - (model.num_experts * model.hidden_size
+                               if family.moe_layer(model, i) else 0)
+                            for i in range(model.num_layers)])
     passes = 3 * layers + layout_recomputed_layers(layout, layers)
     return per_token * passes / layout.tensor
 
@@ -332,7 +343,7 @@ def fp8_cast_elements(model: ModelConfig, layout: Layout, mb: _MicroBatch) -> fl
     copies = model.experts_per_token if model.num_experts else 1
     inputs = mb.tokens * (2 * h + q + copies * (2 * h + f)) / layout.tensor
     # every weight a GPU holds (of each expert 1/tp, or E/ep whole: the same count)
-    weights = sum(r * c for r, c in layer_fp8_matrices(model)) / layout.tensor
+    weights = mean_layer_elements(model, layer_fp8_matrices) / layout.tensor
     passes = 3 * mb.layers + 3 * layout_recomputed_layers(layout, mb.layers)
     return passes * (inputs + weights)
 
@@ -345,15 +356,17 @@ def muon_step_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, *,
     on each whole matrix of its `layers` (bf16, at the matmul rate)."""
     if layout.optimizer != "muon" or not layers:
         return 0.0
-    matrices = layer_muon_matrices(model) * layers
-    whole = sum(r * c for r, c in matrices) * 4.0
+    # every layer's matrices, scaled to `layers` of the model's mean layer
+    matrices = [shape for i in range(model.num_layers) for shape in layer_muon_matrices(model, i)]
+    share = layers / model.num_layers
+    whole = sum(r * c for r, c in matrices) * 4.0 * share
     seconds = 0.0
     replicas = layout.data * layout.context
     if layout.zero_stage >= 1 or layout.engine == "fsdp2":
         seconds += _ring_seconds(whole / layout.tensor, replicas,
                                  _link_gbps(cluster, layout.tensor * replicas), passes=1)
     seconds += _ring_seconds(whole, layout.tensor, _link_gbps(cluster, layout.tensor), passes=1)
-    flops = sum(newton_schulz_flops(r, c) for r, c in matrices)
+    flops = sum(newton_schulz_flops(r, c) for r, c in matrices) * share
     return seconds + flops / (cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
 
 
@@ -401,7 +414,7 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
                                grad_bytes=grad_bytes)
         offload = _offload(layout, cluster, stage_params=stage_params)
     else:
-        fp8_params = (layers * sum(r * c for r, c in layer_fp8_matrices(model)) / layout.tensor
+        fp8_params = (layers * mean_layer_elements(model, layer_fp8_matrices) / layout.tensor
                       if layout.fp8 == "tensorwise" else 0.0)
         data_comm = _fsdp2_data_comm(layout, cluster, mb, stage_params=stage_params,
                                      grad_bytes=grad_bytes, fp8_params=fp8_params)
