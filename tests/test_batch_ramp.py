@@ -80,6 +80,19 @@ def test_a_ramp_of_whole_micro_batches_lays_out():
     assert run.layout.global_batch == 12 and run.layout.grad_accum == 3  # the largest size's
 
 
+def test_an_elastic_world_uses_the_ranks_every_ramp_size_divides():
+    """On 4 launched ranks (micro-batch 1, global batch 8) a ramp from 2 by 2 trains on the 2
+    data-parallel ranks that divide each of its sizes (2, 4, 6, 8), as `plan` and the Slurm
+    pre-flight then say; without the ramp all 4 train."""
+    from pretrain.resolve.world_fit import fit_of_config
+
+    fixed = _cfg("train.micro_batch_size=1", "train.global_batch_size=8")
+    assert fit_of_config(fixed, 4).used == 4
+    fit = fit_of_config(_cfg("train.micro_batch_size=1", "train.global_batch_size=8",
+                             "train.batch_ramp={start: 2, increment: 2, samples: 8}"), 4)
+    assert fit.used == 2 and "train.batch_ramp's start and increment 2, 2" in fit.reason
+
+
 # ---- runs (slow) --------------------------------------------------------------------------------
 def _fixed_batches(rank: int, world_size: int, data: dict, overrides: list[str],
                    phases: list[tuple[int, int]], state_dir: str) -> list[float]:
