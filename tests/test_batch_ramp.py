@@ -199,3 +199,26 @@ def test_fsdp2_ramps_like_deepspeed_across_a_resume(tiny_data, tmp_path):
     again = _train_records(restarted)
     for key in ("step", "global_batch", "consumed_samples", "loss", "lr"):
         assert [r[key] for r in again] == [r[key] for r in records[2:]], key
+
+
+@pytest.mark.slow
+def test_a_restart_at_a_ramp_step_on_another_layout_continues_the_ramp(tiny_data, tmp_path):
+    """The one-rank ramped run's checkpoint of step 1 (the first growth next), resumed on 2
+    data-parallel ranks at ZeRO-2 (resharded): the same sizes and samples at every step, each
+    rank's micro-batches half of them, the losses within 1e-5 of the uninterrupted run's (the
+    sums reduced over two ranks)."""
+    from pretrain.testing.runs import rel_diff, run_pretrain, train, train_args
+
+    overrides = [*RAMPED, "checkpoint.save_interval=1", "checkpoint.keep_last=10"]
+    one = train(tmp_path, tiny_data, name="one", overrides=overrides)
+    records = _train_records(one)
+    restarted_dir = tmp_path / "two"
+    shutil.copytree(one.run_dir / "checkpoints" / "step1", restarted_dir / "checkpoints" / "step1")
+    two = run_pretrain(train_args(restarted_dir, tiny_data,
+                                  overrides=[*overrides, "deepspeed=ds_configs/zero2.json"]),
+                       run_dir=restarted_dir, nprocs=2).check()
+    assert "resharded" in two.stdout, two.stdout[-3000:]
+    again = _train_records(two)
+    for key in ("step", "global_batch", "consumed_samples"):
+        assert [r[key] for r in again] == [r[key] for r in records[1:]], key
+    assert rel_diff(two.losses, one.losses[1:]) < 1e-5
