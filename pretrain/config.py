@@ -955,6 +955,11 @@ def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
             raise ConfigError(f"model.preset={preset!r}: choose one of "
                               f"{', '.join(MODEL_PRESETS)}")
         raw = {**MODEL_PRESETS[preset], **raw}
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:  # a section of required fields (train.batch_ramp) given in part
+        raise ConfigError(f"{path}: needs {', '.join(missing)} as well, e.g. {path}="
+                          f"{{{', '.join(f'{f.name}: ...' for f in dataclasses.fields(cls))}}}")
     kwargs = {k: _coerce(f"{path}.{k}" if path else k, v, hints[k]) for k, v in raw.items()}
     return cls(**kwargs)
 

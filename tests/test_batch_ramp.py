@@ -51,6 +51,8 @@ def test_each_steps_batch_follows_the_samples_consumed():
      "batch_ramp.increment=4"),
     (["train.global_batch_size=8", "train.batch_ramp={start: 2, increment: 2, samples: 0}"],
      "must be positive"),
+    (["train.global_batch_size=8", "train.batch_ramp.start=2"],
+     r"train.batch_ramp: needs increment, samples as well, e.g. train.batch_ramp=\{start: "),
 ])
 def test_bad_ramps_are_refused_as_loaded(overrides, named):
     with pytest.raises(ConfigError, match=named):
