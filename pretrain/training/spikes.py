@@ -145,7 +145,7 @@ def roll_back(trainer: Any, batches: Iterator, *, record: dict[str, Any],
             return batches
         trainer.step += 1
         trainer.watchdog.beat(trainer.step)
-        trainer.consumed_samples += trainer.step_batch
+        trainer.consumed_samples += len(trainer._step_samples)  # the step's (a ramp's size)
     guard = trainer.guard
     differing = _ranks_whose_loss_changed(first_local, trainer._local_loss,
                                           factor=guard.spike_factor)

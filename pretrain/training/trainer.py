@@ -386,7 +386,8 @@ class Trainer:
             self._log_compile(elapsed)
         record = self.records.record(
             self.engine, step=self.step, loss=loss, lr=lr, wait=wait, elapsed=elapsed,
-            global_batch=self.step_batch, consumed_samples=self.consumed_samples, grad_norm=self._grad_norm)
+            tokens=self.step_batch * self.cfg.model.seq_length, global_batch=self.step_batch,
+            consumed_samples=self.consumed_samples, grad_norm=self._grad_norm)
         record.update(self.guard.after_step(step=self.step, loss=loss,
                                             skipped_before=skipped_before,
                                             spike_skipped=self._spike_skipped))
