@@ -546,6 +546,19 @@ class DataConfig(_Freezable):
             _fail("data", "num_workers", self.num_workers, "must be >= 0")
 
 
+@dataclass(frozen=True)
+class BatchRamp:
+    """train.batch_ramp: the global batch grows from `start` samples by `increment` samples at a
+    time, in equal stretches of the first `samples` samples trained on, up to
+    train.global_batch_size (Megatron's rampup_batch_size [start, increment, samples]). The
+    batch of a step is a function of the samples consumed before it
+    (`pretrain/resolve/batch_ramp.py`), so a resume continues the ramp where it stopped."""
+
+    start: int  # the first steps' global batch, samples
+    increment: int  # samples added at each growth
+    samples: int  # samples trained on until the batch reaches train.global_batch_size
+
+
 @dataclass
 class TrainConfig(_Freezable):
     """Optimisation. The global batch is micro_batch_size * grad_accum * data_parallel."""
@@ -553,6 +566,10 @@ class TrainConfig(_Freezable):
     steps: int = 1000  # optimizer steps
     micro_batch_size: int = 1  # samples per rank per forward
     global_batch_size: int | None = None  # samples per optimizer step; None: micro * dp (accum 1)
+    # {start, increment, samples}: the global batch ramps up from `start` by `increment` over the
+    # first `samples` samples to global_batch_size (each size a multiple of micro_batch_size x
+    # data parallel: gradient accumulation follows it); the lr schedule stays by step; null: none
+    batch_ramp: BatchRamp | None = None
     lr: float = 3e-4  # peak learning rate, reached after warmup
     min_lr: float = 3e-5  # the schedule decays to this (cosine, wsd, linear)
     warmup_steps: int = 100  # linear warmup from 0
@@ -646,6 +663,8 @@ class TrainConfig(_Freezable):
                 _fail("train", name, getattr(self, name), "must be a positive integer")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             _fail("train", "global_batch_size", self.global_batch_size, "must be positive or null")
+        if self.batch_ramp is not None:
+            self._check_batch_ramp(self.batch_ramp)
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             _fail("train", "min_lr", self.min_lr, f"needs 0 <= min_lr <= lr={self.lr} and lr > 0")
         if self.muon_ns_dtype not in ("bf16", "fp32"):
@@ -676,6 +695,22 @@ class TrainConfig(_Freezable):
             _fail("train", "decay_fraction", self.decay_fraction,
                   f"decays from step {self.decay_start}, inside the {self.warmup_steps} warmup "
                   "steps: lower train.decay_fraction or train.warmup_steps")
+
+    def _check_batch_ramp(self, ramp: BatchRamp) -> None:
+        """What train.batch_ramp needs of the train section alone (the sizes' divisibility by
+        micro-batches x data parallel is the layout's: `pretrain/resolve/batch_ramp.py`)."""
+        if self.global_batch_size is None:
+            _fail("train", "batch_ramp", ramp, "needs train.global_batch_size, the size the "
+                  "ramp ends at")
+        if min(ramp.start, ramp.increment, ramp.samples) < 1:
+            _fail("train", "batch_ramp", ramp, "start, increment and samples must be positive")
+        if ramp.start >= self.global_batch_size:
+            _fail("train", "batch_ramp.start", ramp.start, f"must be below "
+                  f"train.global_batch_size={self.global_batch_size} (or drop train.batch_ramp)")
+        if (self.global_batch_size - ramp.start) % ramp.increment:
+            _fail("train", "batch_ramp.increment", ramp.increment,
+                  f"must divide train.global_batch_size - batch_ramp.start = "
+                  f"{self.global_batch_size} - {ramp.start}: the ramp ends at the global batch")
 
     @property
     def decay_start(self) -> int:
@@ -973,6 +1008,11 @@ def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
             raise ConfigError(f"model.preset={preset!r}: choose one of "
                               f"{', '.join(MODEL_PRESETS)}")
         raw = {**MODEL_PRESETS[preset], **raw}
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:  # a section of required fields (train.batch_ramp) given in part
+        raise ConfigError(f"{path}: needs {', '.join(missing)} as well, e.g. {path}="
+                          f"{{{', '.join(f'{f.name}: ...' for f in dataclasses.fields(cls))}}}")
     kwargs = {k: _coerce(f"{path}.{k}" if path else k, v, hints[k]) for k, v in raw.items()}
     return cls(**kwargs)
 

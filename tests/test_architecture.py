@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pretrain.resolve.layout", "pretrain.arithmetic", "pretrain.resolve.topology", "pretrain.resolve.ds_config",
      "pretrain.compiled_ops", "pretrain.dist", "pretrain.hardware", "pretrain.data", "pretrain.resolve.world_fit",
      "pretrain.training.collective_log", "pretrain.k8s", "pretrain.resolve.fsdp2_rules",
+     "pretrain.resolve.batch_ramp",
      "pretrain.resolve.run_checks", "pretrain.resolve.eval_tasks", "pretrain.families"),
     ("pretrain.resolve.run",),
     ("pretrain.model",),

@@ -134,22 +134,35 @@ def test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own(tiny_data, t
     losses, gradient norms and lr of one WSD run of S+N steps decaying from S; the source is not
     written to; the anneal, stopped after its step S+2 checkpoint and restarted with the same
     command, resumes the decay from its own checkpoint."""
+    _anneal_equals_its_own_decay(tiny_data, tmp_path, engine=[])
+
+
+@pytest.mark.slow
+def test_fsdp2_annealed_checkpoint_equals_the_run_that_decayed_on_its_own(tiny_data, tmp_path):
+    """The same under train.engine=fsdp2 (its ZeRO-3): the anneal reads fsdp2's own checkpoint
+    files, takes its schedule's position and goes on along the anneal's schedule, bit for bit
+    the fsdp2 run that decayed on its own; restarted mid-decay it resumes from its own."""
+    _anneal_equals_its_own_decay(tiny_data, tmp_path,
+                                 engine=["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"])
+
+
+def _anneal_equals_its_own_decay(tiny_data, tmp_path, *, engine: list[str]) -> None:
     import shutil
 
     from pretrain.testing.runs import run_pretrain, train, train_args
 
     whole = train(tmp_path, tiny_data, name="whole", overrides=[
-        f"train.steps={S + N}", *WSD, f"train.decay_start_step={S}"])
+        f"train.steps={S + N}", *WSD, f"train.decay_start_step={S}", *engine])
     assert [r["lr"] for r in _train_records(whole)] == pytest.approx(
         _tiny_wsd_lrs(S + N, S), rel=1e-12, abs=0)  # DeepSpeed's LambdaLR follows the formula
     # the source: a WSD run whose decay never came (decay_fraction 0), ended at step S
     source = train(tmp_path, tiny_data, name="source", overrides=[
-        f"train.steps={S}", *WSD, "train.decay_fraction=0"])
+        f"train.steps={S}", *WSD, "train.decay_fraction=0", *engine])
     assert source.losses == whole.losses[:S]
     before = {p: p.stat().st_mtime_ns for p in source.run_dir.rglob("*")}
 
     anneal_overrides = [f"train.steps={S + N}", *WSD, f"train.decay_start_step={S}",
-                        "checkpoint.save_interval=2", "checkpoint.keep_last=5"]
+                        "checkpoint.save_interval=2", "checkpoint.keep_last=5", *engine]
     anneal_dir = tmp_path / "anneal"
     anneal = run_pretrain(train_args(anneal_dir, tiny_data, overrides=anneal_overrides) +
                           ["--start-from", str(source.run_dir)], run_dir=anneal_dir).check()

@@ -147,6 +147,8 @@ REGISTRY: dict[str, str] = {
     "train.decay_start_step":
         "tests/test_schedules.py::test_annealed_checkpoint_equals_the_run_that_decayed_on_its_own",
     "train.weight_decay": "tests/test_mup.py::test_deepspeed_applies_each_groups_lr",
+    "train.batch_ramp": ("tests/test_batch_ramp.py::"
+                         "test_a_ramped_run_equals_its_batches_at_fixed_sizes_across_a_resume"),
     "train.optimizer": T_MUON_HAND, "train.muon_lr": T_MUON_HAND,
     "train.muon_weight_decay": T_MUON_HAND,
     DS + "zero_allow_untested_optimizer": "tests/test_muon.py::test_layout_equals_one_process",
@@ -287,6 +289,7 @@ MUTANT_OF: dict[str, str] = {
     "train.decay_fraction": "schedules-wsd-default-decay-start",
     "train.decay_shape": "schedules-decay-shape-sqrt",
     "train.decay_start_step": "schedules-anneal-resume-lr",
+    "train.batch_ramp": "ramp-engine-accumulation-unchanged",
     "run_dir": "checkpoint-save-interval-ignored",
     "checkpoint.save_interval": "checkpoint-save-interval-ignored",
     **dict.fromkeys(["model.preset", "model.vocab_size", "model.hidden_size", "model.num_layers",

@@ -103,6 +103,65 @@ def test_unknown_space_key_is_one_error_line_before_any_trial(tmp_path, tiny_dat
 
 
 
+def test_muons_settings_are_refused_for_trials_that_train_with_adamw(tmp_path, tiny_data):
+    """train.muon_lr searched for trials of train.optimizer=adamw would tune nothing: one error
+    line before any trial; with the space searching train.optimizer too (muon among its
+    choices) the same setting is accepted."""
+    from pretrain.config import load_config
+    from pretrain.tune.space import unread_settings
+
+    space = tmp_path / "space.yaml"
+    space.write_text("train.muon_lr: {low: 1.0e-3, high: 5.0e-2, log: true}\n")
+    proc = run_cli(["tune", *_base(tiny_data), "--space", str(space), "--study-dir",
+                    str(tmp_path / "s")], cwd=REPO)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: search space train.muon_lr: the trials train with train.optimizer=adamw"), lines
+    assert not (tmp_path / "s").exists()
+    both = parse_space({"train.muon_lr": {"low": 1e-3, "high": 5e-2, "log": True},
+                        "train.optimizer": {"choices": ["adamw", "muon"]}})
+    assert unread_settings(both, optimizer="adamw") is None
+    assert unread_settings(both[:1], optimizer="muon") is None
+    assert load_config(None, ["train.optimizer=muon", "train.muon_lr=1.0e-03"]).train.muon_lr \
+        == 1e-3
+
+
+@pytest.mark.slow
+def test_a_study_searches_muons_rate(tmp_path, tiny_data):
+    """`pretrain tune` over train.muon_lr (train.optimizer=muon): each trial runs with the rate
+    Optuna recorded (its saved config), and the rate reaches Muon's update: the trials' first
+    losses are equal (same weights, same data), the second is lower under the larger rate
+    (AdamW's rate, for the rest, is all but zero). best.yaml names that rate."""
+    study_dir = tmp_path / "muon"
+    enqueue = tmp_path / "enqueue.yaml"
+    enqueue.write_text("- {train.muon_lr: 5.0e-2}\n- {train.muon_lr: 1.0e-4}\n")
+    space = tmp_path / "space.yaml"
+    space.write_text("train.muon_lr: {low: 1.0e-4, high: 5.0e-2, log: true}\n")
+    proc = _tune(*_base(tiny_data, "train.steps=2", "train.eval_interval=0",
+                        "train.optimizer=muon", "train.warmup_steps=0",
+                        "train.lr=1.0e-6"),  # AdamW's rest barely moves: Muon's rate shows
+                 "--space", str(space), "--trials", "2", "--enqueue", str(enqueue),
+                 "--prune-after", "3",  # past the last step: both trials finish, to compare
+                 "--study-dir", str(study_dir))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    trials = sorted(_study(study_dir).get_trials(), key=lambda t: t.number)
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"], proc.stdout
+    losses = {}
+    for t in trials:
+        run_dir = study_dir / "trials" / f"muon-trial-{t.number}"
+        train = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
+        assert (train["optimizer"], train["muon_lr"]) == ("muon", pytest.approx(
+            t.params["train.muon_lr"])), t.number
+        losses[t.params["train.muon_lr"]] = [
+            r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text()
+                                   .splitlines()) if r["kind"] == "train"]
+    fast, slow = losses[5e-2], losses[1e-4]
+    assert fast[0] == slow[0] and fast[1] < slow[1], losses
+    record = yaml.safe_load((study_dir / "best.yaml").read_text())
+    assert record["overrides"] == {"train.muon_lr": 5e-2}, record
+
+
 def test_contour_interpolates_the_complete_trials_without_scipy(tmp_path):
     """The lr x warmup contour (our own: Optuna's needs scipy, which is not installed) is drawn
     from the complete trials only: its colour range is theirs, the pruned trial's value is not

@@ -24,9 +24,14 @@ def run(args: argparse.Namespace) -> None:
 
     src, out = Path(args.src), Path(args.output)
     m = import_hf(src, out).model
-    from pretrain.families import ROPE_SCALING_FIELDS
+    from pretrain.config import ModelConfig
+    from pretrain.families import family_of
 
-    names = _MODEL_FIELDS + ROPE_SCALING_FIELDS.get(m.rope_scaling, ())
+    # the shape every run names, and what else the weights and a run must agree on (the rotary
+    # scaling's settings, the experts') where it is not the default
+    default = ModelConfig()
+    names = _MODEL_FIELDS + tuple(k for k in family_of(m).fields_to_agree(m)
+                                  if k not in _MODEL_FIELDS and getattr(m, k) != getattr(default, k))
     fields = " ".join(f"--set model.{k}={getattr(m, k)}" for k in names)
     print(f"[import-hf] {num_parameters(m) / 1e6:.2f}M parameters from {src} -> {out}\n"
           f"train from them with: pretrain train --config <yours> --set model.init_from={out} "

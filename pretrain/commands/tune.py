@@ -77,10 +77,13 @@ def _check(args: argparse.Namespace, params, base: list[str],
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
     from pretrain.resolve.run import lay_out_as_loaded
-    from pretrain.tune.space import override
+    from pretrain.tune.space import override, unread_settings
 
     cfg = load_config(args.config, base)
     lay_out_as_loaded(cfg, world_size=world_size)
+    unread = unread_settings(params, optimizer=cfg.train.optimizer.value)
+    if unread:
+        raise ConfigError(unread)
     for param in params:
         if param.key == "run_dir":
             raise ConfigError("search space: run_dir is each trial's own directory; it cannot "

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from pretrain.config import (Engine, Fp8Recipe, Optimizer, Precision, Recompute, RunConfig,
                              SpikeAction, freeze)
 from pretrain.data.build import check_run_data
+from pretrain.resolve.batch_ramp import check_batch_ramp
 from pretrain.resolve.ds_config import engine_fields, fill_ds_config, read_run_json
 from pretrain.errors import CheckpointError, ConfigError
 from pretrain.hardware import PrecisionChoice, choose_precision, fp8_refusal
@@ -203,6 +204,8 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     virtual_stages=p.virtual_stages, fp8=Fp8Recipe(t.fp8).value,
                     optimizer=Optimizer(t.optimizer).value)
     check_layout(m, layout)
+    check_batch_ramp(cfg, micro_batch=layout.micro_batch, data=layout.data,
+                     pipeline=layout.pipeline)
     if Fp8Recipe(t.fp8) is not Fp8Recipe.NONE and layout.precision is Precision.FP16:
         raise ConfigError(f"train.fp8={Fp8Recipe(t.fp8).value} with train.precision=fp16: "
                           "torchao's float8 recipes scale each operand themselves and take "

@@ -63,17 +63,19 @@ class WorldFit:
 
 
 def usable_world(launched: int, *, model_parallel: int, micro_batch: int,
-                 global_batch: int | None) -> WorldFit:
+                 global_batch: int | None, ramp: tuple[int, ...] = ()) -> WorldFit:
     """The largest world of at most `launched` ranks made of whole model-parallel groups whose
     data-parallel size divides `global_batch` into micro-batches (any size when the global
-    batch follows the world: `global_batch` None)."""
+    batch follows the world: `global_batch` None), and `ramp` too (train.batch_ramp's start and
+    increment: then every size the ramp passes through)."""
     replicas = launched // model_parallel
     if replicas < 1:
         raise WorldTooSmall(
             f"{launched} rank(s) cannot hold one model replica of {model_parallel} ranks "
             f"(parallel.tensor x context x pipeline): run on at least {model_parallel} ranks")
     data = next((d for d in range(replicas, 0, -1)
-                 if global_batch is None or global_batch % (micro_batch * d) == 0), None)
+                 if global_batch is None or all(b % (micro_batch * d) == 0
+                                                for b in (global_batch, *ramp))), None)
     if data is None:  # no replica count fits: bad input, which the layout check reports (exit 2)
         return WorldFit(launched, launched)
     used = data * model_parallel
@@ -84,9 +86,11 @@ def usable_world(launched: int, *, model_parallel: int, micro_batch: int,
         reason = (f"{launched} ranks are not a whole number of model replicas of "
                   f"{model_parallel} ranks")
     else:
-        reason = (f"data parallel {replicas} does not divide train.global_batch_size="
-                  f"{global_batch} into micro-batches of {micro_batch}; data parallel {data} "
-                  "does")
+        what = (f"train.global_batch_size={global_batch}" if not ramp else
+                f"train.global_batch_size={global_batch} and train.batch_ramp's start and "
+                f"increment {ramp[0]}, {ramp[1]}")
+        reason = (f"data parallel {replicas} does not divide {what} into micro-batches of "
+                  f"{micro_batch}; data parallel {data} does")
         if whole != launched:
             reason = f"{launched - whole} ranks are not a whole replica, and " + reason
     return WorldFit(launched, used, reason)
@@ -100,8 +104,10 @@ def fit_of_config(cfg: Any, launched: int) -> WorldFit:
     p, t = cfg.parallel, cfg.train
     check_tensor_split(cfg.model, p.tensor)
     check_pipeline_split(cfg.model, p.pipeline, partition_method=p.pipeline_partition)
+    ramp = getattr(t, "batch_ramp", None)
     return usable_world(launched, model_parallel=p.tensor * p.pipeline * getattr(p, "context", 1),
-                        micro_batch=t.micro_batch_size, global_batch=t.global_batch_size)
+                        micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
+                        ramp=(ramp.start, ramp.increment) if ramp is not None else ())
 
 
 def usable_node_counts(cfg: Any, *, ranks_per_node: int, up_to: int) -> list[int]:

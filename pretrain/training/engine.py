@@ -24,7 +24,7 @@ from pretrain.config import (DecayShape, Engine, LRSchedule, ModelConfig, Optimi
                              TrainConfig)
 from pretrain.checkpoint import load_initial_weights
 from pretrain.resolve.ds_config import zero_stage
-from pretrain.training.fsdp2 import build_fsdp2_engine
+from pretrain.training.fsdp2 import FSDP2Engine, build_fsdp2_engine
 from pretrain.log import log
 from pretrain.training import muon
 from pretrain.training.metrics import global_grad_norm
@@ -216,6 +216,18 @@ def engine_loss(engine, inputs, labels: torch.Tensor, device: str, *,
         return engine(inputs.to(device, non_blocking=non_blocking), labels=labels)
     input_ids, document_ids = (t.to(device, non_blocking=non_blocking) for t in inputs)
     return engine(input_ids, labels=labels, document_ids=document_ids)
+
+
+def set_step_micro_batches(engine, micro_batches: int) -> None:
+    """train.batch_ramp: the next optimizer step runs `micro_batches` micro-batches on each
+    data-parallel rank; its loss is their mean (each backward divided by them) and its update
+    is at the last one, which the caller marks (`set_gradient_accumulation_boundary`: DeepSpeed
+    counts micro-batches over the whole run, which a changed accumulation misaligns). The
+    sequence-parallel weights' reduction follows (once per step of that many backwards)."""
+    per_micro = engine.train_batch_size() // engine.gradient_accumulation_steps()
+    engine.set_train_batch_size(per_micro * micro_batches)
+    if not isinstance(engine, FSDP2Engine):  # fsdp2 sums those weights' grads once per step
+        defer_sequence_parallel_grads(engine.module, micro_batches=micro_batches)
 
 
 def log_fp8(model: torch.nn.Module, *, main: bool) -> None:

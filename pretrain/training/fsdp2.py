@@ -105,6 +105,8 @@ class FSDP2Engine:
         self.device = torch.device(get_accelerator().current_device_name())
         self.module = model
         self._micro_batches = int(ds_config["gradient_accumulation_steps"])
+        # samples of one micro-batch over the data x context ranks (DeepSpeed's count)
+        self._micro_samples = int(ds_config["train_batch_size"]) // self._micro_batches
         self._clip = float(t.grad_clip)
         self.offload = offloads_to_cpu(ds_config)
         if t.optimizer is Optimizer.MUON:  # Muon for the hidden matrices, whole (DTensor rows)
@@ -146,6 +148,20 @@ class FSDP2Engine:
 
     def gradient_accumulation_steps(self) -> int:
         return self._micro_batches
+
+    def train_batch_size(self) -> int:
+        return self._micro_samples * self._micro_batches
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """The micro-batches of the next steps (train.batch_ramp), as DeepSpeed's engine takes
+        it: `train_batch_size` counts data x context ranks' micro-batches."""
+        if train_batch_size % self._micro_samples or self._micro != 0:
+            raise ValueError(f"train batch {train_batch_size} is not whole micro-batches of "
+                             f"{self._micro_samples} samples, or a step is half accumulated")
+        self._micro_batches = train_batch_size // self._micro_samples
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's call; this engine counts its micro-batches from each step's start."""
 
     def zero_optimization_stage(self) -> int:
         """3, or 2 where the JSON's ZeRO-1/2 keeps gathered weights from forward to backward
@@ -241,7 +257,7 @@ class FSDP2Engine:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
-        self.global_samples += int(self.ds_config["train_batch_size"])
+        self.global_samples += self.train_batch_size()
 
     def _grads(self):
         return [p for p in self.module.parameters() if p.grad is not None]

@@ -163,8 +163,9 @@ class StepRecords:
 
     def record(self, engine: deepspeed.DeepSpeedEngine, *, step: int, loss: float, lr: float,
                wait: float, elapsed: float, tokens: int, consumed_samples: int,
-               grad_norm: float | None) -> dict[str, Any]:
-        """`grad_norm`: ours, used when the engine reports none (ZeRO-0)."""
+               grad_norm: float | None, global_batch: int | None = None) -> dict[str, Any]:
+        """`grad_norm`: ours, used when the engine reports none (ZeRO-0); `global_batch`: the
+        step's samples (train.batch_ramp: its size at this step), recorded when given."""
         engine_norm = engine.get_global_grad_norm()
         if engine_norm is not None:
             grad_norm = engine_norm
@@ -190,6 +191,8 @@ class StepRecords:
             "data_wait_s": wait, "step_time_s": elapsed,
             "consumed_samples": consumed_samples, "skipped_steps": engine.skipped_steps,
         }
+        if global_batch is not None:
+            rec["global_batch"] = global_batch
         if self.cfg.train.precision == Precision.FP16:
             rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", float("nan")))
         rec.update(self.gpu.read())  # rank 0: NVML utilisation / temperature / memory on GPUs

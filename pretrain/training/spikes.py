@@ -146,7 +146,7 @@ def roll_back(state: LoopState, batches: Iterator, *, record: dict[str, Any],
             return batches
         position.step += 1
         state.watchdog.beat(position.step)
-        position.consumed_samples += state.global_batch
+        position.consumed_samples += len(position.step_samples)  # the step's (a ramp's size)
     guard = state.guard
     differing = _ranks_whose_loss_changed(first_local, position.local_loss,
                                           factor=guard.spike_factor)

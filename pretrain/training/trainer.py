@@ -32,10 +32,12 @@ from pretrain.files import git_commit
 from pretrain.hardware import PrecisionChoice
 from pretrain.log import log, show_progress_bar
 from pretrain.model import ModelForm, compile_report, moe
+from pretrain.resolve.batch_ramp import RampSchedule
 from pretrain.resolve.run import ResolvedRun
 from pretrain.resolve.topology import ProcessGroups
 from pretrain.training import curves, faults, hang, spikes, stragglers
-from pretrain.training.engine import TimedBatches, build_engine, engine_loss
+from pretrain.training.engine import (TimedBatches, build_engine, engine_loss,
+                                      set_step_micro_batches)
 from pretrain.training.evaluators import TaskEvaluator, ValidationLoss
 from pretrain.training.loop_state import LoopState, Position
 from pretrain.training.metrics import StepRecords, announce_run, format_step_line, global_grad_norm
@@ -71,7 +73,10 @@ class Trainer:
         self.layout = run.layout
         self._agree_on_precision(run.precision)
         self.dp_size, self.grad_accum = self.layout.data, self.layout.grad_accum
-        self.global_batch = self.layout.global_batch
+        self.global_batch = self.layout.global_batch  # the full size (a ramp's last)
+        # train.batch_ramp: each step's global batch, from the samples consumed before it
+        self.batches = RampSchedule.of(cfg, self.global_batch)
+        self.step_batch = self.global_batch  # the global batch of the step being run
         # Ranks of one tensor-parallel group read the same samples: the data follows the dp index;
         # the ranks of one context group read the same samples too, each its chunk of them.
         self.dp_rank = groups.topology.my_coords.data
@@ -124,6 +129,12 @@ class Trainer:
                      train_data=self.train_data, run_dir=self.run_dir
                      if self.recorded_cfg.run_dir == cfg.run_dir else
                      f"{self.recorded_cfg.run_dir} (this node's copy: {self.run_dir})")
+        if self.batches.ramp is not None:
+            ramp = self.batches.ramp
+            log(f"[batch ramp] global batch {ramp.start} growing by {ramp.increment} over the "
+                f"first {ramp.samples} samples to {self.global_batch} (sizes "
+                f"{', '.join(map(str, self.batches.sizes()))}; this step's: "
+                f"{self.batches.size_at(self.consumed_samples)})", main=self.main)
 
     # ---- setup ------------------------------------------------------------------------------
     @property
@@ -196,7 +207,8 @@ class Trainer:
         if not self.main:
             wait_for_io()
         train, valid = build_datasets(
-            d, seq_length=m.seq_length, train_samples=self.cfg.train.steps * self.global_batch,
+            d, seq_length=m.seq_length,
+            train_samples=self.batches.samples_for(self.cfg.train.steps),
             with_valid=self.cfg.train.eval_interval > 0,
             log=lambda message: log(message, main=self.main))
         if self.main:
@@ -273,7 +285,12 @@ class Trainer:
         is abandoned (`pretrain.training.faults`: the engine state is still the last completed step's).
         With train.on_loss_spike=skip a spike's update is dropped (`pretrain.training.spikes`)."""
         timed = TimedBatches(batches)
-        self.position.step_samples = stream_numbers(self.consumed_samples, self.global_batch,
+        self.step_batch = self.batches.size_at(self.consumed_samples)
+        accum = self.step_batch // (self.cfg.train.micro_batch_size * self.dp_size)
+        ramped = self.batches.ramp is not None
+        if ramped:
+            set_step_micro_batches(self.engine, accum)
+        self.position.step_samples = stream_numbers(self.consumed_samples, self.step_batch,
                                                     skip=self.spikes.quarantine)
         self._spike_skipped = False
         if self.pipelined:  # DeepSpeed's 1F1B schedule pulls the micro-batches itself
@@ -282,7 +299,7 @@ class Trainer:
         engine, total = self.engine, torch.zeros((), device=self.device)
         self._grad_norm = None
         mean = None
-        for micro in range(self.grad_accum):
+        for micro in range(accum):
             # one small all-reduce per micro-batch; a stop waits for this process's first step,
             # so that a signal or time limit during start-up still saves a step
             if micro and self._steps_run and self.control.stop_agreed():
@@ -290,17 +307,19 @@ class Trainer:
             inputs, labels = next(timed)
             self.control.micro_batch_started("step", step=self.step + 1, micro=micro,
                                       rank=self.world.rank)
+            if ramped:  # DeepSpeed's own count of micro-batches is off once a size changed
+                engine.set_gradient_accumulation_boundary(micro == accum - 1)
             loss = engine_loss(engine, inputs, labels, self.device, non_blocking=True)
             loss = self.guard.corrupt_loss(loss, step=self.step + 1, micro=micro)
             total += loss.detach().float()
-            if self.spikes.skips and micro == self.grad_accum - 1:
+            if self.spikes.skips and micro == accum - 1:
                 # the loss is known before the update: a spike takes the non-finite path
-                mean = self._step_loss(total / self.grad_accum)
+                mean = self._step_loss(total / accum)
                 if self.guard.is_spike(mean):
                     self._spike_skipped = True
                     loss = loss * float("nan")
             engine.backward(loss)
-            if self._norm_before_step and micro == self.grad_accum - 1:
+            if self._norm_before_step and micro == accum - 1:
                 # DeepSpeed clips without keeping the norm at ZeRO-0: measure the reduced grads.
                 self._grad_norm = global_grad_norm(engine.module.parameters(), self.groups,
                                                    device=self.device)
@@ -308,7 +327,7 @@ class Trainer:
             self.control.micro_batch_done()
             self.watchdog.beat()
         if mean is None:
-            mean = self._step_loss(total / self.grad_accum)
+            mean = self._step_loss(total / accum)
         return mean, timed.wait
 
     def _pipeline_micro_batches(self, pairs: TimedBatches) -> Iterator:
@@ -396,7 +415,7 @@ class Trainer:
         self.step += 1
         self._steps_run += 1
         self.watchdog.beat(self.step)
-        self.consumed_samples += self.global_batch
+        self.consumed_samples += self.step_batch
         elapsed = time.perf_counter() - start
         if profiler.end(self.step):
             log(f"[profile] Chrome trace of steps {self.cfg.logging.profile_steps} in "
@@ -406,7 +425,7 @@ class Trainer:
             self._log_compile(elapsed)
         record = self.records.record(
             self.engine, step=self.step, loss=loss, lr=lr, wait=wait, elapsed=elapsed,
-            tokens=self.global_batch * self.cfg.model.seq_length,
+            tokens=self.step_batch * self.cfg.model.seq_length, global_batch=self.step_batch,
             consumed_samples=self.consumed_samples, grad_norm=self._grad_norm)
         record.update(self.guard.after_step(step=self.step, loss=loss,
                                             skipped_before=skipped_before,

@@ -113,6 +113,25 @@ def parse_space(raw: Any, *, source: str = "search space") -> list[Param]:
     return params
 
 
+# the settings only train.optimizer=muon reads (Muon's rate, decay and Newton-Schulz dtype)
+MUON_SETTINGS = ("train.muon_lr", "train.muon_weight_decay", "train.muon_ns_dtype")
+
+
+def unread_settings(params: list[Param], *, optimizer: str) -> str | None:
+    """Why a searched Muon setting would tune nothing: every trial trains with `optimizer`
+    (train.optimizer of the config, unless the space searches it too) and none with muon;
+    None when every searched setting is read."""
+    searched = next((p for p in params if p.key == "train.optimizer"), None)
+    optimizers = [str(c) for c in searched.choices] if searched else [optimizer]
+    muon = [p.key for p in params if p.key in MUON_SETTINGS]
+    if not muon or "muon" in optimizers:
+        return None
+    return (f"search space {muon[0]}: the trials train with train.optimizer="
+            f"{'|'.join(optimizers)}, which does not read it (Muon's settings); set "
+            "train.optimizer=muon (config or --set) or search train.optimizer: {choices: [..., "
+            "muon]}")
+
+
 def load_space(path: str | Path) -> list[Param]:
     raw = read_user_file(path, "--space", language="YAML",
                          hint="pass a YAML file like configs/tune/space.yaml")
