@@ -96,6 +96,8 @@ REGISTRY: dict[str, str] = {
         "tests/test_bite_moe.py::test_the_z_loss_alone_reaches_the_router_gradient",
     "model.moe_capacity_factor":
         "tests/test_moe.py::test_capacity_factor_drops_and_counts_the_assignments_over_capacity",
+    **dict.fromkeys(["model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim",
+                     "model.qk_rope_head_dim", "model.v_head_dim"], T_FAMILY_HF),
     # parallel.*
     "parallel.tensor": "tests/test_tensor_parallel.py::test_model_tp2_matches_tp1",
     "parallel.pipeline": "tests/test_pipeline.py::test_pp2_matches_single_process",
@@ -312,6 +314,11 @@ MUTANT_OF: dict[str, str] = {
     "model.moe_aux_loss_coeff": "moe-aux-coeff-ignored",
     "model.moe_z_loss_coeff": "moe-z-coeff-fixed",
     "model.moe_capacity_factor": "moe-capacity-factor-ignored",
+    "model.q_lora_rank": "mla-q-lora-rank-ignored",
+    "model.kv_lora_rank": "mla-kv-lora-rank-ignored",
+    "model.qk_nope_head_dim": "mla-qk-nope-head-dim-ignored",
+    "model.qk_rope_head_dim": "mla-qk-rope-head-dim-ignored",
+    "model.v_head_dim": "mla-v-head-dim-ignored",
     "parallel.tensor": "model-tp-forward-not-reduced",
     "parallel.context": "context-chunk-positions-from-zero",
     "parallel.expert": "ep-experts-counted-on-every-rank-in-the-norm",

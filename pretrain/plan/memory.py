@@ -49,6 +49,7 @@ from pretrain.config import ModelConfig, Precision
 from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
 from pretrain.resolve.fsdp2_rules import layout_refusals, raise_refusals
 from pretrain.errors import ConfigError
+from pretrain.families import family_of
 from pretrain.resolve.layout import Layout
 
 GB = 2**30
@@ -87,17 +88,20 @@ def layer_activation_elements(m: ModelConfig, layout: Layout) -> tuple[float, fl
     attention keeps no s x s scores, no dropout, SwiGLU) the saved tensors are, in units of h
     elements of the activation dtype: replicated: the two RMSNorms' inputs and outputs (4; 6 in
     16-bit, where the norm saves its fp32 upcast); sharded: q (1), k and v (2*kv/h), the attention
-    output (1) and the output projection's input (1) (q's width heads x head_dim), and SwiGLU's gate, up, silu(gate) and
-    product (4*f/h). A mixture of experts (pretrain/model/moe.py) runs SwiGLU on experts_per_token
+    output (1) and the output projection's input (1) (q's width heads x head_dim; the widths are
+    the family's `attention_widths`: DeepSeek-V3's keys as wide as its queries, its values and
+    outputs heads x v_head_dim; its replicated latents are not counted), and SwiGLU's gate, up,
+    silu(gate) and product (4*f/h). A mixture of experts (pretrain/model/moe.py) runs SwiGLU on experts_per_token
     (k) copies of each token (4*k*f/h, sharded) and holds, on the whole gathered sequence even
     under sequence parallelism, the k gathered inputs and the k expert outputs (2*k) and the
     router's fp32 logits and probabilities (2 * num_experts elements, counted as h-dtype ones).
     """
     h = m.hidden_size
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim  # q is h unless head_dim is set
+    widths = family_of(m).attention_widths(m)  # Llama: q, output h (unless head_dim is set)
+    attention = widths.queries + widths.keys + widths.values + 2.0 * widths.outputs
     replicated = (4.0 if layout.precision == Precision.FP32 else 6.0) * h
     copies = m.experts_per_token if m.num_experts else 1
-    sharded = (3.0 * q + 2.0 * kv + 4.0 * copies * m.ffn_hidden_size) / layout.tensor
+    sharded = (attention + 4.0 * copies * m.ffn_hidden_size) / layout.tensor
     if layout.sequence_parallel:
         replicated /= layout.tensor
     if m.num_experts:

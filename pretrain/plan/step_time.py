@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from pretrain.arithmetic import (layout_recomputed_layers, model_flops_per_token,
                                  stage_flops_per_token, stage_parameters)
 from pretrain.config import Engine, ModelConfig, Precision
+from pretrain.families import family_of
 from pretrain.resolve.layout import Layout
 from pretrain.resolve.ds_config import DTYPE_BYTES, gradient_dtypes
 from pretrain.plan.clusters import (COLLECTIVE_EFFICIENCY, CPU_ADAM_PARAMS_PER_S,
@@ -103,9 +104,9 @@ def _context_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
     if layout.context == 1:
         return 0.0
     gbps = _link_gbps(cluster, layout.tensor * layout.context)
-    kv = model.num_kv_heads * model.head_dim
-    q = model.num_heads * model.head_dim
-    exchanged = mb.tokens * (2 * q + 2 * kv) / layout.tensor * mb.act_bytes
+    widths = family_of(model).attention_widths(model)
+    exchanged = mb.tokens * (widths.queries + widths.keys + widths.values + widths.outputs) \
+        / layout.tensor * mb.act_bytes
     all_to_alls = 2 * mb.layers + layout_recomputed_layers(layout, mb.layers)
     return all_to_alls * (layout.context - 1) / layout.context \
         * exchanged / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
@@ -225,7 +226,7 @@ def _concatenated_weights(model: ModelConfig, layout: Layout) -> float:
     the MLP or of every expert it holds (1/tp of each of E, or E/ep whole: the same count)."""
     if not model.fused_projections:
         return 0.0
-    qkv = model.hidden_size * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    qkv = family_of(model).attention_widths(model).concatenated  # the family's fused attention
     gate_up = 2 * model.hidden_size * model.ffn_hidden_size * max(1, model.num_experts)
     return (qkv + gate_up) / layout.tensor
 
