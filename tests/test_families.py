@@ -99,9 +99,9 @@ def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path)
     hf = random_hf(shape, tmp_path / "src")
     cli("import-hf", tmp_path / "src", "--output", tmp_path / "init")
     weights = load_weights(tmp_path / "init")
-    assert weights.model.family == model_cfg(shape).family
     assert weights.model.head_dim == HEAD_DIMS[shape]
-    assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
+    for name in family_of(model_cfg(shape)).architecture_fields:  # config.json both ways
+        assert getattr(weights.model, name) == getattr(model_cfg(shape), name), name
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     expected = _assert_equals_transformers(weights, hf, ids, prompt=9, new_tokens=12)
 
