@@ -329,6 +329,24 @@ def test_deepseek_v3_decodes_from_its_compressed_cache_as_without_one(shape):
     assert per_token == kv_cache_elements_per_token(cfg)  # the planner's count
 
 
+def test_deepseek_v3_keeps_documents_apart_under_document_masking():
+    """With document ids, each document's logits are those of the document run alone (its
+    positions from 0, no attention to the one before): latent attention's keys and values of
+    other widths go through the masked kernel."""
+    cfg = model_cfg("deepseek_v3")
+    model = build_model(cfg, seed=4).eval()
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    document_ids = torch.tensor([[0] * 10 + [1] * 14])
+    with torch.no_grad():
+        masked = model(tokens, document_ids=document_ids)
+        for span in (slice(0, 10), slice(10, 24)):
+            alone = model(tokens[:, span])
+            scale = alone.abs().max()
+            assert ((masked[:, span] - alone).abs().max() / scale).item() < 1e-5, span
+        unmasked = model(tokens)
+    assert ((unmasked[:, 10:] - masked[:, 10:]).abs().max() / scale).item() > 1e-3
+
+
 DEEPSEEK_LAYOUTS = {
     # name: (ranks, overrides): the heads over two tensor ranks, the latents' projections and
     # norms replicated with their gradients summed over the pair (with sequence parallelism;
