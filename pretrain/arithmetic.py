@@ -5,7 +5,8 @@ One definition of each count, shared by the config dry run, the planner (`pretra
 the telemetry's MFU / HFU. The parameters of a layer come from its family's parameter table
 (`pretrain.families`), so a family counts what it holds without a line here. FLOPs follow the
 Megatron / PaLM convention: 2 per weight per token forward, causal attention's QK^T and AV
-counted whole (4 * seq * heads * head_dim per layer forward: 4 * seq * hidden in Llama),
+counted whole (2 * seq * (queries + outputs) per layer forward, the widths of the family's
+`attention_widths`: 4 * seq * heads * head_dim, 4 * seq * hidden in Llama),
 training = 3 x forward; recomputed layers run their forward once more, which only hardware
 FLOPs count.
 
@@ -96,8 +97,17 @@ def layer_active_matmul_parameters(m: ModelConfig, index: int = 0) -> int:
 
 
 def _attention_width(m: ModelConfig) -> int:
-    """The width attention's scores and outputs are computed at: heads x head_dim."""
-    return m.num_heads * m.head_dim
+    """The widths attention's scores and outputs are computed at, summed (heads x (the q.k
+    width + the value width): 2 x heads x head_dim in Llama), from the family."""
+    widths = family_of(m).attention_widths(m)
+    return widths.queries + widths.outputs
+
+
+def kv_cache_elements_per_token(m: ModelConfig) -> int:
+    """Elements one token leaves in the decoding cache of the whole model (all layers), from
+    the family: Llama's keys and values, 2 x num_kv_heads x head_dim a layer; DeepSeek-V3's
+    latent and rotary key, kv_lora_rank + qk_rope_head_dim."""
+    return m.num_layers * family_of(m).attention_widths(m).cached
 
 
 def num_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
@@ -109,11 +119,12 @@ def num_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
 
 
 def _layer_active_parameters(m: ModelConfig, index: int) -> int:
-    """The parameters one token uses in decoder layer `index` (the router counted once)."""
-    layer = layer_active_matmul_parameters(m, index) + layer_parameters(m, index)[1]  # + norms
-    if family_of(m).moe_layer(m, index):
-        layer -= m.num_experts * m.hidden_size  # the router, replicated, is a matmul counted above
-    return layer
+    """The parameters one token uses in decoder layer `index`: its active matrices (a mixture's
+    experts_per_token experts and its router) and what is not a matrix (the gains; the
+    replicated matrices - a router, DeepSeek-V3's latent down-projections - are counted with
+    the matrices)."""
+    return layer_active_matmul_parameters(m, index) + sum(layer_parameters(m, index)) \
+        - family_of(m).layer_matmul_parameters(m, index)
 
 
 def num_active_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
@@ -128,7 +139,7 @@ def num_active_parameters(m: ModelConfig, *, include_embeddings: bool = True) ->
 def layer_forward_flops_per_token(m: ModelConfig, index: int = 0) -> float:
     """Forward matmul FLOPs of decoder layer `index` per token (active parameters under MoE)."""
     return 2.0 * layer_active_matmul_parameters(m, index) \
-        + 4.0 * m.seq_length * _attention_width(m)
+        + 2.0 * m.seq_length * _attention_width(m)
 
 
 def mean_layer_forward_flops_per_token(m: ModelConfig, indices: list[int]) -> float:
@@ -149,10 +160,10 @@ def mean(values: list[float]) -> float:
 def model_flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), without recomputation:
     6 per non-embedding weight and output-projection weight, plus attention's QK^T and AV
-    (12 * seq * heads * head_dim per layer for forward and backward; causality's halving not
-    applied)."""
+    (6 * seq * (queries + outputs) per layer for forward and backward: 12 * seq * heads *
+    head_dim in Llama; causality's halving not applied)."""
     n = num_active_parameters(m, include_embeddings=False) + m.vocab_size * m.hidden_size
-    return 6.0 * n + 12.0 * m.num_layers * _attention_width(m) * m.seq_length
+    return 6.0 * n + 6.0 * m.num_layers * _attention_width(m) * m.seq_length
 
 
 def recomputed_layers(recompute: Recompute, *, interval: int, layers: int) -> int:

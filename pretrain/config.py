@@ -176,12 +176,14 @@ LOG_LEVELS = ("debug", "info", "warning")  # logging.level, most verbose first
 
 @dataclass
 class ModelConfig(_Freezable):
-    """Decoder architecture of one model family (`pretrain.families`: llama, qwen3). `preset`
+    """Decoder architecture of one model family (`pretrain.families`: llama, qwen3,
+    deepseek_v3). `preset`
     fills every field the YAML does not set."""
 
     preset: str | None = None  # one of MODEL_PRESETS; explicit fields override it
     family: str = "llama"  # llama (Llama 2/3, Mixtral with num_experts) | qwen3 (per-head q/k
-    # RMSNorm before RoPE); each family's parameter table and HF adapter in pretrain/families/
+    # RMSNorm before RoPE) | deepseek_v3 (multi-head latent attention; dense MLPs for now);
+    # each family's parameter table and HF adapter in pretrain/families/
     vocab_size: int | str = 32000  # tokenizer's vocabulary (or more); padded for the embedding
     # (padded_vocab_size); auto: data.tokenizer's, read before the process group starts
     hidden_size: int = 4096  # d_model
@@ -232,6 +234,14 @@ class ModelConfig(_Freezable):
     # the dense MLP otherwise (Hugging Face's decoder_sparse_step); llama: 1
     moe_norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1
     # (Mixtral, Qwen3-MoE's norm_topk_prob); false: the softmax's own (qwen3 only)
+    # deepseek_v3's multi-head latent attention (pretrain/model/mla.py); DeepSeek-V3's sizes
+    q_lora_rank: int = 1536  # queries through a rank-q_lora_rank latent (q_a_proj, its norm,
+    # q_b_proj); 0: one q_proj
+    kv_lora_rank: int = 512  # the latent keys and values are expanded from (the decoding cache)
+    qk_nope_head_dim: int = 128  # each head's query/key features without rotary embedding
+    qk_rope_head_dim: int = 64  # each head's rotary features (the key's shared by the heads);
+    # model.head_dim is this width in deepseek_v3
+    v_head_dim: int = 128  # each head's value width
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -251,6 +261,8 @@ class ModelConfig(_Freezable):
         if self.head_dim < 0:
             _fail("model", "head_dim", self.head_dim,
                   "must be a positive head width, or 0 (hidden_size // num_heads)")
+        if self.family == "deepseek_v3":
+            self._check_latent_attention()  # settles head_dim: the rotary width
         if not self.head_dim and self.hidden_size % self.num_heads:
             _fail("model", "hidden_size", self.hidden_size,
                   f"must be divisible by model.num_heads={self.num_heads} "
@@ -301,6 +313,39 @@ class ModelConfig(_Freezable):
             _fail("model", "moe_layer_interval", self.moe_layer_interval,
                   "must be a positive integer (1: every layer's MLP is the mixture)")
 
+    def _check_latent_attention(self) -> None:
+        """deepseek_v3's multi-head latent attention: positive widths, an even rotary one
+        (model.head_dim, the rotary table's width, is it), every head its own keys and values,
+        and what the model does not implement refused."""
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                _fail("model", name, getattr(self, name), "must be a positive integer")
+        if self.q_lora_rank < 0:
+            _fail("model", "q_lora_rank", self.q_lora_rank,
+                  "must be 0 (queries projected directly) or the rank of the query latent")
+        if self.qk_rope_head_dim % 2:
+            _fail("model", "qk_rope_head_dim", self.qk_rope_head_dim,
+                  "must be even: rotary embeddings rotate pairs of features")
+        if self.head_dim and self.head_dim != self.qk_rope_head_dim:
+            _fail("model", "head_dim", self.head_dim,
+                  f"must be 0 or model.qk_rope_head_dim={self.qk_rope_head_dim} in deepseek_v3 "
+                  "(the rotary width; the attention widths are qk_nope_head_dim + "
+                  "qk_rope_head_dim and v_head_dim)")
+        self.head_dim = self.qk_rope_head_dim
+        if self.num_kv_heads != self.num_heads:
+            _fail("model", "num_kv_heads", self.num_kv_heads,
+                  f"must equal model.num_heads={self.num_heads} in deepseek_v3: latent attention "
+                  "expands keys and values for every head")
+        if self.rope_scaling != "none":
+            _fail("model", "rope_scaling", self.rope_scaling,
+                  "deepseek_v3 supports only none here (DeepSeek's YaRN scaling is not "
+                  "implemented)")
+        if self.parametrization != Parametrization.STANDARD:
+            _fail("model", "parametrization",
+                  getattr(self.parametrization, "value", self.parametrization),
+                  "deepseek_v3 supports only standard (muP's attention scale and its export "
+                  "are not derived for latent attention)")
+
     def _check_family(self) -> None:
         if self.family not in MODEL_FAMILIES:
             _fail("model", "family", self.family,
@@ -341,7 +386,7 @@ class ModelConfig(_Freezable):
 
 
 # model.family: the families of `pretrain.model.families` (the config names them without torch)
-MODEL_FAMILIES = ("llama", "qwen3")
+MODEL_FAMILIES = ("llama", "qwen3", "deepseek_v3")
 MOE_FAMILIES = ("llama", "qwen3")  # those with model.num_experts > 0: Mixtral, Qwen3-MoE
 ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
 

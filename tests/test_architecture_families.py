@@ -15,7 +15,7 @@ LAYER_NAMES = re.compile(r"\b(?:q|k|v|o|gate|up|down)_proj\b|\b[qk]_norm\b|input
                          r"post_attention_layernorm|block_sparse_moe")
 
 # the families' own modules: their tables, their building blocks, Mixtral's experts and names
-FAMILY_PLACES = ("families/", "model/llama.py", "model/qwen3.py", "model/moe.py",
+FAMILY_PLACES = ("families/", "model/llama.py", "model/qwen3.py", "model/mla.py", "model/moe.py",
                  "model/mixtral.py", "model/expert_parallel.py", "testing/")
 
 

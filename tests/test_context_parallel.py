@@ -225,6 +225,15 @@ def test_model_context2_loss_and_grads_equal_one_process(tmp_path, family):
     _assert_model_matches(tmp_path, 2, 1, dict(seq_length=32, **family))
 
 
+@pytest.mark.slow  # 2 spawned ranks; the quick tier has llama's and qwen3's
+def test_deepseek_v3_context2_loss_and_grads_equal_one_process(tmp_path):
+    """The same for DeepSeek-V3's latent attention: its expanded keys and values, of other
+    widths (q.k 12 + 8, values 16), exchanged for the whole sequence of half the heads."""
+    _assert_model_matches(tmp_path, 2, 1, dict(
+        seq_length=32, family="deepseek_v3", num_kv_heads=4, q_lora_rank=40, kv_lora_rank=24,
+        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16))
+
+
 @pytest.mark.slow  # 4 spawned ranks
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_model_tp2_context2_loss_and_grads_equal_one_process(tmp_path, sequence_parallel):

@@ -1,6 +1,8 @@
 """Model families (`pretrain.families`): each family's tiny model of an unusual shape is
 `transformers`' own class through `import-hf`, `export-hf` and greedy decoding; its parameter
-table agrees with the model it builds; Llama 3's rotary scaling is transformers' `llama3`."""
+table agrees with the model it builds; Llama 3's rotary scaling is transformers' `llama3`;
+DeepSeek-V3's latent attention decodes from its compressed cache as without one, and trains
+with its heads over two tensor ranks as one process does."""
 from __future__ import annotations
 
 import json
@@ -11,7 +13,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from pretrain.arithmetic import num_parameters
+from pretrain.arithmetic import kv_cache_elements_per_token, num_parameters
 from pretrain.cli import main as pretrain_main
 from pretrain.checkpoint.weights import load_weights
 from pretrain.config import load_config
@@ -31,6 +33,10 @@ VOCAB = 515  # odd: padded rows under every tensor-parallel size
 # default, so that one dropped on the way shows) that put the tiny head's frequencies in every
 # band: wavelength 6.3 kept (< 60 / 6), 32.5 blended (< 60 / 1.5), the rest divided by 8;
 # Qwen3's head_dim 24, not hidden / heads = 16
+# DeepSeek-V3's latent attention with a query latent and without (q_proj), every width its
+# own (rotary != nope)
+DEEPSEEK_V3 = ["model.family=deepseek_v3", "model.num_kv_heads=4", "model.kv_lora_rank=24",
+               "model.v_head_dim=20"]
 SHAPES = {
     "llama3": ["model.family=llama", "model.rope_scaling=llama3", "model.rope_theta=500000",
                "model.rope_scaling_factor=8", "model.rope_original_max_positions=60",
@@ -48,6 +54,10 @@ SHAPES = {
     "qwen3_moe_softmax": ["model.family=qwen3", "model.head_dim=24", "model.num_experts=6",
                           "model.experts_per_token=2", "model.moe_ffn_hidden_size=40",
                           "model.moe_norm_topk_prob=false"],
+    "deepseek_v3": [*DEEPSEEK_V3, "model.q_lora_rank=40", "model.qk_nope_head_dim=12",
+                    "model.qk_rope_head_dim=8"],
+    "deepseek_v3_q_proj": [*DEEPSEEK_V3, "model.q_lora_rank=0", "model.qk_nope_head_dim=6",
+                           "model.qk_rope_head_dim=10"],
 }
 SHAPES["qwen3_tied"] = [*SHAPES["qwen3"], "model.tie_embeddings=true"]  # as Qwen3-0.6B
 # trained: the balance loss and z-loss on, so that their gradients are compared too
@@ -57,7 +67,11 @@ HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwe
               "qwen3_tied": transformers.Qwen3ForCausalLM,
               "qwen3_moe": transformers.Qwen3MoeForCausalLM,
               "qwen3_moe_softmax": transformers.Qwen3MoeForCausalLM,
-              "qwen3_moe_losses": transformers.Qwen3MoeForCausalLM}
+              "qwen3_moe_losses": transformers.Qwen3MoeForCausalLM,
+              "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+              "deepseek_v3_q_proj": transformers.DeepseekV3ForCausalLM}
+# qwen3: not 64 / 4; deepseek_v3: the rotary width
+HEAD_DIMS = {"llama3": 16, "deepseek_v3": 8, "deepseek_v3_q_proj": 10}
 
 
 def model_cfg(shape: str, *more: str):
@@ -67,7 +81,8 @@ def model_cfg(shape: str, *more: str):
 
 def random_hf(shape: str, path: Path):
     """A randomly initialised transformers model of the shape, saved to `path`; its norms
-    (Qwen3's q/k norms too) away from 1, so a dropped or swapped norm shows."""
+    (Qwen3's q/k norms, DeepSeek-V3's latent norms too) away from 1, so a dropped or swapped
+    norm shows."""
     torch.manual_seed(5)
     hf = HF_CLASSES[shape](to_hf_config(model_cfg(shape), bos_token_id=1, eos_token_id=2,
                                         attn_implementation="eager"))
@@ -114,10 +129,9 @@ def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path,
             if not o.startswith("model.init_from=")]
     check_same_architecture(weights.model, load_config(None, hint).model, source="import-hf")
     assert weights.model.family == model_cfg(shape).family
-    assert weights.model.head_dim == (16 if shape == "llama3" else 24)  # qwen3: not 64 / 4
+    assert weights.model.head_dim == HEAD_DIMS.get(shape, 24)
     assert weights.model.tie_embeddings == (shape == "qwen3_tied")
-    for name in ("num_experts", "experts_per_token", "moe_ffn_hidden_size",
-                 "moe_layer_interval", "moe_norm_topk_prob", "num_layers"):
+    for name in family_of(model_cfg(shape)).architecture_fields:  # config.json both ways
         assert getattr(weights.model, name) == getattr(model_cfg(shape), name), name
     assert weights.model.rope_scaling == model_cfg(shape).rope_scaling
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -186,10 +200,15 @@ def test_parameter_table_is_the_built_model(family, more):
     (a q_norm is head_dim long, not a hidden_size norm; a fine-grained expert's projections
     its own inner size, the dense layers' theirs), the seeded init fills it (norms 1), and the
     counts from the table are the model's."""
-    cfg = load_config(None, ["model.preset=tiny", f"model.family={family}", "model.head_dim=24",
+    shape = SHAPES["deepseek_v3"] if family == "deepseek_v3" else ["model.head_dim=24"]
+    cfg = load_config(None, ["model.preset=tiny", f"model.family={family}", *shape,
                              f"model.vocab_size={VOCAB}", *more]).model
     model = build_model(cfg, seed=3)
-    assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 24, 64)  # 4 heads of 24
+    attention = model.model.layers[0].self_attn
+    if family == "deepseek_v3":  # 4 heads of 12 + 8 query/key features
+        assert attention.q_b_proj.weight.shape == (4 * 20, 40)
+    else:
+        assert attention.q_proj.weight.shape == (4 * 24, 64)  # 4 heads of 24
     params = dict(model.named_parameters())
     assert set(params) == expected_hf_keys(cfg)
     for name, p in params.items():
@@ -201,6 +220,52 @@ def test_parameter_table_is_the_built_model(family, more):
         if family_of(cfg).parameter(name).init == "ones":
             assert bool((init == 1).all()), name
     assert model.num_parameters() == num_parameters(cfg)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_layers_flops_are_the_planners(shape):
+    """The FLOPs torch counts in one decoder layer's forward over seq_length tokens (attention
+    by the math kernel, so its two matmuls are counted) are seq_length x the planner's per-token
+    count: the table's matrices and the family's attention widths (DeepSeek-V3's q.k over
+    nope + rope features, its values v_head_dim wide)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pretrain.arithmetic import layer_forward_flops_per_token
+
+    cfg = model_cfg(shape)
+    model = build_model(cfg, seed=1)
+    T = cfg.seq_length
+    cos, sin = model.model.rotary_emb(T, torch.float32)
+    x = torch.randn(1, T, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), \
+            sdpa_kernel([SDPBackend.MATH]):
+        model.model.layers[0](x, cos, sin)
+    counted, planned = counter.get_total_flops(), T * layer_forward_flops_per_token(cfg)
+    if family_of(cfg).moe_layer(cfg, 0):  # + the combine's k weights x outputs (2 k a token)
+        assert 0 <= counted - planned <= 2 * cfg.experts_per_token * T, (counted, planned)
+    else:
+        assert counted == planned
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("model.num_kv_heads=2", "model.num_kv_heads=2: must equal model.num_heads=4"),
+    ("model.head_dim=16", "model.head_dim=16: must be 0 or model.qk_rope_head_dim=8"),
+    ("model.qk_rope_head_dim=7", "model.qk_rope_head_dim=7: must be even"),
+    ("model.kv_lora_rank=0", "model.kv_lora_rank=0: must be a positive integer"),
+    ("model.q_lora_rank=-1", "model.q_lora_rank=-1: must be 0 (queries projected directly)"),
+    ("model.rope_scaling=llama3", "model.rope_scaling='llama3': deepseek_v3 supports only none"),
+    ("model.parametrization=mup", "model.parametrization='mup': deepseek_v3 supports only"),
+    ("model.num_experts=4", "model.num_experts=4: a mixture of experts is the llama and qwen3 families'"),
+])
+def test_deepseek_v3_refuses_what_its_attention_cannot_be(setting, message):
+    """Each setting latent attention cannot honour is one `ConfigError` naming it."""
+    from pretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["model.preset=tiny", *SHAPES["deepseek_v3"], setting])
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 # ---- trained on layouts: each family imported, trained, exported ---------------------------------
@@ -236,6 +301,14 @@ FAMILY_LAYOUTS = {
     ("qwen3_moe_losses", "tp2_sp"): (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
     ("qwen3_moe_losses", "tp2_expert2"): (2, ["parallel.tensor=2", "parallel.expert=2"]),
     ("qwen3_moe_losses", "pp2"): (2, ["parallel.pipeline=2"]),
+    # DeepSeek-V3: the heads over two tensor ranks, the latents' projections and norms
+    # replicated with their gradients summed over the pair (with sequence parallelism; under
+    # ZeRO-3, which gathers them; fsdp2); a pipeline's stages
+    ("deepseek_v3", "tp2_sp"): (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    ("deepseek_v3", "zero3_tp2_dp2"): (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
+    ("deepseek_v3", "fsdp2_tp2_sp_dp2"): (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
+                                              "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    ("deepseek_v3", "pp2"): (2, ["parallel.pipeline=2"]),
 }
 
 
@@ -353,3 +426,48 @@ def test_qwen3_moe_counts_sum_its_layers_dense_and_mixture():
     embed = cfg.padded_vocab_size(1) * cfg.hidden_size
     assert [stage_parameters(cfg, layout, items) for items in stages] == \
         [embed + sum(built[:3]), built[3] + cfg.hidden_size + embed]
+
+
+# ---- DeepSeek-V3: the compressed cache; heads over tensor ranks ---------------------------------
+
+@pytest.mark.parametrize("shape", ["deepseek_v3", "deepseek_v3_q_proj"])
+def test_deepseek_v3_decodes_from_its_compressed_cache_as_without_one(shape):
+    """The cache holds each token's latent (kv_lora_rank) and rotary key (qk_rope_head_dim),
+    not per-head keys and values; the logits of a prompt then of one token after another from
+    it are those of the whole sequence run at once (a wrong position, a stale latent or a key
+    not shared shows)."""
+    from pretrain.model.llama import LayerCache
+
+    cfg = model_cfg(shape)
+    model = build_model(cfg, seed=4).eval()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    cache = [LayerCache() for _ in model.model.layers]
+    with torch.no_grad():
+        whole = model(ids)
+        steps = [model.vocab_logits(model.hidden_states(ids[:, :8], cache))]
+        for t in range(8, 12):
+            steps.append(model.vocab_logits(model.hidden_states(ids[:, t:t + 1], cache)))
+    cached = torch.cat(steps, dim=1)[..., :VOCAB]
+    assert ((cached - whole).abs().max() / whole.abs().max()).item() < 1e-5
+    assert cache[0].keys.shape == (2, 1, 12, cfg.qk_rope_head_dim)
+    assert cache[0].values.shape == (2, 1, 12, cfg.kv_lora_rank)
+    per_token = sum(c.keys.shape[-1] + c.values.shape[-1] for c in cache)
+    assert per_token == kv_cache_elements_per_token(cfg)  # the planner's count
+
+
+def test_deepseek_v3_keeps_documents_apart_under_document_masking():
+    """With document ids, each document's logits are those of the document run alone (its
+    positions from 0, no attention to the one before): latent attention's keys and values of
+    other widths go through the masked kernel."""
+    cfg = model_cfg("deepseek_v3")
+    model = build_model(cfg, seed=4).eval()
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    document_ids = torch.tensor([[0] * 10 + [1] * 14])
+    with torch.no_grad():
+        masked = model(tokens, document_ids=document_ids)
+        for span in (slice(0, 10), slice(10, 24)):
+            alone = model(tokens[:, span])
+            scale = alone.abs().max()
+            assert ((masked[:, span] - alone).abs().max() / scale).item() < 1e-5, span
+        unmasked = model(tokens)
+    assert ((unmasked[:, 10:] - masked[:, 10:]).abs().max() / scale).item() > 1e-3

@@ -100,6 +100,8 @@ REGISTRY: dict[str, str] = {
     "model.moe_layer_interval": T_FAMILY_HF,
     "model.moe_norm_topk_prob": ("tests/test_moe_grouped.py::"
                                  "test_fine_grained_experts_grouped_equal_the_loop_and_transformers_block"),
+    **dict.fromkeys(["model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim",
+                     "model.qk_rope_head_dim", "model.v_head_dim"], T_FAMILY_HF),
     # parallel.*
     "parallel.tensor": "tests/test_tensor_parallel.py::test_model_tp2_matches_tp1",
     "parallel.pipeline": "tests/test_pipeline.py::test_pp2_matches_single_process",
@@ -323,6 +325,11 @@ MUTANT_OF: dict[str, str] = {
     "model.moe_ffn_hidden_size": "qwen3moe-expert-size-is-dense",
     "model.moe_layer_interval": "qwen3moe-interval-ignored",
     "model.moe_norm_topk_prob": "qwen3moe-topk-always-renormalised",
+    "model.q_lora_rank": "mla-q-lora-rank-ignored",
+    "model.kv_lora_rank": "mla-kv-lora-rank-ignored",
+    "model.qk_nope_head_dim": "mla-qk-nope-head-dim-ignored",
+    "model.qk_rope_head_dim": "mla-qk-rope-head-dim-ignored",
+    "model.v_head_dim": "mla-v-head-dim-ignored",
     "parallel.tensor": "model-tp-forward-not-reduced",
     "parallel.context": "context-chunk-positions-from-zero",
     "parallel.context_kind": "context-allgather-kind-ignored",

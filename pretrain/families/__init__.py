@@ -20,13 +20,15 @@ from __future__ import annotations
 
 from pretrain.config import ModelConfig
 from pretrain.families.base import (EMBED, EMBEDDING, HIDDEN, LM_HEAD, NORM, ONES, OUTPUT,
-                                    RESIDUAL, NORMAL, ROPE_SCALING_FIELDS, Family, Parameter,
-                                    check_pipeline_split, check_tensor_split)
+                                    RESIDUAL, NORMAL, ROPE_SCALING_FIELDS, AttentionWidths, Family,
+                                    Parameter, check_pipeline_split, check_tensor_split)
 from pretrain.families.llama import LLAMA
 from pretrain.families.qwen3 import QWEN3
+from pretrain.families.deepseek_v3 import DEEPSEEK_V3
 
 # model.family -> its Family (one line per family; pretrain.config.MODEL_FAMILIES names the same)
-FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN3)}
+FAMILIES: dict[str, Family] = {family.name: family
+                               for family in (LLAMA, QWEN3, DEEPSEEK_V3)}
 
 
 def family_of(cfg: ModelConfig) -> Family:
@@ -64,7 +66,7 @@ def is_muon_matrix(name: str) -> bool:
                if parts[1] in family.parameters)
 
 
-__all__ = ["EMBED", "EMBEDDING", "FAMILIES", "Family", "HIDDEN", "LM_HEAD", "NORM", "NORMAL",
-           "ONES", "OUTPUT", "Parameter", "RESIDUAL", "ROPE_SCALING_FIELDS", "check_pipeline_split",
-           "check_tensor_split",
+__all__ = ["AttentionWidths", "EMBED", "EMBEDDING", "FAMILIES", "Family", "HIDDEN", "LM_HEAD",
+           "NORM", "NORMAL", "ONES", "OUTPUT", "Parameter", "RESIDUAL", "ROPE_SCALING_FIELDS",
+           "check_pipeline_split", "check_tensor_split",
            "family_of", "family_of_hf_config", "is_muon_matrix", "tensor_partition_dim_of"]

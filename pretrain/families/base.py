@@ -45,6 +45,30 @@ class Parameter:
 
 
 @dataclass(frozen=True)
+class AttentionWidths:
+    """The widths one decoder layer's attention works at, per token, unsharded (the planner's
+    FLOPs, activations and exchanges, and the decoding cache): its queries and keys (heads x the
+    q.k width; kv heads x it), values (kv heads x the value width), outputs (heads x the value
+    width), the elements a token leaves in the layer's decoding cache, and the weight elements
+    fused projections concatenate (`pretrain.model.llama.fused_projections`; 0: none)."""
+
+    queries: int
+    keys: int
+    values: int
+    outputs: int
+    cached: int
+    concatenated: int
+
+
+def grouped_query_widths(cfg: ModelConfig) -> AttentionWidths:
+    """Grouped-query attention's: heads x head_dim for queries and outputs, num_kv_heads x
+    head_dim for keys and values, both cached; q, k and v fused into one matmul."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return AttentionWidths(queries=q, keys=kv, values=kv, outputs=q, cached=2 * kv,
+                           concatenated=cfg.hidden_size * (q + 2 * kv))
+
+
+@dataclass(frozen=True)
 class Family:
     """What one decoder architecture is, for the code that builds, initialises, shards,
     converts and plans it."""
@@ -74,6 +98,9 @@ class Family:
     # whether decoder layer `index`'s MLP is the mixture of experts (`modules["moe"]`) or the
     # dense one (`modules["mlp"]`); by default every layer's when model.num_experts > 0
     moe_layer: Callable[[ModelConfig, int], bool] = lambda cfg, index: cfg.num_experts > 0
+
+    # the widths attention computes at and caches (`pretrain.arithmetic`, the planner)
+    attention_widths: Callable[[ModelConfig], AttentionWidths] = grouped_query_widths
 
     def fields_to_agree(self, *cfgs: ModelConfig) -> tuple[str, ...]:
         """The `ModelConfig` fields weights and a run must agree on: `architecture_fields` and

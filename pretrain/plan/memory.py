@@ -62,6 +62,7 @@ from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
 from pretrain.resolve.fsdp2_rules import (SPLIT_BACKWARD, layout_refusals, raise_refusals,
                                           reshards_after_forward)
 from pretrain.errors import ConfigError
+from pretrain.families import family_of
 from pretrain.resolve.layout import Layout
 from pretrain.plan.context import gathered_kv_bytes
 
@@ -102,8 +103,10 @@ def layer_activation_elements(m: ModelConfig, layout: Layout,
     attention keeps no s x s scores, no dropout, SwiGLU) the saved tensors are, in units of h
     elements of the activation dtype: replicated: the two RMSNorms' inputs and outputs (4; 6 in
     16-bit, where the norm saves its fp32 upcast); sharded: q (1), k and v (2*kv/h), the attention
-    output (1) and the output projection's input (1) (q's width heads x head_dim), and SwiGLU's gate, up, silu(gate) and
-    product (4*f/h). A family that normalises attention's projections per head (its
+    output (1) and the output projection's input (1) (q's width heads x head_dim; the widths are
+    the family's `attention_widths`: DeepSeek-V3's keys as wide as its queries, its values and
+    outputs heads x v_head_dim; its replicated latents are not counted), and SwiGLU's gate, up,
+    silu(gate) and product (4*f/h). A family that normalises attention's projections per head (its
     `normed_projection_width`: Qwen3's q and k) adds those norms' inputs and outputs (2 units of
     the width, 3 in 16-bit: the upcast), sharded with the heads. A mixture of experts (pretrain/model/moe.py) runs SwiGLU on experts_per_token
     (k) copies of each token (4*k*f/h, sharded) and holds, on the whole gathered sequence even
@@ -115,13 +118,14 @@ def layer_activation_elements(m: ModelConfig, layout: Layout,
     if layout.recompute == Recompute.SELECTIVE:
         return selective_layer_activation_elements(m, layout, index)
     h = m.hidden_size
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim  # q is h unless head_dim is set
+    widths = family_of(m).attention_widths(m)  # Llama: q, output h (unless head_dim is set)
+    attention = widths.queries + widths.keys + widths.values + 2.0 * widths.outputs
     norm_units = 2.0 if layout.precision == Precision.FP32 else 3.0
     replicated = 2 * norm_units * h
     moe = family_of(m).moe_layer(m, index)
     copies = m.experts_per_token if moe else 1
     inner = m.expert_ffn_hidden_size if moe else m.ffn_hidden_size
-    sharded = (3.0 * q + 2.0 * kv + 4.0 * copies * inner
+    sharded = (attention + 4.0 * copies * inner
                + norm_units * family_of(m).normed_projection_width(m)) / layout.tensor
     if layout.sequence_parallel:
         replicated /= layout.tensor
@@ -142,13 +146,14 @@ def selective_layer_activation_elements(m: ModelConfig, layout: Layout,
     attention output (q), SwiGLU's gate and up (2 f, k copies under a mixture of experts). The
     norms (the family's per-head ones too), rotary, silu and products are recomputed."""
     h = m.hidden_size
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    widths = family_of(m).attention_widths(m)
     moe = family_of(m).moe_layer(m, index)
     copies = m.experts_per_token if moe else 1
     inner = m.expert_ffn_hidden_size if moe else m.ffn_hidden_size
     layer_input = h / layout.tensor if layout.sequence_parallel else float(h)
     replicated = layer_input + h + copies * h + (m.num_experts if moe else 0)
-    sharded = (2.0 * q + 2.0 * kv + 2.0 * copies * inner) / layout.tensor
+    sharded = (widths.queries + widths.keys + widths.values + widths.outputs
+               + 2.0 * copies * inner) / layout.tensor
     return replicated, sharded
 
 

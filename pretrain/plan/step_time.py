@@ -118,9 +118,9 @@ def _context_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
     if layout.context_kind == "allgather":  # K and V gathered instead (`plan.context`)
         return allgather_context(model, layout, cluster, layers=mb.layers).seconds
     gbps = _link_gbps(cluster, layout.tensor * layout.context)
-    kv = model.num_kv_heads * model.head_dim
-    q = model.num_heads * model.head_dim
-    exchanged = mb.tokens * (2 * q + 2 * kv) / layout.tensor * mb.act_bytes
+    widths = family_of(model).attention_widths(model)
+    exchanged = mb.tokens * (widths.queries + widths.keys + widths.values + widths.outputs) \
+        / layout.tensor * mb.act_bytes
     all_to_alls = 2 * mb.layers + layout_recomputed_layers(layout, mb.layers)
     return all_to_alls * (layout.context - 1) / layout.context \
         * exchanged / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
@@ -285,7 +285,7 @@ def _concatenated_weights(model: ModelConfig, layout: Layout) -> float:
     the MLP or of every expert it holds (1/tp of each of E, or E/ep whole: the same count)."""
     if not model.fused_projections:
         return 0.0
-    qkv = model.hidden_size * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    qkv = family_of(model).attention_widths(model).concatenated  # the family's fused attention
     family = family_of(model)  # dense and mixture layers (a family may mix them): their mean
     gate_up = mean([2 * model.hidden_size * (
         model.expert_ffn_hidden_size * model.num_experts if family.moe_layer(model, i)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pretrain.config import ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
 # the model's own shape rules, which the model checks itself; the layout applies them to a run
-from pretrain.families import check_pipeline_split, check_tensor_split
+from pretrain.families import check_pipeline_split, check_tensor_split, family_of
 
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # reduce / allgather bucket elements when not configured
 
@@ -157,6 +157,12 @@ def _check_allgather(model: ModelConfig, layout: Layout) -> None:
         raise ConfigError(f"model.seq_length={model.seq_length}: each context rank's "
                           f"{model.seq_length // cp} tokens must be divisible by parallel.tensor="
                           f"{tp} for sequence parallelism with parallel.context_kind=allgather")
+    widths = family_of(model).attention_widths(model)
+    if widths.keys != widths.values or widths.cached != widths.keys + widths.values:
+        raise ConfigError(f"parallel.context_kind=allgather with model.family={model.family}: "
+                          "all-gather context gathers per-head keys and values of one width, and "
+                          "this family's attention makes them from a latent (not built); use "
+                          "parallel.context_kind=ulysses")
     if model.compile:
         raise ConfigError(f"model.compile=true with parallel.context={cp}: not supported yet "
                           "(the compiled decoder layers would hold the all-gather of attention, "
