@@ -79,3 +79,17 @@ def replica_mean_loss_and_grads(model, loss: torch.Tensor, *, topology, groups) 
             dist.all_reduce(g, group=groups.data)
             g /= topology.replicas
     return {"loss": float(loss.detach()), "grads": grads}
+
+
+def assert_ranks_match_one_process(single: dict, results: list[dict], *,
+                                   rtol: float = 1e-6) -> None:
+    """Each rank's `replica_mean_loss_and_grads` equals one process's: the loss, and every
+    gradient to `rtol` of its largest element (fp64 models but for the fp32 cross entropy:
+    ~1e-7; a key at the wrong position, a misplaced head or a gradient not reduced is O(1));
+    and no gradient of the single run is all zero (the comparison would prove nothing)."""
+    for rank, result in enumerate(results):
+        assert abs(result["loss"] - single["loss"]) <= rtol * abs(single["loss"]), rank
+        for name, g in single["grads"].items():
+            err = float((result["grads"][name] - g).abs().max())
+            assert err <= rtol * float(g.abs().max()), (rank, name, err)
+    assert min(float(g.abs().max()) for g in single["grads"].values()) > 0
