@@ -182,7 +182,7 @@ class ModelConfig(_Freezable):
 
     preset: str | None = None  # one of MODEL_PRESETS; explicit fields override it
     family: str = "llama"  # llama (Llama 2/3, Mixtral with num_experts) | qwen3 (per-head q/k
-    # RMSNorm before RoPE) | deepseek_v3 (multi-head latent attention; dense MLPs for now);
+    # RMSNorm before RoPE) | deepseek_v3 (multi-head latent attention, DeepSeek-V3's experts);
     # each family's parameter table and HF adapter in pretrain/families/
     vocab_size: int | str = 32000  # tokenizer's vocabulary (or more); padded for the embedding
     # (padded_vocab_size); auto: data.tokenizer's, read before the process group starts
@@ -234,6 +234,16 @@ class ModelConfig(_Freezable):
     # the dense MLP otherwise (Hugging Face's decoder_sparse_step); llama: 1
     moe_norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1
     # (Mixtral, Qwen3-MoE's norm_topk_prob); false: the softmax's own (qwen3 only)
+    moe_router: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (deepseek_v3: sigmoid
+    # scores, an expert bias steering the choice only, group-limited top-k)
+    moe_bias_update_rate: float = 0.0  # sigmoid: after each optimizer step every expert's bias
+    # moves by this toward balance (auxiliary-loss-free balancing; 0: the bias stays)
+    moe_groups: int = 1  # sigmoid: the experts form this many groups (DeepSeek-V3's n_group)
+    moe_topk_groups: int = 1  # sigmoid: each token chooses among its best this many groups
+    moe_routed_scaling_factor: float = 1.0  # sigmoid: the combine weights' factor
+    num_shared_experts: int = 0  # deepseek_v3: a SwiGLU of this many x moe_ffn_hidden_size
+    # inner features beside the routed experts, every token through it
+    moe_first_dense_layers: int = 0  # deepseek_v3: the first this many layers' MLP stays dense
     # deepseek_v3's multi-head latent attention (pretrain/model/mla.py); DeepSeek-V3's sizes
     q_lora_rank: int = 1536  # queries through a rank-q_lora_rank latent (q_a_proj, its norm,
     # q_b_proj); 0: one q_proj
@@ -312,6 +322,37 @@ class ModelConfig(_Freezable):
         if self.moe_layer_interval < 1:
             _fail("model", "moe_layer_interval", self.moe_layer_interval,
                   "must be a positive integer (1: every layer's MLP is the mixture)")
+        if self.moe_router not in MOE_ROUTERS:
+            _fail("model", "moe_router", self.moe_router,
+                  f"choose one of {', '.join(MOE_ROUTERS)}")
+        for name in ("moe_bias_update_rate", "num_shared_experts", "moe_first_dense_layers"):
+            if getattr(self, name) < 0:
+                _fail("model", name, getattr(self, name), "must be 0 (off) or positive")
+        if self.moe_routed_scaling_factor <= 0:
+            _fail("model", "moe_routed_scaling_factor", self.moe_routed_scaling_factor,
+                  "must be positive (1: the weights as chosen)")
+        if self.moe_groups < 1:
+            _fail("model", "moe_groups", self.moe_groups, "must be a positive integer")
+        if not 1 <= self.moe_topk_groups <= self.moe_groups:
+            _fail("model", "moe_topk_groups", self.moe_topk_groups,
+                  f"must be between 1 and model.moe_groups={self.moe_groups}")
+        if self.moe_router == "softmax":
+            for name, default in (("moe_bias_update_rate", 0.0), ("moe_groups", 1),
+                                  ("moe_topk_groups", 1), ("moe_routed_scaling_factor", 1.0)):
+                if getattr(self, name) != default:
+                    _fail("model", name, getattr(self, name),
+                          "belongs to the sigmoid router (model.moe_router=sigmoid); the "
+                          f"softmax router has {name}={default}")
+        if self.num_experts and self.moe_groups > 1:
+            if self.num_experts % self.moe_groups or self.num_experts // self.moe_groups < 2:
+                _fail("model", "moe_groups", self.moe_groups,
+                      f"must divide model.num_experts={self.num_experts} into groups of at "
+                      "least 2 experts (a group scores by its 2 best)")
+            allowed = self.moe_topk_groups * self.num_experts // self.moe_groups
+            if self.experts_per_token > allowed:
+                _fail("model", "experts_per_token", self.experts_per_token,
+                      f"exceeds the {allowed} experts of model.moe_topk_groups="
+                      f"{self.moe_topk_groups} groups")
 
     def _check_latent_attention(self) -> None:
         """deepseek_v3's multi-head latent attention: positive widths, an even rotary one
@@ -364,8 +405,20 @@ class ModelConfig(_Freezable):
                       "need 0 < low < high (the blend between them divides by high - low)")
         if self.num_experts and self.family not in MOE_FAMILIES:
             _fail("model", "num_experts", self.num_experts,
-                  f"a mixture of experts is the {' and '.join(MOE_FAMILIES)} families' "
-                  f"(Mixtral, Qwen3-MoE); model.family={self.family} has a dense MLP")
+                  f"a mixture of experts is the {', '.join(MOE_FAMILIES)} families' "
+                  f"(Mixtral, Qwen3-MoE, DeepSeek-V3); model.family={self.family} has a dense MLP")
+        if self.family == "deepseek_v3" and self.num_experts and self.moe_router != "sigmoid":
+            _fail("model", "moe_router", self.moe_router,
+                  "deepseek_v3's experts are routed by sigmoid scores: set model.moe_router=sigmoid")
+        if self.family != "deepseek_v3":
+            for name in ("num_shared_experts", "moe_first_dense_layers"):
+                if getattr(self, name):
+                    _fail("model", name, getattr(self, name),
+                          f"is DeepSeek-V3's (model.family=deepseek_v3); model.family="
+                          f"{self.family} has {name}=0")
+            if self.moe_router != "softmax":
+                _fail("model", "moe_router", self.moe_router,
+                      f"model.family={self.family} routes by softmax (sigmoid: deepseek_v3)")
         if self.family == "llama":  # Mixtral: every layer's MLP, experts of ffn_hidden_size
             for name, value, default in (("moe_ffn_hidden_size", self.moe_ffn_hidden_size, 0),
                                          ("moe_layer_interval", self.moe_layer_interval, 1),
@@ -387,7 +440,9 @@ class ModelConfig(_Freezable):
 
 # model.family: the families of `pretrain.model.families` (the config names them without torch)
 MODEL_FAMILIES = ("llama", "qwen3", "deepseek_v3")
-MOE_FAMILIES = ("llama", "qwen3")  # those with model.num_experts > 0: Mixtral, Qwen3-MoE
+MOE_FAMILIES = ("llama", "qwen3", "deepseek_v3")  # model.num_experts > 0: Mixtral, Qwen3-MoE,
+# DeepSeek-V3
+MOE_ROUTERS = ("softmax", "sigmoid")  # model.moe_router
 ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -1018,7 +1073,10 @@ _OTHER_STACKS_NAMES = {
     "max_position_embeddings": "seq_length", "data_path": "dataset",
     "num_local_experts": "num_experts", "num_experts_per_tok": "experts_per_token",
     "moe_intermediate_size": "moe_ffn_hidden_size", "decoder_sparse_step": "moe_layer_interval",
-    "norm_topk_prob": "moe_norm_topk_prob",
+    "norm_topk_prob": "moe_norm_topk_prob", "n_routed_experts": "num_experts",
+    "n_shared_experts": "num_shared_experts", "n_group": "moe_groups",
+    "topk_group": "moe_topk_groups", "routed_scaling_factor": "moe_routed_scaling_factor",
+    "first_k_dense_replace": "moe_first_dense_layers",
 }
 
 

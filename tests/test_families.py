@@ -59,6 +59,19 @@ SHAPES = {
     "deepseek_v3_q_proj": [*DEEPSEEK_V3, "model.q_lora_rank=0", "model.qk_nope_head_dim=6",
                            "model.qk_rope_head_dim=10"],
 }
+# DeepSeek-V3's experts: layer 0 dense, then 2 groups of 4 experts (inner 40), each token's
+# top-3 among its best 2 groups, the weights renormalised and scaled, 1 shared expert; an odd
+# vocabulary (the padded rows cut on export)
+SHAPES["deepseek_v3_moe"] = [*SHAPES["deepseek_v3"], "model.num_layers=3", "model.num_experts=8",
+                             "model.experts_per_token=3", "model.moe_ffn_hidden_size=40",
+                             "model.moe_router=sigmoid", "model.moe_groups=2",
+                             "model.moe_topk_groups=2", "model.num_shared_experts=1",
+                             "model.moe_first_dense_layers=1",
+                             "model.moe_routed_scaling_factor=2.5", "model.moe_aux_loss_coeff=0"]
+# trained: the bias balancing on (it changes the choices of later steps, so every rank must
+# hold the bias one process does) and the balance loss and z-loss
+SHAPES["deepseek_v3_moe_bias"] = [*SHAPES["deepseek_v3_moe"], "model.moe_bias_update_rate=0.01",
+                                  "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
 SHAPES["qwen3_tied"] = [*SHAPES["qwen3"], "model.tie_embeddings=true"]  # as Qwen3-0.6B
 # trained: the balance loss and z-loss on, so that their gradients are compared too
 SHAPES["qwen3_moe_losses"] = [*SHAPES["qwen3_moe"], "model.moe_aux_loss_coeff=0.01",
@@ -69,9 +82,12 @@ HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwe
               "qwen3_moe_softmax": transformers.Qwen3MoeForCausalLM,
               "qwen3_moe_losses": transformers.Qwen3MoeForCausalLM,
               "deepseek_v3": transformers.DeepseekV3ForCausalLM,
-              "deepseek_v3_q_proj": transformers.DeepseekV3ForCausalLM}
+              "deepseek_v3_q_proj": transformers.DeepseekV3ForCausalLM,
+              "deepseek_v3_moe": transformers.DeepseekV3ForCausalLM,
+              "deepseek_v3_moe_bias": transformers.DeepseekV3ForCausalLM}
 # qwen3: not 64 / 4; deepseek_v3: the rotary width
-HEAD_DIMS = {"llama3": 16, "deepseek_v3": 8, "deepseek_v3_q_proj": 10}
+HEAD_DIMS = {"llama3": 16, "deepseek_v3": 8, "deepseek_v3_q_proj": 10, "deepseek_v3_moe": 8,
+             "deepseek_v3_moe_bias": 8}
 
 
 def model_cfg(shape: str, *more: str):
@@ -90,6 +106,9 @@ def random_hf(shape: str, path: Path):
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+        for name, b in hf.named_buffers():  # DeepSeek-V3's expert bias: it steers the choice
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
     hf.save_pretrained(path)
     return hf.eval()
 
@@ -116,7 +135,7 @@ def _assert_equals_transformers(weights, hf, ids: torch.Tensor, *, prompt: int,
     return expected
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if not s.endswith("_bias")])  # = its base
 def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path, capsys):
     """transformers' model -> import-hf -> our model: the same fp32 logits and greedy tokens
     (and the `--set` options import-hf prints make a run the weights fit, Llama 3's scaling
@@ -256,14 +275,28 @@ def test_a_layers_flops_are_the_planners(shape):
     ("model.q_lora_rank=-1", "model.q_lora_rank=-1: must be 0 (queries projected directly)"),
     ("model.rope_scaling=llama3", "model.rope_scaling='llama3': deepseek_v3 supports only none"),
     ("model.parametrization=mup", "model.parametrization='mup': deepseek_v3 supports only"),
-    ("model.num_experts=4", "model.num_experts=4: a mixture of experts is the llama and qwen3 families'"),
+    ("model.num_experts=4", "model.moe_router='softmax': deepseek_v3's experts are routed by "
+                            "sigmoid scores"),
+    ("model.num_experts=6 model.moe_router=sigmoid model.moe_groups=4",
+     "model.moe_groups=4: must divide model.num_experts=6 into groups of at least 2"),
+    ("model.num_experts=8 model.moe_router=sigmoid model.moe_groups=2 model.moe_topk_groups=3",
+     "model.moe_topk_groups=3: must be between 1 and model.moe_groups=2"),
+    ("model.num_experts=8 model.moe_router=sigmoid model.moe_groups=4 model.experts_per_token=5",
+     "model.experts_per_token=5: exceeds the 2 experts of model.moe_topk_groups=1 groups"),
+    ("model.moe_router=topk", "model.moe_router='topk': choose one of softmax, sigmoid"),
+    ("model.moe_bias_update_rate=-1", "model.moe_bias_update_rate=-1"),
+    ("model.moe_bias_update_rate=0.1", "model.moe_bias_update_rate=0.1: belongs to the sigmoid"),
+    ("model.family=llama model.num_shared_experts=1",
+     "model.num_shared_experts=1: is DeepSeek-V3's (model.family=deepseek_v3)"),
+    ("model.family=qwen3 model.moe_router=sigmoid",
+     "model.moe_router='sigmoid': model.family=qwen3"),
 ])
 def test_deepseek_v3_refuses_what_its_attention_cannot_be(setting, message):
     """Each setting latent attention cannot honour is one `ConfigError` naming it."""
     from pretrain.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
-        load_config(None, ["model.preset=tiny", *SHAPES["deepseek_v3"], setting])
+        load_config(None, ["model.preset=tiny", *SHAPES["deepseek_v3"], *setting.split()])
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
@@ -309,6 +342,13 @@ FAMILY_LAYOUTS = {
     ("deepseek_v3", "fsdp2_tp2_sp_dp2"): (4, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
                                               "parallel.tensor=2", "parallel.sequence_parallel=true"]),
     ("deepseek_v3", "pp2"): (2, ["parallel.pipeline=2"]),
+    # DeepSeek-V3's experts (layer 0 dense): the routed experts sliced over the tensor ranks
+    # with the shared one (sequence parallelism), or whole on them (4 each); the bias moved
+    # from the loads of the whole batch, the same on every rank
+    ("deepseek_v3_moe_bias", "tp2_sp"): (2, ["parallel.tensor=2",
+                                             "parallel.sequence_parallel=true"]),
+    ("deepseek_v3_moe_bias", "tp2_expert2"): (2, ["parallel.tensor=2", "parallel.expert=2"]),
+    ("deepseek_v3_moe_bias", "dp2"): (2, [ZERO1]),
 }
 
 
@@ -361,9 +401,21 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
     assert rel_diff(run.losses, single.losses) < 1e-5, (run.losses, single.losses)
     norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"] for x in (run, single)]
     assert rel_diff(*norms) < 1e-5, norms
-    if "moe" in shape:  # the router's statistics: the one mixture layer's 6 experts
+    if "moe" in shape:  # the router's statistics: each mixture layer's experts
+        cfg = model_cfg(shape)
         moe = [r for r in run.records if r["kind"] == "train"][-1]
-        assert len(moe["moe_expert_tokens"]) == 1 and len(moe["moe_expert_tokens"][0]) == 6
+        assert [len(row) for row in moe["moe_expert_tokens"]] == \
+            [cfg.num_experts] * len(family_of(cfg).moe_layers(cfg))
+        for a, b in zip(*[[r["moe_expert_tokens"] for r in x.records if r["kind"] == "train"]
+                          for x in (run, single)]):
+            assert a == b
+    if "bias" in shape:  # the expert bias, moved, is the one process's in the final weights
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        start, ours, theirs = (load_weights(p).state[bias] for p in
+                               (imported, run.run_dir / "final", single.run_dir / "final"))
+        assert torch.equal(ours, theirs)
+        moved = ((ours - start) / 0.01).round()
+        assert moved.abs().max() > 0 and torch.allclose(ours - start, moved * 0.01, atol=1e-6)
 
     final = run.run_dir / "final"
     cli("export-hf", final, "--output", tmp_path / "hf", "--dtype", "fp32")

@@ -51,3 +51,53 @@ def test_the_bias_moves_toward_balance_by_its_rate():
     bias = torch.tensor([0.0, 0.1, -0.1, 0.0])
     new = updated_expert_bias(bias, torch.tensor([9.0, 1.0, 5.0, 5.0]), rate=0.01)
     torch.testing.assert_close(new, torch.tensor([-0.01, 0.11, -0.1, 0.0]))
+
+
+def _deepseek_moe(*more: str):
+    from pretrain.config import load_config
+
+    return load_config(None, ["model.preset=tiny", "model.family=deepseek_v3",
+                              "model.num_kv_heads=4", "model.num_layers=3", "model.num_experts=8",
+                              "model.experts_per_token=3", "model.moe_ffn_hidden_size=32",
+                              "model.moe_router=sigmoid", "model.moe_groups=2",
+                              "model.moe_topk_groups=1", "model.num_shared_experts=1",
+                              "model.moe_first_dense_layers=1", *more]).model
+
+
+def test_a_step_moves_each_experts_bias_by_the_rate_as_its_load_says():
+    """DeepSeek-V3's layers from moe_first_dense_layers on are the mixture, with a shared
+    expert and a zero fp32 bias buffer (kept fp32 in a bf16 model, not a parameter); after a
+    step of two micro-batches' forwards `collect_stats` moves each layer's bias by -rate * sign(load -
+    mean load) of that layer's counted choices, and a step without forwards moves nothing."""
+    from pretrain.model.build import build_model
+    from pretrain.model.moe import collect_stats, moe_layers
+
+    cfg = _deepseek_moe()
+    model = build_model(cfg, seed=3)
+    layers = moe_layers(model)
+    assert [layer.layer_index for layer in layers] == [1, 2]
+    assert type(model.model.layers[0].mlp).__name__ == "MLP"
+    assert all(layer.shared_experts.gate_proj.weight.shape == (32, 64) for layer in layers)
+    names = dict(model.named_parameters())
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" not in names
+    assert torch.equal(model.state_dict()["model.layers.1.mlp.gate.e_score_correction_bias"],
+                       torch.zeros(8))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        ids = torch.randint(0, 512, (2, 32), generator=gen)
+        model(ids, labels=ids)  # training forwards count the choices
+    rate = 0.01
+    record = collect_stats(model, device="cpu", num_layers=3, num_experts=8,
+                           bias_update_rate=rate)
+    for layer, tokens in zip(layers, record["moe_expert_tokens"]):
+        load = torch.tensor(tokens, dtype=torch.float32)
+        expected = -rate * torch.sign(load - load.mean())
+        assert expected.abs().sum() > 0  # not balanced: some bias moves
+        assert torch.equal(layer.gate.e_score_correction_bias, expected), (tokens, expected)
+    collect_stats(model, device="cpu", num_layers=3, num_experts=8, bias_update_rate=rate)
+    assert torch.equal(layers[0].gate.e_score_correction_bias,
+                       -rate * torch.sign(torch.tensor(record["moe_expert_tokens"][0]).float()
+                                          - sum(record["moe_expert_tokens"][0]) / 8))
+    model.to(torch.bfloat16)
+    assert layers[0].gate.e_score_correction_bias.dtype == torch.float32
+    assert layers[0].gate.weight.dtype == torch.bfloat16

@@ -43,7 +43,7 @@ from pretrain.config import RunConfig
 from pretrain.data import Tokenizer
 from pretrain.dist import gather_for_io, wait_for_io
 from pretrain.errors import CheckpointError
-from pretrain.model import canonical_parameters, tensor_parallel_group
+from pretrain.model import canonical_buffers, canonical_parameters, tensor_parallel_group
 from pretrain.model.hf import EMBED, LM_HEAD, expected_hf_keys
 from pretrain.model.mup import comparable_model_fields
 from pretrain.model.expert_parallel import expert_owner
@@ -315,6 +315,7 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
     """
     m = cfg.model
     local = dict(canonical_parameters(engine.module, m))
+    local.update(canonical_buffers(engine.module, m))  # whole on every rank (the expert bias)
     names = export_order(expected_hf_keys(m))
     coords, topology = groups.topology.my_coords, groups.topology
     holder = _holding_stages(local, [n for n in names if expert_owner(
@@ -415,7 +416,7 @@ def _whole_tensor(param: torch.Tensor, name: str, m, *, groups, zero3: bool,
     """The unsharded tensor of `name` on the first replica's ranks of its stage (None on the
     others): gathered over data parallel under ZeRO-3 (every replica joins), then over tensor
     parallel (the first replica only)."""
-    if zero3:
+    if zero3 and hasattr(param, "ds_id"):  # a buffer is whole
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             shard = param.detach().clone()
     elif isinstance(param, DTensor):  # fsdp2: all-gathered over the data group (every replica)

@@ -49,8 +49,8 @@ from pretrain.files import atomic_directory
 from pretrain.model.mixtral import MixtralImport
 from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
                                expected_hf_keys, model_fields_from_hf_config)
-from pretrain.model.form import (canonical_parameters, copy_full_weights, copy_shards,
-                                 shard_of_rank)
+from pretrain.model.form import (canonical_buffers, canonical_parameters, copy_full_weights,
+                                 copy_shards, shard_of_rank)
 from pretrain.model.mup import parametrization_mismatch
 from pretrain.model.llama import (ShardRange, full_parameter_shape, shard_range,
                                   tensor_partition_dim)
@@ -462,6 +462,8 @@ def load_initial_weights(model: torch.nn.Module, *, cfg: ModelConfig, tp_group=N
         params = dict(canonical_parameters(model, cfg))  # an expert-parallel expert is whole
         copy_shards(model, cfg, lambda name: _read_shard(weights.state, name, shard_range(
             name, cfg, **shard_of_rank(params[name], tp_rank=rank, tp_size=tp_size))))
+        for name, buffer in canonical_buffers(model, cfg):  # whole (the expert bias)
+            buffer.copy_(weights.state[name])
     else:
         copy_full_weights(model, cfg, lambda name: weights.state[name].float(),
                           tp_group=tp_group)

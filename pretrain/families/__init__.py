@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from pretrain.config import ModelConfig
 from pretrain.families.base import (EMBED, EMBEDDING, HIDDEN, LM_HEAD, NORM, ONES, OUTPUT,
-                                    RESIDUAL, NORMAL, ROPE_SCALING_FIELDS, AttentionWidths, Family,
+                                    RESIDUAL, NORMAL, ROPE_SCALING_FIELDS, ZEROS, AttentionWidths,
+                                    Family,
                                     Parameter, check_pipeline_split, check_tensor_split)
 from pretrain.families.llama import LLAMA
 from pretrain.families.qwen3 import QWEN3
@@ -68,5 +69,5 @@ def is_muon_matrix(name: str) -> bool:
 
 __all__ = ["AttentionWidths", "EMBED", "EMBEDDING", "FAMILIES", "Family", "HIDDEN", "LM_HEAD",
            "NORM", "NORMAL", "ONES", "OUTPUT", "Parameter", "RESIDUAL", "ROPE_SCALING_FIELDS",
-           "check_pipeline_split", "check_tensor_split",
+           "ZEROS", "check_pipeline_split", "check_tensor_split",
            "family_of", "family_of_hf_config", "is_muon_matrix", "tensor_partition_dim_of"]

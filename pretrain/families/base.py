@@ -22,6 +22,7 @@ LM_HEAD = "lm_head.weight"
 ONES = "ones"  # norm gains
 NORMAL = "normal"  # normal(0, init_std)
 RESIDUAL = "residual"  # normal(0, init_std / sqrt(2 num_layers)): writes into the residual stream
+ZEROS = "zeros"  # a buffer that starts at 0 (DeepSeek-V3's expert bias)
 
 # muP classes (`pretrain.model.mup`)
 HIDDEN = "hidden"  # both dimensions grow with width
@@ -95,6 +96,10 @@ class Family:
     # backward, as the layer's norms do (the planner's activation memory)
     normed_projection_width: Callable[[ModelConfig], int] = lambda cfg: 0
 
+    # the table rows (by last name part) that are module buffers saved with the weights, not
+    # parameters: no gradient, no optimizer state (DeepSeek-V3's expert bias)
+    buffers: tuple[str, ...] = ()
+
     # whether decoder layer `index`'s MLP is the mixture of experts (`modules["moe"]`) or the
     # dense one (`modules["mlp"]`); by default every layer's when model.num_experts > 0
     moe_layer: Callable[[ModelConfig, int], bool] = lambda cfg, index: cfg.num_experts > 0
@@ -130,6 +135,10 @@ class Family:
         module = parts[-2] if len(parts) == 3 else parts[0]
         if ".experts." in name and f"experts.{module}" in self.parameters:
             return self.parameters[f"experts.{module}"]
+        if ".shared_experts." in name and f"shared_experts.{module}" in self.parameters:
+            return self.parameters[f"shared_experts.{module}"]
+        if parts[-1] in self.parameters and parts[-1] in self.buffers:  # a tensor, not a weight
+            return self.parameters[parts[-1]]
         if parts[-1] != "weight" or module not in self.parameters:
             raise KeyError(f"unknown parameter name {name!r}: not a {self.name} parameter")
         return self.parameters[module]

@@ -22,7 +22,8 @@ from pretrain.config import Precision
 from pretrain.model.build import (build_flat_pipeline, build_for_layout, build_model,
                                   build_pipeline_model, compile_blocks, compile_report,
                                   construct_for_layout, tensor_parallel_group)
-from pretrain.model.form import ModelForm, canonical_parameters, copy_full_weights, init_weights
+from pretrain.model.form import (ModelForm, canonical_buffers, canonical_parameters,
+                                 copy_full_weights, init_weights)
 from pretrain.model.layers import defer_sequence_parallel_grads
 from pretrain.model.llama import (LlamaModel, causal_lm_loss, gather_full_state_dict, shard_of,
                                   tensor_partition_dim)
@@ -32,7 +33,7 @@ DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
           Precision.FP16: torch.float16}
 
 __all__ = ["DTYPES", "LlamaModel", "ModelForm", "build_flat_pipeline", "build_for_layout", "build_model",
-           "build_pipeline_model", "canonical_parameters", "causal_lm_loss", "compile_blocks",
+           "build_pipeline_model", "canonical_buffers", "canonical_parameters", "causal_lm_loss", "compile_blocks",
            "compile_report", "construct_for_layout", "copy_full_weights",
            "defer_sequence_parallel_grads",
            "gather_full_state_dict", "init_weights", "shard_of", "tensor_parallel_group",

@@ -65,16 +65,36 @@ def canonical_parameters(module: nn.Module,
         yield name, param
 
 
+def canonical_buffers(module: nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, buffer) of each buffer this rank holds that the weights carry (its
+    family's `Family.buffers`: DeepSeek-V3's expert bias), whole and replicated on every rank."""
+    from pretrain.families import family_of
+
+    kept = family_of(cfg).buffers
+    if not kept:
+        return
+    form = ModelForm.of(module)
+    for name, buffer in module.named_buffers():
+        if name.rsplit(".", 1)[-1] not in kept:
+            continue
+        if form is ModelForm.PIPELINE:
+            name = pipeline_to_canonical_name(name, num_layers=cfg.num_layers)
+        yield name, buffer
+
+
 @torch.no_grad()
 def copy_full_weights(module: nn.Module, cfg: ModelConfig,
                       full_tensor: Callable[[str], torch.Tensor], *, tp_group=None) -> None:
     """Set every parameter of `module` to this rank's tensor-parallel shard (`shard_of`) of
-    `full_tensor(canonical name)`, a whole tensor of the unsharded model."""
+    `full_tensor(canonical name)`, a whole tensor of the unsharded model, and every buffer the
+    weights carry (`canonical_buffers`) to its whole tensor."""
     tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
     params = dict(canonical_parameters(module, cfg))
     copy_shards(module, cfg, lambda name: shard_of(
         full_tensor(name), name, cfg=cfg,
         **shard_of_rank(params[name], tp_rank=rank, tp_size=tp_size)))
+    for name, buffer in canonical_buffers(module, cfg):
+        buffer.copy_(full_tensor(name))
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig, *, seed: int, tp_group=None) -> None:

@@ -63,7 +63,7 @@ from pretrain.model.context_parallel import (ALLGATHER, ULYSSES, allgather_atten
                                              heads_to_sequence, sequence_to_heads,
                                              token_positions)
 from pretrain.model.documents import Boundaries, document_attention, document_positions
-from pretrain.families import (ONES, RESIDUAL, check_tensor_split, family_of,
+from pretrain.families import (ONES, RESIDUAL, ZEROS, check_tensor_split, family_of,
                                tensor_partition_dim_of)
 from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, apply_rotary, column_linear, rotary_embedding,
@@ -648,6 +648,9 @@ def _draw_init(name: str, cfg: ModelConfig, *, seed: int, dim: int, start: int,
     init = family_of(cfg).parameter(name).init
     if init == ONES:
         out.fill_(1.0)
+        return
+    if init == ZEROS:
+        out.zero_()
         return
     std = cfg.init_std
     if init == RESIDUAL:

@@ -80,6 +80,7 @@ counted. 0 is dropless.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -88,6 +89,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
+from pretrain.families import family_of
 from pretrain.model.context_parallel import cp_world_size
 from pretrain.model.expert_parallel import count_rows, gather_tokens, run_experts, scatter_tokens
 from pretrain.model.layers import column_linear, row_linear
@@ -197,13 +199,21 @@ class Routing:
     """The router's decisions for N tokens: which expert each kept assignment goes to."""
 
     def __init__(self, logits: torch.Tensor, *, top_k: int, capacity_factor: float,
-                 renormalise: bool = True) -> None:
+                 renormalise: bool = True, sigmoid: dict | None = None) -> None:
+        """`sigmoid`: `sigmoid_choice`'s options (bias, groups, topk_groups, scaling): DeepSeek-V3's
+        choice instead of the softmax's; the balance loss then reads the scores normalised over
+        the experts (its sequence-wise loss's affinities)."""
         N, E = logits.shape
-        self.probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
-        top_p, top_e = torch.topk(self.probs, top_k, dim=-1)  # (N, k)
+        if sigmoid is None:
+            self.probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
+            top_p, top_e = torch.topk(self.probs, top_k, dim=-1)  # (N, k)
+            # renormalised over the k (Mixtral; Qwen3-MoE's norm_topk_prob), or the softmax's own
+            weights = top_p / top_p.sum(dim=-1, keepdim=True) if renormalise else top_p
+        else:
+            top_e, weights, scores = sigmoid_choice(logits, top_k=top_k,
+                                                    renormalise=renormalise, **sigmoid)
+            self.probs = scores / scores.sum(dim=-1, keepdim=True)
         self.top_experts = top_e
-        # renormalised over the k (Mixtral; Qwen3-MoE's norm_topk_prob), or the softmax's own
-        weights = top_p / top_p.sum(dim=-1, keepdim=True) if renormalise else top_p
         expert_of = top_e.reshape(-1)  # (N*k,) token-major: token 0's choices first
         # (E,) before any drop; a scatter, not bincount, which reads the largest index back
         self.selected = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(
@@ -247,7 +257,7 @@ def sigmoid_choice(logits: torch.Tensor, *, top_k: int, bias: torch.Tensor | Non
     group's score is the sum of its 2 best biased scores, and each token chooses among the
     experts of its `topk_groups` best groups only (group-limited routing). The weights are the
     chosen experts' unbiased scores, renormalised to 1 (`renormalise`), times `scaling`
-    (transformers' `routed_scaling_factor`). Not wired into `MoE` yet: off by default."""
+    (transformers' `routed_scaling_factor`). `MoE` runs it with `model.moe_router: sigmoid`."""
     scores = torch.sigmoid(logits.float())
     choice = scores if bias is None else scores + bias.float()
     if groups > 1:
@@ -297,6 +307,13 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated
+        self.sigmoid = cfg.moe_router == "sigmoid"
+        self.scaling = cfg.moe_routed_scaling_factor
+        self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
+        if self.sigmoid:  # the choice's per-expert bias: a buffer, moved outside the gradient
+            # (`update_expert_bias`), fp32 whatever the model's dtype; transformers' name
+            self.gate.register_buffer("e_score_correction_bias",
+                                      torch.zeros(cfg.num_experts, dtype=torch.float32))
         # each rank's router gradient is a partial sum (see the module docstring)
         self.weight_grad = SequenceShardedWeightGrad(tp_group)
         self.weight_grad.attach(self.gate.weight)
@@ -307,6 +324,13 @@ class MoE(nn.Module):
         else:
             self.experts = _local_experts(cfg, group=self.expert_group, project=project)
         self.grouped: bool | None = None  # the experts as one grouped matmul; None: by device
+        # DeepSeek-V3's shared experts: one dense SwiGLU every token goes through, added
+        self.shared_experts = None
+        if cfg.num_shared_experts:
+            shared = dataclasses.replace(
+                cfg, ffn_hidden_size=cfg.num_shared_experts * cfg.expert_ffn_hidden_size)
+            self.shared_experts = family_of(cfg).module("mlp")(  # the family's dense MLP
+                shared, tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -335,8 +359,11 @@ class MoE(nn.Module):
     def route(self, flat: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
         """(routing, router logits (N, E) fp32, the weighted auxiliary loss) of tokens (N, h)."""
         logits = self.gate(flat).float()
+        sigmoid = None if not self.sigmoid else dict(
+            bias=self.gate.e_score_correction_bias, groups=self.groups,
+            topk_groups=self.topk_groups, scaling=self.scaling)
         routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor,
-                          renormalise=self.renormalise)
+                          renormalise=self.renormalise, sigmoid=sigmoid)
         # the ranks routing other tokens of this micro-batch: expert ranks (their chunks of
         # the same tokens; tensor ranks without experts route the same tokens), context ranks
         sharing = [g for g in (self.expert_group, self.cp_group) if g is not None]
@@ -350,6 +377,28 @@ class MoE(nn.Module):
         return routing, logits, self.aux_coeff * balance + self.z_coeff * z_loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._routed(x)
+        if self.shared_experts is not None:  # reduced (or reduce-scattered) as the dense MLP
+            out = out + self.shared_experts(x)
+        return out
+
+    def _apply(self, fn, recurse=True):
+        """The expert bias stays fp32 when the model is cast (bf16 would lose the rate's
+        steps), as transformers keeps it."""
+        super()._apply(fn, recurse)
+        if self.sigmoid:
+            buffers = self.gate._buffers
+            buffers["e_score_correction_bias"] = buffers["e_score_correction_bias"].float()
+        return self
+
+    @torch.no_grad()
+    def update_expert_bias(self, expert_tokens: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's balancing step (`updated_expert_bias`) from the step's assignments per
+        expert over every rank (E,): the same on every rank when they are."""
+        bias = self.gate.e_score_correction_bias
+        bias.copy_(updated_expert_bias(bias, expert_tokens.to(bias.device), rate))
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         if self.expert_group is not None:
             return self._forward_expert_parallel(x)
         x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
@@ -454,8 +503,11 @@ def reset_stats(module: nn.Module) -> None:
 
 
 def collect_stats(module: nn.Module, *, device, num_layers: int, num_experts: int,
-                  group=None) -> dict:
+                  group=None, bias_update_rate: float = 0.0) -> dict:
     """The step's router statistics over every rank of `group` (collective); resets the sums.
+    With `bias_update_rate` > 0, each sigmoid-routed layer's expert bias then takes its
+    balancing step from the layer's loads over every rank (`MoE.update_expert_bias`): the same
+    counts, so the same bias, on every rank.
 
     Overall: the mean balance loss and z-loss per layer forward and the fraction of assignments
     dropped. Per MoE layer, in layer order: the assignments each expert was selected for
@@ -480,6 +532,12 @@ def collect_stats(module: nn.Module, *, device, num_layers: int, num_experts: in
         layer.reset_stats()
     if dist.is_initialized():
         dist.all_reduce(table, group=group)
+    if bias_update_rate:
+        for layer in moe_layers(module):
+            if layer.sigmoid and table[layer.layer_index, 0] > 0:
+                # whole counts (tensor ranks' 1/tp shares summed back)
+                layer.update_expert_bias(table[layer.layer_index, STAT_FIELDS:].round(),
+                                         bias_update_rate)
     table = table.cpu()
     forwards, balance, z_loss, dropped, assignments = table[:, :STAT_FIELDS].sum(dim=0).tolist()
     record = {"moe_aux_loss": balance / max(forwards, 1.0),

@@ -436,7 +436,8 @@ class Trainer:
         if self.cfg.model.num_experts:  # every rank: the sums are all-reduced
             record.update(moe.collect_stats(self.engine.module, device=self.device,
                                             num_layers=self.cfg.model.num_layers,
-                                            num_experts=self.cfg.model.num_experts))
+                                            num_experts=self.cfg.model.num_experts,
+                                            bias_update_rate=self.cfg.model.moe_bias_update_rate))
         self.metrics.write(record)
         return record
 
