@@ -6,6 +6,7 @@ with its heads over two tensor ranks as one process does."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from pretrain.cli import main as pretrain_main
 from pretrain.checkpoint.weights import load_weights
 from pretrain.config import load_config
 from pretrain.families import FAMILIES, family_of
-from pretrain.model import LlamaModel, build_model
+from pretrain.model import LlamaModel, build_model, canonical_buffers
 from pretrain.errors import CheckpointError
 from pretrain.model.hf import (check_same_architecture, expected_hf_keys, from_hf_state_dict,
                                to_hf_config)
@@ -59,13 +60,14 @@ SHAPES = {
     "deepseek_v3_q_proj": [*DEEPSEEK_V3, "model.q_lora_rank=0", "model.qk_nope_head_dim=6",
                            "model.qk_rope_head_dim=10"],
 }
-# DeepSeek-V3's experts: layer 0 dense, then 2 groups of 4 experts (inner 40), each token's
-# top-3 among its best 2 groups, the weights renormalised and scaled, 1 shared expert; an odd
-# vocabulary (the padded rows cut on export)
+# DeepSeek-V3's experts: layer 0 dense, then 4 groups of 2 experts (inner 40), each token's
+# top-3 among its best 2 groups (so the groups restrict the choice), the weights renormalised
+# and scaled, 2 shared experts (one SwiGLU of 2 x 40); an odd vocabulary (the padded rows cut
+# on export)
 SHAPES["deepseek_v3_moe"] = [*SHAPES["deepseek_v3"], "model.num_layers=3", "model.num_experts=8",
                              "model.experts_per_token=3", "model.moe_ffn_hidden_size=40",
-                             "model.moe_router=sigmoid", "model.moe_groups=2",
-                             "model.moe_topk_groups=2", "model.num_shared_experts=1",
+                             "model.moe_router=sigmoid", "model.moe_groups=4",
+                             "model.moe_topk_groups=2", "model.num_shared_experts=2",
                              "model.moe_first_dense_layers=1",
                              "model.moe_routed_scaling_factor=2.5", "model.moe_aux_loss_coeff=0"]
 # trained: the bias balancing on (it changes the choices of later steps, so every rank must
@@ -212,8 +214,9 @@ def test_llama3_frequencies_are_transformers():
 
 
 @pytest.mark.parametrize("family, more", [*((f, ()) for f in FAMILIES),
-                                          ("qwen3", SHAPES["qwen3_moe"])],
-                         ids=[*FAMILIES, "qwen3_moe"])
+                                          ("qwen3", SHAPES["qwen3_moe"]),
+                                          ("deepseek_v3", SHAPES["deepseek_v3_moe"])],
+                         ids=[*FAMILIES, "qwen3_moe", "deepseek_v3_moe"])
 def test_parameter_table_is_the_built_model(family, more):
     """Every parameter a family's model holds is in its table with the shape the table gives
     (a q_norm is head_dim long, not a hidden_size norm; a fine-grained expert's projections
@@ -229,7 +232,10 @@ def test_parameter_table_is_the_built_model(family, more):
     else:
         assert attention.q_proj.weight.shape == (4 * 24, 64)  # 4 heads of 24
     params = dict(model.named_parameters())
-    assert set(params) == expected_hf_keys(cfg)
+    buffers = dict(canonical_buffers(model, cfg))  # DeepSeek-V3's expert bias: not trained
+    assert set(params) | set(buffers) == expected_hf_keys(cfg)
+    assert len(buffers) == (2 if cfg.num_experts and family == "deepseek_v3" else 0)
+    assert all(torch.equal(b, torch.zeros(cfg.num_experts)) for b in buffers.values())
     for name, p in params.items():
         shape = full_parameter_shape(name, cfg)
         assert tuple(p.shape) == (cfg.padded_vocab_size(1), cfg.hidden_size) if "embed" in name \
@@ -426,6 +432,40 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
     weights = load_weights(final)
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
     _assert_equals_transformers(weights, hf, ids, prompt=5, new_tokens=8)
+
+
+@pytest.mark.slow  # `pretrain train` on 2 forked ranks, twice
+def test_deepseek_v3_expert_bias_is_saved_and_resumed(tiny_data, tmp_path, family_runs):
+    """The balancing bias is in the step checkpoints: a run of the bias-balanced DeepSeek-V3 on
+    two data ranks saved at step 2, resumed on its layout, takes steps 3 and 4 as the
+    uninterrupted single process does (the bias changes the experts chosen, so a bias lost or
+    reset on resume changes the losses) and ends on its bias. Resuming it on another layout is
+    refused before training (the resharding reader does not merge buffers yet)."""
+    from pretrain.testing.runs import rel_diff
+
+    shape = "deepseek_v3_moe_bias"
+    imported, single = family_runs(shape)
+    saved = _family_run(tmp_path, tiny_data, shape, imported, nprocs=2, name="saved",
+                        overrides=[ZERO1, "checkpoint.save_interval=2", "checkpoint.keep_last=1",
+                                   "checkpoint.keep_every=2"])
+    step = saved.run_dir / "checkpoints" / "step2"
+    shutil.copytree(step, tmp_path / "resumed" / "checkpoints" / step.name)
+    resumed = _family_run(tmp_path, tiny_data, shape, imported, nprocs=2, name="resumed",
+                          overrides=[ZERO1])
+    assert rel_diff(resumed.losses, single.losses[2:]) < 1e-5, (resumed.losses, single.losses)
+    bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+    final, start = (load_weights(p).state[bias] for p in (resumed.run_dir / "final", imported))
+    assert torch.equal(final, load_weights(single.run_dir / "final").state[bias])
+    assert not torch.equal(final, start)  # moved by the balancing
+    from pretrain.testing.runs import run_pretrain, train_args
+
+    shutil.copytree(step, tmp_path / "tp2" / "checkpoints" / step.name)
+    refused = run_pretrain(train_args(tmp_path / "tp2", tiny_data, overrides=[
+        f"model.vocab_size={VOCAB}", "model.tie_embeddings=false", *SHAPES[shape],
+        f"model.init_from={imported}", f"train.steps={LAYOUT_STEPS}", ZERO1,
+        "parallel.tensor=2"]), run_dir=tmp_path / "tp2", nprocs=2)
+    assert refused.returncode != 0
+    assert "carries buffers (e_score_correction_bias)" in refused.stdout + refused.stderr
 
 
 def test_a_mup_qwen3_exports_its_attention_scale_into_the_q_norm():

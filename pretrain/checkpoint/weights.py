@@ -46,6 +46,7 @@ from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_confi
 from pretrain.data.tokenizer import copy_tokenizer
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
+from pretrain.families import family_of
 from pretrain.model.mixtral import MixtralImport
 from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
                                expected_hf_keys, model_fields_from_hf_config)
@@ -232,6 +233,12 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
     master weights (`key` None), or the optimizer state `key` ("exp_avg", "exp_avg_sq") of each
     parameter, whatever the layout that saved it (and whichever engine: `fsdp2_state`)."""
     meta, run_cfg = _engine_checkpoint_config(step_dir)
+    buffers = family_of(run_cfg.model).buffers if run_cfg.model.num_experts else ()
+    if buffers:  # in the module states only, which this reader does not merge yet
+        raise CheckpointError(
+            f"{step_dir}: a {run_cfg.model.family} checkpoint with experts carries buffers "
+            f"({', '.join(buffers)}) that reading it on another layout does not merge yet: "
+            "resume it on the layout that saved it, or export its run's final/")
     if is_fsdp2_checkpoint(step_dir):  # rows of each tensor rank's shard, in every rank's file
         shards = fsdp2_shards(step_dir, key)
         return MergedShards(shards, cfg=run_cfg.model, tp=run_cfg.parallel.tensor,

@@ -158,6 +158,8 @@ class Family:
         the table: every parameter counted once, whatever the family."""
         sharded = replicated = 0
         for name in self.layer(cfg, index):
+            if name.rsplit(".", 1)[-1] in self.buffers:  # carried with the weights, not trained
+                continue
             row = self.parameter(name)
             count = _product(row.shape(cfg))
             if row.tp_dim is None:
