@@ -420,6 +420,8 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
         start, ours, theirs = (load_weights(p).state[bias] for p in
                                (imported, run.run_dir / "final", single.run_dir / "final"))
         assert torch.equal(ours, theirs)
+        reported = [r for r in run.records if r["kind"] == "train"][-1]["moe_expert_bias"]
+        assert torch.equal(torch.tensor(reported[0], dtype=torch.float32), ours)  # metrics.jsonl
         moved = ((ours - start) / 0.01).round()
         assert moved.abs().max() > 0 and torch.allclose(ours - start, moved * 0.01, atol=1e-6)
 

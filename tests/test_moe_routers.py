@@ -94,6 +94,8 @@ def test_a_step_moves_each_experts_bias_by_the_rate_as_its_load_says():
         expected = -rate * torch.sign(load - load.mean())
         assert expected.abs().sum() > 0  # not balanced: some bias moves
         assert torch.equal(layer.gate.e_score_correction_bias, expected), (tokens, expected)
+    assert record["moe_expert_bias"] == [layer.gate.e_score_correction_bias.tolist()
+                                         for layer in layers]  # reported after the step
     collect_stats(model, device="cpu", num_layers=3, num_experts=8, bias_update_rate=rate)
     assert torch.equal(layers[0].gate.e_score_correction_bias,
                        -rate * torch.sign(torch.tensor(record["moe_expert_tokens"][0]).float()

@@ -503,11 +503,12 @@ def reset_stats(module: nn.Module) -> None:
 
 
 def collect_stats(module: nn.Module, *, device, num_layers: int, num_experts: int,
-                  group=None, bias_update_rate: float = 0.0) -> dict:
+                  group=None, bias_update_rate: float | None = None) -> dict:
     """The step's router statistics over every rank of `group` (collective); resets the sums.
-    With `bias_update_rate` > 0, each sigmoid-routed layer's expert bias then takes its
-    balancing step from the layer's loads over every rank (`MoE.update_expert_bias`): the same
-    counts, so the same bias, on every rank.
+    `bias_update_rate` (sigmoid routers; None for softmax ones): when > 0, each layer's expert
+    bias then takes its balancing step from the layer's loads over every rank
+    (`MoE.update_expert_bias`): the same counts, so the same bias, on every rank; the biases
+    after it are reported per MoE layer (`moe_expert_bias`, every stage's layers).
 
     Overall: the mean balance loss and z-loss per layer forward and the fraction of assignments
     dropped. Per MoE layer, in layer order: the assignments each expert was selected for
@@ -538,6 +539,16 @@ def collect_stats(module: nn.Module, *, device, num_layers: int, num_experts: in
                 # whole counts (tensor ranks' 1/tp shares summed back)
                 layer.update_expert_bias(table[layer.layer_index, STAT_FIELDS:].round(),
                                          bias_update_rate)
+    bias = None
+    if bias_update_rate is not None:  # each layer's bias on every rank (a stage's: its own)
+        bias = torch.full((num_layers, num_experts), float("-inf"), dtype=torch.float64,
+                          device=device)
+        for layer in moe_layers(module):
+            if layer.sigmoid:
+                bias[layer.layer_index] = layer.gate.e_score_correction_bias.to(device).double()
+        if dist.is_initialized():
+            dist.all_reduce(bias, op=dist.ReduceOp.MAX, group=group)
+        bias = bias.cpu()
     table = table.cpu()
     forwards, balance, z_loss, dropped, assignments = table[:, :STAT_FIELDS].sum(dim=0).tolist()
     record = {"moe_aux_loss": balance / max(forwards, 1.0),
@@ -553,4 +564,6 @@ def collect_stats(module: nn.Module, *, device, num_layers: int, num_experts: in
             "moe_dropped": rows[:, 3].round().long().tolist(),
             "moe_layer_aux_loss": (rows[:, 1] / rows[:, 0]).tolist(),
             "moe_layer_z_loss": (rows[:, 2] / rows[:, 0]).tolist()})
+        if bias is not None:
+            record["moe_expert_bias"] = bias[table[:, 0] > 0].tolist()
     return record

@@ -19,7 +19,8 @@ machine-readable record. Fields:
     rank, host, slowdown, compute_s, data_wait_s, collective_wait_s; `pretrain.training.stragglers`);
     with a mixture of experts moe_aux_loss and moe_z_loss (unweighted, mean per layer forward),
     moe_dropped_fraction, moe_load_max_mean_worst and per MoE layer the lists moe_expert_tokens,
-    moe_load_max_mean, moe_dropped, moe_layer_aux_loss, moe_layer_z_loss (`pretrain.model.moe`).
+    moe_load_max_mean, moe_dropped, moe_layer_aux_loss, moe_layer_z_loss, and under the sigmoid
+    router moe_expert_bias (each expert's balancing bias after the step) (`pretrain.model.moe`).
 ``{"kind": "spike", ...}`` once per loss-spike rollback
     step, verdict (transient | data), to_step, samples (quarantined), hosts, replay_loss, counts.
 ``{"kind": "spike_summary", ...}`` last, when the run handled a spike: the spike counts.

@@ -437,9 +437,15 @@ class Trainer:
             record.update(moe.collect_stats(self.engine.module, device=self.device,
                                             num_layers=self.cfg.model.num_layers,
                                             num_experts=self.cfg.model.num_experts,
-                                            bias_update_rate=self.cfg.model.moe_bias_update_rate))
+                                            bias_update_rate=self._bias_update_rate))
         self.metrics.write(record)
         return record
+
+    @property
+    def _bias_update_rate(self) -> float | None:
+        """The sigmoid router's balancing step (`moe.collect_stats`); None for softmax routers."""
+        model = self.cfg.model
+        return model.moe_bias_update_rate if model.moe_router == "sigmoid" else None
 
     def _log_compile(self, elapsed: float) -> None:
         report = compile_report()
