@@ -349,12 +349,17 @@ FAMILY_LAYOUTS = {
                                               "parallel.tensor=2", "parallel.sequence_parallel=true"]),
     ("deepseek_v3", "pp2"): (2, ["parallel.pipeline=2"]),
     # DeepSeek-V3's experts (layer 0 dense): the routed experts sliced over the tensor ranks
-    # with the shared one (sequence parallelism), or whole on them (4 each); the bias moved
-    # from the loads of the whole batch, the same on every rank
+    # with the shared one (sequence parallelism; under ZeRO-3, whose gathers skip the bias
+    # buffer), or whole on them (4 each); two data ranks; two pipeline stages (each stage's
+    # layers' bias, named by stage); the bias moved from the loads of the whole batch, the
+    # same on every rank (fsdp2 refuses a mixture of experts)
     ("deepseek_v3_moe_bias", "tp2_sp"): (2, ["parallel.tensor=2",
                                              "parallel.sequence_parallel=true"]),
     ("deepseek_v3_moe_bias", "tp2_expert2"): (2, ["parallel.tensor=2", "parallel.expert=2"]),
     ("deepseek_v3_moe_bias", "dp2"): (2, [ZERO1]),
+    ("deepseek_v3_moe_bias", "pp2"): (2, ["parallel.pipeline=2"]),
+    ("deepseek_v3_moe_bias", "zero3_tp2_dp2"): (4, ["deepspeed=ds_configs/zero3.json",
+                                                    "parallel.tensor=2"]),
 }
 
 
