@@ -55,23 +55,18 @@ def layer_parameters(m: ModelConfig, index: int = 0) -> tuple[int, int]:
     return family_of(m).layer_parameters(m, index)
 
 
-def layer_muon_matrices(m: ModelConfig, index: int = 0) -> list[tuple[int, int]]:
-    """The unsharded (rows, columns) of decoder layer `index`'s matrices Muon steps under
-    `train.optimizer: muon` (the family's table), each orthogonalised whole."""
-    return family_of(m).projection_shapes(m, index)
-
-
-def layer_fp8_matrices(m: ModelConfig, index: int = 0) -> list[tuple[int, int]]:
-    """The unsharded (rows, columns) of decoder layer `index`'s matrices that `train.fp8` multiplies
-    in FP8 (`pretrain.model.fp8`): its attention and MLP projections, each expert's; the
-    router, the embedding and the head stay in the run's precision. (Projections whose local
-    sizes are not multiples of 16 stay too: not modelled, no recipe has one.)"""
+def layer_projection_shapes(m: ModelConfig, index: int = 0) -> list[tuple[int, int]]:
+    """The unsharded (rows, columns) of decoder layer `index`'s projection matrices (the family's
+    table): what `train.optimizer: muon` orthogonalises, each whole, and what `train.fp8`
+    multiplies in FP8 (`pretrain.model.fp8`): attention's and the MLP's projections, each
+    expert's; the router, the embedding and the head stay in the run's precision. (Projections
+    whose local sizes are not multiples of 16 stay too: not modelled, no recipe has one.)"""
     return family_of(m).projection_shapes(m, index)
 
 
 def mean_layer_elements(m: ModelConfig, matrices_of) -> float:
     """Elements of a decoder layer's matrices listed by `matrices_of(m, index)`
-    (`layer_muon_matrices`, `layer_fp8_matrices`), averaged over the model's layers (a family
+    (`layer_projection_shapes`), averaged over the model's layers (a family
     may mix dense and mixture layers; for a model of like layers, any one layer's)."""
     return sum(r * c for i in range(m.num_layers) for r, c in matrices_of(m, i)) / m.num_layers
 

@@ -52,8 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pretrain.arithmetic import (largest_layer_on_gpu, largest_matrix, layer_fp8_matrices,
-                                 layer_indices, layer_muon_matrices, layer_on_gpu,
+from pretrain.arithmetic import (largest_layer_on_gpu, largest_matrix, layer_indices,
+                                 layer_on_gpu, layer_projection_shapes,
                                  layout_recomputed_layers, mean, mean_layer_elements,
                                  stage_parameters)
 from pretrain.config import ModelConfig, Precision, Recompute
@@ -253,7 +253,8 @@ def muon_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
     stage holds before ZeRO sharding (its tensor-parallel shard); 0 under AdamW."""
     if layout.optimizer != "muon":
         return 0
-    return sum(r * c for i in layer_indices(items) for r, c in layer_muon_matrices(m, i)) // layout.tensor
+    return sum(r * c for i in layer_indices(items)
+               for r, c in layer_projection_shapes(m, i)) // layout.tensor
 
 
 def muon_step_bytes(m: ModelConfig, layout: Layout, items: list[str], *,
@@ -266,7 +267,7 @@ def muon_step_bytes(m: ModelConfig, layout: Layout, items: list[str], *,
     n = muon_parameters(m, layout, items)
     if not n:
         return 0.0
-    rows, cols = largest_matrix(m, layer_muon_matrices)
+    rows, cols = largest_matrix(m, layer_projection_shapes)
     short = min(rows, cols)
     workspace = 2 * (2 * rows * cols + 2 * short * short)
     sharded = layout.tensor > 1 or layout.zero_stage >= 1 or layout.engine == "fsdp2"
@@ -284,7 +285,7 @@ def fp8_buffers(m: ModelConfig, layout: Layout) -> float:
     if layout.fp8 == "none":
         return 0.0
     # the layer with the most FP8 weights (a family may mix dense and mixture layers)
-    matrices = max((layer_fp8_matrices(m, i) for i in range(m.num_layers)),
+    matrices = max((layer_projection_shapes(m, i) for i in range(m.num_layers)),
                    key=lambda shapes: sum(r * c for r, c in shapes))
     weights = sum(r * c for r, c in matrices) / layout.tensor
     scales = (len(matrices) if layout.fp8 == "tensorwise"
@@ -427,7 +428,7 @@ def fsdp2_gathered_bytes(m: ModelConfig, layout: Layout, items: list[str]) -> fl
     kept = 1 if layout.zero_stage == 3 and layout.pipeline == 1 else layers
     layer_bytes = layer * _compute_bytes(layout)
     if layout.fp8 == "tensorwise":
-        fp8 = mean_layer_elements(m, layer_fp8_matrices) / layout.tensor
+        fp8 = mean_layer_elements(m, layer_projection_shapes) / layout.tensor
         layer_bytes -= fp8 * (_compute_bytes(layout) - 1)
     return root * _compute_bytes(layout) + (kept + 1) * layer_bytes
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pretrain.arithmetic import (layer_active_matmul_parameters,
-                                 layer_fp8_matrices, layer_muon_matrices,
+                                 layer_projection_shapes,
                                  layout_recomputed_layers, mean, mean_layer_elements,
                                  model_flops_per_token, newton_schulz_flops,
                                  stage_flops_per_token, stage_parameters)
@@ -343,7 +343,7 @@ def fp8_cast_elements(model: ModelConfig, layout: Layout, mb: _MicroBatch) -> fl
     copies = model.experts_per_token if model.num_experts else 1
     inputs = mb.tokens * (2 * h + q + copies * (2 * h + f)) / layout.tensor
     # every weight a GPU holds (of each expert 1/tp, or E/ep whole: the same count)
-    weights = mean_layer_elements(model, layer_fp8_matrices) / layout.tensor
+    weights = mean_layer_elements(model, layer_projection_shapes) / layout.tensor
     passes = 3 * mb.layers + 3 * layout_recomputed_layers(layout, mb.layers)
     return passes * (inputs + weights)
 
@@ -357,7 +357,7 @@ def muon_step_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, *,
     if layout.optimizer != "muon" or not layers:
         return 0.0
     # every layer's matrices, scaled to `layers` of the model's mean layer
-    matrices = [shape for i in range(model.num_layers) for shape in layer_muon_matrices(model, i)]
+    matrices = [shape for i in range(model.num_layers) for shape in layer_projection_shapes(model, i)]
     share = layers / model.num_layers
     whole = sum(r * c for r, c in matrices) * 4.0 * share
     seconds = 0.0
@@ -414,7 +414,7 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
                                grad_bytes=grad_bytes)
         offload = _offload(layout, cluster, stage_params=stage_params)
     else:
-        fp8_params = (layers * mean_layer_elements(model, layer_fp8_matrices) / layout.tensor
+        fp8_params = (layers * mean_layer_elements(model, layer_projection_shapes) / layout.tensor
                       if layout.fp8 == "tensorwise" else 0.0)
         data_comm = _fsdp2_data_comm(layout, cluster, mb, stage_params=stage_params,
                                      grad_bytes=grad_bytes, fp8_params=fp8_params)
