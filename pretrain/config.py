@@ -531,13 +531,18 @@ class ParallelConfig(_Freezable):
     # count; each rank holds a head and a tail chunk of every sequence, equal causal work)
     sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tensor > 1)
     pipeline_partition: str = "parameters"  # one of PARTITION_METHODS
-    expert: int = 1  # expert parallelism: each MoE layer's experts split over this many ranks,
-    # which are the tensor-parallel ranks (1, or equal to tensor): each holds whole experts
+    expert: int = 1  # expert parallelism: each MoE layer's experts split over this many ranks
+    # (each holds 1/expert of them), laid out over a stage's tensor x context x data ranks
+    expert_tensor: int = 0  # ranks splitting each expert's matrices: 1 (whole experts) or
+    # tensor; 0: tensor when expert is 1, else 1 (expert = tensor: the tensor ranks hold the experts)
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "context", "expert"):
             if getattr(self, name) < 1:
                 _fail("parallel", name, getattr(self, name), "must be a positive integer")
+        if self.expert_tensor not in (0, 1, self.tensor):
+            _fail("parallel", "expert_tensor", self.expert_tensor,
+                  f"must be 0 (auto), 1 or parallel.tensor={self.tensor}")
         if self.pipeline_partition not in PARTITION_METHODS:
             _fail("parallel", "pipeline_partition", self.pipeline_partition,
                   f"choose one of {', '.join(PARTITION_METHODS)}")

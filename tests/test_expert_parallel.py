@@ -164,9 +164,12 @@ def test_expert_layouts_the_stack_cannot_run_are_refused_with_the_reason():
                      _layout(context=2))
     with pytest.raises(ConfigError, match="experts_per_token=5: must be between 1 and"):
         dataclasses.replace(CFG, experts_per_token=5)  # top-k above the expert count
-    # a world that cannot hold the expert layout: expert ranks without a tensor group of them
-    with pytest.raises(ConfigError, match="parallel.expert=2 with parallel.tensor=1"):
-        Topology(tensor=1, pipeline=1, world_size=2, expert=2)
+    # a world that cannot hold the expert layout: 2 expert ranks do not divide a stage of 3
+    with pytest.raises(ConfigError, match=r"parallel.expert x parallel.expert_tensor = 2 x 1 = 2 "
+                                          r"must divide the ranks of a pipeline stage"):
+        Topology(tensor=1, pipeline=1, world_size=3, expert=2)
+    with pytest.raises(ConfigError, match="parallel.expert_tensor=1 with parallel.expert=1"):
+        Topology(tensor=2, pipeline=1, world_size=2, expert_tensor=1)
     check_layout(CFG, _layout())  # tp 2 = ep 2: 2 whole experts per rank
     check_layout(CFG, _layout(pipeline=2))  # with a pipeline, and with context parallelism
     check_layout(dataclasses.replace(CFG, num_heads=8, num_kv_heads=4), _layout(context=2))
@@ -189,8 +192,24 @@ def test_the_pre_flight_refuses_an_expert_layout_with_its_reason_and_exit_2():
 def test_topology_draws_the_expert_groups():
     topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2)
     assert topo.expert_groups() == topo.tensor_groups() == [[0, 1], [2, 3]]
-    assert "expert=2: expert groups = tensor groups" in topo.describe()
+    assert topo.expert_data_groups() == topo.data_groups() == [[0, 2], [1, 3]]
+    assert "expert=2 x expert_tensor=1: expert groups [[0, 1], [2, 3]]" in topo.describe()
     assert Topology(tensor=2, pipeline=1, world_size=2).expert_groups() == [[0], [1]]
+    # expert ranks beyond the tensor group: tp 2 x expert 4 over 8 ranks of 2 stages
+    topo = Topology(tensor=2, pipeline=2, world_size=16, expert=4)
+    assert topo.expert_groups()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert topo.expert_data_groups()[:2] == [[0, 4], [1, 5]]
+    assert [topo.expert_rank(r) for r in (0, 3, 4, 9)] == [0, 3, 0, 1]
+    # experts split over the tensor ranks, expert ranks from the data ranks, with context 2
+    from pretrain.config import ParallelConfig
+    topo = Topology.from_parallel_config(
+        ParallelConfig(tensor=2, context=2, expert=2, expert_tensor=2), world_size=8)
+    assert topo.expert_tensor_groups() == topo.tensor_groups()
+    assert topo.expert_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.expert_data_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # every rank sits in exactly one group of each kind, and the three together span a stage
+    for kind in (topo.expert_groups, topo.expert_data_groups, topo.expert_tensor_groups):
+        assert sorted(r for g in kind() for r in g) == list(range(8))
 
 
 # ---- training through `pretrain train`: expert layouts against one process ----------------------

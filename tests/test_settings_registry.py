@@ -114,6 +114,7 @@ REGISTRY: dict[str, str] = {
     "parallel.context_kind": "tests/test_context_allgather.py::test_train_allgather_matches_one_process",
     "parallel.expert": ("tests/test_expert_parallel.py::"
                         "test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1"),
+    "parallel.expert_tensor": "tests/test_expert_parallel.py::test_topology_draws_the_expert_groups",
     # data.*
     "data.dataset": "tests/test_data_blend.py::test_test_split_through_the_config",
     "data.blend": "tests/test_data_blend.py::test_blend_valid_split_and_build_datasets",
@@ -346,6 +347,7 @@ MUTANT_OF: dict[str, str] = {
     "parallel.context": "context-chunk-positions-from-zero",
     "parallel.context_kind": "context-allgather-kind-ignored",
     "parallel.expert": "ep-experts-counted-on-every-rank-in-the-norm",
+    "parallel.expert_tensor": "ep-expert-tensor-ignored",
     "parallel.sequence_parallel": "model-sequence-parallel-setting-ignored",
     "parallel.pipeline_partition": "model-pipeline-partition-ignored",
     "parallel.pipeline_schedule": "pipes-schedule-ignored",

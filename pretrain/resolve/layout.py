@@ -41,7 +41,8 @@ class Layout:
     max_live_parameters: int = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters
     context: int = 1  # context-parallel ranks per sequence (parallel.context)
     context_kind: str = "ulysses"  # parallel.context_kind: ulysses (all-to-all) or allgather
-    expert: int = 1  # expert-parallel ranks (parallel.expert): 1 or the tensor group
+    expert: int = 1  # expert-parallel ranks (parallel.expert)
+    expert_tensor: int = 0  # ranks splitting each expert (parallel.expert_tensor; 0: the rule)
     fsdp2_replicas: int = 1  # train.fsdp2_replicas: HSDP replica groups of data x context ranks
     engine: str = "deepspeed"  # train.engine: whose pipeline (DeepSpeed's 1F1B or fsdp2's)
     schedule: str = "1f1b"  # parallel.pipeline_schedule (fsdp2's; DeepSpeed runs 1F1B)
@@ -68,6 +69,7 @@ class Layout:
         off += [f"param={self.offload_param}"] if self.offload_param != "none" else []
         cp = f" cp{self.context}" if self.context > 1 else ""
         cp += f" ep{self.expert}" if self.expert > 1 else ""
+        cp += f" etp{self.expert_tensor}" if self.expert > 1 and self.expert_tensor > 1 else ""
         cp += f" hsdp{self.fsdp2_replicas}" if self.fsdp2_replicas > 1 else ""
         if self.pipeline > 1 and (self.schedule != "1f1b" or self.virtual_stages > 1):
             cp += f" {self.schedule}" + (f" v{self.virtual_stages}"
@@ -179,8 +181,9 @@ def check_experts(model: ModelConfig, layout: Layout) -> None:
     if not model.num_experts:
         raise ConfigError(f"parallel.expert={ep}: the model has no experts (model.num_experts=0); "
                           "set parallel.expert=1 or model.num_experts")
-    if ep != tp:
-        raise ConfigError(f"parallel.expert={ep} with parallel.tensor={tp}: the expert ranks are "
+    if ep != tp or layout.expert_tensor not in (0, 1):
+        raise ConfigError(f"parallel.expert={ep} with parallel.tensor={tp} and "
+                          f"parallel.expert_tensor={layout.expert_tensor}: the expert ranks are "
                           f"the tensor-parallel ranks; set parallel.expert to 1 or {tp}")
     if model.num_experts % ep:
         raise ConfigError(f"parallel.expert={ep}: must divide model.num_experts="

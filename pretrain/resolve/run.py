@@ -199,6 +199,7 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     precision=planned_precision(t.precision),
                     partition=p.pipeline_partition, context=p.context,
                     context_kind=p.context_kind, expert=p.expert,
+                    expert_tensor=p.expert_tensor,
                     fsdp2_replicas=t.fsdp2_replicas,
                     engine=t.engine.value, schedule=p.pipeline_schedule,
                     virtual_stages=p.virtual_stages, fp8=Fp8Recipe(t.fp8).value,

@@ -1,4 +1,4 @@
-"""The rank grid TP x CP x DP x PP (experts over TP), its process groups, and the `mpu` adapter.
+"""The rank grid TP x CP x DP x PP (and its expert grid), its process groups, the `mpu` adapter.
 
 `Topology(tensor=, pipeline=, world_size=, context=)` is built once at start-up and passed
 down; there is no module-level parallel state. Its methods are pure arithmetic (usable without
@@ -64,8 +64,13 @@ tensor=2 x context=2 x data=2 x pipeline=1 = 8 ranks; each cell is the tensor gr
 >>> topo.coords(6)
 RankCoords(tensor=0, data=1, pipeline=0, context=1)
 
-Expert parallelism (`parallel.expert`, 1 or the tensor size) takes the tensor ranks: each holds
-n/expert of a MoE layer's n experts whole, and tokens go to them by all-to-all:
+Expert parallelism (`parallel.expert`, `parallel.expert_tensor`) lays the ranks of one stage
+(tensor x context x data of them, in rank order) out again for the MoE layers, as Megatron-Core
+folds them: expert-tensor innermost (the ranks splitting each expert's matrices, 1 or the
+tensor size), then expert (ranks holding different experts whole and swapping tokens by
+all-to-all), then expert-data (the ranks holding the same experts: their gradients are reduced
+and their ZeRO state partitioned over these). With expert = tensor and expert_tensor 1 the
+expert groups are the tensor groups and the expert-data groups the data groups:
 
 >>> topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2)
 >>> print(topo.describe())
@@ -73,9 +78,20 @@ tensor=2 x data=2 x pipeline=1 = 4 ranks; each cell is the tensor group of (data
             stage 0
     dp 0    [0, 1]
     dp 1    [2, 3]
-expert=2: expert groups = tensor groups; rank i of each holds experts [i*n/2, (i+1)*n/2) whole
+expert=2 x expert_tensor=1: expert groups [[0, 1], [2, 3]] (rank i of each holds experts [i*n/2, (i+1)*n/2) whole); expert-data groups [[0, 2], [1, 3]]
 >>> topo.expert_groups()  # all-to-all of the routed tokens every MoE layer: inside a node
 [[0, 1], [2, 3]]
+
+Taken from the data ranks instead (tensor 1, 4 data ranks, 2 expert ranks), or with each
+expert split over the tensor ranks (expert_tensor = tensor):
+
+>>> Topology(tensor=1, pipeline=1, world_size=4, expert=2).expert_groups()
+[[0, 1], [2, 3]]
+>>> Topology(tensor=1, pipeline=1, world_size=4, expert=2).expert_data_groups()
+[[0, 2], [1, 3]]
+>>> topo = Topology(tensor=2, pipeline=1, world_size=4, expert=2, expert_tensor=2)
+>>> topo.expert_groups(), topo.expert_data_groups(), topo.expert_tensor_groups()
+([[0, 2], [1, 3]], [[0], [1], [2], [3]], [[0, 1], [2, 3]])
 """
 from __future__ import annotations
 
@@ -110,7 +126,9 @@ class Topology:
     world_size: int
     rank: int = 0
     context: int = 1
-    expert: int = 1  # expert-parallel ranks: 1, or the tensor group (each holds whole experts)
+    expert: int = 1  # expert-parallel ranks: each holds 1/expert of a MoE layer's experts
+    expert_tensor: int = 0  # ranks splitting each expert's matrices: 1 or tensor; 0: tensor
+    # when expert is 1, else 1 (settled in __post_init__)
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "world_size", "context", "expert"):
@@ -129,19 +147,32 @@ class Topology:
                 f"of {model_parallel} ranks or change parallel.{'/'.join(sizes)}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
-        if self.expert not in (1, self.tensor):
+        if self.expert_tensor == 0:
+            object.__setattr__(self, "expert_tensor", self.tensor if self.expert == 1 else 1)
+        etp, ep = self.expert_tensor, self.expert
+        if etp not in (1, self.tensor):
+            raise ConfigError(f"parallel.expert_tensor={etp}: must be 1 (whole experts on each "
+                              f"rank) or parallel.tensor={self.tensor} (each expert split over the "
+                              "tensor ranks, as the dense MLP)")
+        if ep == 1 and etp != self.tensor:
+            raise ConfigError(f"parallel.expert_tensor={etp} with parallel.expert=1 and "
+                              f"parallel.tensor={self.tensor}: without expert parallelism the "
+                              "experts are split over the tensor ranks like the dense MLP; set "
+                              f"parallel.expert_tensor={self.tensor} (or 0)")
+        stage = self.tensor * self.context * self.data
+        if stage % (ep * etp):
             raise ConfigError(
-                f"parallel.expert={self.expert} with parallel.tensor={self.tensor}: the expert "
-                "ranks are the tensor-parallel ranks (each holds whole experts instead of a "
-                f"1/tensor slice of every expert); set parallel.expert to 1 or {self.tensor}, or "
-                f"parallel.tensor={self.expert}")
+                f"parallel.expert x parallel.expert_tensor = {ep} x {etp} = {ep * etp} must divide "
+                f"the ranks of a pipeline stage, tensor x context x data = {self.tensor} x "
+                f"{self.context} x {self.data} = {stage}")
 
     @classmethod
     def from_parallel_config(cls, parallel: Any, *, world_size: int, rank: int = 0) -> "Topology":
         """From `RunConfig.parallel` (a `ParallelConfig`)."""
         return cls(tensor=parallel.tensor, pipeline=parallel.pipeline, world_size=world_size,
                    rank=rank, context=getattr(parallel, "context", 1),
-                   expert=getattr(parallel, "expert", 1))
+                   expert=getattr(parallel, "expert", 1),
+                   expert_tensor=getattr(parallel, "expert_tensor", 0))
 
     # ---- arithmetic ------------------------------------------------------------------------
     @property
@@ -199,12 +230,42 @@ class Topology:
                  for d, c in self._replica_coords()]
                 for p in range(self.pipeline) for t in range(self.tensor)]
 
+    def _expert_grid(self, rank: int) -> tuple[int, int, int]:
+        """(expert_tensor, expert, expert_data) index of `rank` in its stage's expert grid."""
+        i = rank % (self.tensor * self.context * self.data)  # its index inside the stage
+        etp, ep = self.expert_tensor, self.expert
+        return i % etp, (i // etp) % ep, i // (etp * ep)
+
+    def _expert_lists(self, axis: int) -> list[list[int]]:
+        """The ranks varying along one axis of the expert grid (0: expert_tensor, 1: expert,
+        2: expert_data), the others fixed, in rank order of their first rank."""
+        lists: dict[tuple, list[int]] = {}
+        stage = self.tensor * self.context * self.data
+        for rank in range(self.world_size):
+            grid = self._expert_grid(rank)
+            key = (rank // stage,) + grid[:axis] + grid[axis + 1:]
+            lists.setdefault(key, []).append(rank)
+        return sorted(lists.values())
+
     def expert_groups(self) -> list[list[int]]:
-        """Ranks that split one layer's experts between them and swap tokens by all-to-all:
-        the tensor groups when parallel.expert > 1 (one rank each otherwise)."""
-        if self.expert == 1:
-            return [[rank] for rank in range(self.world_size)]
-        return self.tensor_groups()
+        """Ranks that split one layer's experts between them and swap tokens by all-to-all
+        (one rank each at parallel.expert 1): rank i of a group holds experts
+        [i * n / expert, (i + 1) * n / expert)."""
+        return self._expert_lists(1)
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """Ranks holding the same experts (the same shard of them): the experts' gradients are
+        reduced, and their ZeRO/FSDP state partitioned, over these."""
+        return self._expert_lists(2)
+
+    def expert_tensor_groups(self) -> list[list[int]]:
+        """Ranks splitting each of their experts' matrices between them (the tensor groups at
+        expert_tensor = tensor, one rank each at 1)."""
+        return self._expert_lists(0)
+
+    def expert_rank(self, rank: int) -> int:
+        """`rank`'s index in its expert group: which 1/expert of the experts it holds."""
+        return self._expert_grid(rank)[1]
 
     def pipeline_groups(self) -> list[list[int]]:
         """The stages of one pipeline (same tensor, context and data index)."""
@@ -243,8 +304,12 @@ class Topology:
         for name, row in zip(names, cells):
             lines.append(name.ljust(margin) + "".join(c.ljust(width) for c in row))
         if self.expert > 1:
-            lines.append(f"expert={self.expert}: expert groups = tensor groups; rank i of each "
-                         f"holds experts [i*n/{self.expert}, (i+1)*n/{self.expert}) whole")
+            whole = "whole" if self.expert_tensor == 1 else f"split over expert-tensor groups " \
+                f"{self.expert_tensor_groups()}"
+            lines.append(f"expert={self.expert} x expert_tensor={self.expert_tensor}: expert "
+                         f"groups {self.expert_groups()} (rank i of each holds experts "
+                         f"[i*n/{self.expert}, (i+1)*n/{self.expert}) {whole}); expert-data "
+                         f"groups {self.expert_data_groups()}")
         return "\n".join(line.rstrip() for line in lines)
 
     def deepspeed_topology(self):
@@ -280,6 +345,9 @@ class Topology:
                  ("pipeline", self.pipeline_groups()), ("model", self.model_groups())]
         if self.context > 1:  # context 1 creates exactly the groups it created before
             kinds.append(("context", self.context_groups()))
+        if self.expert > 1:  # expert = tensor, expert_tensor 1: the tensor and data groups again
+            kinds += [("expert", self.expert_groups()), ("expert_data", self.expert_data_groups()),
+                      ("expert_tensor", self.expert_tensor_groups())]
         for kind, lists in kinds:
             for ranks in lists:
                 key = tuple(sorted(ranks))  # one group per rank list: at tp 1 the model
@@ -291,7 +359,10 @@ class Topology:
         return ProcessGroups(topology=self, tensor=mine["tensor"][0], data=mine["data"][0],
                              pipeline=mine["pipeline"][0], model=mine["model"][0],
                              data_ranks=tuple(mine["data"][1]), by_ranks=by_ranks,
-                             context=mine["context"][0] if "context" in mine else None)
+                             context=mine["context"][0] if "context" in mine else None,
+                             expert=mine.get("expert", (None,))[0],
+                             expert_data=mine.get("expert_data", (None,))[0],
+                             expert_tensor=mine.get("expert_tensor", (None,))[0])
 
 
 @dataclass(frozen=True)
@@ -308,6 +379,11 @@ class ProcessGroups:
     # pipeline grid is handed these instead of creating the same communicators again
     by_ranks: dict[tuple[int, ...], Any] = field(default_factory=dict, compare=False, repr=False)
     context: Any = None  # the context-parallel group (attention's all-to-all); None at context 1
+    # the expert grid's groups (None at parallel.expert 1): the all-to-all of routed tokens, the
+    # ranks holding the same experts (their gradients' reduction), the ranks splitting each expert
+    expert: Any = None
+    expert_data: Any = None
+    expert_tensor: Any = None
 
     @property
     def mpu(self) -> "DeepSpeedMPU":
