@@ -8,6 +8,7 @@ in `_assert_fp8_tracks` of the fp32 run, and differs from it.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +202,29 @@ def test_an_emulated_fp8_run_ends_within_the_tolerance_of_fp32(tiny_data, tmp_pa
         losses[recipe] = run.losses
     assert losses[Fp8Recipe.TENSORWISE] != losses[Fp8Recipe.ROWWISE]
     assert "[fp8]" not in fp32.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cuda", [False, True])
+def test_torchao_imports_without_its_gpu_kernel_warnings_on_a_cpu_only(cuda):
+    """torchao logs a "Failed to load" warning for each of its GPU kernel libraries a CPU-only
+    torch cannot load: dropped there (never used: FP8 is emulated), kept where CUDA is (a
+    kernel missing on a GPU matters; CUDA's presence faked here)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.cuda.is_available = lambda: %s\n"
+            "from pretrain.config import Fp8Recipe\n"
+            "from pretrain.model.fp8 import float8_config\n"
+            "float8_config(Fp8Recipe.TENSORWISE, emulate=True)\n") % cuda
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    shipped = any(Path(torchao_dir()).glob("_C*.so"))
+    assert ("Failed to load" in out.stderr) == (cuda and shipped and not torch.cuda.is_available())
+
+
+def torchao_dir() -> str:
+    import importlib.util
+
+    return str(Path(importlib.util.find_spec("torchao").origin).parent)

@@ -44,9 +44,32 @@ from pretrain.config import Fp8Recipe
 FP8_DIVISOR = 16  # torch._scaled_mm: both dimensions of an FP8 operand multiples of 16
 
 
+def import_torchao() -> None:
+    """Import torchao, quietly where it can only emulate. Its package import loads every kernel
+    library it ships and logs a warning for each one that cannot load: on a machine without
+    CUDA that is all of its GPU kernels (`_C_cutlass_90a`, `_C_mxfp8`), never used there (FP8 is
+    emulated). Those warnings are dropped without CUDA only; on a GPU a kernel that fails to
+    load matters, and its warning stays."""
+    import logging
+    import sys
+
+    if "torchao" in sys.modules:
+        return
+    quiet = not torch.cuda.is_available()
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    finally:
+        logger.setLevel(level)
+
+
 def float8_config(recipe: Fp8Recipe, *, emulate: bool, fsdp_all_gather: bool = False):
     """torchao's `Float8LinearConfig` of `recipe`; `emulate` on devices without FP8 matmuls;
     `fsdp_all_gather`: FSDP2 all-gathers the weights in FP8 (tensorwise only)."""
+    import_torchao()
     from torchao.float8 import Float8LinearConfig
 
     config = Float8LinearConfig.from_recipe_name(Fp8Recipe(recipe).value)
@@ -118,6 +141,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, *, emulate: bool,
     """Make every decoder block projection of `model` (a `LlamaModel`, a pipeline stage or a
     single block) compute in FP8 by `recipe`, in place, before any engine wraps it; returns what
     was converted and what was kept. Parameters keep their names, values and dtype."""
+    import_torchao()
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -169,6 +193,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, *, emulate: bool,
 
 def is_fp8(module: nn.Module) -> bool:
     """Whether `module` computes in FP8 (converted by `convert_to_fp8`)."""
+    import_torchao()
     from torchao.float8.float8_linear import Float8Linear
 
     return isinstance(module, Float8Linear) or isinstance(getattr(module, "linear", None),
