@@ -165,7 +165,7 @@ class Trainer:
             global_batch=self.global_batch, grad_accum=self.grad_accum, pipelined=self.pipelined,
             train_data=self.train_data, valid_data=self.valid_data, tokenizer=self.tokenizer,
             watchdog=self.watchdog, guard=self.guard, control=self.control, metrics=self.metrics,
-            spikes=self.spikes, loader=self._loader, train_step=self.train_step,
+            spikes=self.spikes, loader=self._loader, train_step=self._replay_step,
             finish_save=self._finish_save, mean_over_dp=self._mean_over_dp,
             draw_curves=self._draw_curves)
 
@@ -406,9 +406,7 @@ class Trainer:
         lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler steps inside)
         skipped_before = self.engine.skipped_steps
         self.stragglers.begin_step(self.step + 1)
-        if self.cfg.model.num_experts:
-            moe.set_aux_loss_grad_scale(moe.aux_loss_grad_scale(self.engine))
-            moe.reset_stats(self.engine.module)  # nothing of an abandoned step's forwards
+        self._begin_router_step()
         loss, wait = self.train_step(batches)
         if loss is None:  # stopped inside the step (`RunControl.stop_agreed`)
             return None
@@ -433,19 +431,43 @@ class Trainer:
         self.spikes.counts.skipped += self._spike_skipped
         record.update(self.spikes.counts.fields())
         record.update(self.stragglers.end_step(step=self.step, elapsed=elapsed, data_wait=wait))
-        if self.cfg.model.num_experts:  # every rank: the sums are all-reduced
-            record.update(moe.collect_stats(self.engine.module, device=self.device,
-                                            num_layers=self.cfg.model.num_layers,
-                                            num_experts=self.cfg.model.num_experts,
-                                            bias_update_rate=self._bias_update_rate))
+        record.update(self._end_router_step(skipped=record["update_skipped"]))
         self.metrics.write(record)
         return record
 
-    @property
-    def _bias_update_rate(self) -> float | None:
-        """The sigmoid router's balancing step (`moe.collect_stats`); None for softmax routers."""
+    def _begin_router_step(self) -> None:
+        """Before a step of an MoE model: the auxiliary losses' gradient scale, and no router
+        statistics of an abandoned step's forwards."""
+        if self.cfg.model.num_experts:
+            moe.set_aux_loss_grad_scale(moe.aux_loss_grad_scale(self.engine))
+            moe.reset_stats(self.engine.module)
+
+    def _end_router_step(self, *, skipped: bool) -> dict[str, Any]:
+        """After a step of an MoE model (every rank: the sums are all-reduced): the router's
+        statistics for the step record, and the sigmoid router's expert bias moved by its
+        balancing step (`moe.collect_stats`) - unless the step's update was `skipped` (a
+        non-finite or overflowed step, a spike skipped): the bias belongs to the weights, and
+        stays with them."""
         model = self.cfg.model
-        return model.moe_bias_update_rate if model.moe_router == "sigmoid" else None
+        if not model.num_experts:
+            return {}
+        rate = None  # softmax routers: no bias
+        if model.moe_router == "sigmoid":
+            rate = 0.0 if skipped else model.moe_bias_update_rate
+        return moe.collect_stats(self.engine.module, device=self.device,
+                                 num_layers=model.num_layers, num_experts=model.num_experts,
+                                 bias_update_rate=rate)
+
+    def _replay_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float | None, float]:
+        """`train_step` as a spike's rollback replays a step (`spikes.roll_back`, through the
+        loop state): with a step's router bookkeeping, so that the expert bias takes each
+        replayed step's balancing step as the first run did (none on a skipped update)."""
+        skipped_before = self.engine.skipped_steps
+        self._begin_router_step()
+        loss, wait = self.train_step(batches)
+        if loss is not None:  # a stop abandoned the step otherwise
+            self._end_router_step(skipped=self.engine.skipped_steps > skipped_before)
+        return loss, wait
 
     def _log_compile(self, elapsed: float) -> None:
         report = compile_report()
