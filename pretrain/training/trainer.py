@@ -75,7 +75,7 @@ class Trainer:
         self.dp_size, self.grad_accum = self.layout.data, self.layout.grad_accum
         self.global_batch = self.layout.global_batch  # the full size (a ramp's last)
         # train.batch_ramp: each step's global batch, from the samples consumed before it
-        self.batches = RampSchedule.of(cfg, self.global_batch)
+        self.batch_sizes = RampSchedule.of(cfg, self.global_batch)
         self.step_batch = self.global_batch  # the global batch of the step being run
         # Ranks of one tensor-parallel group read the same samples: the data follows the dp index;
         # the ranks of one context group read the same samples too, each its chunk of them.
@@ -129,12 +129,12 @@ class Trainer:
                      train_data=self.train_data, run_dir=self.run_dir
                      if self.recorded_cfg.run_dir == cfg.run_dir else
                      f"{self.recorded_cfg.run_dir} (this node's copy: {self.run_dir})")
-        if self.batches.ramp is not None:
-            ramp = self.batches.ramp
+        if self.batch_sizes.ramp is not None:
+            ramp = self.batch_sizes.ramp
             log(f"[batch ramp] global batch {ramp.start} growing by {ramp.increment} over the "
                 f"first {ramp.samples} samples to {self.global_batch} (sizes "
-                f"{', '.join(map(str, self.batches.sizes()))}; this step's: "
-                f"{self.batches.size_at(self.consumed_samples)})", main=self.main)
+                f"{', '.join(map(str, self.batch_sizes.sizes()))}; this step's: "
+                f"{self.batch_sizes.size_at(self.consumed_samples)})", main=self.main)
 
     # ---- setup ------------------------------------------------------------------------------
     @property
@@ -208,7 +208,7 @@ class Trainer:
             wait_for_io()
         train, valid = build_datasets(
             d, seq_length=m.seq_length,
-            train_samples=self.batches.samples_for(self.cfg.train.steps),
+            train_samples=self.batch_sizes.samples_for(self.cfg.train.steps),
             with_valid=self.cfg.train.eval_interval > 0,
             log=lambda message: log(message, main=self.main))
         if self.main:
@@ -285,9 +285,9 @@ class Trainer:
         is abandoned (`pretrain.training.faults`: the engine state is still the last completed step's).
         With train.on_loss_spike=skip a spike's update is dropped (`pretrain.training.spikes`)."""
         timed = TimedBatches(batches)
-        self.step_batch = self.batches.size_at(self.consumed_samples)
+        self.step_batch = self.batch_sizes.size_at(self.consumed_samples)
         accum = self.step_batch // (self.cfg.train.micro_batch_size * self.dp_size)
-        ramped = self.batches.ramp is not None
+        ramped = self.batch_sizes.ramp is not None
         if ramped:
             set_step_micro_batches(self.engine, accum)
         self.position.step_samples = stream_numbers(self.consumed_samples, self.step_batch,
