@@ -309,10 +309,11 @@ def test_the_step_time_is_the_sum_of_its_parts_and_each_part_follows_its_dimensi
     assert spent(alone, LLAMA_7B) == {"compute", "memory_bound"}  # the weights concatenated
     assert spent(replace(alone, tensor=2, sequence_parallel=True)) == {"compute", "tensor_comm"}
     # a bf16 pipeline steps in DeepSpeed's BF16_Optimizer: its fp32 sums are copies
+    # (a pipeline's schedule also pays each action's runtime and each message's latency)
     assert spent(replace(alone, pipeline=2)) == {"compute", "bubble", "pipeline_comm",
-                                                 "memory_bound"}
+                                                 "memory_bound", "pipeline_overhead"}
     assert spent(replace(alone, pipeline=2, precision=Precision.FP32)) == {
-        "compute", "bubble", "pipeline_comm"}
+        "compute", "bubble", "pipeline_comm", "pipeline_overhead"}
     # context ranks also reduce gradients, as DeepSpeed's data parallelism (inside a node, in
     # bf16 at ZeRO-0: hidden behind the backward; across nodes in fp32 at ZeRO-1: exposed)
     assert spent(replace(alone, context=2)) == {"compute", "context_comm"}
@@ -334,7 +335,7 @@ def test_the_70b_recipes_plan_is_the_one_the_docs_print():
     lines = (REPO / PLANNING_DOC).read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("layout  tp 4 x pp 8 x dp 4"))
     block = lines[start:lines.index("```", start)]
-    assert len(block) > 10 and block[-1].startswith("throughput 128,982 tokens/s")
+    assert len(block) > 10 and block[-1].startswith("throughput 128,733 tokens/s")
     out = _plan_cli("--config", "configs/llama_70b.yaml", "--world-size", "128")
     assert out.returncode == 0, out.stderr
     printed = out.stdout.splitlines()
