@@ -211,52 +211,75 @@ def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     tiny = 16
-    token = torch.zeros(1)
-    rounds = 200
-    for _ in range(2):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            if rank == 0:
-                torch.distributed.send(token, 1)
-                torch.distributed.recv(token, 1)
-            else:
-                torch.distributed.recv(token, 0)
-                torch.distributed.send(token, 0)
-        one_way = (time.perf_counter() - start) / (2 * rounds)
+
+    def ping_pong(tensor: torch.Tensor, rounds: int) -> float:
+        """One way's seconds: the fastest of 3 tries of `rounds` round trips."""
+        tries = []
+        for _ in range(3):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            for _ in range(rounds):
+                if rank == 0:
+                    torch.distributed.send(tensor, 1)
+                    torch.distributed.recv(tensor, 1)
+                else:
+                    torch.distributed.recv(tensor, 0)
+                    torch.distributed.send(tensor, 0)
+            tries.append((time.perf_counter() - start) / (2 * rounds))
+        return min(tries)
+
+    one_way = ping_pong(torch.zeros(1), 200)
+    # a stage boundary's message (TOKENS x HIDDEN fp32): its bytes' time beside the latency
+    boundary = torch.zeros(TOKENS, HIDDEN)
+    boundary_way = ping_pong(boundary, 50)
 
     blocks = layers // world_size
-    stage = nn.Sequential(*[nn.Sequential(nn.Linear(tiny, tiny), nn.ReLU(), nn.Linear(tiny, tiny))
-                            for _ in range(blocks)])
-    x0 = torch.randn(TOKENS, tiny)
 
-    def full():
-        x = x0.clone().requires_grad_()
-        out = stage(x)
-        out.backward(torch.ones_like(out))
+    def passes(hidden: int, inner: int, runs: int) -> dict:
+        """Median seconds of a forward, a forward and full backward, and a forward and split
+        backward (torch's input pass, then its weight pass) of one rank's blocks."""
+        stage = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, inner), nn.ReLU(),
+                                              nn.Linear(inner, hidden)) for _ in range(blocks)])
+        x0 = torch.randn(TOKENS, hidden)
 
-    def split():
-        x = x0.clone().requires_grad_()
-        out = stage(x)
-        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], stage.parameters())
-        stage_backward_weight(stage.parameters(), groups)
+        def forward():
+            x = x0.clone().requires_grad_()
+            return x, stage(x)
 
-    timed = {}
-    for name, fn in (("full", full), ("split", split)):
-        for _ in range(5):
-            fn()
-        runs = []
-        for _ in range(50):
-            start = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - start)
-        timed[name] = statistics.median(runs)
-    split_per_block = (timed["split"] - timed["full"]) / blocks
+        def full():
+            _, out = forward()
+            out.backward(torch.ones_like(out))
+
+        def split():
+            x, out = forward()
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [x],
+                                             stage.parameters())
+            stage_backward_weight(stage.parameters(), groups)
+
+        timed = {}
+        for name, fn in (("forward", forward), ("full", full), ("split", split)):
+            for _ in range(3):
+                fn()
+            took = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                fn()
+                took.append(time.perf_counter() - start)
+            timed[name] = statistics.median(took)
+        return timed
+
+    small = passes(tiny, tiny, 50)  # nearly no work: the fixed part, per block
+    split_per_block = (small["split"] - small["full"]) / blocks
+    big = passes(HIDDEN, INNER, 15)  # the bench's blocks: the share of the backward's time
+    backward = big["full"] - big["forward"]
+    split_fraction = (big["split"] - big["full"] - blocks * split_per_block) / backward
     m = 8
     step, _, busy = _schedule_rank(rank, world_size, [m], steps, layers, tiny, tiny,
                                    (("1f1b", 1),))[("1f1b", 1, m)]
-    return {"one_way": one_way, "split_per_block": split_per_block, "step": step, "busy": busy,
-            "m": m}
+    return {"one_way": one_way, "boundary_way": boundary_way,
+            "boundary_bytes": boundary.numel() * boundary.element_size(),
+            "split_per_block": split_per_block, "split_fraction": split_fraction, "step": step,
+            "busy": busy, "m": m}
 
 
 def _bench_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
@@ -273,6 +296,7 @@ def _constants(calibrations: list[dict], layers: int) -> dict:
     message's one-way time, the split backward's extra per block, and the runtime per action
     (1F1B's overhead per micro-batch, `step / (m + b) - busy / m`, less its messages)."""
     from pretrain.config import Recompute
+    from pretrain.plan.clusters import COLLECTIVE_EFFICIENCY
     from pretrain.plan.step_time import (pipeline_actions_per_micro_batch,
                                          pipeline_bubble_slots, pipeline_messages_per_micro_batch)
     from pretrain.resolve.layout import Layout
@@ -287,9 +311,15 @@ def _constants(calibrations: list[dict], layers: int) -> dict:
     per_micro = step / (m + pipeline_bubble_slots(layout)) - busy / m
     action = (per_micro - pipeline_messages_per_micro_batch(layout) * one_way) \
         / pipeline_actions_per_micro_batch(layout)
+    fraction = statistics.fmean(r["split_fraction"] for r in calibrations)
+    boundary_way = statistics.fmean(r["boundary_way"] for r in calibrations)
+    # a boundary's bytes over the link: the planner's intra-node bandwidth at its efficiency
+    gbps = calibrations[0]["boundary_bytes"] / max(boundary_way - one_way, 1e-9) / 1e9 \
+        / COLLECTIVE_EFFICIENCY
     return {"p2p_latency_us": one_way * 1e6, "pipeline_action_us": max(action, 0.0) * 1e6,
-            "split_backward_layer_us": max(split, 0.0) * 1e6, "tiny_step_ms": step * 1e3,
-            "tiny_per_micro_us": per_micro * 1e6}
+            "split_backward_layer_us": max(split, 0.0) * 1e6,
+            "split_backward_fraction": max(fraction, 0.0), "intra_node_gbps": gbps,
+            "tiny_step_ms": step * 1e3, "tiny_per_micro_us": per_micro * 1e6}
 
 
 def _calibrate(args) -> None:
@@ -307,15 +337,20 @@ def _calibrate(args) -> None:
           "(CPU_PIPELINE_ACTION_US)")
     print(f"split backward's extra per block:             {c['split_backward_layer_us']:8.0f} us "
           "(CPU_SPLIT_BACKWARD_LAYER_US)")
+    print(f"split backward's extra share of the backward: {c['split_backward_fraction']:8.3f} "
+          "   (CPU_SPLIT_BACKWARD_FRACTION)")
+    print(f"a boundary's bytes ({TOKENS} x {HIDDEN} fp32) at: {c['intra_node_gbps']:8.2f} GB/s "
+          "(CPU_INTRA_NODE_GBPS, at the planner's collective efficiency)")
 
 
 def _schedules(args) -> None:
     import dataclasses
 
     from pretrain.config import Recompute
-    from pretrain.plan.clusters import cpu_cluster
+    from pretrain.plan.clusters import COLLECTIVE_EFFICIENCY, cpu_cluster
     from pretrain.plan.memory import micro_batches_in_flight
-    from pretrain.plan.step_time import pipeline_bubble_slots, pipeline_overhead
+    from pretrain.plan.step_time import (pipeline_bubble_slots, pipeline_overhead,
+                                         pipeline_p2p_bytes)
     from pretrain.resolve.layout import Layout
     from pretrain.testing.schedule_replay import replay
 
@@ -328,17 +363,21 @@ def _schedules(args) -> None:
     cluster = dataclasses.replace(
         cpu_cluster(nodes=1, ranks_per_node=pp, peak_tflops=1.0, memory_gb=16.0),
         **{k: constants[k] for k in ("p2p_latency_us", "pipeline_action_us",
-                                     "split_backward_layer_us")})
+                                     "split_backward_layer_us", "split_backward_fraction",
+                                     "intra_node_gbps")})
+    boundary = TOKENS * HIDDEN * 4
     print(f"machine: {machine()}; 2 ranks x 1 thread, gloo; shared load (other engineers' jobs "
           "may run beside it)")
     print(f"model: {args.layers} residual MLP blocks (hidden {HIDDEN}, inner {INNER}), "
           f"{TOKENS} tokens a micro-batch, fp32, pp={pp}; m = {args.micro_batches}")
-    print(f"calibration (same run): message {constants['p2p_latency_us']:.0f} us, action "
+    print(f"calibration (same run): message {constants['p2p_latency_us']:.0f} us + bytes at "
+          f"{constants['intra_node_gbps']:.2f} GB/s, action "
           f"{constants['pipeline_action_us']:.0f} us (1F1B at hidden 16: "
           f"{constants['tiny_per_micro_us']:.0f} us a micro-batch), split backward "
-          f"{constants['split_backward_layer_us']:.0f} us a block")
+          f"{constants['split_backward_layer_us']:.0f} us a block + "
+          f"{constants['split_backward_fraction']:.3f} of the backward")
     print("bubble = 1 - busy / step; ideal = b / (m + b); planner = 1 - busy / (busy (m + b) / m"
-          " + pipeline_overhead); ratio = bubble / planner")
+          " + pipeline_overhead + p2p bytes); ratio = bubble / planner")
     print(f"{'schedule':<18}{'v':>2}" + "".join(
         f"{f'step m={m}':>11}{'busy':>8}{'bubble':>8}{'ideal':>7}{'planner':>8}{'ratio':>7}"
         for m in args.micro_batches)
@@ -353,8 +392,11 @@ def _schedules(args) -> None:
             b = pipeline_bubble_slots(layout)
             step = statistics.fmean(r[(name, v, m)][0] for r in results)
             busy = statistics.fmean(r[(name, v, m)][2] for r in results)
-            predicted = busy * (m + b) / m + pipeline_overhead(layout, cluster,
-                                                               rank_layers=args.layers // pp)
+            predicted = (busy * (m + b) / m
+                         + pipeline_overhead(layout, cluster, rank_layers=args.layers // pp,
+                                             micro_batch_seconds=busy / m)
+                         + pipeline_p2p_bytes(layout, boundary)
+                         / (cluster.intra_node_gbps * 1e9 * COLLECTIVE_EFFICIENCY))
             measured, planned = 1 - busy / step, 1 - busy / predicted
             row += (f"{step * 1e3:>9.0f}ms{busy * 1e3:>6.0f}ms{measured:>8.3f}{b / (m + b):>7.3f}"
                     f"{planned:>8.3f}{measured / planned:>7.2f}")

@@ -133,23 +133,28 @@ def test_pipeline_overhead_lengthens_every_slot_of_the_step():
     and the split backward's weight pass per layer, over the m micro-batches and the bubble's
     slots; in the step, none without a pipeline."""
     cluster = replace(H100, p2p_latency_us=10.0, pipeline_action_us=100.0,
-                      split_backward_layer_us=300.0)
+                      split_backward_layer_us=300.0, split_backward_fraction=0.1)
     zb = _fsdp2(pipeline=2, global_batch=8, schedule="zero_bubble", virtual_stages=1)
-    assert pipeline_overhead(zb, cluster, rank_layers=4) == pytest.approx(
-        (8 + 1 / 3) * (3 * 100 + 2 * 10 + 4 * 300) * 1e-6)
+    # a micro-batch of 3 ms: a backward of 2 ms, its split 10% (0.2 ms) longer
+    assert pipeline_overhead(zb, cluster, rank_layers=4, micro_batch_seconds=3e-3) == \
+        pytest.approx((8 + 1 / 3) * ((3 * 100 + 2 * 10 + 4 * 300) * 1e-6 + 0.2e-3))
     one = replace(zb, schedule="1f1b")  # no split backward: no weight pass to pay
-    assert pipeline_overhead(one, cluster, rank_layers=4) == pytest.approx(
-        (8 + 1) * (2 * 100 + 2 * 10) * 1e-6)
-    assert pipeline_overhead(replace(zb, pipeline=1), cluster, rank_layers=4) == 0.0
+    assert pipeline_overhead(one, cluster, rank_layers=4, micro_batch_seconds=3e-3) == \
+        pytest.approx((8 + 1) * (2 * 100 + 2 * 10) * 1e-6)
+    assert pipeline_overhead(replace(zb, pipeline=1), cluster, rank_layers=4,
+                             micro_batch_seconds=3e-3) == 0.0
     plans = [estimate(SMALL, lay, cluster, engine=Engine.FSDP2).time for lay in (zb, one)]
     for t in plans:
         assert t.pipeline_overhead > 0
         assert t.step == pytest.approx(
             t.compute + t.tensor_comm + t.bubble + t.pipeline_comm + t.data_comm + t.offload
             + t.context_comm + t.memory_bound + t.optimizer + t.pipeline_overhead)
-    # the split schedule pays its weight pass: 4 of SMALL's 8 layers a rank, 8 + 1/3 slots
+    # the split schedule pays its weight pass: 4 of SMALL's 8 layers a rank, 8 + 1/3 slots,
+    # and 10% of each backward (two thirds of a micro-batch's compute)
+    micro = plans[0].compute / 8
     assert plans[0].pipeline_overhead - plans[1].pipeline_overhead == pytest.approx(
-        (8 + 1 / 3) * (3 * 100 + 2 * 10 + 4 * 300) * 1e-6 - 9 * (2 * 100 + 2 * 10) * 1e-6)
+        (8 + 1 / 3) * ((3 * 100 + 2 * 10 + 4 * 300) * 1e-6 + 0.1 * micro * 2 / 3)
+        - 9 * (2 * 100 + 2 * 10) * 1e-6)
     with pytest.raises(ConfigError, match="p2p_latency_us"):
         replace(H100, p2p_latency_us=-1.0)
 

@@ -198,12 +198,15 @@ def pipeline_messages_per_micro_batch(layout: Layout) -> int:
     return max(2 * sum(rank in (owner[b], owner[b + 1]) for b in crossing) for rank in range(p))
 
 
-def pipeline_overhead(layout: Layout, cluster: Cluster, *, rank_layers: int) -> float:
+def pipeline_overhead(layout: Layout, cluster: Cluster, *, rank_layers: int,
+                      micro_batch_seconds: float) -> float:
     """Seconds a step's pipeline schedule spends on fixed costs, independent of the stages' work:
     per micro-batch, each action's runtime cost (`pipeline_actions_per_micro_batch` x the
     cluster's `pipeline_action_us`), each message's latency (`pipeline_messages_per_micro_batch`
     x `p2p_latency_us`; the bytes are `pipeline_comm`'s) and, under a split backward, its weight
-    pass's graph walk (`rank_layers` x `split_backward_layer_us`). They lengthen every slot of
+    pass's graph walk (`rank_layers` x `split_backward_layer_us`) and its share
+    `split_backward_fraction` of the backward's time (two thirds of `micro_batch_seconds`, a
+    micro-batch's forward and backward on the rank). They lengthen every slot of
     the step, the m micro-batches' and the bubble's (`pipeline_bubble_slots`): the more actions
     a schedule runs to shrink its bubble, the more it pays here (`bench/pipeline_bubble.py`
     measures both against these terms)."""
@@ -213,6 +216,8 @@ def pipeline_overhead(layout: Layout, cluster: Cluster, *, rank_layers: int) -> 
     per_micro = (pipeline_actions_per_micro_batch(layout) * cluster.pipeline_action_us
                  + pipeline_messages_per_micro_batch(layout) * cluster.p2p_latency_us
                  + (rank_layers * cluster.split_backward_layer_us if split else 0.0)) * 1e-6
+    if split:
+        per_micro += cluster.split_backward_fraction * micro_batch_seconds * 2.0 / 3.0
     return (layout.grad_accum + pipeline_bubble_slots(layout)) * per_micro
 
 
@@ -476,7 +481,8 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
         data_comm=data_comm, offload=offload,
         context_comm=micro_batches * context_mb, memory_bound=micro_batches * copies_mb,
         optimizer=muon_step_seconds(model, layout, cluster, layers=layers),
-        pipeline_overhead=pipeline_overhead(layout, cluster, rank_layers=layers))
+        pipeline_overhead=pipeline_overhead(layout, cluster, rank_layers=layers,
+                                            micro_batch_seconds=mb.compute))
     times.expert_comm = micro_batches * expert_mb
     model_flops = model_flops_per_token(model) * layout.global_batch * model.seq_length \
         / layout.world_size
