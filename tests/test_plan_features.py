@@ -223,6 +223,24 @@ def test_a_pipeline_of_fsdp2_plans_each_schedule_and_refuses_what_torch_refuses(
         estimate(replace(SMALL, tie_embeddings=True), base, H100, engine=Engine.FSDP2)
 
 
+def test_search_tries_all_gather_context_where_ulysses_cannot_split_the_heads():
+    """With context parallelism a search tries both `parallel.context_kind`s: 2 key/value heads
+    split over tensor x context 2 (Ulysses) or gathered whole (all-gather); at tensor x context
+    4 only the all-gather runs, and its arguments say so."""
+    from pretrain.plan.report import selecting_arguments
+
+    model = replace(SMALL, seq_length=64)
+    plans = search(model, make_cluster("h100-80gb", nodes=1, gpus_per_node=4), global_batch=8,
+                   micro_batches=(1,), allow_offload=False, contexts=(2,))
+    kinds = {(p.layout.tensor * p.layout.context, p.layout.context_kind) for p in plans
+             if p.layout.context > 1}
+    assert {(2, "ulysses"), (2, "allgather"), (4, "allgather")} <= kinds
+    assert (4, "ulysses") not in kinds
+    gathered = next(p.layout for p in plans if p.layout.context_kind == "allgather")
+    assert "parallel.context_kind=allgather" in selecting_arguments(gathered, "zero1.json")
+    assert " allgather" in gathered.describe()
+
+
 def test_search_tries_the_schedules_under_fsdp2_only():
     """`plan --search` under fsdp2 ranks pipelines of several schedules and virtual stages;
     under DeepSpeed only its 1F1B."""

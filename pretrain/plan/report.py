@@ -118,6 +118,8 @@ def selecting_arguments(layout: Layout, ds_config: str, *,
               if layout.fsdp2_replicas > 1 else []),
             f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
             *([f"parallel.context={layout.context}"] if layout.context > 1 else []),
+            *(["parallel.context_kind=allgather"]
+              if layout.context > 1 and layout.context_kind == "allgather" else []),
             *([f"parallel.expert={layout.expert}"] if layout.expert > 1 else []),
             *([f"parallel.pipeline_schedule={layout.schedule}",
                f"parallel.virtual_stages={layout.virtual_stages}"]

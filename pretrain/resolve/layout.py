@@ -67,6 +67,7 @@ class Layout:
         off = [f"opt={self.offload_optimizer}"] if self.offload_optimizer != "none" else []
         off += [f"param={self.offload_param}"] if self.offload_param != "none" else []
         cp = f" cp{self.context}" if self.context > 1 else ""
+        cp += " allgather" if self.context > 1 and self.context_kind == "allgather" else ""
         cp += f" ep{self.expert}" if self.expert > 1 else ""
         cp += f" hsdp{self.fsdp2_replicas}" if self.fsdp2_replicas > 1 else ""
         if self.pipeline > 1 and (self.schedule != "1f1b" or self.virtual_stages > 1):
