@@ -15,14 +15,19 @@ residual MLP blocks (hidden 256, 1024 inner, 256 tokens a micro-batch, fp32) cut
 stages, for m = 4 and 8 micro-batches a step. Each rank also times its own work of the step
 alone (each micro-batch's forward and backward through its stages, no pipeline: "busy"); the
 measured bubble fraction is 1 - busy / step time (each the fastest of the steps, the least
-disturbed by other processes; the mean of the two ranks'), beside the planner's b / (m + b),
-b = `pipeline_bubble_slots`. The peak activation memory of each rank is the most
+disturbed by other processes; the mean of the two ranks'), beside the ideal b / (m + b),
+b = `pipeline_bubble_slots`, and the planner's: 1 - busy / (busy (m + b) / m +
+`pipeline_overhead`), the schedule's fixed costs from the CPU cluster's constants measured in
+the same run before the schedules (`--calibrate`'s: a gloo ping-pong, the split backward
+against a full one, 1F1B over stages of nearly no work), none fitted to the schedules they
+predict. The peak activation memory of each rank is the most
 bytes autograd holds saved at once (`saved_tensors_hooks`: each saved tensor counted from its
-save to its release), over one micro-batch's saved bytes through the rank's stages: the
+save to its release, kept detached), over one micro-batch's saved bytes through the rank's stages: the
 micro-batches in flight, beside the planner's (`micro_batches_in_flight`) and torch's action
 lists replayed (`pretrain.testing.schedule_replay`).
 
     .venv/bin/python bench/pipeline_bubble.py --schedules   # ~2 minutes on 2 cores
+    .venv/bin/python bench/pipeline_bubble.py --calibrate   # the CPU constants alone, ~20 s
 """
 from __future__ import annotations
 
@@ -88,7 +93,8 @@ HIDDEN, INNER, TOKENS = 256, 1024, 256
 
 
 def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
-                   layers: int) -> dict:
+                   layers: int, hidden: int = HIDDEN, inner: int = INNER,
+                   schedules=SCHEDULES) -> dict:
     import weakref
 
     import torch
@@ -102,7 +108,7 @@ def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: i
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.up, self.down = nn.Linear(HIDDEN, INNER), nn.Linear(INNER, HIDDEN)
+            self.up, self.down = nn.Linear(hidden, inner), nn.Linear(inner, hidden)
 
         def forward(self, x):
             return x + self.down(torch.relu(self.up(x)))
@@ -111,7 +117,14 @@ def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: i
 
     class Saved:
         def __init__(self, tensor) -> None:
-            self.tensor, self.size = tensor, tensor.numel() * tensor.element_size()
+            # kept detached: a tensor an autograd node saves of its own output (relu's result)
+            # holds that node as its grad_fn, so keeping the tensor itself here would make a
+            # cycle (node -> its saved Saved -> tensor -> node) that autograd breaks only by
+            # running the node with the graph released. The split backward's input pass keeps
+            # the graph, and its weight pass never runs the nodes off the weights' paths: with
+            # the tensor itself the cycle outlived the step and was counted as held
+            self.tensor = tensor.detach()
+            self.size = tensor.numel() * tensor.element_size()
             held["now"] += self.size
             held["peak"] = max(held["peak"], held["now"])
             weakref.finalize(self, _release, self.size)
@@ -123,7 +136,7 @@ def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: i
     torch.manual_seed(0)
     blocks = [Block() for _ in range(layers)]
     results = {}
-    for schedule_name, v in SCHEDULES:
+    for schedule_name, v in schedules:
         stages = world_size * v
         # every stage its share of the blocks (stage_spans' cut, the layer specs less the
         # embedding, norm and head a model's stages would add)
@@ -131,7 +144,7 @@ def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: i
                  for start, stop in stage_spans(layers, stages)]
         mine = stage_indices(rank, pipeline=world_size, virtual_stages=v, schedule=schedule_name)
         modules = {i: nn.Sequential(*blocks[spans[i][0]:spans[i][1]]) for i in mine}
-        x = torch.randn(TOKENS, HIDDEN)
+        x = torch.randn(TOKENS, hidden)
         # one micro-batch's saved bytes through this rank's stages
         with torch.autograd.graph.saved_tensors_hooks(*hooks):
             held.update(now=0, peak=0)
@@ -148,10 +161,10 @@ def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: i
                            loss_fn=lambda out, target: out.pow(2).mean())
             first = any(s.is_first for s in pipeline_stages)
             last = any(s.is_last for s in pipeline_stages)
-            batch = torch.randn(m * TOKENS, HIDDEN)
+            batch = torch.randn(m * TOKENS, hidden)
 
             def step():
-                kwargs = {"target": torch.zeros(m * TOKENS, HIDDEN)} if last else {}
+                kwargs = {"target": torch.zeros(m * TOKENS, hidden)} if last else {}
                 # return_outputs=False, as the run's driver: the last stage keeps no outputs
                 # (whose graphs would hold every micro-batch's activations to the step's end)
                 schedule.step(*((batch,) if first else ()), return_outputs=False, **kwargs)
@@ -188,36 +201,207 @@ def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: i
     return results
 
 
-def _schedules(args) -> None:
+def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict:
+    """The CPU cluster's pipeline overheads, measured apart from the schedules they predict:
+    gloo's one-way message time (a ping-pong of a 4-byte tensor), the split backward's extra
+    per block (input and weight passes against a full backward, one process, nearly no work)
+    and 1F1B's step over stages of nearly no work (hidden 16)."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    tiny = 16
+
+    def ping_pong(tensor: torch.Tensor, rounds: int) -> float:
+        """One way's seconds: the fastest of 3 tries of `rounds` round trips."""
+        tries = []
+        for _ in range(3):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            for _ in range(rounds):
+                if rank == 0:
+                    torch.distributed.send(tensor, 1)
+                    torch.distributed.recv(tensor, 1)
+                else:
+                    torch.distributed.recv(tensor, 0)
+                    torch.distributed.send(tensor, 0)
+            tries.append((time.perf_counter() - start) / (2 * rounds))
+        return min(tries)
+
+    one_way = ping_pong(torch.zeros(1), 200)
+    # a stage boundary's message (TOKENS x HIDDEN fp32): its bytes' time beside the latency
+    boundary = torch.zeros(TOKENS, HIDDEN)
+    boundary_way = ping_pong(boundary, 50)
+
+    blocks = layers // world_size
+
+    def passes(hidden: int, inner: int, runs: int) -> dict:
+        """Median seconds of a forward, a forward and full backward, and a forward and split
+        backward (torch's input pass, then its weight pass) of one rank's blocks."""
+        stage = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, inner), nn.ReLU(),
+                                              nn.Linear(inner, hidden)) for _ in range(blocks)])
+        x0 = torch.randn(TOKENS, hidden)
+
+        def forward():
+            x = x0.clone().requires_grad_()
+            return x, stage(x)
+
+        def full():
+            _, out = forward()
+            out.backward(torch.ones_like(out))
+
+        def split():
+            x, out = forward()
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [x],
+                                             stage.parameters())
+            stage_backward_weight(stage.parameters(), groups)
+
+        timed = {}
+        for name, fn in (("forward", forward), ("full", full), ("split", split)):
+            for _ in range(3):
+                fn()
+            took = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                fn()
+                took.append(time.perf_counter() - start)
+            timed[name] = statistics.median(took)
+        return timed
+
+    small = passes(tiny, tiny, 50)  # nearly no work: the fixed part, per block
+    split_per_block = (small["split"] - small["full"]) / blocks
+    big = passes(HIDDEN, INNER, 15)  # the bench's blocks: the share of the backward's time
+    backward = big["full"] - big["forward"]
+    split_fraction = (big["split"] - big["full"] - blocks * split_per_block) / backward
+    m = 8
+    step, _, busy = _schedule_rank(rank, world_size, [m], steps, layers, tiny, tiny,
+                                   (("1f1b", 1),))[("1f1b", 1, m)]
+    return {"one_way": one_way, "boundary_way": boundary_way,
+            "boundary_bytes": boundary.numel() * boundary.element_size(),
+            "split_per_block": split_per_block, "split_fraction": split_fraction, "step": step,
+            "busy": busy, "m": m}
+
+
+def _bench_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
+                layers: int) -> dict:
+    """The calibration, then the schedules, in one run: the same machine state for both."""
+    calibration = _calibrate_rank(rank, world_size, steps, layers)
+    results = _schedule_rank(rank, world_size, micro_counts, steps, layers)
+    results["calibration"] = calibration
+    return results
+
+
+def _constants(calibrations: list[dict], layers: int) -> dict:
+    """The CPU cluster's overhead constants (microseconds) from each rank's calibration: the
+    message's one-way time, the split backward's extra per block, and the runtime per action
+    (1F1B's overhead per micro-batch, `step / (m + b) - busy / m`, less its messages)."""
     from pretrain.config import Recompute
+    from pretrain.plan.clusters import COLLECTIVE_EFFICIENCY
+    from pretrain.plan.step_time import (pipeline_actions_per_micro_batch,
+                                         pipeline_bubble_slots, pipeline_messages_per_micro_batch)
+    from pretrain.resolve.layout import Layout
+
+    one_way = statistics.fmean(r["one_way"] for r in calibrations)
+    split = statistics.fmean(r["split_per_block"] for r in calibrations)
+    m = calibrations[0]["m"]
+    layout = Layout(pipeline=len(calibrations), global_batch=m, engine="fsdp2",
+                    schedule="1f1b", virtual_stages=1, recompute=Recompute.NONE)
+    step = statistics.fmean(r["step"] for r in calibrations)
+    busy = statistics.fmean(r["busy"] for r in calibrations)
+    per_micro = step / (m + pipeline_bubble_slots(layout)) - busy / m
+    action = (per_micro - pipeline_messages_per_micro_batch(layout) * one_way) \
+        / pipeline_actions_per_micro_batch(layout)
+    fraction = statistics.fmean(r["split_fraction"] for r in calibrations)
+    boundary_way = statistics.fmean(r["boundary_way"] for r in calibrations)
+    # a boundary's bytes over the link: the planner's intra-node bandwidth at its efficiency
+    gbps = calibrations[0]["boundary_bytes"] / max(boundary_way - one_way, 1e-9) / 1e9 \
+        / COLLECTIVE_EFFICIENCY
+    return {"p2p_latency_us": one_way * 1e6, "pipeline_action_us": max(action, 0.0) * 1e6,
+            "split_backward_layer_us": max(split, 0.0) * 1e6,
+            "split_backward_fraction": max(fraction, 0.0), "intra_node_gbps": gbps,
+            "tiny_step_ms": step * 1e3, "tiny_per_micro_us": per_micro * 1e6}
+
+
+def _calibrate(args) -> None:
+    """Print the CPU cluster's overhead constants (`pretrain.plan.clusters.CPU_*_US`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_on_ranks(_calibrate_rank, world_size=2, tmp_path=Path(tmp),
+                               timeout_s=1200, args=(args.steps, args.layers))
+    c = _constants(results, args.layers)
+    print(f"machine: {machine()}; 2 ranks x 1 thread, gloo; shared load")
+    print(f"gloo one-way message (4 bytes, ping-pong):    {c['p2p_latency_us']:8.0f} us "
+          "(CPU_P2P_LATENCY_US)")
+    print(f"1F1B, m=8, hidden 16: step {c['tiny_step_ms']:.2f} ms, overhead per micro-batch "
+          f"{c['tiny_per_micro_us']:.0f} us")
+    print(f"runtime per action (1F1B less its messages): {c['pipeline_action_us']:8.0f} us "
+          "(CPU_PIPELINE_ACTION_US)")
+    print(f"split backward's extra per block:             {c['split_backward_layer_us']:8.0f} us "
+          "(CPU_SPLIT_BACKWARD_LAYER_US)")
+    print(f"split backward's extra share of the backward: {c['split_backward_fraction']:8.3f} "
+          "   (CPU_SPLIT_BACKWARD_FRACTION)")
+    print(f"a boundary's bytes ({TOKENS} x {HIDDEN} fp32) at: {c['intra_node_gbps']:8.2f} GB/s "
+          "(CPU_INTRA_NODE_GBPS, at the planner's collective efficiency)")
+
+
+def _schedules(args) -> None:
+    import dataclasses
+
+    from pretrain.config import Recompute
+    from pretrain.plan.clusters import COLLECTIVE_EFFICIENCY, cpu_cluster
     from pretrain.plan.memory import micro_batches_in_flight
-    from pretrain.plan.step_time import pipeline_bubble_slots
+    from pretrain.plan.step_time import (pipeline_bubble_slots, pipeline_overhead,
+                                         pipeline_p2p_bytes)
     from pretrain.resolve.layout import Layout
     from pretrain.testing.schedule_replay import replay
 
     pp = 2
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_on_ranks(_schedule_rank, world_size=pp, tmp_path=Path(tmp),
+        results = run_on_ranks(_bench_rank, world_size=pp, tmp_path=Path(tmp),
                                timeout_s=1200, args=(args.micro_batches, args.steps, args.layers))
+    constants = _constants([r.pop("calibration") for r in results], args.layers)
+    # the planner's CPU cluster with this run's calibration (nothing of the schedules below)
+    cluster = dataclasses.replace(
+        cpu_cluster(nodes=1, ranks_per_node=pp, peak_tflops=1.0, memory_gb=16.0),
+        **{k: constants[k] for k in ("p2p_latency_us", "pipeline_action_us",
+                                     "split_backward_layer_us", "split_backward_fraction",
+                                     "intra_node_gbps")})
+    boundary = TOKENS * HIDDEN * 4
     print(f"machine: {machine()}; 2 ranks x 1 thread, gloo; shared load (other engineers' jobs "
           "may run beside it)")
     print(f"model: {args.layers} residual MLP blocks (hidden {HIDDEN}, inner {INNER}), "
           f"{TOKENS} tokens a micro-batch, fp32, pp={pp}; m = {args.micro_batches}")
+    print(f"calibration (same run): message {constants['p2p_latency_us']:.0f} us + bytes at "
+          f"{constants['intra_node_gbps']:.2f} GB/s, action "
+          f"{constants['pipeline_action_us']:.0f} us (1F1B at hidden 16: "
+          f"{constants['tiny_per_micro_us']:.0f} us a micro-batch), split backward "
+          f"{constants['split_backward_layer_us']:.0f} us a block + "
+          f"{constants['split_backward_fraction']:.3f} of the backward")
+    print("bubble = 1 - busy / step; ideal = b / (m + b); planner = 1 - busy / (busy (m + b) / m"
+          " + pipeline_overhead + p2p bytes); ratio = bubble / planner")
     print(f"{'schedule':<18}{'v':>2}" + "".join(
-        f"{f'step m={m}':>11}{'busy':>8}{'bubble':>8}{'planner':>8}" for m in args.micro_batches)
+        f"{f'step m={m}':>11}{'busy':>8}{'bubble':>8}{'ideal':>7}{'planner':>8}{'ratio':>7}"
+        for m in args.micro_batches)
         + f"{'in flight r0/r1 (m=' + str(max(args.micro_batches)) + ')':>28}{'planner':>10}"
         f"{'replay':>10}")
     for name, v in SCHEDULES:
         m_top = max(args.micro_batches)
-        layout = Layout(pipeline=pp, global_batch=m_top, engine="fsdp2", schedule=name,
-                        virtual_stages=v, recompute=Recompute.NONE)
-        planned = pipeline_bubble_slots(layout)
         row = f"{name:<18}{v:>2}"
         for m in args.micro_batches:
+            layout = Layout(pipeline=pp, global_batch=m, engine="fsdp2", schedule=name,
+                            virtual_stages=v, recompute=Recompute.NONE)
+            b = pipeline_bubble_slots(layout)
             step = statistics.fmean(r[(name, v, m)][0] for r in results)
             busy = statistics.fmean(r[(name, v, m)][2] for r in results)
-            row += (f"{step * 1e3:>9.0f}ms{busy * 1e3:>6.0f}ms{1 - busy / step:>8.3f}"
-                    f"{planned / (m + planned):>8.3f}")
+            predicted = (busy * (m + b) / m
+                         + pipeline_overhead(layout, cluster, rank_layers=args.layers // pp,
+                                             micro_batch_seconds=busy / m)
+                         + pipeline_p2p_bytes(layout, boundary)
+                         / (cluster.intra_node_gbps * 1e9 * COLLECTIVE_EFFICIENCY))
+            measured, planned = 1 - busy / step, 1 - busy / predicted
+            row += (f"{step * 1e3:>9.0f}ms{busy * 1e3:>6.0f}ms{measured:>8.3f}{b / (m + b):>7.3f}"
+                    f"{planned:>8.3f}{measured / planned:>7.2f}")
+        layout = Layout(pipeline=pp, global_batch=m_top, engine="fsdp2", schedule=name,
+                        virtual_stages=v, recompute=Recompute.NONE)
         flight = [r[(name, v, m_top)][1] / r[(name, v, "per_micro")] for r in results]
         planned_flight = [micro_batches_in_flight(layout, rank) for rank in range(pp)]
         replayed = (replay(name, pipeline=pp, virtual_stages=v, micro_batches=m_top)
@@ -235,7 +419,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--schedules", action="store_true",
                         help="fsdp2's schedules (torch.distributed.pipelining) against the planner")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the CPU cluster's pipeline overheads (the planner's "
+                        "CPU_P2P_LATENCY_US, CPU_PIPELINE_ACTION_US, CPU_SPLIT_BACKWARD_LAYER_US)")
     args = parser.parse_args()
+    if args.calibrate:
+        args.steps = args.steps or 10
+        _calibrate(args)
+        return
     if args.schedules:
         args.micro_batches = args.micro_batches or [4, 8]
         args.steps = args.steps or 5

@@ -268,7 +268,7 @@ def test_published_runs_predict_what_the_docs_and_benchmarks_print():
     bloom = estimate(BLOOM_176B["model"], BLOOM_176B["layout"], BLOOM_176B["cluster"],
                      ds=BLOOM_176B["ds"])
     # each within half a unit of the last digit printed
-    assert megatron.mfu == pytest.approx(0.346, abs=0.0005)
+    assert megatron.mfu == pytest.approx(0.345, abs=0.0005)
     assert megatron.model_tflops_per_gpu == pytest.approx(342, abs=0.5)
     assert bloom.hardware_tflops_per_gpu == pytest.approx(147, abs=0.5)
     t = megatron.time
@@ -277,16 +277,16 @@ def test_published_runs_predict_what_the_docs_and_benchmarks_print():
                                                                  0.13)
     t = bloom.time
     assert (round(t.step, 1), round(t.compute, 1), round(t.tensor_comm, 1), round(t.bubble, 1),
-            round(t.pipeline_comm, 1), round(t.data_comm, 2), round(t.memory_bound, 1)) == \
-        (100.9, 85.8, 3.4, 7.9, 0.4, 0.25, 3.1)
+            round(t.pipeline_comm, 1), round(t.data_comm, 2), round(t.memory_bound, 1),
+            round(t.pipeline_overhead, 2)) == (101.0, 85.8, 3.4, 7.9, 0.4, 0.25, 3.1, 0.03)
     planning, benchmarks = _doc(PLANNING_DOC), _doc("BENCHMARKS.md")
-    assert ("x DP 48 on 768 H100 (published ~42% MFU, 420 TFLOP/s per GPU; predicted 34.6%, 342) "
+    assert ("x DP 48 on 768 H100 (published ~42% MFU, 420 TFLOP/s per GPU; predicted 34.5%, 342) "
             "and BLOOM-176B") in planning
     assert "(published ~150 TFLOP/s per GPU counting recomputation; predicted 147)" in planning
-    assert ("| 34.6% MFU, 342 TFLOP/s/GPU | 0.82 / 0.81 | 2.69 s = compute 1.57 + TP 0.42 + "
+    assert ("| 34.5% MFU, 342 TFLOP/s/GPU | 0.82 / 0.81 | 2.69 s = compute 1.57 + TP 0.42 + "
             "bubble 0.27 + DP 0.30 + copies 0.13 |") in benchmarks
-    assert ("| 147 TFLOP/s/GPU | 0.98 | 100.9 s = compute 85.8 + TP 3.4 + bubble 7.9 + PP 0.4 + "
-            "DP 0.25 + copies 3.1 |") in benchmarks
+    assert ("| 147 TFLOP/s/GPU | 0.98 | 101.0 s = compute 85.8 + TP 3.4 + bubble 7.9 + PP 0.4 + "
+            "DP 0.25 + copies 3.1 + schedule 0.03 |") in benchmarks
 
 
 def test_the_step_time_is_the_sum_of_its_parts_and_each_part_follows_its_dimension():
@@ -309,10 +309,11 @@ def test_the_step_time_is_the_sum_of_its_parts_and_each_part_follows_its_dimensi
     assert spent(alone, LLAMA_7B) == {"compute", "memory_bound"}  # the weights concatenated
     assert spent(replace(alone, tensor=2, sequence_parallel=True)) == {"compute", "tensor_comm"}
     # a bf16 pipeline steps in DeepSpeed's BF16_Optimizer: its fp32 sums are copies
+    # (a pipeline's schedule also pays each action's runtime and each message's latency)
     assert spent(replace(alone, pipeline=2)) == {"compute", "bubble", "pipeline_comm",
-                                                 "memory_bound"}
+                                                 "memory_bound", "pipeline_overhead"}
     assert spent(replace(alone, pipeline=2, precision=Precision.FP32)) == {
-        "compute", "bubble", "pipeline_comm"}
+        "compute", "bubble", "pipeline_comm", "pipeline_overhead"}
     # context ranks also reduce gradients, as DeepSpeed's data parallelism (inside a node, in
     # bf16 at ZeRO-0: hidden behind the backward; across nodes in fp32 at ZeRO-1: exposed)
     assert spent(replace(alone, context=2)) == {"compute", "context_comm"}
@@ -334,7 +335,7 @@ def test_the_70b_recipes_plan_is_the_one_the_docs_print():
     lines = (REPO / PLANNING_DOC).read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("layout  tp 4 x pp 8 x dp 4"))
     block = lines[start:lines.index("```", start)]
-    assert len(block) > 10 and block[-1].startswith("throughput 128,982 tokens/s")
+    assert len(block) > 10 and block[-1].startswith("throughput 128,733 tokens/s")
     out = _plan_cli("--config", "configs/llama_70b.yaml", "--world-size", "128")
     assert out.returncode == 0, out.stderr
     printed = out.stdout.splitlines()

@@ -15,7 +15,9 @@ from pretrain.plan.memory import (fp8_buffers, fsdp2_gathered_bytes, layer_activ
                                   stage_activations, stage_memory)
 from pretrain.plan.search import FSDP2_SCHEDULES, estimate, search
 from pretrain.plan.step_time import (fp8_flops_per_token, muon_step_seconds,
-                                     pipeline_bubble_slots, pipeline_p2p_bytes)
+                                     pipeline_actions_per_micro_batch, pipeline_bubble_slots,
+                                     pipeline_messages_per_micro_batch, pipeline_overhead,
+                                     pipeline_p2p_bytes)
 from pretrain.resolve.layout import Layout
 
 # a small model whose counts are easy by hand: h 64, 4 heads of 16 (2 kv heads), f 128
@@ -106,6 +108,102 @@ def test_point_to_point_bytes_double_with_the_virtual_stages():
     assert p2p[1] / p2p[0] == pytest.approx(18 / 10)
 
 
+@pytest.mark.parametrize("engine, pipeline, schedule, virtual, actions, messages", [
+    ("deepspeed", 2, "1f1b", 1, 2, 2), ("fsdp2", 2, "1f1b", 1, 2, 2),
+    ("fsdp2", 4, "1f1b", 1, 2, 4),  # a middle rank: a boundary on each side
+    ("fsdp2", 2, "interleaved_1f1b", 2, 4, 6),  # stages 0 and 2 (1 and 3): 3 boundaries
+    ("fsdp2", 4, "interleaved_1f1b", 2, 4, 8),  # rank 1's stages 1 and 5: 4 boundaries
+    ("fsdp2", 2, "interleaved_1f1b", 4, 8, 14), ("fsdp2", 2, "zero_bubble", 1, 3, 2),
+    ("fsdp2", 2, "zero_bubble", 2, 6, 6),
+    ("fsdp2", 2, "zbv", 2, 6, 4),  # stages 1 and 2 on one rank: the V's turn sends nothing
+    ("fsdp2", 2, "dualpipe_v", 2, 6, 4)])
+def test_a_schedule_s_actions_and_messages_per_micro_batch(engine, pipeline, schedule, virtual,
+                                                           actions, messages):
+    """Per micro-batch a rank runs a forward and a backward per stage (and a weight backward
+    under the split schedules) and sends or receives twice over each boundary with another
+    rank's stage, counted by hand."""
+    layout = Layout(engine=engine, pipeline=pipeline, global_batch=8, schedule=schedule,
+                    virtual_stages=virtual)
+    assert pipeline_actions_per_micro_batch(layout) == actions
+    assert pipeline_messages_per_micro_batch(layout) == messages
+
+
+def test_pipeline_overhead_lengthens_every_slot_of_the_step():
+    """The schedule's fixed costs: per micro-batch its actions' runtime, its messages' latency
+    and the split backward's weight pass per layer, over the m micro-batches and the bubble's
+    slots; in the step, none without a pipeline."""
+    cluster = replace(H100, p2p_latency_us=10.0, pipeline_action_us=100.0,
+                      split_backward_layer_us=300.0, split_backward_fraction=0.1)
+    zb = _fsdp2(pipeline=2, global_batch=8, schedule="zero_bubble", virtual_stages=1)
+    # a micro-batch of 3 ms: a backward of 2 ms, its split 10% (0.2 ms) longer
+    assert pipeline_overhead(zb, cluster, rank_layers=4, micro_batch_seconds=3e-3) == \
+        pytest.approx((8 + 1 / 3) * ((3 * 100 + 2 * 10 + 4 * 300) * 1e-6 + 0.2e-3))
+    one = replace(zb, schedule="1f1b")  # no split backward: no weight pass to pay
+    assert pipeline_overhead(one, cluster, rank_layers=4, micro_batch_seconds=3e-3) == \
+        pytest.approx((8 + 1) * (2 * 100 + 2 * 10) * 1e-6)
+    assert pipeline_overhead(replace(zb, pipeline=1), cluster, rank_layers=4,
+                             micro_batch_seconds=3e-3) == 0.0
+    plans = [estimate(SMALL, lay, cluster, engine=Engine.FSDP2).time for lay in (zb, one)]
+    for t in plans:
+        assert t.pipeline_overhead > 0
+        assert t.step == pytest.approx(
+            t.compute + t.tensor_comm + t.bubble + t.pipeline_comm + t.data_comm + t.offload
+            + t.context_comm + t.memory_bound + t.optimizer + t.pipeline_overhead)
+    # the split schedule pays its weight pass: 4 of SMALL's 8 layers a rank, 8 + 1/3 slots,
+    # and 10% of each backward (two thirds of a micro-batch's compute)
+    micro = plans[0].compute / 8
+    assert plans[0].pipeline_overhead - plans[1].pipeline_overhead == pytest.approx(
+        (8 + 1 / 3) * ((3 * 100 + 2 * 10 + 4 * 300) * 1e-6 + 0.1 * micro * 2 / 3)
+        - 9 * (2 * 100 + 2 * 10) * 1e-6)
+    with pytest.raises(ConfigError, match="p2p_latency_us"):
+        replace(H100, p2p_latency_us=-1.0)
+
+
+def test_a_split_backward_frees_a_stage_s_activations_at_its_weight_pass():
+    """What `micro_batches_in_flight` counts for the zero-bubble schedules: torch's input pass
+    (`stage_backward_input`, the graph retained) keeps the saved activations, its weight pass
+    frees them all once the stage's output is detached (as torch's stage does). Saved tensors
+    are tracked detached: a tracker holding a node's own output (relu's result) makes a cycle
+    that the weight pass, never running relu's node, leaves behind (what the bench once
+    measured as 3.4 micro-batches in flight)."""
+    import weakref
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    held = {"now": 0}
+
+    def tracker(detached: bool):
+        class Saved:
+            def __init__(self, tensor) -> None:
+                self.tensor = tensor.detach() if detached else tensor
+                size = tensor.numel() * tensor.element_size()
+                held["now"] += size
+                weakref.finalize(self, lambda: held.__setitem__("now", held["now"] - size))
+        return (Saved, lambda saved: saved.tensor)
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU())
+    left = {}
+    for detached in (True, False):
+        held["now"] = 0
+        with torch.autograd.graph.saved_tensors_hooks(*tracker(detached)):
+            x = torch.randn(4, 8).requires_grad_()
+            out = stage(x)
+            forward = held["now"]
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [x],
+                                             stage.parameters())
+            # the input pass frees only what the output's own node saved (torch detaches the
+            # output: the last relu's saved result goes with its node)
+            assert held["now"] == forward - out.numel() * out.element_size() > 0
+            stage_backward_weight(stage.parameters(), groups)
+            del groups, out
+            left[detached] = held["now"]
+    assert left[True] == 0
+    assert left[False] > 0  # the cycle: relu's saved results outlive the step
+
+
 def test_a_pipeline_of_fsdp2_plans_each_schedule_and_refuses_what_torch_refuses():
     """fsdp2's pipelines are planned (the bubble shrinking with the schedule), and refused where
     the run is: zero-bubble schedules at ZeRO-3, DualPipeV with fewer micro-batches than
@@ -123,6 +221,24 @@ def test_a_pipeline_of_fsdp2_plans_each_schedule_and_refuses_what_torch_refuses(
                  H100, engine=Engine.FSDP2)
     with pytest.raises(ConfigError, match="tie_embeddings"):
         estimate(replace(SMALL, tie_embeddings=True), base, H100, engine=Engine.FSDP2)
+
+
+def test_search_tries_all_gather_context_where_ulysses_cannot_split_the_heads():
+    """With context parallelism a search tries both `parallel.context_kind`s: 2 key/value heads
+    split over tensor x context 2 (Ulysses) or gathered whole (all-gather); at tensor x context
+    4 only the all-gather runs, and its arguments say so."""
+    from pretrain.plan.report import selecting_arguments
+
+    model = replace(SMALL, seq_length=64)
+    plans = search(model, make_cluster("h100-80gb", nodes=1, gpus_per_node=4), global_batch=8,
+                   micro_batches=(1,), allow_offload=False, contexts=(2,))
+    kinds = {(p.layout.tensor * p.layout.context, p.layout.context_kind) for p in plans
+             if p.layout.context > 1}
+    assert {(2, "ulysses"), (2, "allgather"), (4, "allgather")} <= kinds
+    assert (4, "ulysses") not in kinds
+    gathered = next(p.layout for p in plans if p.layout.context_kind == "allgather")
+    assert "parallel.context_kind=allgather" in selecting_arguments(gathered, "zero1.json")
+    assert " allgather" in gathered.describe()
 
 
 def test_search_tries_the_schedules_under_fsdp2_only():

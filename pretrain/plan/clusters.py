@@ -24,6 +24,17 @@ with these same numbers):
   contiguous copies on A100/H100; the low end).
 - A GPU is usable up to `MEMORY_USABLE_FRACTION` of its memory: the rest goes to the CUDA
   context, NCCL buffers and allocator fragmentation, which the breakdown does not model.
+- A pipeline schedule's fixed costs, per cluster (`Cluster.p2p_latency_us`,
+  `pipeline_action_us`, `split_backward_layer_us`, `split_backward_fraction`; `pretrain.plan
+  .step_time.pipeline_overhead`): each point-to-point message's latency, the schedule runtime's
+  host work per action (a forward, a backward, a weight-gradient backward), and the split
+  backward's second autograd pass (walking the graph for the weights, per layer, and a share of
+  the backward's time: its weight products apart from the input ones). The GPU presets' values
+  are estimates, not measured here (NCCL's send/receive of small messages takes ~10 us over
+  NVLink in nccl-tests; torch.distributed.pipelining's runtime is Python, ~0.1 ms of host time
+  per action; the split backward's graph walk is Python too; its extra share of the backward
+  assumed 5%); the CPU ones are measured by
+  `bench/pipeline_bubble.py --calibrate` (gloo ranks on one node).
 """
 from __future__ import annotations
 
@@ -54,6 +65,14 @@ class Cluster:
     pcie_gbps: float = 25.0  # host <-> device, for CPU offload
     memory_gbps: float = 2039.0  # device memory bandwidth (HBM), for memory-bound copies
     fp8_tflops: float | None = None  # dense FP8 peak per GPU (None: no FP8 matmuls, train.fp8)
+    # a pipeline schedule's fixed costs (estimates for GPUs: the module's docstring)
+    p2p_latency_us: float = 10.0  # one point-to-point message (send or receive), besides bytes
+    pipeline_action_us: float = 100.0  # the schedule runtime's host work per action
+    split_backward_layer_us: float = 300.0  # a split backward's weight pass, per layer
+    # a split backward's input and weight passes against one full backward: the extra share of
+    # the backward's time (the weight products run apart from the input ones, re-reading the
+    # activations)
+    split_backward_fraction: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -65,6 +84,10 @@ class Cluster:
                      "pcie_gbps", "memory_gbps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"cluster {name}={getattr(self, name)!r}: must be positive")
+        for name in ("p2p_latency_us", "pipeline_action_us", "split_backward_layer_us",
+                     "split_backward_fraction"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"cluster {name}={getattr(self, name)!r}: must be zero or more")
 
     @property
     def world_size(self) -> int:
@@ -92,6 +115,17 @@ CPU_INTRA_NODE_GBPS = 4.0
 CPU_INTER_NODE_GBPS = 1.25
 CPU_HOST_GBPS = 1000.0
 CPU_MEMORY_GBPS = 20.0  # one rank's share of the node's DRAM bandwidth
+# A pipeline schedule's fixed costs on gloo CPU ranks, measured by `bench/pipeline_bubble.py
+# --calibrate` (2 ranks, 1 thread each, on 2 shared Xeon cores; the mean of two runs, which
+# differed by up to 2x: BENCHMARKS.md): a gloo message's one-way time (ping-pong of a 4-byte
+# tensor: 29 and 28 us), the runtime's cost per action (1F1B's steps over stages of nearly no
+# work, less their messages: 206 and 272 us), the split backward's extra per layer (a residual
+# MLP block of width 16's input and weight passes against one full backward: 140 and 154 us)
+# and its share of the backward at width 256 (0.040 and 0.084).
+CPU_P2P_LATENCY_US = 30.0
+CPU_PIPELINE_ACTION_US = 240.0
+CPU_SPLIT_BACKWARD_LAYER_US = 150.0
+CPU_SPLIT_BACKWARD_FRACTION = 0.06
 
 
 def cpu_cluster(*, nodes: int, ranks_per_node: int, peak_tflops: float,
@@ -101,7 +135,10 @@ def cpu_cluster(*, nodes: int, ranks_per_node: int, peak_tflops: float,
     return Cluster(name="cpu", nodes=nodes, gpus_per_node=ranks_per_node,
                    gpu_memory_gb=memory_gb / ranks_per_node, peak_tflops=peak_tflops,
                    intra_node_gbps=CPU_INTRA_NODE_GBPS, inter_node_gbps=CPU_INTER_NODE_GBPS,
-                   pcie_gbps=CPU_HOST_GBPS, memory_gbps=CPU_MEMORY_GBPS)
+                   pcie_gbps=CPU_HOST_GBPS, memory_gbps=CPU_MEMORY_GBPS,
+                   p2p_latency_us=CPU_P2P_LATENCY_US, pipeline_action_us=CPU_PIPELINE_ACTION_US,
+                   split_backward_layer_us=CPU_SPLIT_BACKWARD_LAYER_US,
+                   split_backward_fraction=CPU_SPLIT_BACKWARD_FRACTION)
 
 
 def make_cluster(preset: str, *, nodes: int, **overrides: float | int | None) -> Cluster:

@@ -93,6 +93,9 @@ def format_plan(plan: Plan) -> str:
         *(f"  {k:<14}{getattr(t, k):9.3f} s {pct(getattr(t, k))}" for k in
           ("compute", "tensor_comm", "bubble", "pipeline_comm", "data_comm", "offload",
            "memory_bound")),
+        *([f"  {'pp_overhead':<14}{t.pipeline_overhead:9.3f} s "
+           f"{pct(t.pipeline_overhead)} (schedule actions, message latency, split backward)"]
+          if lay.pipeline > 1 else []),
         *([f"  {'context_comm':<14}{t.context_comm:9.3f} s {pct(t.context_comm)}"]
           if lay.context > 1 else []),
         *([f"  {'optimizer':<14}{t.optimizer:9.3f} s {pct(t.optimizer)} (Muon: gathers and "
@@ -115,6 +118,8 @@ def selecting_arguments(layout: Layout, ds_config: str, *,
               if layout.fsdp2_replicas > 1 else []),
             f"parallel.tensor={layout.tensor}", f"parallel.pipeline={layout.pipeline}",
             *([f"parallel.context={layout.context}"] if layout.context > 1 else []),
+            *(["parallel.context_kind=allgather"]
+              if layout.context > 1 and layout.context_kind == "allgather" else []),
             *([f"parallel.expert={layout.expert}"] if layout.expert > 1 else []),
             *([f"parallel.pipeline_schedule={layout.schedule}",
                f"parallel.virtual_stages={layout.virtual_stages}"]
@@ -189,7 +194,7 @@ STEP_TERMS = {"compute": "compute", "recompute": "recomputation",
               "context_comm": "context-parallel all-to-alls or all-gathers", "bubble": "pipeline bubble",
               "pipeline_comm": "pipeline point-to-point", "data_comm": "data-parallel communication",
               "offload": "offload", "memory_bound": "memory-bound copies",
-              "optimizer": "Muon's step"}
+              "optimizer": "Muon's step", "pipeline_overhead": "pipeline schedule overhead"}
 SLOWER_THAN_BEST = 0.10  # the pre-flight warns past this: the best predicted 1.10x faster
 
 
@@ -200,7 +205,8 @@ def step_terms(plan: Plan) -> dict[str, float]:
     return {"compute": t.compute * model_share, "recompute": t.compute * (1 - model_share),
             "tensor_comm": t.tensor_comm, "context_comm": t.context_comm, "bubble": t.bubble,
             "pipeline_comm": t.pipeline_comm, "data_comm": t.data_comm, "offload": t.offload,
-            "memory_bound": t.memory_bound, "optimizer": t.optimizer}
+            "memory_bound": t.memory_bound, "optimizer": t.optimizer,
+            "pipeline_overhead": t.pipeline_overhead}
 
 
 def times_slower(plan: Plan, best: Plan) -> float:

@@ -166,12 +166,13 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
             if engine is Engine.FSDP2 and stage == 1 and (
                     engines is None or engine_key(replace(layout, zero_stage=2)) in engines):
                 continue
-            for replicas, (schedule, virtual) in itertools.product(
+            for replicas, (schedule, virtual), kind in itertools.product(
                     hsdp_replicas(layout, cluster) if engine is Engine.FSDP2 else (1,),
-                    pipeline_schedules(layout, engine)):
+                    pipeline_schedules(layout, engine), context_kinds(layout)):
                 try:
                     plan = estimate(model, replace(layout, fsdp2_replicas=replicas,
-                                                   schedule=schedule, virtual_stages=virtual),
+                                                   schedule=schedule, virtual_stages=virtual,
+                                                   context_kind=kind),
                                     cluster, engine=engine)
                 except ConfigError:
                     continue
@@ -193,6 +194,13 @@ def pipeline_schedules(layout: Layout, engine: Engine) -> tuple[tuple[str, int],
     if engine is not Engine.FSDP2 or layout.pipeline == 1:
         return (("1f1b", 1),)
     return FSDP2_SCHEDULES
+
+
+def context_kinds(layout: Layout) -> tuple[str, ...]:
+    """The `parallel.context_kind`s a search tries: with context parallelism, Ulysses'
+    all-to-alls and the all-gather of keys and values (which runs where tensor x context does not
+    divide the heads, Ulysses' limit; `estimate` skips what `check_context` refuses)."""
+    return ("ulysses", "allgather") if layout.context > 1 else ("ulysses",)
 
 
 def hsdp_replicas(layout: Layout, cluster: Cluster) -> tuple[int, ...]:

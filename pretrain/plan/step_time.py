@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pretrain.arithmetic import (layer_active_matmul_parameters,
-                                 layer_projection_shapes,
+                                 layer_projection_shapes, stage_indices,
                                  layout_recomputed_layers, mean, mean_layer_elements,
                                  model_flops_per_token, newton_schulz_flops,
                                  stage_flops_per_token, stage_parameters)
@@ -63,6 +63,8 @@ class TimeBreakdown:
     context_comm: float = 0.0  # context parallelism's all-to-alls of attention (Ulysses)
     memory_bound: float = 0.0  # weight concatenations, BF16_Optimizer's fp32 gradient sums
     optimizer: float = 0.0  # Muon's step: its matrices gathered whole and Newton-Schulz
+    # the pipeline schedule's fixed costs: message latency, runtime per action, split backward
+    pipeline_overhead: float = 0.0
     # of tensor_comm, expert parallelism's token dispatch and combine: all-to-alls over the
     # tensor group, on its links (a part, shown on its own; not a field: not added again)
     expert_comm: ClassVar[float] = 0.0
@@ -71,7 +73,7 @@ class TimeBreakdown:
     def step(self) -> float:
         return (self.compute + self.tensor_comm + self.bubble + self.pipeline_comm
                 + self.data_comm + self.offload + self.context_comm + self.memory_bound
-                + self.optimizer)
+                + self.optimizer + self.pipeline_overhead)
 
 
 def _ring_seconds(nbytes: float, ranks: int, gbps: float, *, passes: float) -> float:
@@ -165,6 +167,58 @@ def pipeline_bubble_slots(layout: Layout) -> float:
     if layout.schedule in ("zero_bubble", "zbv"):
         return (p - 1) / (3.0 * v)
     return (p - 1) / 3.0  # dualpipe_v
+
+
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipe_v")
+
+
+def pipeline_actions_per_micro_batch(layout: Layout) -> int:
+    """The schedule actions one pipeline rank runs per micro-batch: a forward and a backward of
+    each of its v stages, and a weight-gradient backward of each under the schedules that split
+    the backward (`SPLIT_BACKWARD_SCHEDULES`; DualPipeV's overlapped forward-backward pairs run
+    their two actions one after the other)."""
+    v = layout.virtual_stages if layout.engine == "fsdp2" else 1
+    split = layout.engine == "fsdp2" and layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    return v * (3 if split else 2)
+
+
+def pipeline_messages_per_micro_batch(layout: Layout) -> int:
+    """Point-to-point messages (sends and receives) the busiest pipeline rank has per
+    micro-batch: an activation forward and a gradient back over every boundary between one of
+    its stages and another rank's (looped stages: every boundary; V-shaped ones keep the
+    boundary at the V's turn on one rank)."""
+    p = layout.pipeline
+    if p == 1:
+        return 0
+    fsdp2 = layout.engine == "fsdp2"
+    v, schedule = (layout.virtual_stages, layout.schedule) if fsdp2 else (1, "1f1b")
+    owner = {stage: rank for rank in range(p)
+             for stage in stage_indices(rank, pipeline=p, virtual_stages=v, schedule=schedule)}
+    crossing = [b for b in range(p * v - 1) if owner[b] != owner[b + 1]]
+    return max(2 * sum(rank in (owner[b], owner[b + 1]) for b in crossing) for rank in range(p))
+
+
+def pipeline_overhead(layout: Layout, cluster: Cluster, *, rank_layers: int,
+                      micro_batch_seconds: float) -> float:
+    """Seconds a step's pipeline schedule spends on fixed costs, independent of the stages' work:
+    per micro-batch, each action's runtime cost (`pipeline_actions_per_micro_batch` x the
+    cluster's `pipeline_action_us`), each message's latency (`pipeline_messages_per_micro_batch`
+    x `p2p_latency_us`; the bytes are `pipeline_comm`'s) and, under a split backward, its weight
+    pass's graph walk (`rank_layers` x `split_backward_layer_us`) and its share
+    `split_backward_fraction` of the backward's time (two thirds of `micro_batch_seconds`, a
+    micro-batch's forward and backward on the rank). They lengthen every slot of
+    the step, the m micro-batches' and the bubble's (`pipeline_bubble_slots`): the more actions
+    a schedule runs to shrink its bubble, the more it pays here (`bench/pipeline_bubble.py`
+    measures both against these terms)."""
+    if layout.pipeline == 1:
+        return 0.0
+    split = layout.engine == "fsdp2" and layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    per_micro = (pipeline_actions_per_micro_batch(layout) * cluster.pipeline_action_us
+                 + pipeline_messages_per_micro_batch(layout) * cluster.p2p_latency_us
+                 + (rank_layers * cluster.split_backward_layer_us if split else 0.0)) * 1e-6
+    if split:
+        per_micro += cluster.split_backward_fraction * micro_batch_seconds * 2.0 / 3.0
+    return (layout.grad_accum + pipeline_bubble_slots(layout)) * per_micro
 
 
 def pipeline_p2p_bytes(layout: Layout, boundary: float) -> float:
@@ -426,7 +480,9 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
         pipeline_comm=_pipeline_p2p(model, layout, cluster, mb),
         data_comm=data_comm, offload=offload,
         context_comm=micro_batches * context_mb, memory_bound=micro_batches * copies_mb,
-        optimizer=muon_step_seconds(model, layout, cluster, layers=layers))
+        optimizer=muon_step_seconds(model, layout, cluster, layers=layers),
+        pipeline_overhead=pipeline_overhead(layout, cluster, rank_layers=layers,
+                                            micro_batch_seconds=mb.compute))
     times.expert_comm = micro_batches * expert_mb
     model_flops = model_flops_per_token(model) * layout.global_batch * model.seq_length \
         / layout.world_size

@@ -68,6 +68,7 @@ class Layout:
         off = [f"opt={self.offload_optimizer}"] if self.offload_optimizer != "none" else []
         off += [f"param={self.offload_param}"] if self.offload_param != "none" else []
         cp = f" cp{self.context}" if self.context > 1 else ""
+        cp += " allgather" if self.context > 1 and self.context_kind == "allgather" else ""
         cp += f" ep{self.expert}" if self.expert > 1 else ""
         cp += f" etp{self.expert_tensor}" if self.expert > 1 and self.expert_tensor > 1 else ""
         cp += f" hsdp{self.fsdp2_replicas}" if self.fsdp2_replicas > 1 else ""
