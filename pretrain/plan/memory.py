@@ -59,7 +59,7 @@ from pretrain.arithmetic import (expert_data_size, expert_share, largest_layer_o
                                  largest_matrix, layer_projection_elements_on_gpu,
                                  mean_projection_elements_on_gpu,
                                  layer_indices, layer_on_gpu, layer_projection_shapes,
-                                 layout_recomputed_layers, mean, mean_layer_elements,
+                                 layout_recomputed_layers, mean,
                                  partitioned_parameters, stage_expert_parameters,
                                  stage_parameters)
 from pretrain.config import ModelConfig, Precision, Recompute

@@ -206,7 +206,8 @@ def hsdp_replicas(layout: Layout, cluster: Cluster) -> tuple[int, ...]:
                  or per_node % (ranks // replicas) == 0)
 
 
-def expert_layouts(model: ModelConfig, tensor: int, stage_ranks: int) -> tuple[tuple[int, int], ...]:
+def expert_layouts(model: ModelConfig, tensor: int,
+                   stage_ranks: int) -> tuple[tuple[int, int], ...]:
     """The (parallel.expert, parallel.expert_tensor) pairs a search tries for a mixture of
     experts on a stage of `stage_ranks` ranks (tensor x context x data) with `tensor` ranks:
     (1, 0), every expert split over the tensor ranks as the dense MLP; and for each expert size

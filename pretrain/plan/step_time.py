@@ -3,10 +3,10 @@
 The step splits into compute (hardware FLOPs of the slowest stage at the sustained matmul rate),
 tensor-parallel communication (with expert parallelism's all-to-alls, the dispatch and combine
 of each MoE layer forward and backward, on the expert group's link: `expert_comm_seconds`;
-`expert_comm` shows them apart), context-parallel all-to-alls (four per attention layer forward: q, k, v and the
-output; four backward; on the intra-node link while tensor x context fits a node), the
-pipeline bubble of the schedule (`pipeline_bubble_slots`: DeepSpeed's 1F1B, or fsdp2's
-interleaved, zero-bubble, ZBV and DualPipeV schedules), pipeline point-to-point transfers (v
+`expert_comm` shows them apart), context-parallel all-to-alls (four per attention layer
+forward: q, k, v and the output; four backward; on the intra-node link while tensor x context
+fits a node), the pipeline bubble of the schedule (`pipeline_bubble_slots`: DeepSpeed's 1F1B,
+or fsdp2's interleaved, zero-bubble, ZBV and DualPipeV schedules), pipeline point-to-point transfers (v
 sends a micro-batch with v virtual stages), exposed data-parallel communication and the
 offloaded optimizer step, memory-bound copies on each micro-batch's critical path
 (`memory_bound`: the fused projections' weight concatenations, DeepSpeed's BF16_Optimizer's fp32
@@ -33,13 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pretrain.arithmetic import (expert_data_size, expert_tensor_size,
-                                 layer_active_matmul_parameters,
-                                 layer_projection_shapes,
-                                 layout_recomputed_layers, mean, mean_layer_elements,
-                                 expert_share, mean_projection_elements_on_gpu,
-                                 model_flops_per_token, newton_schulz_flops,
-                                 partitioned_parameters,
+from pretrain.arithmetic import (expert_data_size, expert_share, expert_tensor_size,
+                                 layer_active_matmul_parameters, layer_projection_shapes,
+                                 layout_recomputed_layers, mean,
+                                 mean_projection_elements_on_gpu, model_flops_per_token,
+                                 newton_schulz_flops, partitioned_parameters,
                                  stage_expert_parameters, stage_flops_per_token,
                                  stage_parameters)
 from pretrain.config import Engine, ModelConfig, Precision
