@@ -50,6 +50,7 @@ def test_expert_weights_per_gpu_and_their_zero_partition_over_the_expert_data_ra
     etp = _layout(tensor=2, data=16, expert=8, expert_tensor=2, zero_stage=2)
     assert (expert_tensor_size(etp), expert_data_size(etp)) == (2, 2)
     assert expert_parameters_per_rank(QWEN3_MOE, etp, layers=48) == 48 * 16 * EXPERT // 2
+    assert layer_on_gpu(QWEN3_MOE, etp, 0) == ATTENTION // 2 + 16 * EXPERT // 2 + router_and_norms
     # on the tensor ranks (ep = tp) or split as the dense MLP (ep 1): 1/tp of the experts,
     # partitioned over the data ranks as before
     for same in (_layout(tensor=2, data=16, expert=2), _layout(tensor=2, data=16)):
