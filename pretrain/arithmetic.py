@@ -47,12 +47,28 @@ def layer_indices(items: list[str]) -> list[int]:
     return [getattr(item, "index", n) for n, item in enumerate(layers)]
 
 
+# counts of a decoder layer by (what, the model's fields, index): a family's table lists a
+# mixture layer's parameters expert by expert (128 x 3 names a Qwen3-MoE layer), which a layout
+# search would otherwise walk again for every layer of every layout
+_LAYER_COUNTS: dict[tuple[str, str, int], object] = {}
+
+
+def _layer_count(what: str, m: ModelConfig, index: int, count):
+    key = (what, repr(m), index)
+    if key not in _LAYER_COUNTS:
+        if len(_LAYER_COUNTS) > 65536:
+            _LAYER_COUNTS.clear()
+        _LAYER_COUNTS[key] = count()
+    return _LAYER_COUNTS[key]
+
+
 def layer_parameters(m: ModelConfig, index: int = 0) -> tuple[int, int]:
     """(tensor-parallel-sharded, replicated) parameters of decoder layer `index`, by the
     family's table: Llama's q, o, k, v and SwiGLU's three projections (each expert's) are
     sharded; the two RMSNorms (and a mixture of experts' router, Qwen3's q/k norms) are
     replicated."""
-    return family_of(m).layer_parameters(m, index)
+    return _layer_count("parameters", m, index,
+                        lambda: family_of(m).layer_parameters(m, index))
 
 
 def layer_projection_shapes(m: ModelConfig, index: int = 0) -> list[tuple[int, int]]:
@@ -88,7 +104,14 @@ def newton_schulz_flops(rows: int, cols: int, *, steps: int = 5) -> float:
 def layer_active_matmul_parameters(m: ModelConfig, index: int = 0) -> int:
     """The matrix parameters of decoder layer `index` a token is multiplied with: attention, the
     SwiGLU MLP or its experts_per_token experts, and the router."""
-    return family_of(m).layer_matmul_parameters(m, index, active=True)
+    return _layer_count("active matmul", m, index,
+                        lambda: family_of(m).layer_matmul_parameters(m, index, active=True))
+
+
+def _layer_matmul_parameters(m: ModelConfig, index: int) -> int:
+    """Every matrix parameter of decoder layer `index` (all experts): the family's count."""
+    return _layer_count("matmul", m, index,
+                        lambda: family_of(m).layer_matmul_parameters(m, index))
 
 
 def _attention_width(m: ModelConfig) -> int:
@@ -119,7 +142,7 @@ def _layer_active_parameters(m: ModelConfig, index: int) -> int:
     replicated matrices - a router, DeepSeek-V3's latent down-projections - are counted with
     the matrices)."""
     return layer_active_matmul_parameters(m, index) + sum(layer_parameters(m, index)) \
-        - family_of(m).layer_matmul_parameters(m, index)
+        - _layer_matmul_parameters(m, index)
 
 
 def num_active_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
@@ -306,9 +329,14 @@ def stage_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
 
 def layer_on_gpu(m: ModelConfig, layout: Layout, index: int) -> int:
     """Parameters one GPU holds of decoder layer `index`: its tensor-parallel shard plus the
-    replicated ones, before ZeRO sharding."""
+    replicated ones, before ZeRO sharding; a mixture layer's routed experts as the expert
+    layout lays them out (`layer_experts_on_gpu`)."""
     sharded, replicated = layer_parameters(m, index)
-    return sharded // layout.tensor + replicated
+    experts = layer_expert_parameters(m, index)
+    if not experts:
+        return sharded // layout.tensor + replicated
+    return (sharded - experts) // layout.tensor + layer_experts_on_gpu(m, layout, index) \
+        + replicated
 
 
 def largest_layer_on_gpu(m: ModelConfig, layout: Layout, items: list[str]) -> int:
@@ -323,16 +351,97 @@ def moe_layer_count(m: ModelConfig, items: list[str]) -> int:
     return sum(1 for i in layer_indices(items) if family.moe_layer(m, i))
 
 
+def expert_tensor_size(layout: Layout) -> int:
+    """`parallel.expert_tensor` settled (`Topology`'s rule): the ranks splitting each expert's
+    matrices; 0 (auto) is the tensor size without expert parallelism, else 1 (whole experts)."""
+    if layout.expert_tensor:
+        return layout.expert_tensor
+    return layout.tensor if layout.expert == 1 else 1
+
+
+def expert_data_size(layout: Layout) -> int:
+    """The ranks holding the same experts (`Topology.expert_data_groups`): a stage's tensor x
+    context x data ranks over expert x expert_tensor. The experts' gradients are reduced, and
+    their ZeRO/FSDP state partitioned, over these; with the experts on the tensor ranks (expert
+    = tensor, expert_tensor 1) or split as the dense MLP (expert 1) they are the data x context
+    ranks, the dense weights' own."""
+    stage = layout.tensor * layout.context * layout.data
+    return max(1, stage // (layout.expert * expert_tensor_size(layout)))
+
+
+def layer_expert_parameters(m: ModelConfig, index: int) -> int:
+    """The routed experts' weights of decoder layer `index`, all of them unsharded (each a
+    SwiGLU of 3 x hidden x `expert_ffn_hidden_size`); 0 in a dense layer. Shared experts
+    (DeepSeek-V3's) are split over the tensor ranks as the dense MLP and are not counted."""
+    if not m.num_experts or not family_of(m).moe_layer(m, index):
+        return 0
+    return m.num_experts * 3 * m.hidden_size * m.expert_ffn_hidden_size
+
+
+def layer_experts_on_gpu(m: ModelConfig, layout: Layout, index: int) -> int:
+    """The routed experts' weights one GPU holds of decoder layer `index`: num_experts /
+    expert of them, each split over expert_tensor ranks (without expert parallelism 1/tp of
+    every expert; with the experts whole on the tensor ranks num_experts / tp whole experts:
+    the same count)."""
+    experts = layer_expert_parameters(m, index)
+    if not experts:
+        return 0
+    return experts // layout.expert // expert_tensor_size(layout)
+
+
 def expert_parameters_per_rank(m: ModelConfig, layout: Layout, *, layers: int) -> int:
-    """Expert weights one GPU holds for `layers` MoE layers, before ZeRO sharding: a 1/tp slice
-    of every expert, or under expert parallelism (the tensor ranks) num_experts / ep whole
-    experts; the same count either way, as each rank holds 1/tp of them."""
+    """Expert weights one GPU holds for `layers` MoE layers, before ZeRO sharding: num_experts /
+    expert experts, each whole (expert_tensor 1) or a 1/expert_tensor slice of it; without
+    expert parallelism a 1/tp slice of every expert. Experts on the tensor ranks (expert = tp)
+    weigh the same as the 1/tp slices; taken from the data ranks they weigh less."""
     if not m.num_experts:
         return 0
     expert = 3 * m.hidden_size * m.expert_ffn_hidden_size
-    if layout.expert > 1:
-        return layers * (m.num_experts // layout.expert) * expert
-    return layers * m.num_experts * expert // layout.tensor
+    return layers * m.num_experts * expert // layout.expert // expert_tensor_size(layout)
+
+
+def expert_share(layout: Layout) -> float:
+    """The routed experts' weights a GPU holds relative to a 1/tp slice of every expert:
+    tp / (expert x expert_tensor); 1 with the experts whole on the tensor ranks (expert = tp)
+    or split as the dense MLP (expert 1), less where the expert ranks come from the data
+    ranks."""
+    return layout.tensor / (layout.expert * expert_tensor_size(layout))
+
+
+def layer_projection_elements_on_gpu(m: ModelConfig, layout: Layout, index: int) -> float:
+    """Elements of decoder layer `index`'s projection matrices (`layer_projection_shapes`) one
+    GPU holds: 1/tp of attention's and the dense MLP's, and `expert_share` of 1/tp of the
+    routed experts'."""
+    total = sum(r * c for r, c in layer_projection_shapes(m, index))
+    experts = layer_expert_parameters(m, index)
+    return (total - experts + experts * expert_share(layout)) / layout.tensor
+
+
+def mean_projection_elements_on_gpu(m: ModelConfig, layout: Layout) -> float:
+    """`layer_projection_elements_on_gpu` averaged over the model's layers (what `train.fp8`
+    casts and FSDP2 gathers in FP8 of a mean layer): mean_layer_elements / tp unless the expert
+    ranks come from the data ranks."""
+    if expert_share(layout) == 1:
+        return mean_layer_elements(m, layer_projection_shapes) / layout.tensor
+    return mean([layer_projection_elements_on_gpu(m, layout, i) for i in range(m.num_layers)])
+
+
+def stage_expert_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
+    """The routed experts' weights one GPU of this stage holds (`layer_experts_on_gpu` of its
+    mixture layers), before ZeRO sharding: the part of `stage_parameters` partitioned over the
+    expert-data ranks."""
+    return sum(layer_experts_on_gpu(m, layout, i) for i in layer_indices(items))
+
+
+def partitioned_parameters(layout: Layout, parameters: float, experts: float) -> float:
+    """One rank's ZeRO/FSDP partition of `parameters` (`experts` of them the routed experts'):
+    the dense ones over the data x context ranks, the experts over the expert-data ranks
+    (`expert_data_size`). Where these are the same ranks, parameters / (data x context)."""
+    dense_ranks = layout.data * layout.context
+    expert_ranks = expert_data_size(layout)
+    if not experts or expert_ranks == dense_ranks:
+        return parameters / dense_ranks
+    return (parameters - experts) / dense_ranks + experts / expert_ranks
 
 
 def layout_recomputed_layers(layout: Layout, layers: int) -> int:

@@ -180,7 +180,7 @@ def test_the_recipe_tables_print_what_plan_predicts(document):
 
     rows = RECIPE_ROW.findall((REPO / document).read_text())
     assert {row[0] for row in rows} == {"llama_7b", "llama_13b", "llama_70b", "mixtral_8x7b",
-                                        "qwen3_8b"}
+                                        "qwen3_8b", "qwen3_30b_a3b"}
     def planned(recipe: str, cluster, *overrides: str):
         settled = settle_for_plan(load_config(REPO / "configs" / f"{recipe}.yaml", overrides),
                                   on_this_machine=False)

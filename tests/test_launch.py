@@ -214,7 +214,8 @@ def test_preflight_plans_for_the_gpus_of_the_node_and_refuses_what_does_not_fit(
 
 
 # ---- Slurm job logs ------------------------------------------------------------------------------
-SBATCH_SCRIPTS = ["pretrain_7b.sh", "pretrain_13b.sh", "pretrain_70b.sh", "tune.sh", "zero_sweep.sh",
+SBATCH_SCRIPTS = ["pretrain_7b.sh", "pretrain_13b.sh", "pretrain_70b.sh", "pretrain_qwen3_moe.sh",
+                  "tune.sh", "zero_sweep.sh",
                   "ray_cluster.sh"]
 
 

@@ -25,10 +25,10 @@ from pretrain.testing.runs import REPO
 LLAMA_13B = ModelConfig(**MODEL_PRESETS["13b"])
 # Each recipe and the Slurm script its documented command submits (the MoE recipe through the
 # 70B script: README's `CONFIG=configs/mixtral_8x7b.yaml sbatch slurm/pretrain_70b.sh`; Qwen3's
-# through the 7B one).
+# through the 7B one; Qwen3-30B-A3B has its own).
 SCRIPTS = {"llama_7b": "pretrain_7b.sh", "llama_13b": "pretrain_13b.sh",
            "llama_70b": "pretrain_70b.sh", "mixtral_8x7b": "pretrain_70b.sh",
-           "qwen3_8b": "pretrain_7b.sh"}
+           "qwen3_8b": "pretrain_7b.sh", "qwen3_30b_a3b": "pretrain_qwen3_moe.sh"}
 RECIPES = list(SCRIPTS)
 # The 70B recipe as it shipped before the search picked its layout: 1.5x slower predicted.
 OLD_70B = ["parallel.tensor=8", "parallel.pipeline=4", "parallel.sequence_parallel=false",

@@ -9,7 +9,10 @@ Large Transformer Models") with the micro-batches the pipeline schedule keeps in
 buffers. `train.optimizer: muon` keeps one fp32 momentum for the layers' projection matrices
 instead of Adam's two moments (4 bytes fewer a parameter, `MUON_STATE_SAVING`) and gathers them
 whole for its step (`muon_step_bytes`); `train.fp8` adds its casts and scales (`fp8_buffers`)
-and, under fsdp2's tensorwise recipe, all-gathers the projections in FP8.
+and, under fsdp2's tensorwise recipe, all-gathers the projections in FP8. A mixture of experts'
+routed experts are partitioned over the expert-data ranks, the ranks holding the same experts
+(`expert_partition`: fewer than the data ranks where the expert ranks are taken from them),
+and expert parallelism keeps one MoE layer's all-to-all buffers (`expert_dispatch_buffers`).
 
 Bytes per parameter (P = compute dtype bytes: 2 for bf16/fp16, 4 for fp32):
 
@@ -52,9 +55,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pretrain.arithmetic import (largest_layer_on_gpu, largest_matrix, layer_indices,
-                                 layer_on_gpu, layer_projection_shapes,
-                                 layout_recomputed_layers, mean, mean_layer_elements,
+from pretrain.arithmetic import (expert_data_size, expert_share, largest_layer_on_gpu,
+                                 largest_matrix, layer_projection_elements_on_gpu,
+                                 mean_projection_elements_on_gpu,
+                                 layer_indices, layer_on_gpu, layer_projection_shapes,
+                                 layout_recomputed_layers, mean,
+                                 partitioned_parameters, stage_expert_parameters,
                                  stage_parameters)
 from pretrain.config import ModelConfig, Precision, Recompute
 from pretrain.families import family_of
@@ -193,6 +199,12 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str], *
     n = stage_parameters(m, lay, items)
     p_b, g_b, o_b = bytes_per_param(lay)
     dp = lay.data * lay.context  # ZeRO shards over every replica: data x context ranks
+    # ... and the routed experts over the expert-data ranks (`expert_partition`)
+    part = expert_partition(m, lay, items)  # None: the experts' ranks are the dense ones'
+
+    def zero(nbytes: float) -> float:  # one rank's ZeRO partition of the stage's `nbytes`
+        return nbytes / dp if part is None else nbytes * part
+
     params, grads, optimizer = n * p_b, n * g_b, n * o_b
     host = 0.0
     bf16_optimizer = steps_with_bf16_optimizer(lay, ds)
@@ -204,13 +216,13 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str], *
     muon = muon_parameters(m, lay, items)
     optimizer -= MUON_STATE_SAVING * muon  # one momentum for Muon's matrices, not Adam's two
     if lay.zero_stage >= 1 or bf16_optimizer:
-        optimizer /= dp
+        optimizer = zero(optimizer)
     if lay.zero_stage >= 2:
-        grads /= dp
+        grads = zero(grads)
     if lay.zero_stage >= 3:
-        params /= dp
+        params = zero(params)
     if lay.offload_optimizer != "none":
-        host += optimizer + (n * 4 / dp if lay.zero_stage >= 2 else 0)  # fp32 grad partition
+        host += optimizer + (zero(n * 4) if lay.zero_stage >= 2 else 0)  # fp32 grad partition
         optimizer = 0.0
     if lay.offload_param != "none":
         host += params
@@ -234,14 +246,41 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, items: list[str], *
         buffers += max(gathered, 2 * layer_full) + min(lay.reduce_bucket, n) * g_b
     if lay.zero_stage >= 1 and lay.offload_optimizer == "none" and lay.precision != Precision.FP32 \
             and not bf16_optimizer:
-        buffers += n * 4 / dp  # fp32 gradient partition the optimizer steps on
+        buffers += zero(n * 4)  # fp32 gradient partition the optimizer steps on
     buffers += fp8_buffers(m, lay)
+    buffers += expert_dispatch_buffers(m, lay)
     # Muon's step comes after backward has freed the activations: only what exceeds them
     buffers += max(0.0, muon_step_bytes(m, lay, items, flat_group=lay.zero_stage in (1, 2))
                    - activations)
     return MemoryBreakdown(stage=stage, parameters_count=n, params=params, grads=grads,
                            optimizer=optimizer, activations=activations, buffers=buffers,
                            host=host)
+
+
+def expert_partition(m: ModelConfig, layout: Layout, items: list[str]) -> float | None:
+    """The fraction of a stage's per-GPU parameters (`stage_parameters`) in one rank's ZeRO
+    partition: the dense ones over the data x context ranks, the routed experts
+    (`stage_expert_parameters`) over the expert-data ranks (`arithmetic.expert_data_size`: a
+    stage's ranks / (expert x expert_tensor), fewer than the data ranks where the expert ranks
+    are taken from them). None where the two are the same ranks (1 / (data x context))."""
+    n = stage_parameters(m, layout, items)
+    experts = stage_expert_parameters(m, layout, items)
+    if not n or not experts or expert_data_size(layout) == layout.data * layout.context:
+        return None
+    return partitioned_parameters(layout, n, experts) / n
+
+
+def expert_dispatch_buffers(m: ModelConfig, layout: Layout) -> float:
+    """Bytes of expert parallelism's all-to-all in flight (one MoE layer's at a time): the
+    dispatch's send and receive buffers of this rank's routed rows (its 1/tp share of the
+    micro-batch's tokens, experts_per_token rows each, hidden wide; a balanced router), the
+    combine reusing them. 0 without expert parallelism (no all-to-all)."""
+    if layout.expert == 1 or not m.num_experts:
+        return 0.0
+    act_bytes = 4 if layout.precision == Precision.FP32 else 2
+    rows = layout.micro_batch * m.seq_length / layout.context / layout.tensor \
+        * m.experts_per_token
+    return 2.0 * rows * m.hidden_size * act_bytes
 
 
 # bytes per parameter Muon's matrices save against AdamW: one fp32 momentum, not two moments
@@ -253,6 +292,9 @@ def muon_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
     stage holds before ZeRO sharding (its tensor-parallel shard); 0 under AdamW."""
     if layout.optimizer != "muon":
         return 0
+    if expert_share(layout) != 1:  # fewer experts on the GPU than 1/tp of each
+        return int(sum(layer_projection_elements_on_gpu(m, layout, i)
+                       for i in layer_indices(items)))
     return sum(r * c for i in layer_indices(items)
                for r, c in layer_projection_shapes(m, i)) // layout.tensor
 
@@ -288,6 +330,9 @@ def fp8_buffers(m: ModelConfig, layout: Layout) -> float:
     matrices = max((layer_projection_shapes(m, i) for i in range(m.num_layers)),
                    key=lambda shapes: sum(r * c for r, c in shapes))
     weights = sum(r * c for r, c in matrices) / layout.tensor
+    if expert_share(layout) != 1:  # the heaviest layer's experts: this GPU's share of them
+        weights = max(layer_projection_elements_on_gpu(m, layout, i)
+                      for i in range(m.num_layers))
     scales = (len(matrices) if layout.fp8 == "tensorwise"
               else sum(r + c for r, c in matrices) / layout.tensor)
     return weights * 1.0 + scales * 4.0
@@ -410,6 +455,17 @@ def fsdp2_shard_ranks(layout: Layout) -> int:
     return layout.data * layout.context // layout.fsdp2_replicas
 
 
+def fsdp2_expert_shard_ranks(layout: Layout) -> int:
+    """The ranks the routed experts' FSDP2 shards are split over: the expert-data ranks (those
+    holding the same experts, `arithmetic.expert_data_size`), of one replica group under HSDP
+    where its replica groups divide them; the data x context shard group's
+    (`fsdp2_shard_ranks`) where the expert ranks are the tensor ranks or there are none."""
+    ranks = expert_data_size(layout)
+    if ranks == layout.data * layout.context:
+        return fsdp2_shard_ranks(layout)
+    return ranks // layout.fsdp2_replicas if ranks % layout.fsdp2_replicas == 0 else ranks
+
+
 def fsdp2_offloads(layout: Layout) -> bool:
     """CPUOffloadPolicy: either offload of the DeepSpeed JSON on cpu (`fsdp2_rules`)."""
     return "cpu" in (layout.offload_optimizer, layout.offload_param)
@@ -428,7 +484,7 @@ def fsdp2_gathered_bytes(m: ModelConfig, layout: Layout, items: list[str]) -> fl
     kept = 1 if layout.zero_stage == 3 and layout.pipeline == 1 else layers
     layer_bytes = layer * _compute_bytes(layout)
     if layout.fp8 == "tensorwise":
-        fp8 = mean_layer_elements(m, layer_projection_shapes) / layout.tensor
+        fp8 = mean_projection_elements_on_gpu(m, layout)
         layer_bytes -= fp8 * (_compute_bytes(layout) - 1)
     return root * _compute_bytes(layout) + (kept + 1) * layer_bytes
 
@@ -459,8 +515,13 @@ def fsdp2_stage_memory(m: ModelConfig, layout: Layout, items: list[str], *,
     check_fsdp2_layout(m, layout)
     n = stage_parameters(m, layout, items)
     ranks = fsdp2_shard_ranks(layout)
+    experts = stage_expert_parameters(m, layout, items)
+    expert_ranks = fsdp2_expert_shard_ranks(layout)
     optimizer_bytes = 8 * n - MUON_STATE_SAVING * muon_parameters(m, layout, items)
     params, grads, optimizer = 4 * n / ranks, 4 * n / ranks, optimizer_bytes / ranks
+    if experts and expert_ranks != ranks:  # the routed experts' shards over their own ranks
+        moved = experts * (1 / expert_ranks - 1 / ranks)
+        params, grads, optimizer = params + 4 * moved, grads + 4 * moved, optimizer + 8 * moved
     host = 0.0
     if fsdp2_offloads(layout):
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0

@@ -1,7 +1,8 @@
 """The text `pretrain plan` prints: one planned layout, or the ranking of a search."""
 from __future__ import annotations
 
-from pretrain.arithmetic import (expert_parameters_per_rank, model_flops_per_token,
+from pretrain.arithmetic import (expert_data_size, expert_parameters_per_rank,
+                                 expert_tensor_size, model_flops_per_token,
                                  num_active_parameters, num_parameters)
 from pretrain.config import Engine, ModelConfig, RunConfig
 from pretrain.families import family_of
@@ -10,6 +11,7 @@ from pretrain.hardware import format_flops
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
 from pretrain.plan.memory import GB
 from pretrain.resolve.layout import Layout
+from pretrain.resolve.topology import Topology
 from pretrain.plan.search import MEMORY_MARGIN_REASON, Plan, engine_key, keeps_margin, search
 
 
@@ -21,7 +23,7 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         "resolves; nothing was launched",
         f"layout  tp {layout.tensor} x pp {layout.pipeline}"
         f"{f' x cp {layout.context}' if layout.context > 1 else ''}"
-        f"{f' (ep {layout.expert}: the tp ranks)' if layout.expert > 1 else ''} "
+        f"{_expert_layout(layout)} "
         f"x dp {layout.data} = "
         f"{world} ranks | "
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum "
@@ -63,14 +65,46 @@ def _active(m) -> str:
             f"top {m.experts_per_token})")
 
 
+def _expert_layout(layout: Layout) -> str:
+    """' (ep 8: the tp ranks)', ' (ep 16 x etp 1 of a stage's ranks)', or '' at expert 1."""
+    if layout.expert == 1:
+        return ""
+    etp = expert_tensor_size(layout)
+    if layout.expert == layout.tensor and etp == 1:
+        return f" (ep {layout.expert}: the tp ranks)"
+    return f" (ep {layout.expert} x etp {etp} of a stage's ranks)"
+
+
 def _experts_line(m: ModelConfig, layout: Layout) -> str:
-    """How the experts lie on a GPU and what they weigh there (before ZeRO sharding)."""
-    held = (f"{m.num_experts // layout.expert} of {m.num_experts} experts whole"
-            if layout.expert > 1 else f"1/{layout.tensor} of each of {m.num_experts} experts")
+    """How the experts lie on a GPU and what they weigh there (before ZeRO sharding), and
+    under expert parallelism the expert grid's first groups (`Topology.expert_groups`,
+    `expert_data_groups`: rank 0's)."""
+    etp = expert_tensor_size(layout)
+    if layout.expert == 1:
+        held = f"1/{layout.tensor} of each of {m.num_experts} experts"
+    else:
+        held = (f"{m.num_experts // layout.expert} of {m.num_experts} experts "
+                + ("whole" if etp == 1 else f"each split over {etp} ranks"))
     # the heaviest stage's mixture layers
     layers = -(-len(family_of(m).moe_layers(m)) // layout.pipeline)
     n = expert_parameters_per_rank(m, layout, layers=layers)
-    return f"experts {held} per GPU: {_count(n)} expert parameters ({layers} layers)"
+    line = f"experts {held} per GPU: {_count(n)} expert parameters ({layers} layers)"
+    if layout.expert > 1:
+        topo = Topology(tensor=layout.tensor, pipeline=layout.pipeline,
+                        world_size=layout.world_size, context=layout.context,
+                        expert=layout.expert, expert_tensor=layout.expert_tensor)
+        line += (f"; expert={layout.expert} x expert_tensor={etp}: all-to-all over expert "
+                 f"groups like {_ranks(topo.expert_groups()[0])}, experts reduced and "
+                 f"partitioned over expert-data groups of {expert_data_size(layout)} like "
+                 f"{_ranks(topo.expert_data_groups()[0])}")
+    return line
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 3] as such; a long list by its first ranks and its length."""
+    if len(ranks) <= 8:
+        return str(ranks)
+    return f"[{', '.join(map(str, ranks[:4]))}, ... ({len(ranks)} ranks)]"
 
 
 def _count(n: int) -> str:
@@ -121,6 +155,8 @@ def selecting_arguments(layout: Layout, ds_config: str, *,
             *(["parallel.context_kind=allgather"]
               if layout.context > 1 and layout.context_kind == "allgather" else []),
             *([f"parallel.expert={layout.expert}"] if layout.expert > 1 else []),
+            *([f"parallel.expert_tensor={layout.expert_tensor}"]
+              if layout.expert > 1 and layout.expert_tensor > 1 else []),
             *([f"parallel.pipeline_schedule={layout.schedule}",
                f"parallel.virtual_stages={layout.virtual_stages}"]
               if layout.pipeline > 1 and engine is Engine.FSDP2 else []),

@@ -128,8 +128,8 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     `default_contexts`); PP divides the world;
     ZeRO 0-3 (0/1 with pipelines), optimizer offload to CPU from ZeRO 1, parameter offload with
     ZeRO 3, recompute none/full, sequence parallelism whenever tp > 1 (it only saves memory),
-    and for a mixture of experts expert parallelism over the tensor ranks or none
-    (`expert_sizes`).
+    and for a mixture of experts every expert layout of a stage's ranks (`expert_layouts`:
+    expert and expert_tensor).
     `engines`: only these (ZeRO stage, optimizer offload, parameter offload) triples (the CLI
     passes those a shipped DeepSpeed JSON selects). Under fsdp2: no ZeRO 0 nor what its
     pipelines refuse (`memory.check_fsdp2_layout`), and ZeRO-1 only where no ZeRO-2 JSON
@@ -150,13 +150,13 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
         if world % (tp * pp * cp) or pp > model.num_layers or tp * cp > cluster.gpus_per_node:
             continue
         dp = world // (tp * pp * cp)
-        for mbs, stage, offload, recompute, ep in itertools.product(
+        for mbs, stage, offload, recompute, (ep, etp) in itertools.product(
                 micro_batches, (0, 1, 2, 3), ("none", "opt", "opt+param"),
-                (Recompute.NONE, Recompute.FULL), expert_sizes(model, tp)):
+                (Recompute.NONE, Recompute.FULL), expert_layouts(model, tp, tp * cp * dp)):
             if offload != "none" and not allow_offload:
                 continue
             layout = replace(base, tensor=tp, pipeline=pp, data=dp, context=cp, micro_batch=mbs,
-                             expert=ep,
+                             expert=ep, expert_tensor=etp,
                              zero_stage=stage, recompute=recompute,
                              sequence_parallel=tp > 1,
                              offload_optimizer="none" if offload == "none" else "cpu",
@@ -214,12 +214,23 @@ def hsdp_replicas(layout: Layout, cluster: Cluster) -> tuple[int, ...]:
                  or per_node % (ranks // replicas) == 0)
 
 
-def expert_sizes(model: ModelConfig, tensor: int) -> tuple[int, ...]:
-    """The expert-parallel sizes a search tries with `tensor` ranks: a mixture of experts either
-    keeps every expert on each tensor rank, sharded as the dense MLP is (1), or spreads whole
-    experts over the tensor ranks (`tensor`: the expert ranks are the tensor ranks); layouts
-    `check_experts` refuses are skipped by `estimate`."""
-    return (1, tensor) if model.num_experts and tensor > 1 else (1,)
+def expert_layouts(model: ModelConfig, tensor: int,
+                   stage_ranks: int) -> tuple[tuple[int, int], ...]:
+    """The (parallel.expert, parallel.expert_tensor) pairs a search tries for a mixture of
+    experts on a stage of `stage_ranks` ranks (tensor x context x data) with `tensor` ranks:
+    (1, 0), every expert split over the tensor ranks as the dense MLP; and for each expert size
+    ep > 1 dividing model.num_experts, whole experts (expert_tensor 0: settled to 1) where ep
+    divides the stage's ranks, and experts split over the tensor ranks (expert_tensor = tensor,
+    tensor > 1) where ep x tensor does. A dense model: (1, 0) only. Layouts the rulebook
+    refuses (`check_experts`: today the expert ranks must be the tensor ranks) are skipped by
+    `estimate`."""
+    layouts = [(1, 0)]
+    for ep in _divisors(model.num_experts)[1:] if model.num_experts else ():
+        if stage_ranks % ep == 0:
+            layouts.append((ep, 0))
+        if tensor > 1 and stage_ranks % (ep * tensor) == 0:
+            layouts.append((ep, tensor))
+    return tuple(layouts)
 
 
 LONG_CONTEXT = 16384  # tokens from which a search also tries context parallelism

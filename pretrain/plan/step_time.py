@@ -2,11 +2,11 @@
 
 The step splits into compute (hardware FLOPs of the slowest stage at the sustained matmul rate),
 tensor-parallel communication (with expert parallelism's all-to-alls, the dispatch and combine
-of each MoE layer forward and backward, which run on the tensor group; `expert_comm` shows
-them apart), context-parallel all-to-alls (four per attention layer forward: q, k, v and the
-output; four backward; on the intra-node link while tensor x context fits a node), the
-pipeline bubble of the schedule (`pipeline_bubble_slots`: DeepSpeed's 1F1B, or fsdp2's
-interleaved, zero-bubble, ZBV and DualPipeV schedules), pipeline point-to-point transfers (v
+of each MoE layer forward and backward, on the expert group's link: `expert_comm_seconds`;
+`expert_comm` shows them apart), context-parallel all-to-alls (four per attention layer
+forward: q, k, v and the output; four backward; on the intra-node link while tensor x context
+fits a node), the pipeline bubble of the schedule (`pipeline_bubble_slots`: DeepSpeed's 1F1B,
+or fsdp2's interleaved, zero-bubble, ZBV and DualPipeV schedules), pipeline point-to-point transfers (v
 sends a micro-batch with v virtual stages), exposed data-parallel communication and the
 offloaded optimizer step, memory-bound copies on each micro-batch's critical path
 (`memory_bound`: the fused projections' weight concatenations, DeepSpeed's BF16_Optimizer's fp32
@@ -33,11 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pretrain.arithmetic import (layer_active_matmul_parameters,
-                                 layer_projection_shapes, stage_indices,
-                                 layout_recomputed_layers, mean, mean_layer_elements,
-                                 model_flops_per_token, newton_schulz_flops,
-                                 stage_flops_per_token, stage_parameters)
+from pretrain.arithmetic import (expert_data_size, expert_share, expert_tensor_size,
+                                 layer_active_matmul_parameters, layer_projection_shapes,
+                                 layout_recomputed_layers, mean,
+                                 mean_projection_elements_on_gpu, model_flops_per_token,
+                                 newton_schulz_flops, partitioned_parameters,
+                                 stage_expert_parameters, stage_flops_per_token, stage_indices,
+                                 stage_parameters)
 from pretrain.config import Engine, ModelConfig, Precision
 from pretrain.errors import ConfigError
 from pretrain.families import family_of
@@ -66,7 +68,7 @@ class TimeBreakdown:
     # the pipeline schedule's fixed costs: message latency, runtime per action, split backward
     pipeline_overhead: float = 0.0
     # of tensor_comm, expert parallelism's token dispatch and combine: all-to-alls over the
-    # tensor group, on its links (a part, shown on its own; not a field: not added again)
+    # expert group, on its link (a part, shown on its own; not a field: not added again)
     expert_comm: ClassVar[float] = 0.0
 
     @property
@@ -129,20 +131,61 @@ def _context_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
 
 
 def _expert_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> float:
-    """Seconds of one micro-batch's expert-parallel all-to-alls: per MoE layer, each rank of the
-    tensor group sends its chunk's k rows per token (tokens / ep x k x hidden) to the experts'
-    ranks and gets them back (dispatch, combine); the reverse two in backward; once more per
-    recomputed layer. A balanced router keeps 1/ep of the rows on the rank."""
-    ep = layout.expert
-    if ep == 1:
+    """Seconds of one micro-batch's expert-parallel communication (`expert_comm_seconds`)."""
+    return expert_comm_seconds(model, layout, cluster, tokens=mb.tokens, act_bytes=mb.act_bytes,
+                               layers=mb.layers)
+
+
+def expert_comm_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, *, tokens: float,
+                        act_bytes: int, layers: int) -> float:
+    """Seconds of expert parallelism's collectives for `tokens` on a rank (its context chunk of
+    a micro-batch) through `layers` decoder layers: per MoE layer the dispatch and combine
+    all-to-alls over the expert group forward and the reverse two backward (4; 2 more per
+    recomputed layer), not hidden. Each rank sends its 1/tp share of the tokens, k rows each
+    (tokens / tp x k x hidden; a balanced router keeps 1/ep of them on the rank), on the link
+    of the expert group's span: expert x expert_tensor consecutive ranks (expert_tensor
+    innermost), inside a node while they fit its GPUs, else the inter-node bandwidth. Experts
+    split over the tensor ranks (expert_tensor = tp > 1) also all-gather the rows each
+    expert-tensor rank received before the experts and reduce-scatter their outputs after
+    (the reverse backward: 4 more collectives of tokens x k rows a layer, on the tensor link).
+    0 at parallel.expert 1 (no all-to-all: the experts are split like the dense MLP)."""
+    ep, etp = layout.expert, expert_tensor_size(layout)
+    if ep == 1 or not model.num_experts:
         return 0.0
-    rows = mb.tokens / ep * model.experts_per_token
-    exchanged = rows * model.hidden_size * mb.act_bytes
+    rows = tokens / layout.tensor * model.experts_per_token
+    exchanged = rows * model.hidden_size * act_bytes
     # the stage's mixture layers: every layer (Mixtral), or the family's share of them
     share = len(family_of(model).moe_layers(model)) / model.num_layers
-    all_to_alls = (4 * mb.layers + 2 * layout_recomputed_layers(layout, mb.layers)) * share
-    return all_to_alls * (ep - 1) / ep * exchanged \
-        / (_link_gbps(cluster, layout.tensor) * 1e9 * COLLECTIVE_EFFICIENCY)
+    collectives = (4 * layers + 2 * layout_recomputed_layers(layout, layers)) * share
+    seconds = collectives * (ep - 1) / ep * exchanged \
+        / (_link_gbps(cluster, ep * etp) * 1e9 * COLLECTIVE_EFFICIENCY)
+    if etp > 1:  # every expert-tensor rank computes its slice on the group's rows
+        seconds += collectives * _ring_seconds(exchanged * etp, etp, _link_gbps(cluster, etp),
+                                               passes=1)
+    return seconds
+
+
+def expert_router_flops_per_token(model: ModelConfig, layout: Layout, layers: int) -> float:
+    """Training FLOPs per token a GPU's router runs beyond its 1/tp share of the model's
+    (`stage_flops_per_token` divides every FLOP by tp): without expert parallelism every tensor
+    rank routes the whole sequence (the router is replicated: (tp - 1) / tp of its h x E
+    matmul, forward and backward, over again per mixture layer of `layers`); expert-parallel
+    ranks route their own 1/tp chunk only (0)."""
+    if layout.expert > 1 or not model.num_experts or layout.tensor == 1:
+        return 0.0
+    share = len(family_of(model).moe_layers(model)) / model.num_layers
+    passes = 3 * layers + layout_recomputed_layers(layout, layers)
+    return 2.0 * model.num_experts * model.hidden_size * passes * share \
+        * (layout.tensor - 1) / layout.tensor
+
+
+def expert_data_comm_seconds(layout: Layout, gbps: float, *, expert_bytes: float,
+                             passes: float) -> float:
+    """Seconds of one collective of the routed experts' `expert_bytes` (a rank's experts'
+    gradients, or its ZeRO-3 parameters) over the expert-data ranks (`expert_data_size`, the
+    ranks holding the same experts; a group as wide as the stage, so the data group's link
+    `gbps`): the same bytes per rank as a data-parallel ring of them, a smaller group."""
+    return _ring_seconds(expert_bytes, expert_data_size(layout), gbps, passes=passes)
 
 
 def pipeline_bubble_slots(layout: Layout) -> float:
@@ -244,27 +287,38 @@ def _pipeline_p2p(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
 
 
 def _data_comm(layout: Layout, cluster: Cluster, mb: _MicroBatch, *, stage_params: int,
-               grad_bytes: int) -> float:
+               grad_bytes: int, expert_params: int = 0) -> float:
     """Seconds of exposed data-parallel communication: gradients (`grad_bytes` each: the
-    communication dtype's) and ZeRO-3 parameters over the data x context replicas, less what
-    the backward (ZeRO-3: the whole micro-batch) hides."""
+    communication dtype's) and ZeRO-3 parameters over the data x context replicas, the routed
+    experts' (`expert_params` of `stage_params`) over the expert-data ranks where those differ
+    (`expert_data_comm_seconds`), less what the backward (ZeRO-3: the whole micro-batch)
+    hides."""
     replicas = layout.data * layout.context  # DeepSpeed's data parallelism: data x context ranks
     param_bytes = bytes_per_param(layout)[0]
     gbps = _link_gbps(cluster, layout.tensor * replicas)
     backward = mb.compute * 2.0 / 3.0
+    if expert_data_size(layout) == replicas:
+        expert_params = 0  # the experts' ranks are the dense ones': one collective of both
+    dense = stage_params - expert_params
+
+    def ring(nbytes_per_param: float, passes: float) -> float:
+        return _ring_seconds(dense * nbytes_per_param, replicas, gbps, passes=passes) \
+            + expert_data_comm_seconds(layout, gbps, expert_bytes=expert_params
+                                       * nbytes_per_param, passes=passes)
+
     if layout.zero_stage <= 1:  # one all-reduce (ZeRO 1: reduce-scatter + all-gather) per step
-        comm = _ring_seconds(stage_params * grad_bytes, replicas, gbps, passes=2)
+        comm = ring(grad_bytes, 2)
         return max(0.0, comm - backward)
     # reduce-scatter every micro-batch; ZeRO 3 also gathers parameters forward and backward
-    per_micro_batch = _ring_seconds(stage_params * grad_bytes, replicas, gbps, passes=1)
+    per_micro_batch = ring(grad_bytes, 1)
     if layout.zero_stage == 3:
-        per_micro_batch += _ring_seconds(stage_params * param_bytes, replicas, gbps, passes=2)
+        per_micro_batch += ring(param_bytes, 2)
         hidden = mb.compute
     else:
         hidden = backward
     exposed = layout.grad_accum * max(0.0, per_micro_batch - hidden)
     if layout.zero_stage == 2:  # updated parameters gathered once after the step
-        exposed += _ring_seconds(stage_params * param_bytes, replicas, gbps, passes=1)
+        exposed += ring(param_bytes, 1)
     return exposed
 
 
@@ -317,18 +371,21 @@ def _fsdp2_offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> fl
             + shard / CPU_ADAM_PARAMS_PER_S)
 
 
-def _offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> float:
+def _offload(layout: Layout, cluster: Cluster, *, stage_params: int,
+             expert_params: int = 0) -> float:
     """Seconds of host <-> device traffic and the CPU optimizer step: an offloaded optimizer
-    sends gradients down and parameters up and runs CPU Adam on this GPU's share; offloaded
-    parameters are fetched twice by every micro-batch."""
-    shard = stage_params / (layout.data * layout.context)
+    sends gradients down and parameters up and runs CPU Adam on this GPU's share (the routed
+    experts' `expert_params` partitioned over the expert-data ranks); offloaded parameters are
+    fetched twice by every micro-batch."""
+    shard = partitioned_parameters(layout, stage_params, expert_params)
     param_bytes = bytes_per_param(layout)[0]
     pcie = cluster.pcie_gbps * 1e9
     seconds = 0.0
     if layout.offload_optimizer != "none":
         seconds = shard * (4 + param_bytes) / pcie + shard / CPU_ADAM_PARAMS_PER_S
     if layout.offload_param != "none":
-        seconds += layout.grad_accum * 2 * stage_params / (layout.data * layout.context) \
+        fetched = shard * (layout.data * layout.context) if expert_params else stage_params
+        seconds += layout.grad_accum * 2 * fetched / (layout.data * layout.context) \
             * param_bytes / pcie
     return seconds
 
@@ -336,13 +393,15 @@ def _offload(layout: Layout, cluster: Cluster, *, stage_params: int) -> float:
 def _concatenated_weights(model: ModelConfig, layout: Layout) -> float:
     """Weight elements one decoder layer concatenates per pass on a GPU under fused projections
     (`pretrain.model.llama.fused_projections`): this rank's q, k and v rows, and gate and up of
-    the MLP or of every expert it holds (1/tp of each of E, or E/ep whole: the same count)."""
+    the MLP or of every expert it holds (1/tp of each of E, or E/ep whole: the same count; fewer
+    where the expert ranks come from the data ranks: `expert_share`)."""
     if not model.fused_projections:
         return 0.0
     qkv = family_of(model).attention_widths(model).concatenated  # the family's fused attention
     family = family_of(model)  # dense and mixture layers (a family may mix them): their mean
     gate_up = mean([2 * model.hidden_size * (
-        model.expert_ffn_hidden_size * model.num_experts if family.moe_layer(model, i)
+        model.expert_ffn_hidden_size * model.num_experts * expert_share(layout)
+        if family.moe_layer(model, i)
         else model.ffn_hidden_size) for i in range(model.num_layers)])
     return (qkv + gate_up) / layout.tensor
 
@@ -397,7 +456,7 @@ def fp8_cast_elements(model: ModelConfig, layout: Layout, mb: _MicroBatch) -> fl
     copies = model.experts_per_token if model.num_experts else 1
     inputs = mb.tokens * (2 * h + q + copies * (2 * h + f)) / layout.tensor
     # every weight a GPU holds (of each expert 1/tp, or E/ep whole: the same count)
-    weights = mean_layer_elements(model, layer_projection_shapes) / layout.tensor
+    weights = mean_projection_elements_on_gpu(model, layout)
     passes = 3 * mb.layers + 3 * layout_recomputed_layers(layout, mb.layers)
     return passes * (inputs + weights)
 
@@ -448,6 +507,9 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
     fp8_flops = fp8_flops_per_token(model, layout, stages[slow_index].count("layer"))
     peak = cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY
     compute = (slow_hw - fp8_flops) * tokens / peak
+    # the router replicated on the tensor ranks without expert parallelism (0 with it)
+    compute += expert_router_flops_per_token(model, layout, stages[slow_index].count("layer")) \
+        * tokens / peak
     if fp8_flops:
         compute += fp8_flops * tokens / (cluster.fp8_tflops * 1e12 * MATMUL_EFFICIENCY)
     mb = _MicroBatch(tokens=tokens, act_bytes=4 if layout.precision == Precision.FP32 else 2,
@@ -455,7 +517,8 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
     tensor_mb = _tensor_comm(model, layout, cluster, mb)
     context_mb = _context_comm(model, layout, cluster, mb)
     expert_mb = _expert_comm(model, layout, cluster, mb)
-    stage_params = max(stage_parameters(model, layout, items) for items in stages)
+    heaviest = max(stages, key=lambda items: stage_parameters(model, layout, items))
+    stage_params = stage_parameters(model, layout, heaviest)
     micro_batches = layout.grad_accum
     deepspeed = engine is not Engine.FSDP2
     copies_mb = _memory_bound(model, layout, cluster, mb, stage_params=stage_params,
@@ -465,10 +528,12 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
     grad_bytes = DTYPE_BYTES[gradient_dtypes(layout, ds)[1]]
     if deepspeed:
         data_comm = _data_comm(layout, cluster, mb, stage_params=stage_params,
-                               grad_bytes=grad_bytes)
-        offload = _offload(layout, cluster, stage_params=stage_params)
+                               grad_bytes=grad_bytes,
+                               expert_params=stage_expert_parameters(model, layout, heaviest))
+        offload = _offload(layout, cluster, stage_params=stage_params,
+                           expert_params=stage_expert_parameters(model, layout, heaviest))
     else:
-        fp8_params = (layers * mean_layer_elements(model, layer_projection_shapes) / layout.tensor
+        fp8_params = (layers * mean_projection_elements_on_gpu(model, layout)
                       if layout.fp8 == "tensorwise" else 0.0)
         data_comm = _fsdp2_data_comm(layout, cluster, mb, stage_params=stage_params,
                                      grad_bytes=grad_bytes, fp8_params=fp8_params)
