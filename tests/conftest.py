@@ -32,6 +32,34 @@ def pytest_configure(config) -> None:
         "(`bash launch/test.sh --quick`, pytest -m 'not slow') leaves these out")
 
 
+# {node id: slow} of every test this session collected, before `-m`, `-k` or --deselect left any
+# out, and the test files it collected whole (under a folder or file argument, not a node id):
+# tests/test_mutants.py checks the mutant entries' node ids against them instead of collecting
+# the named files again.
+_COLLECTED: dict[str, bool] = {}
+_WHOLE_FILES: set[str] = set()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items) -> None:
+    here = config.invocation_params.dir
+    whole = [(here / arg).resolve() for arg in config.args if "::" not in arg]
+    for item in items:
+        _COLLECTED[item.nodeid] = item.get_closest_marker("slow") is not None
+        path = Path(item.path).resolve()
+        if any(path == arg or arg in path.parents for arg in whole):
+            _WHOLE_FILES.add(item.nodeid.split("::")[0])
+
+
+def collected_here(test_files: list[str]) -> dict[str, bool] | None:
+    """{node id: slow} of every test in `test_files` as this session collected them, or None
+    when it did not collect each of them whole."""
+    if not set(test_files) <= _WHOLE_FILES:
+        return None
+    files = set(test_files)
+    return {node: slow for node, slow in _COLLECTED.items() if node.split("::")[0] in files}
+
+
 def require_root(what: str) -> None:
     """Skip, with one line, a test that has to install Debian packages or edit /etc/hosts."""
     if os.geteuid() != 0:

@@ -214,9 +214,11 @@ def test_tensor_parallel_chunked_matches_single_process(tmp_path):
 
 # ---- memory ------------------------------------------------------------------------------------
 
-def _peak_loss_memory(rank, world_size, chunk_tokens, tokens, vocab, width):
-    """Peak resident memory (bytes) of one forward + backward of the loss above what this
-    process held before it: the high-water mark is reset (/proc/self/clear_refs) first."""
+def _peak_loss_memory(rank, world_size, chunks, tokens, vocab, width):
+    """Peak resident memory (bytes) of one forward + backward of the loss in chunks of
+    `chunks[rank]` tokens above what this process held before it: the high-water mark is reset
+    (/proc/self/clear_refs) first."""
+    chunk_tokens = chunks[rank]
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, width, generator=generator).requires_grad_()
     weight = (torch.randn(vocab, width, generator=generator) * 0.02).requires_grad_()
@@ -234,15 +236,17 @@ def test_fused_loss_peak_memory_is_a_fraction_of_whole_logits(tmp_path, monkeypa
     loss holds three such (N, V) tensors at its peak (measured 198 MB); chunks of 64 tokens hold
     one 8.2 MB chunk besides the weight's gradient (8.2 MB; measured 18 MB in all).
 
-    Each in a fresh process, whose glibc maps every buffer above 64 KiB on its own and unmaps
-    it when freed (a fixed M_MMAP_THRESHOLD): the resident peak is then the tensors' peak. With
-    glibc's default, adaptive threshold, freed chunk buffers may stay in its heap (measured 26
-    to 58 MB of the same chunked run), which would test the allocator, not the loss."""
+    Each in a fresh process (the two side by side, a rank each), whose glibc maps every buffer
+    above 64 KiB on its own and unmaps it when freed (a fixed M_MMAP_THRESHOLD): the resident
+    peak is then the tensors' peak. With glibc's default, adaptive threshold, freed chunk buffers
+    may stay in its heap (measured 26 to 58 MB of the same chunked run), which would test the
+    allocator, not the loss."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by the spawned ranks
     tokens, vocab, width = 512, 32000, 64
-    peaks = {chunk: run_on_ranks(_peak_loss_memory, world_size=1, tmp_path=tmp_path,
-                                 args=(chunk, tokens, vocab, width), start_method="spawn")[0]
-             for chunk in (0, 64)}
+    chunks = (0, 64)
+    peaks = dict(zip(chunks, run_on_ranks(_peak_loss_memory, world_size=len(chunks),
+                                          tmp_path=tmp_path, args=(chunks, tokens, vocab, width),
+                                          start_method="spawn")))
     logits_bytes = tokens * vocab * 4
     assert peaks[0] > 2 * logits_bytes, peaks  # the measurement sees the whole logits
     assert peaks[64] < peaks[0] / 4, peaks

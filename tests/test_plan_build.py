@@ -1,6 +1,8 @@
 """`pretrain plan --build`: every distinct rank of a run constructed on the meta device through
 the real model code and DeepSpeed's PipelineModule, in a fake process group of the run's world
-size, against the planner. Each case is one `pretrain` process (the fake group is per process)."""
+size, against the planner. Each case is one `pretrain` process (the fake group is per process):
+forked from the fork server (`run_cli`), or a new interpreter where the case changes the code
+before `main` runs or asks what a fresh machine compiles."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,7 @@ import sys
 
 from pretrain.arithmetic import num_parameters
 from pretrain.config import load_config
+from pretrain.testing.cli import run_cli
 from pretrain.testing.runs import REPO
 
 PLAN_70B = ["plan", "--config", "configs/llama_70b.yaml", "--world-size", "128", "--build"]
@@ -22,9 +25,13 @@ def _pretrain(args: list[str], *, prelude: str = "",
                           timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", **(env or {})})
 
 
+def _forked(args: list[str]) -> subprocess.CompletedProcess:
+    return run_cli(args, cwd=REPO, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+
+
 def test_every_rank_of_the_70b_recipe_builds_as_planned():
     """TP 4 x PP 8 x DP 4: 32 distinct ranks, each the planner's stage parameters."""
-    run = _pretrain(PLAN_70B + ["--json"])
+    run = _forked(PLAN_70B + ["--json"])
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout)["builds"]
     assert sorted((b["stage"], b["tensor_rank"]) for b in builds) == \
@@ -41,7 +48,7 @@ def test_zero3_tp2_layout_of_70b_builds_shards_of_the_whole_model():
     overrides = ["parallel.tensor=2", "parallel.pipeline=1", "deepspeed=ds_configs/zero3.json",
                  "model.activation_checkpointing=full"]
     args = PLAN_70B + ["--json"] + [a for o in overrides for a in ("--set", o)]
-    run = _pretrain(args)
+    run = _forked(args)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout)["builds"]
     assert len(builds) == 2 and builds[0]["built"] == builds[1]["built"]

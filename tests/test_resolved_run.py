@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ CONFIG = PACKAGE / "config.py"
 SECTIONS = {f.name for f in dataclasses.fields(load_config(None))} - {"run_dir", "deepspeed"}
 
 
+@functools.cache  # parsed once for every test below (they only read the trees)
 def _trees() -> dict[Path, ast.AST]:
     return {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 from pretrain import storage
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
+from pretrain.testing.cli import run_cli
 from pretrain.testing.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedServer, ServerFailed
 from test_k8s import ENV, _spec, _validate, pytorchjob_schema  # noqa: F401 - the schema fixture
 
@@ -60,8 +59,7 @@ def test_cli_refuses_a_typo_before_writing_anything(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("run_dir: s3:/bucket/run\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "pretrain", "train", "--config", str(config)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = run_cli(["train", "--config", str(config)], cwd=tmp_path, env=env)
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: run_dir: "), done.stderr
@@ -374,13 +372,13 @@ def test_a_missing_bucket_or_refused_key_fails_before_anything_runs(command, s3_
     """The pre-flight (and `train` itself) checks the bucket: one `error:` line naming run_dir,
     exit 2; the secret is not printed."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    base = [sys.executable, "-m", "pretrain", *command, "--config", "configs/tiny.yaml"]
+    base = [*command, "--config", "configs/tiny.yaml"]
     for run_dir, extra, message in [
             ("s3://no-such-bucket/run", {}, "the bucket 'no-such-bucket' does not exist"),
             (f"s3://{BUCKET}/run", {"AWS_SECRET_ACCESS_KEY": "not-the-secret"},
              "refused the credentials")]:
-        done = subprocess.run([*base, "--set", f"run_dir={run_dir}"], cwd=REPO,
-                              env={**env, **extra}, capture_output=True, text=True, timeout=300)
+        done = run_cli([*base, "--set", f"run_dir={run_dir}"], cwd=REPO, env={**env, **extra},
+                       timeout=300)
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert done.returncode == 2, done.stderr[-2000:]
         assert len(errors) == 1 and errors[0].startswith(f"error: run_dir {run_dir!r}"), errors

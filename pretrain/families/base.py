@@ -127,8 +127,26 @@ class Family:
         path, _, name = self.modules[role].partition(":")
         return getattr(importlib.import_module(path), name)
 
+    # the rows `parameter` found, by name (the planner asks for each layer's names many times)
+    _rows: dict[str, tuple[Parameter, bool]] = field(default_factory=dict, init=False,
+                                                     repr=False, compare=False)
+    # decoder layers' parameter counts, by the config's fields and the layer (`_layer_counts`)
+    _counts: dict[tuple, tuple[int, int, int, int]] = field(default_factory=dict, init=False,
+                                                            repr=False, compare=False)
+
     def parameter(self, name: str) -> Parameter:
         """The table row of parameter `name` (a Hugging Face or pipeline-stage name)."""
+        return self._row(name)[0]
+
+    def _row(self, name: str) -> tuple[Parameter, bool]:
+        """(the table row of `name`, whether it is a buffer), found once per name."""
+        found = self._rows.get(name)
+        if found is None:
+            found = self._rows[name] = (self._find_parameter(name),
+                                        name.rsplit(".", 1)[-1] in self.buffers)
+        return found
+
+    def _find_parameter(self, name: str) -> Parameter:
         if name.endswith(EMBED.removeprefix("model.")):
             return self.parameters["embed_tokens"]
         parts = name.rsplit(".", 2)
@@ -156,32 +174,48 @@ class Family:
     def layer_parameters(self, cfg: ModelConfig, index: int) -> tuple[int, int]:
         """(tensor-parallel-sharded, replicated) parameters of decoder layer `index`, from
         the table: every parameter counted once, whatever the family."""
-        sharded = replicated = 0
-        for name in self.layer(cfg, index):
-            if name.rsplit(".", 1)[-1] in self.buffers:  # carried with the weights, not trained
-                continue
-            row = self.parameter(name)
-            count = _product(row.shape(cfg))
-            if row.tp_dim is None:
-                replicated += count
-            else:
-                sharded += count
-        return sharded, replicated
+        return self._layer_counts(cfg, index)[:2]
 
     def layer_matmul_parameters(self, cfg: ModelConfig, index: int, *,
                                 active: bool = False) -> int:
         """The matrix parameters of decoder layer `index` (a token's, `active`: a mixture of
         experts counts experts_per_token of its experts)."""
-        total = 0
+        return self._layer_counts(cfg, index)[3 if active else 2]
+
+    def _layer_counts(self, cfg: ModelConfig, index: int) -> tuple[int, int, int, int]:
+        """(sharded, replicated, matrix, active matrix) parameters of decoder layer `index`,
+        counted once per config and layer: the planner asks for every layer's counts of the
+        same model for each of the hundreds of layouts it ranks."""
+        try:  # the config's every field, as it is now
+            key = (tuple(vars(cfg).items()), index)
+            found = self._counts.get(key)
+        except TypeError:  # a field that cannot be a key (not a ModelConfig's): counted, not kept
+            key = found = None
+        if found is None:
+            found = self._count_layer(cfg, index)
+            if key is not None:
+                if len(self._counts) >= 4096:
+                    self._counts.clear()
+                self._counts[key] = found
+        return found
+
+    def _count_layer(self, cfg: ModelConfig, index: int) -> tuple[int, int, int, int]:
+        sharded = replicated = matmul = 0
+        active = 0
         for name in self.layer(cfg, index):
-            row = self.parameter(name)
-            if row.mup != HIDDEN:
-                continue
+            row, buffer = self._row(name)
             count = _product(row.shape(cfg))
-            if active and ".experts." in name:
-                count = count * cfg.experts_per_token / cfg.num_experts
-            total += count
-        return int(total)
+            if row.mup == HIDDEN:
+                matmul += count
+                active += count * cfg.experts_per_token / cfg.num_experts \
+                    if ".experts." in name else count
+            if buffer:  # carried with the weights, not trained
+                continue
+            if row.tp_dim is None:
+                replicated += count
+            else:
+                sharded += count
+        return sharded, replicated, int(matmul), int(active)
 
     def projection_shapes(self, cfg: ModelConfig, index: int = 0) -> list[tuple[int, int]]:
         """The unsharded shapes of decoder layer `index`'s projection matrices (its table's `muon`

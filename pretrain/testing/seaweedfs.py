@@ -92,14 +92,11 @@ class SeaweedServer:
         return True
 
     def stop(self) -> None:
-        """SIGTERM to its process group, SIGKILL after 3 s (a scratch server: nothing to flush)."""
+        """SIGKILL to its process group (a scratch server: nothing to flush; `weed` took its
+        SIGTERM's full 3-s grace period at the end of every session that started it)."""
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
 
     def env(self) -> dict[str, str]:
         """The client's environment: the identity's keys and the endpoint."""
