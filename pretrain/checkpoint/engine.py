@@ -379,7 +379,9 @@ def _final_expert(param, name: str, m, *, owner: tuple[int, int], groups, zero3:
     coords, topology = groups.topology.my_coords, groups.topology
     tensor, stage = owner
     full = None
-    if (coords.tensor, coords.pipeline) == owner:
+    if (coords.tensor, coords.pipeline) == owner and isinstance(param, DTensor):
+        full = param.detach().full_tensor()  # fsdp2: all-gathered over the data group
+    elif (coords.tensor, coords.pipeline) == owner:
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None) if zero3 \
                 else contextlib.nullcontext():
             full = param.detach().clone()

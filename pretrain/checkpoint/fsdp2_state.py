@@ -2,7 +2,9 @@
 
 An fsdp2 step directory holds one `fsdp2_rank<R>.pt` per rank (with the usual `rng_rank<R>.pt`,
 `meta.json` and `manifest.json`): rank R's rows of its tensor-parallel shard of every parameter and
-of Adam's two moments, by Hugging Face name. Under HSDP only the first replica group's ranks write
+of Adam's two moments, by Hugging Face name (an expert-parallel expert: rows of the whole expert,
+in the files of the one tensor rank holding it, read back as `MergedShards`' whole experts), and
+the buffers the weights carry (DeepSeek-V3's expert bias), whole in every file. Under HSDP only the first replica group's ranks write
 (the other groups hold the same shards), so the files are those of a run at dp = one group's size.
 `fsdp2_tensors` merges them back into whole tensors (`fsdp2_shards`, merged by
 `weights.engine_tensors` into the same `MergedShards` view DeepSpeed's files give), so that:
@@ -86,7 +88,19 @@ def fsdp2_shards(step_dir: Path, key: str | None = None) -> dict[str, dict[int, 
         pieces = _RowPieces(rank_files, key or "master")
         for name in pieces:
             shards.setdefault(name, {})[rank] = (pieces, name)
+        # the buffers the weights carry: whole in every rank's file (no moments: zeros)
+        buffers = rank_files[0].get("buffers", {})
+        if key is not None:
+            buffers = {name: torch.zeros(tensor.shape) for name, tensor in buffers.items()}
+        for name in buffers:
+            shards.setdefault(name, {})[rank] = (buffers, name)
     return shards
+
+
+def carries_buffers(step_dir: Path) -> bool:
+    """Whether an fsdp2 checkpoint's files hold the buffers the weights carry (the expert
+    bias): every file since fsdp2 trained models with experts."""
+    return "buffers" in _rank_files(step_dir)[0]
 
 
 def fsdp2_client_state(step_dir: Path) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from pretrain.checkpoint.weights import OPTIMIZER_NAMES, engine_tensors
 from pretrain.checkpoint.zero_shards import load_checkpoint_file
 from pretrain.config import Optimizer, RunConfig
 from pretrain.errors import CheckpointError
-from pretrain.model import canonical_parameters, tensor_parallel_group
+from pretrain.model import canonical_buffers, canonical_parameters, tensor_parallel_group
 from pretrain.model.form import shard_of_rank
 from pretrain.model.llama import ShardRange, full_parameter_shape, shard_range
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
@@ -144,6 +144,8 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
             targets.set(param, piece, what)
             del piece
     targets.finish()
+    for name, buffer in canonical_buffers(engine.module, m):  # whole (an fsdp2 file's bias)
+        buffer.copy_(sources["master"][name].view_as(buffer))
     _set_schedule(engine, step_dir, meta)
     return ReadVolume(bytes_read=sum(source.bytes_read for source in sources.values()),
                       checkpoint_bytes=sum(f.stat().st_size for f in step_dir.rglob("*")
@@ -171,7 +173,9 @@ def load_into_fsdp2(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunCon
     coords, tp_size = groups.topology.my_coords, groups.topology.tensor
 
     def read(name: str, what: str, rows: tuple[int, int]) -> torch.Tensor:
-        where = shard_range(name, m, tp_rank=coords.tensor, tp_size=tp_size)
+        whole = name in engine.whole_experts  # an expert-parallel expert: the whole tensor
+        where = shard_range(name, m, tp_rank=0 if whole else coords.tensor,
+                            tp_size=1 if whole else tp_size)
         width = math.prod(where.shape[1:])
         if rows[1] <= rows[0]:  # an FSDP2 shard without rows (more ranks than rows)
             return torch.zeros(0)

@@ -36,7 +36,8 @@ from typing import Iterator
 import torch
 
 from pretrain import storage
-from pretrain.checkpoint.fsdp2_state import fsdp2_client_state, fsdp2_shards, is_fsdp2_checkpoint
+from pretrain.checkpoint.fsdp2_state import (carries_buffers, fsdp2_client_state, fsdp2_shards,
+                                             is_fsdp2_checkpoint)
 from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FINAL_TOKENIZER_DIR,
                                        FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
 from pretrain.checkpoint.store import local_checkpoint, materialize
@@ -234,15 +235,18 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
     parameter, whatever the layout that saved it (and whichever engine: `fsdp2_state`)."""
     meta, run_cfg = _engine_checkpoint_config(step_dir)
     buffers = family_of(run_cfg.model).buffers if run_cfg.model.num_experts else ()
-    if buffers:  # in the module states only, which this reader does not merge yet
+    fsdp2 = is_fsdp2_checkpoint(step_dir)
+    if buffers and not (fsdp2 and carries_buffers(step_dir)):
+        # DeepSpeed's: in the module states only, which this reader does not merge yet
         raise CheckpointError(
             f"{step_dir}: a {run_cfg.model.family} checkpoint with experts carries buffers "
             f"({', '.join(buffers)}) that reading it on another layout does not merge yet: "
             "resume it on the layout that saved it, or export its run's final/")
-    if is_fsdp2_checkpoint(step_dir):  # rows of each tensor rank's shard, in every rank's file
+    if fsdp2:  # rows of each tensor rank's shard, in every rank's file; the buffers whole
         shards = fsdp2_shards(step_dir, key)
         return MergedShards(shards, cfg=run_cfg.model, tp=run_cfg.parallel.tensor,
-                            source=str(step_dir) if key is None else f"{step_dir} ({key})")
+                            source=str(step_dir) if key is None else f"{step_dir} ({key})",
+                            whole_experts=run_cfg.parallel.expert > 1)
     cfg, tp, pp = run_cfg.model, run_cfg.parallel.tensor, run_cfg.parallel.pipeline
     zero = int(meta.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
     if meta.get("mp_world_size", tp * pp) != tp * pp:

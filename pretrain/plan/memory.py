@@ -409,7 +409,8 @@ def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
         num_experts=m.num_experts,
         fp16=layout.precision == Precision.FP16,
         zero_stage=layout.zero_stage, offload=[layout.offload_optimizer, layout.offload_param],
-        where="the DeepSpeed config")
+        where="the DeepSpeed config", expert=layout.expert, tensor=layout.tensor,
+        expert_tensor=layout.expert_tensor, fp8=layout.fp8, optimizer=layout.optimizer)
     if layout.pipeline > 1:
         refusals += pipeline_refusals(m, layout)
     raise_refusals(refusals)

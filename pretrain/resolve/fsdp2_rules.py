@@ -12,6 +12,12 @@ The DeepSpeed JSON stays the one place that chooses sharding and offload, read t
 - `offload_optimizer` or `offload_param` on "cpu": `CPUOffloadPolicy` (parameters, gradients
   and optimizer state in host memory, the optimizer step on the CPU); "nvme" is refused.
 
+Mixtures of experts (`model.num_experts` > 0) run with expert parallelism 1 or equal to the
+tensor ranks (`layout_refusals` says what else is refused); the engine does for them what
+DeepSpeed's does: the auxiliary losses' gradient scale, the router's gradient summed over the
+tensor group once per step, whole experts counted once in the gradient norm, the DeepSeek-V3
+bias stepped after each step and carried in the checkpoints.
+
 Pipelines (`parallel.pipeline` > 1) run through `torch.distributed.pipelining` under any of
 `parallel.pipeline_schedule`'s schedules (`pretrain.training.pipeline_schedules`), FSDP2 on each
 stage; DeepSpeed's engine runs its own 1F1B only (`check_deepspeed_schedule`).
@@ -48,7 +54,9 @@ def check_fsdp2(cfg, ds: dict[str, Any], *, where: str) -> None:
         fp16=t.precision.value == "fp16",  # `auto` is settled before a run lays out
         zero_stage=int(zero.get("stage", 0)),
         offload=[zero.get(key, {}).get("device", "none")
-                 for key in ("offload_optimizer", "offload_param")], where=where)
+                 for key in ("offload_optimizer", "offload_param")], where=where,
+        expert=p.expert, tensor=p.tensor, expert_tensor=p.expert_tensor, fp8=t.fp8.value,
+        optimizer=t.optimizer.value)
     if p.pipeline > 1 and p.pipeline_schedule in SPLIT_BACKWARD and reshards_after_forward(
             int(zero.get("stage", 0))):
         refusals.append(f"parallel.pipeline_schedule={p.pipeline_schedule} with {where}'s ZeRO "
@@ -91,13 +99,34 @@ def check_deepspeed_schedule(cfg) -> None:
 
 
 def layout_refusals(*, num_experts: int, fp16: bool, zero_stage: int, offload: list[str],
-                    where: str) -> list[str]:
+                    where: str, expert: int = 1, tensor: int = 1, expert_tensor: int = 0,
+                    fp8: str = "none", optimizer: str = "adamw") -> list[str]:
     """Why fsdp2 cannot run a layout (empty: it can): what the planner checks of a layout it
-    plans, and `check_fsdp2` of a run config."""
+    plans, and `check_fsdp2` of a run config.
+
+    Mixtures of experts run with expert parallelism 1 or over the tensor ranks (each tensor
+    rank's experts, split or whole, sharded over its data group like every other parameter);
+    expert ranks taken from the data ranks would need the experts fully_shard over their
+    expert-data groups while the model's dispatch sends tokens over the expert group: refused
+    until both exist, as are FP8 matmuls of experts and Muon over whole experts (not verified
+    under fully_shard)."""
     refusals = []
-    if num_experts:
-        refusals.append(f"model.num_experts={num_experts}: the mixture of experts is not "
-                        "sharded by fsdp2 yet; use train.engine=deepspeed")
+    if num_experts and expert > 1 and (expert != tensor or expert_tensor > 1):
+        refusals.append(
+            f"parallel.expert={expert} with parallel.tensor={tensor} and parallel.expert_tensor="
+            f"{expert_tensor}: fsdp2 runs experts whose expert ranks are the tensor ranks "
+            f"(parallel.expert=1 or {tensor}, parallel.expert_tensor 0 or 1); expert ranks "
+            "taken from the data ranks need the experts sharded over their expert-data groups, "
+            "which fsdp2 does not do yet; use train.engine=deepspeed or parallel.expert="
+            f"{tensor}")
+    if num_experts and fp8 != "none":
+        refusals.append(f"train.fp8={fp8} with model.num_experts={num_experts}: the experts' FP8 "
+                        "matmuls under fully_shard are not verified; set train.fp8=none or use "
+                        "train.engine=deepspeed")
+    if num_experts and expert > 1 and optimizer == "muon":
+        refusals.append(f"train.optimizer=muon with parallel.expert={expert}: Muon over experts "
+                        "held whole by one tensor rank is not verified under fully_shard; use "
+                        "train.optimizer=adamw, parallel.expert=1 or train.engine=deepspeed")
     if fp16:
         refusals.append("train.precision=fp16: fsdp2 has no loss scaling; use bf16 or fp32")
     if zero_stage == 0:

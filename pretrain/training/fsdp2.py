@@ -55,10 +55,11 @@ from torch.distributed.tensor.experimental import implicit_replication
 from pretrain.config import ModelConfig, Optimizer, Precision, RunConfig
 from pretrain.resolve.ds_config import zero_stage
 from pretrain.resolve.fsdp2_rules import offloads_to_cpu, reshards_after_forward
-from pretrain.model import canonical_parameters
+from pretrain.model import canonical_buffers, canonical_parameters
 from pretrain.model.build import construct_for_layout, tensor_parallel_group
 from pretrain.model.layers import RotaryEmbedding, rotary_embedding
 from pretrain.model.llama import INIT_BLOCK, DecoderLayer, _draw_init, shard_range
+from pretrain.model.moe import MoE
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_rank, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
 from pretrain.training import muon
@@ -95,11 +96,14 @@ class FSDP2Engine:
     def __init__(self, cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups,
                  model: torch.nn.Module, *, param_groups: list[dict[str, Any]],
                  lr_factor: Callable[[int], float], tensor_parallel: set[str],
-                 mesh: DeviceMesh) -> None:
+                 mesh: DeviceMesh, whole_experts: frozenset[str] = frozenset()) -> None:
         """`param_groups`: the optimizer's groups over the sharded parameters; `lr_factor(i)`:
         the schedule's factor of each group's lr after `i` updates; `tensor_parallel`: the
         names of the parameters that are tensor-parallel shards (fully_shard's replacements
-        carry no `tensor_model_parallel`); `mesh`: the one `shard_model` sharded over."""
+        carry no `tensor_model_parallel`); `mesh`: the one `shard_model` sharded over;
+        `whole_experts`: the names of the experts this rank holds whole under expert
+        parallelism (in `tensor_parallel` too: the norm counts each on its one tensor rank),
+        whose rows are those of the whole tensor, not of a tensor-parallel shard."""
         t = cfg.train
         self.cfg, self.groups, self.ds_config = cfg, groups, ds_config
         self.device = torch.device(get_accelerator().current_device_name())
@@ -113,7 +117,7 @@ class FSDP2Engine:
             named = list(canonical_parameters(model, cfg.model))
             self.optimizer = muon.build_optimizer(named, param_groups, t)
             self.optimizer.bind(muon.row_shard_pieces(named, tensor_parallel_group(groups),
-                                                      tensor_parallel))
+                                                      tensor_parallel - whole_experts))
         else:
             self.optimizer = torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
                                                eps=t.eps, weight_decay=t.weight_decay)
@@ -124,6 +128,7 @@ class FSDP2Engine:
         self._norm: float | None = None
         self.checkpoint_engine = None  # the Saver's writer, set before save_checkpoint
         self._tensor_parallel = tensor_parallel
+        self.whole_experts = whole_experts
         self._sequence_parallel_norms = sequence_parallel_norms(model)
         hsdp = mesh.ndim == 2
         self._shard_group = mesh.get_group("shard" if hsdp else 0)
@@ -162,6 +167,10 @@ class FSDP2Engine:
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's call; this engine counts its micro-batches from each step's start."""
+
+    def fp16_enabled(self) -> bool:
+        """No loss scaling (fp16 is refused): `moe.aux_loss_grad_scale` reads it."""
+        return False
 
     def zero_optimization_stage(self) -> int:
         """3, or 2 where the JSON's ZeRO-1/2 keeps gathered weights from forward to backward
@@ -311,7 +320,9 @@ class FSDP2Engine:
     def state_pieces(self) -> dict[str, Any]:
         """This rank's file of a checkpoint: by Hugging Face name, its rows of the tensor-parallel
         shard of each parameter ("master", fp32) and Adam's moments, where they start, and the
-        shard's shape; Adam's step, the schedule and the counters."""
+        shard's shape (an expert-parallel expert: of the whole expert, on its tensor rank);
+        the buffers the weights carry (DeepSeek-V3's expert bias, whole); Adam's step, the
+        schedule and the counters."""
         pieces: dict[str, dict[str, Any]] = {}
         adam_step = 0
         for name, p in canonical_parameters(self.module, self.cfg.model):
@@ -324,8 +335,11 @@ class FSDP2Engine:
             if "step" in state:
                 adam_step = int(state["step"])
             pieces[name] = entry
+        # the buffers the weights carry (the expert bias), whole and the same on every rank
+        buffers = {name: b.detach().clone()
+                   for name, b in canonical_buffers(self.module, self.cfg.model)}
         return {"engine": self.name, "tensor_rank": self.groups.topology.my_coords.tensor,
-                "tensors": pieces, "adam_step": adam_step,
+                "tensors": pieces, "buffers": buffers, "adam_step": adam_step,
                 "lr_scheduler": self.lr_scheduler.state_dict(),
                 "global_steps": self.global_steps, "global_samples": self.global_samples,
                 "skipped_steps": self.skipped_steps}
@@ -354,7 +368,8 @@ class FSDP2Engine:
                    counters: dict[str, int]) -> None:
         """Set every parameter's fp32 shard and Adam's moments (Muon's momentum:
         `muon.state_keys`) from `read(name, what, rows)` (`what`: "master" or a state key; `rows`: [start, stop) of the
-        tensor-parallel shard, from `_first_row`), then Adam's step, the schedule's position
+        tensor-parallel shard, from `_first_row`), and each buffer the weights carry (whole:
+        `read(name, "master", (0, length))`), then Adam's step, the schedule's position
         (`schedule`: a saved LambdaLR state) and the counters."""
         for name, p in canonical_parameters(self.module, self.cfg.model):
             local = _local(p.data)
@@ -367,6 +382,8 @@ class FSDP2Engine:
                 _local(state[key]).copy_(read(name, key, rows).view_as(local))
             if "exp_avg" in state:  # Adam's count (Muon keeps none)
                 state["step"] = torch.tensor(float(adam_step))
+        for name, buffer in canonical_buffers(self.module, self.cfg.model):  # whole
+            buffer.copy_(read(name, "master", (0, buffer.shape[0])).view_as(buffer))
         self.global_steps = int(counters["global_steps"])
         self.global_samples = int(counters["global_samples"])
         self.skipped_steps = int(counters["skipped_steps"])
@@ -377,10 +394,12 @@ class FSDP2Engine:
 
 
 def sequence_parallel_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules of `model` whose `weight` is whole on every tensor rank while their input is
-    a sequence shard (RMSNorms under sequence parallelism): their gradients need the sum over
-    the tensor group."""
-    return [m for m in model.modules()
+    """The modules of `model` whose `weight` is whole on every tensor rank while each rank's
+    gradient of it is a partial sum (RMSNorms under sequence parallelism, seeing T/tp tokens;
+    a mixture of experts' router, whose combine weights get partial gradients on each tensor
+    rank, `pretrain.model.moe`): their gradients need the sum over the tensor group. The
+    router's module is its `gate`, where its `SequenceShardedWeightGrad` hangs on `MoE`."""
+    return [m.gate if isinstance(m, MoE) else m for m in model.modules()
             if isinstance(getattr(m, "weight_grad", None), SequenceShardedWeightGrad)
             and tp_world_size(m.weight_grad.group) > 1]
 
@@ -449,26 +468,37 @@ def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: Proces
     mesh = data_mesh(groups, replicas=cfg.train.fsdp2_replicas, device_type=device.type)
     tensor_parallel = {name for name, p in canonical_parameters(model, cfg.model)
                        if getattr(p, "tensor_model_parallel", False)}
+    whole_experts = frozenset(name for name, p in canonical_parameters(model, cfg.model)
+                              if getattr(p, "expert_parallel", False))
     shard_model(model, mesh, reshard_after_forward=reshards_after_forward(zero_stage(ds_config)),
                 bf16=cfg.train.precision is Precision.BF16, offload=offload)
     # under CPUOffloadPolicy the shards live in host memory, the buffers beside the compute
     model.to_empty(device=torch.device("cpu") if offload else device)
+    for name, p in canonical_parameters(model, cfg.model):  # the parameters now held: whole
+        if name in whole_experts:  # for `form.shard_of_rank` (model.init_from) too
+            p.expert_parallel = True
     rotary_tables(model, cfg.model, device=device)
     tp_group = tensor_parallel_group(groups)
     init_shards(model, cfg.model, seed=cfg.train.seed, tp_rank=tp_rank(tp_group),
-                tp_size=tp_world_size(tp_group))
+                tp_size=tp_world_size(tp_group), whole=whole_experts)
     return FSDP2Engine(cfg, ds_config, groups, model, param_groups=optimizer_groups(model),
-                       lr_factor=lr_factor, tensor_parallel=tensor_parallel, mesh=mesh)
+                       lr_factor=lr_factor, tensor_parallel=tensor_parallel, mesh=mesh,
+                       whole_experts=whole_experts)
 
 
 @torch.no_grad()
 def init_shards(model: torch.nn.Module, cfg: ModelConfig, *, seed: int, tp_rank: int,
-                tp_size: int) -> None:
+                tp_size: int, whole: frozenset[str] = frozenset()) -> None:
     """Fill each parameter's FSDP2 shard (its `to_local()` rows, from `_first_row`) with its
-    rows of tensor-parallel rank `tp_rank`'s seeded initial shard (`init_rows`)."""
+    rows of tensor-parallel rank `tp_rank`'s seeded initial shard (`init_rows`); the names in
+    `whole` (expert-parallel experts) with their rows of the whole tensor. The buffers the
+    weights carry (the expert bias) are set to their initial value, whole."""
     for name, p in canonical_parameters(model, cfg):
-        init_rows(name, cfg, seed=seed, tp_rank=tp_rank, tp_size=tp_size,
+        rank, size = (0, 1) if name in whole else (tp_rank, tp_size)
+        init_rows(name, cfg, seed=seed, tp_rank=rank, tp_size=size,
                   first_row=_first_row(p), out=_local(p.data))
+    for name, buffer in canonical_buffers(model, cfg):
+        init_rows(name, cfg, seed=seed, tp_rank=0, tp_size=1, first_row=0, out=buffer)
 
 
 def init_rows(name: str, cfg: ModelConfig, *, seed: int, tp_rank: int, tp_size: int,
@@ -501,10 +531,13 @@ def init_rows(name: str, cfg: ModelConfig, *, seed: int, tp_rank: int, tp_size: 
 
 
 def rotary_tables(model: torch.nn.Module, cfg: ModelConfig, *, device: torch.device) -> None:
-    """Compute the rotary tables (the model's only buffers, a function of the config) of a model
-    constructed on the meta device, onto `device`; an error for any other buffer."""
+    """Compute the rotary tables (a function of the config) of a model constructed on the meta
+    device, onto `device`; an error for any buffer but those and the ones the weights carry
+    (`canonical_buffers`, the expert bias: `init_shards` sets them)."""
+    carried = {id(b) for _, b in canonical_buffers(model, cfg)}
     for module in model.modules():
-        buffers = dict(module.named_buffers(recurse=False))
+        buffers = {key: b for key, b in module.named_buffers(recurse=False)
+                   if id(b) not in carried}
         if not buffers:
             continue
         if not isinstance(module, RotaryEmbedding):

@@ -18,9 +18,14 @@ data.document_mask) and the micro-batch's labels as a keyword, which torch hands
 the last stage computes the loss inside its forward (`PipelineLoss`, as DeepSpeed's last stage),
 while its head's weight is gathered, and the schedule's loss function passes it on.
 
-`PipelineDriver.train_step` runs one step's micro-batches through the schedule (torch divides the
-summed gradients by their number: DeepSpeed's loss / accumulation); the loss comes back on every
-rank of the pipeline, averaged over the micro-batches. `PipelineDriver.evaluate` runs forwards
+`PipelineDriver.train_step` runs one step's micro-batches through the schedule, each
+micro-batch's loss divided by their number before backward (DeepSpeed's loss / accumulation, so
+a mixture of experts' auxiliary losses take the same `moe.aux_loss_grad_scale` as in the flat
+engine); the loss comes back on every rank of the pipeline, averaged over the micro-batches.
+A stage holding mixture-of-experts layers runs them as the flat model does: the expert-parallel
+all-to-all inside its forward (its tensor ranks), the auxiliary losses' gradients handed in by
+their layers' backward, the router's gradient summed over the tensor group at the step's end
+(`FSDP2Engine`). `PipelineDriver.evaluate` runs forwards
 only, micro-batch by micro-batch and stage by stage, each wire tensor sent point to point.
 
 Schedules (torch 2.13's `get_schedule_class` names), by the name a config gives:
@@ -38,6 +43,7 @@ import torch.nn as nn
 
 from pretrain.arithmetic import V_SHAPED, stage_indices, stage_spans
 from pretrain.config import Precision, RunConfig
+from pretrain.model.moe import reset_stats
 from pretrain.model.pipeline import (PipelineLoss, SequentialPipeline, StageActivations,
                                      pipeline_layer_specs)
 
@@ -110,11 +116,6 @@ def construct_stages(cfg: RunConfig, groups) -> PipelineStages:
     return PipelineStages(stages)
 
 
-def _pass_loss(output: torch.Tensor, _labels) -> torch.Tensor:
-    """The schedule's loss function: the last stage's forward already returns the loss."""
-    return output
-
-
 class PipelineDriver:
     """A rank's stages under the run's schedule: one training step's micro-batches, or
     forward-only evaluation."""
@@ -133,15 +134,42 @@ class PipelineDriver:
                        for index, module in model.stages.items()]
         schedule = get_schedule_class(SCHEDULE_CLASSES[p.pipeline_schedule])
         single = issubclass(schedule, PipelineScheduleSingle)
-        self.schedule = schedule(self.stages[0] if single else self.stages,
-                                 n_microbatches=micro_batches, loss_fn=_pass_loss,
-                                 scale_grads=True)
         self.micro_batches = micro_batches
+        self._losses: list[torch.Tensor] = []  # the last stage's, undivided, of this step
+        # torch infers the stages' inputs and outputs at the first step by one forward and
+        # backward of each stage on made-up tensors (torch 2.13's dynamic metadata inference),
+        # the loss function included: what it adds to the router statistics is forgotten
+        # after that forward, and only the step's last `micro_batches` losses are its own
+        self._inferred: set[int] = set()
+        for index, module in model.stages.items():
+            module.register_forward_hook(self._forget_metadata_inference(index))
+        # the loss of each micro-batch divided by their number before backward (not torch's
+        # `scale_grads`, which divides the gradients after): DeepSpeed's loss / accumulation,
+        # which the auxiliary losses' gradients (`moe.aux_loss_grad_scale`) follow too
+        self.schedule = schedule(self.stages[0] if single else self.stages,
+                                 n_microbatches=micro_batches, loss_fn=self._divided_loss,
+                                 scale_grads=False)
         self.sequence_shards = groups.topology.tensor if p.sequence_parallel else 1
         self.hidden_size, self.num_layers = cfg.model.hidden_size, cfg.model.num_layers
         # what a stage sends: bf16 under bf16's MixedPrecisionPolicy (the shards stay fp32)
         self.activation_dtype = (torch.bfloat16 if cfg.train.precision is Precision.BF16
                                  else torch.float32)
+
+    def _forget_metadata_inference(self, index: int):
+        """A hook on stage `index`: after its first training forward (torch's metadata
+        inference, before any micro-batch), its mixture-of-experts layers' statistics are
+        reset (the trainer collects them after the step)."""
+        def hook(module, _args, _output) -> None:
+            if module.training and index not in self._inferred:
+                self._inferred.add(index)
+                reset_stats(module)
+        return hook
+
+    def _divided_loss(self, output: torch.Tensor, _labels) -> torch.Tensor:
+        """The schedule's loss function: the last stage's forward already returns the loss,
+        kept for the step's mean and back-propagated divided by the micro-batches."""
+        self._losses.append(output.detach())
+        return output / self.micro_batches
 
     def describe(self) -> str:
         """The schedule torch runs and the stages of this rank, for the run's log."""
@@ -171,13 +199,13 @@ class PipelineDriver:
         the gradients are summed into the FSDP2 shards and divided by their number. Returns
         the mean loss on every rank of the pipeline."""
         inputs, labels = self._batch(pairs)
-        losses: list[torch.Tensor] = []
+        self._losses = []
         has_first = any(stage.is_first for stage in self.stages)
         # the labels reach the last stage's forward as a keyword (every stage gets it); torch
-        # also wants them as the target of its loss function, which passes the loss on
+        # also wants them as the target of its loss function, which divides the loss
         self.schedule.step(*(inputs if has_first else ()), labels=labels, target=labels,
-                           losses=losses, return_outputs=False)
-        return self._mean_over_pipeline(losses)
+                           losses=[], return_outputs=False)
+        return self._mean_over_pipeline(self._losses[-self.micro_batches:])
 
     def _batch(self, pairs) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The micro-batches' inputs (input_ids[, document_ids]) and labels, concatenated along
