@@ -340,6 +340,12 @@ FAMILY_LAYOUTS = {
     ("qwen3_moe_losses", "tp2_sp"): (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
     ("qwen3_moe_losses", "tp2_expert2"): (2, ["parallel.tensor=2", "parallel.expert=2"]),
     ("qwen3_moe_losses", "pp2"): (2, ["parallel.pipeline=2"]),
+    # the expert grid: expert ranks from the data ranks (3 whole experts each; or each expert
+    # split over the tensor pair too), the experts' gradients over the ranks holding them
+    ("qwen3_moe_losses", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2"]),
+    ("qwen3_moe_losses", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
+                                                     "parallel.expert=2",
+                                                     "parallel.expert_tensor=2"]),
     # DeepSeek-V3: the heads over two tensor ranks, the latents' projections and norms
     # replicated with their gradients summed over the pair (with sequence parallelism; under
     # ZeRO-3, which gathers them; fsdp2); a pipeline's stages
@@ -360,6 +366,15 @@ FAMILY_LAYOUTS = {
     ("deepseek_v3_moe_bias", "pp2"): (2, ["parallel.pipeline=2"]),
     ("deepseek_v3_moe_bias", "zero3_tp2_dp2"): (4, ["deepspeed=ds_configs/zero3.json",
                                                     "parallel.tensor=2"]),
+    # the expert grid: experts from the data ranks (4, or 2 each), or split over the tensor
+    # pair too; the bias moved from every rank's loads, the same everywhere
+    ("deepseek_v3_moe_bias", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2"]),
+    ("deepseek_v3_moe_bias", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
+                                                         "parallel.expert=2",
+                                                         "parallel.expert_tensor=2"]),
+    ("deepseek_v3_moe_bias", "expert4_dp4"): (4, ["deepspeed=ds_configs/zero2.json",
+                                                  "parallel.expert=4",
+                                                  "train.micro_batch_size=1"]),
 }
 
 

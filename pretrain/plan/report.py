@@ -21,7 +21,7 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         "resolves; nothing was launched",
         f"layout  tp {layout.tensor} x pp {layout.pipeline}"
         f"{f' x cp {layout.context}' if layout.context > 1 else ''}"
-        f"{f' (ep {layout.expert}: the tp ranks)' if layout.expert > 1 else ''} "
+        f"{_expert_ranks(layout)} "
         f"x dp {layout.data} = "
         f"{world} ranks | "
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum "
@@ -63,9 +63,28 @@ def _active(m) -> str:
             f"top {m.experts_per_token})")
 
 
+def _expert_ranks(layout: Layout) -> str:
+    """Where the expert ranks are: " (ep 2: the tp ranks)", or the expert grid's first groups
+    (`Topology.expert_groups`) when they go beyond the tensor group; "" at expert 1."""
+    if layout.expert == 1:
+        return ""
+    etp = layout.expert_tensor or 1
+    if layout.expert == layout.tensor and etp == 1:
+        return f" (ep {layout.expert}: the tp ranks)"
+    from pretrain.resolve.topology import Topology
+
+    topo = Topology(tensor=layout.tensor, pipeline=layout.pipeline, world_size=layout.world_size,
+                    context=layout.context, expert=layout.expert, expert_tensor=etp)
+    return (f" (ep {layout.expert} x etp {etp} over each stage's ranks: expert groups "
+            f"{topo.expert_groups()[0]}, ..., the ranks holding the same experts "
+            f"{topo.expert_data_groups()[0]}, ...)")
+
+
 def _experts_line(m: ModelConfig, layout: Layout) -> str:
     """How the experts lie on a GPU and what they weigh there (before ZeRO sharding)."""
-    held = (f"{m.num_experts // layout.expert} of {m.num_experts} experts whole"
+    split = layout.expert > 1 and (layout.expert_tensor or 1) > 1
+    held = (f"{m.num_experts // layout.expert} of {m.num_experts} experts"
+            f"{f', 1/{layout.tensor} of each' if split else ' whole'}"
             if layout.expert > 1 else f"1/{layout.tensor} of each of {m.num_experts} experts")
     # the heaviest stage's mixture layers
     layers = -(-len(family_of(m).moe_layers(m)) // layout.pipeline)
