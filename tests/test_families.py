@@ -366,15 +366,12 @@ FAMILY_LAYOUTS = {
     ("deepseek_v3_moe_bias", "pp2"): (2, ["parallel.pipeline=2"]),
     ("deepseek_v3_moe_bias", "zero3_tp2_dp2"): (4, ["deepspeed=ds_configs/zero3.json",
                                                     "parallel.tensor=2"]),
-    # the expert grid: experts from the data ranks (4, or 2 each), or split over the tensor
-    # pair too; the bias moved from every rank's loads, the same everywhere
+    # the expert grid: experts from the data ranks (4 each), or split over the tensor pair
+    # too; the bias moved from every rank's loads, the same everywhere
     ("deepseek_v3_moe_bias", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2"]),
     ("deepseek_v3_moe_bias", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
                                                          "parallel.expert=2",
                                                          "parallel.expert_tensor=2"]),
-    ("deepseek_v3_moe_bias", "expert4_dp4"): (4, ["deepspeed=ds_configs/zero2.json",
-                                                  "parallel.expert=4",
-                                                  "train.micro_batch_size=1"]),
 }
 
 
