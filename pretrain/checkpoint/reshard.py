@@ -41,7 +41,7 @@ from pretrain.checkpoint.zero_shards import load_checkpoint_file
 from pretrain.config import Optimizer, RunConfig
 from pretrain.errors import CheckpointError
 from pretrain.model import canonical_parameters, tensor_parallel_group
-from pretrain.model.form import shard_of_rank
+from pretrain.model.form import canonical_buffers, shard_of_rank
 from pretrain.model.llama import ShardRange, full_parameter_shape, shard_range
 from pretrain.model.tensor_parallel import tp_rank, tp_world_size
 from pretrain.training.muon import MOMENTUM_KEY, state_keys
@@ -143,6 +143,9 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
                 raise CheckpointError(f"{step_dir} holds no {what} of {name}") from None
             targets.set(param, piece, what)
             del piece
+    with torch.no_grad():  # buffers (DeepSeek-V3's expert bias): whole on every rank, bitwise
+        for name, buffer in canonical_buffers(engine.module, m):
+            buffer.copy_(sources["master"][name].to(buffer.dtype))
     targets.finish()
     _set_schedule(engine, step_dir, meta)
     return ReadVolume(bytes_read=sum(source.bytes_read for source in sources.values()),
