@@ -532,7 +532,9 @@ class ParallelConfig(_Freezable):
     sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tensor > 1)
     pipeline_partition: str = "parameters"  # one of PARTITION_METHODS
     expert: int = 1  # expert parallelism: each MoE layer's experts split over this many ranks
-    # (each holds 1/expert of them), laid out over a stage's tensor x context x data ranks
+    # (each holds 1/expert of them), laid out over a stage's tensor x context x data ranks:
+    # = tensor with whole experts, the tensor ranks (every engine layout); beyond them (from the
+    # data ranks), DeepSpeed ZeRO-1/2 only, experts reduced over the ranks holding the same ones
     expert_tensor: int = 0  # ranks splitting each expert's matrices: 1 (whole experts) or
     # tensor; 0: tensor when expert is 1, else 1 (expert = tensor: the tensor ranks hold the experts)
 

@@ -340,6 +340,12 @@ FAMILY_LAYOUTS = {
     ("qwen3_moe_losses", "tp2_sp"): (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
     ("qwen3_moe_losses", "tp2_expert2"): (2, ["parallel.tensor=2", "parallel.expert=2"]),
     ("qwen3_moe_losses", "pp2"): (2, ["parallel.pipeline=2"]),
+    # the expert grid: expert ranks from the data ranks (3 whole experts each; or each expert
+    # split over the tensor pair too), the experts' gradients over the ranks holding them
+    ("qwen3_moe_losses", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2"]),
+    ("qwen3_moe_losses", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
+                                                     "parallel.expert=2",
+                                                     "parallel.expert_tensor=2"]),
     # DeepSeek-V3: the heads over two tensor ranks, the latents' projections and norms
     # replicated with their gradients summed over the pair (with sequence parallelism; under
     # ZeRO-3, which gathers them; fsdp2); a pipeline's stages
@@ -360,6 +366,12 @@ FAMILY_LAYOUTS = {
     ("deepseek_v3_moe_bias", "pp2"): (2, ["parallel.pipeline=2"]),
     ("deepseek_v3_moe_bias", "zero3_tp2_dp2"): (4, ["deepspeed=ds_configs/zero3.json",
                                                     "parallel.tensor=2"]),
+    # the expert grid: experts from the data ranks (4 each), or split over the tensor pair
+    # too; the bias moved from every rank's loads, the same everywhere
+    ("deepseek_v3_moe_bias", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2"]),
+    ("deepseek_v3_moe_bias", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
+                                                         "parallel.expert=2",
+                                                         "parallel.expert_tensor=2"]),
 }
 
 
@@ -446,8 +458,8 @@ def test_deepseek_v3_expert_bias_is_saved_and_resumed(tiny_data, tmp_path, famil
     """The balancing bias is in the step checkpoints: a run of the bias-balanced DeepSeek-V3 on
     two data ranks saved at step 2, resumed on its layout, takes steps 3 and 4 as the
     uninterrupted single process does (the bias changes the experts chosen, so a bias lost or
-    reset on resume changes the losses) and ends on its bias. Resuming it on another layout is
-    refused before training (the resharding reader does not merge buffers yet)."""
+    reset on resume changes the losses) and ends on its bias; resumed on tensor 2 = expert 2
+    (resharded, the bias read from the module states) it does the same."""
     from pretrain.testing.runs import rel_diff
 
     shape = "deepseek_v3_moe_bias"
@@ -464,15 +476,14 @@ def test_deepseek_v3_expert_bias_is_saved_and_resumed(tiny_data, tmp_path, famil
     final, start = (load_weights(p).state[bias] for p in (resumed.run_dir / "final", imported))
     assert torch.equal(final, load_weights(single.run_dir / "final").state[bias])
     assert not torch.equal(final, start)  # moved by the balancing
-    from pretrain.testing.runs import run_pretrain, train_args
-
+    # on another layout (tensor 2 = expert 2): the resharding reader takes the bias from the
+    # module states, bitwise, and the run goes on as the uninterrupted one
     shutil.copytree(step, tmp_path / "tp2" / "checkpoints" / step.name)
-    refused = run_pretrain(train_args(tmp_path / "tp2", tiny_data, overrides=[
-        f"model.vocab_size={VOCAB}", "model.tie_embeddings=false", *SHAPES[shape],
-        f"model.init_from={imported}", f"train.steps={LAYOUT_STEPS}", ZERO1,
-        "parallel.tensor=2"]), run_dir=tmp_path / "tp2", nprocs=2)
-    assert refused.returncode != 0
-    assert "carries buffers (e_score_correction_bias)" in refused.stdout + refused.stderr
+    onto_tp2 = _family_run(tmp_path, tiny_data, shape, imported, nprocs=2, name="tp2",
+                           overrides=[ZERO1, "parallel.tensor=2", "parallel.expert=2"])
+    assert "tp1 pp1 dp2 ZeRO-1 -> tp2 pp1 ep2 dp1 ZeRO-1" in onto_tp2.stdout
+    assert rel_diff(onto_tp2.losses, single.losses[2:]) < 1e-5, (onto_tp2.losses, single.losses)
+    assert torch.equal(load_weights(onto_tp2.run_dir / "final").state[bias], final)
 
 
 def test_a_mup_qwen3_exports_its_attention_scale_into_the_q_norm():

@@ -206,6 +206,15 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
     role (the same tp, pp and dp); otherwise each rank's generators are seeded from
     (train.seed, step, rank) (the model has no dropout: losses do not depend on them).
     """
+    for side, lay in (("was saved", point.meta["layout"]), ("is resumed", layout)):
+        if expert_grid_layout(lay):
+            raise CheckpointError(
+                f"checkpoint {str(point.path)!r} {side} with parallel.expert={lay['expert']} "
+                "beyond the tensor group (the expert grid), whose step checkpoints are not "
+                "resumable yet (DeepSpeed writes the first data rank's module states only, and "
+                "the experts' ZeRO partitions are over the expert-data ranks, which the "
+                "resharding reader does not read); resume on a layout whose expert ranks are the "
+                "tensor ranks (or expert 1), from a checkpoint saved on one")
     change = None if point.universal else layout_change(point.meta["layout"], layout)
     try:
         if getattr(engine, "name", None) == "fsdp2":  # its own files or DeepSpeed's, any layout
@@ -243,6 +252,12 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
 
 
 # ---- universal ---------------------------------------------------------------------------------
+def expert_grid_layout(layout: dict[str, Any]) -> bool:
+    """Whether a checkpoint's recorded layout put experts beyond the tensor group."""
+    expert = layout.get("expert", 1)
+    return expert > 1 and (expert != layout.get("tensor", 1) or layout.get("expert_tensor", 0) > 1)
+
+
 def to_universal(src: Path, dst: Path) -> Path:
     """Convert a checkpoint (run dir, checkpoints dir or step dir) to DeepSpeed's universal
     format in `dst/step<N>`, for tools that read it; returns that directory. (Resuming on
@@ -330,7 +345,7 @@ def save_final(engine, *, cfg: RunConfig, groups, tokenizer, run_dir: Path, step
         for name in names:
             wait_for_io()  # rank 0 is done with the previous tensor
             owner = expert_owner(name, m, expert=topology.expert)
-            if owner is not None:  # whole on one tensor rank of the stage holding its router
+            if owner is not None:  # on one expert rank of the stage holding its router
                 stage = holder[_router_of(name)]
                 _final_expert(local.get(name), name, m, owner=(owner, stage), groups=groups,
                               zero3=zero3, writer=writer if main else None, dtype=dtype,
@@ -373,25 +388,38 @@ def _router_of(expert: str) -> str:
 
 def _final_expert(param, name: str, m, *, owner: tuple[int, int], groups, zero3: bool, writer,
                   dtype, device) -> None:
-    """Rank 0 writes expert `name`, held whole by tensor rank `owner[0]` of pipeline stage
-    `owner[1]` in each replica (gathered over data parallel under ZeRO-3), from which the first
-    replica sends it."""
-    coords, topology = groups.topology.my_coords, groups.topology
-    tensor, stage = owner
+    """Rank 0 writes expert `name`, held by the ranks of expert rank `owner[0]` on pipeline
+    stage `owner[1]` (`Topology.expert_rank`; whole, or split over their tensor group at
+    expert_tensor = tensor, gathered there), from which the first expert-data replica's
+    first rank sends it (gathered over data parallel under ZeRO-3, every replica joining)."""
+    topology = groups.topology
+    expert, stage = owner
+    stage_size = topology.tensor * topology.context * topology.data
+
+    def grid(rank: int) -> tuple[int, int, int]:  # (expert-tensor, expert, expert-data) index
+        return topology._expert_grid(rank)
+
+    holders = [r for r in range(topology.world_size)
+               if r // stage_size == stage and grid(r)[1] == expert]
+    sender = next(r for r in holders if grid(r)[0] == 0 and grid(r)[2] == 0)
     full = None
-    if (coords.tensor, coords.pipeline) == owner and isinstance(param, DTensor):
+    if topology.rank in holders and isinstance(param, DTensor):
         full = param.detach().full_tensor()  # fsdp2: all-gathered over the data group
-    elif (coords.tensor, coords.pipeline) == owner:
+    elif topology.rank in holders:
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None) if zero3 \
                 else contextlib.nullcontext():
             full = param.detach().clone()
-    if writer is not None and owner == (0, 0):
+        if topology.expert_tensor > 1 and topology.expert > 1:  # split over the tensor group
+            full = (gather_tensor_parallel_state({name: full}, cfg=m,
+                                                 tp_group=tensor_parallel_group(groups))[name]
+                    if grid(topology.rank)[2] == 0 else None)
+    if writer is not None and sender == topology.rank:
         writer.write(name, full)
     elif writer is not None:
         received = torch.empty(full_parameter_shape(name, m), dtype=dtype, device=device)
-        torch_dist.recv(received, src=topology.rank_of(tensor=tensor, data=0, pipeline=stage))
+        torch_dist.recv(received, src=sender)
         writer.write(name, received)
-    elif full is not None and coords.data == 0 and coords.context == 0:
+    elif topology.rank == sender:
         torch_dist.send(full.to(device), dst=0)
 
 

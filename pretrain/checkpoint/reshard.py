@@ -143,9 +143,10 @@ def load_resharded(engine, step_dir: Path, meta: dict[str, Any], *, cfg: RunConf
                 raise CheckpointError(f"{step_dir} holds no {what} of {name}") from None
             targets.set(param, piece, what)
             del piece
+    with torch.no_grad():  # buffers (DeepSeek-V3's expert bias): whole on every rank, bitwise
+        for name, buffer in canonical_buffers(engine.module, m):
+            buffer.copy_(sources["master"][name].to(buffer.dtype))
     targets.finish()
-    for name, buffer in canonical_buffers(engine.module, m):  # whole (an fsdp2 file's bias)
-        buffer.copy_(sources["master"][name].view_as(buffer))
     _set_schedule(engine, step_dir, meta)
     return ReadVolume(bytes_read=sum(source.bytes_read for source in sources.values()),
                       checkpoint_bytes=sum(f.stat().st_size for f in step_dir.rglob("*")

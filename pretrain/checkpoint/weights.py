@@ -236,12 +236,11 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
     meta, run_cfg = _engine_checkpoint_config(step_dir)
     buffers = family_of(run_cfg.model).buffers if run_cfg.model.num_experts else ()
     fsdp2 = is_fsdp2_checkpoint(step_dir)
-    if buffers and not (fsdp2 and carries_buffers(step_dir)):
-        # DeepSpeed's: in the module states only, which this reader does not merge yet
+    if buffers and fsdp2 and not carries_buffers(step_dir):  # written before fsdp2 saved them
         raise CheckpointError(
             f"{step_dir}: a {run_cfg.model.family} checkpoint with experts carries buffers "
-            f"({', '.join(buffers)}) that reading it on another layout does not merge yet: "
-            "resume it on the layout that saved it, or export its run's final/")
+            f"({', '.join(buffers)}) that this fsdp2 checkpoint does not hold: resume it on the "
+            "layout that saved it, or export its run's final/")
     if fsdp2:  # rows of each tensor rank's shard, in every rank's file; the buffers whole
         shards = fsdp2_shards(step_dir, key)
         return MergedShards(shards, cfg=run_cfg.model, tp=run_cfg.parallel.tensor,
@@ -272,6 +271,15 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
             canonical = _canonical(name, cfg=cfg, pipelined=pp > 1)
             if canonical is not None:  # a tied weight is on two stages: both copies are equal
                 shards.setdefault(canonical, {}).setdefault(tp_index, (local, name))
+    if buffers:  # (the expert bias) in the module states only, whole and the same on every
+        # rank: the first tensor rank's, for every key (a buffer has no optimizer state; it is
+        # listed with the parameters so that every name is there)
+        module = (_pipeline_layer_weights(step_dir, tp_rank=0) if pp > 1 else
+                  load_checkpoint_file(step_dir / "mp_rank_00_model_states.pt")["module"])
+        for name in module:
+            canonical = _canonical(name, cfg=cfg, pipelined=pp > 1)
+            if canonical is not None and name.rsplit(".", 1)[-1] in buffers:
+                shards[canonical] = {tp_index: (module, name) for tp_index in range(tp)}
     what = str(step_dir) if key is None else f"{step_dir} ({key})"
     return MergedShards(shards, cfg=cfg, tp=tp, source=what,
                         whole_experts=run_cfg.parallel.expert > 1)

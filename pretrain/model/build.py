@@ -20,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 
 from pretrain.config import Engine, Fp8Recipe, ModelConfig, Recompute, RunConfig
+from pretrain.model.expert_parallel import expert_groups_of
 from pretrain.model.form import ModelForm, init_weights
 from pretrain.model.fp8 import convert_to_fp8
 from pretrain.model.llama import DecoderLayer, LlamaModel, fused_projections, torch_checkpoint
@@ -92,7 +93,7 @@ def _construct(cfg: RunConfig, groups: ProcessGroups) -> nn.Module:
             expert_parallel=p.expert > 1, context_kind=p.context_kind)
     return LlamaModel(cfg.model, tp_group=tp_group, sequence_parallel=p.sequence_parallel,
                       cp_group=groups.context,  # None at parallel.context 1
-                      expert_parallel=p.expert > 1, context_kind=p.context_kind)
+                      expert_parallel=expert_groups_of(groups), context_kind=p.context_kind)
 
 
 def build_for_layout(cfg: RunConfig, groups, *,

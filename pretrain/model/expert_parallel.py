@@ -39,6 +39,33 @@ SEQUENCE_DIM = 1
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Where a MoE layer's experts live when the expert ranks are not the tensor group
+    (`parallel.expert` != `parallel.tensor`, or `parallel.expert_tensor` = tensor): `group`, the
+    all-to-all's ranks (`ProcessGroups.expert`); `rank`, this rank's index in it (it holds
+    experts [rank * n / size, (rank + 1) * n / size)); `split`: each expert's matrices are split
+    over the tensor group like the dense MLP (expert_tensor = tensor), else whole."""
+
+    group: object
+    rank: int
+    size: int
+    split: bool
+
+
+def expert_groups_of(groups) -> "ExpertGroups | bool":
+    """What `MoE(expert_parallel=)` takes for a run's `ProcessGroups`: False without expert
+    parallelism, True where the expert ranks are the tensor ranks (whole experts, the original
+    design), else the `ExpertGroups` of the expert grid (`Topology.expert_groups`)."""
+    topology = groups.topology
+    if topology.expert == 1:
+        return False
+    if topology.expert == topology.tensor and topology.expert_tensor == 1:
+        return True
+    return ExpertGroups(group=groups.expert, rank=topology.expert_rank(topology.rank),
+                        size=topology.expert, split=topology.expert_tensor > 1)
+
+
 def expert_owner(name: str, cfg, *, expert: int) -> int | None:
     """The rank of the expert group holding parameter `name` whole under parallel.expert =
     `expert` (None: not an expert's, or no expert parallelism)."""

@@ -357,7 +357,8 @@ class LlamaModel(nn.Module):
     sequence lengths divisible by tp.
 
     `expert_parallel`: the tp ranks hold whole experts of each MoE layer, an equal share each,
-    and swap tokens by all-to-all (`pretrain.model.expert_parallel`; parallel.expert = tp).
+    and swap tokens by all-to-all (`pretrain.model.expert_parallel`; parallel.expert = tp); an
+    `ExpertGroups`: the expert grid's ranks hold them (`expert_parallel.expert_groups_of`).
 
     `cp_group`: the context-parallel group (`pretrain.model.context_parallel`; None: none).
     Context rank c gets chunk c of every sequence (inputs and their labels, T/N tokens each);
@@ -716,8 +717,9 @@ def gather_full_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     it inside `deepspeed.zero.GatheredParameters`.
     """
     cfg = model.cfg
-    if any(getattr(p, "expert_parallel", False) for p in model.parameters()):
-        raise ValueError("gather_full_state_dict: the tensor ranks hold different experts "
+    if any(getattr(p, "expert_parallel", False) or getattr(p, "allreduce", True) is False
+           for p in model.parameters()):
+        raise ValueError("gather_full_state_dict: the ranks hold different experts "
                          "(expert parallelism); read the weights from `final/` or an engine "
                          "checkpoint (`pretrain.checkpoint.weights.load_weights`)")
     state = model.state_dict()

@@ -91,7 +91,8 @@ import torch.nn.functional as F
 from pretrain.config import ModelConfig
 from pretrain.families import family_of
 from pretrain.model.context_parallel import cp_world_size
-from pretrain.model.expert_parallel import count_rows, gather_tokens, run_experts, scatter_tokens
+from pretrain.model.expert_parallel import (ExpertGroups, count_rows, gather_tokens, run_experts,
+                                             scatter_tokens)
 from pretrain.model.layers import column_linear, row_linear
 from pretrain.model.tensor_parallel import (SequenceShardedWeightGrad, column_parallel_input,
                                             reduce_from_tp, reduce_scatter_to_sequence,
@@ -292,8 +293,10 @@ class MoE(nn.Module):
                  layer_index: int = 0) -> None:
         """`layer_index`: the decoder layer's (0-based), for the per-layer statistics.
         `project`: `llama.fused_projections`, gate and up of an expert as one matmul.
-        `expert_parallel`: the tensor-parallel ranks hold whole experts, an equal share each
-        (`pretrain.model.expert_parallel`), instead of 1/tp of every expert.
+        `expert_parallel`: True: the tensor-parallel ranks hold whole experts, an equal share
+        each (`pretrain.model.expert_parallel`), instead of 1/tp of every expert; an
+        `ExpertGroups`: the expert grid's ranks hold them (whole, or split over the tensor
+        group), tokens swapped over its `group`.
         `cp_group`: the context-parallel group (`pretrain.model.context_parallel`): the layer
         gets this rank's chunk of each sequence, and the auxiliary losses sum over the group."""
         super().__init__()
@@ -317,12 +320,28 @@ class MoE(nn.Module):
         # each rank's router gradient is a partial sum (see the module docstring)
         self.weight_grad = SequenceShardedWeightGrad(tp_group)
         self.weight_grad.attach(self.gate.weight)
-        self.expert_group = tp_group if expert_parallel and self.tensor_parallel > 1 else None
-        if self.expert_group is None:
+        grid = expert_parallel if isinstance(expert_parallel, ExpertGroups) else None
+        # the all-to-all's ranks; whether each expert is split over the tensor group (then every
+        # tensor rank routes the same, whole sequence); the ranks routing the other chunks of
+        # this rank's micro-batch (None: it routes its whole local sequence)
+        self.split_experts = grid.split if grid is not None else not (
+            expert_parallel and self.tensor_parallel > 1)
+        if grid is not None:
+            self.expert_group = grid.group
+            self.token_group = None if grid.split or self.tensor_parallel == 1 else tp_group
+            self.experts = _local_experts(cfg, rank=grid.rank, size=grid.size, project=project,
+                                          tp_group=tp_group if grid.split else None,
+                                          reduced_apart=True)
+        elif expert_parallel and self.tensor_parallel > 1:
+            self.expert_group = self.token_group = tp_group
+            self.experts = _local_experts(cfg, rank=tp_rank(tp_group), size=self.tensor_parallel,
+                                          project=project)
+        else:
+            self.expert_group = self.token_group = None
             self.experts = nn.ModuleList(Expert(cfg, tp_group=tp_group, project=project)
                                          for _ in range(cfg.num_experts))
-        else:
-            self.experts = _local_experts(cfg, group=self.expert_group, project=project)
+        # how many ranks route each token (tensor ranks routing the same tokens count 1/tp)
+        self.token_copies = self.tensor_parallel if self.split_experts else 1
         self.grouped: bool | None = None  # the experts as one grouped matmul; None: by device
         # DeepSeek-V3's shared experts: one dense SwiGLU every token goes through, added
         self.shared_experts = None
@@ -364,9 +383,10 @@ class MoE(nn.Module):
             topk_groups=self.topk_groups, scaling=self.scaling)
         routing = Routing(logits, top_k=self.top_k, capacity_factor=self.capacity_factor,
                           renormalise=self.renormalise, sigmoid=sigmoid)
-        # the ranks routing other tokens of this micro-batch: expert ranks (their chunks of
-        # the same tokens; tensor ranks without experts route the same tokens), context ranks
-        sharing = [g for g in (self.expert_group, self.cp_group) if g is not None]
+        # the ranks routing other tokens of this micro-batch: the tensor ranks when each routes
+        # a chunk of the same tokens (tensor ranks routing the same tokens share nothing), the
+        # context ranks; never the data ranks (other micro-batches) an expert group may span
+        sharing = [g for g in (self.token_group, self.cp_group) if g is not None]
         if not sharing:
             balance = routing.balance_loss()
             z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -399,12 +419,29 @@ class MoE(nn.Module):
         bias.copy_(updated_expert_bias(bias, expert_tokens.to(bias.device), rate))
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        if self.expert_group is not None:
+        if self.expert_group is not None and not self.split_experts:
             return self._forward_expert_parallel(x)
         x = column_parallel_input(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         B, T, C = x.shape
         flat = x.reshape(-1, C)
         routing, _, aux_loss = self.route(flat)
+        if self.expert_group is not None:  # split experts on the expert grid's ranks
+            out = self._dispatch(flat, routing).view(B, T, C)
+        else:
+            out = self._local_combine(flat, routing, x.dtype).view(B, T, C)
+        if self.sequence_parallel:  # partial sums -> this rank's (B, T/tp, C) of the total
+            out = reduce_scatter_to_sequence(out, self.tp_group)
+        else:
+            out = reduce_from_tp(out, self.tp_group)
+        if out.requires_grad and (self.aux_coeff or self.z_coeff):
+            # identical on every tp rank, and the input/router gradients are summed over them;
+            # x N: the data-parallel reduction averages over the context ranks' chunks
+            scale = _AUX_GRAD_SCALE[0] * self.context_parallel / self.tensor_parallel
+            out = AuxLossGradient.apply(out, aux_loss, scale)
+        return out
+
+    def _local_combine(self, flat: torch.Tensor, routing: Routing, dtype) -> torch.Tensor:
+        """(N, C): every expert on this rank, each token's outputs weighted and summed."""
         experts = list(self.experts)
         if self._grouped(flat, experts):
             # every assignment, the dropped ones last: no host read of how many were kept
@@ -421,27 +458,13 @@ class MoE(nn.Module):
             token, weight = routing.token[:kept], routing.weight[:kept]
             tokens = flat.index_select(0, token)  # (M, C) grouped by expert
             outputs = looped_outputs(experts, tokens, sizes)
-        weighted = (outputs * weight[:, None]).to(x.dtype)  # (M, C)
-        out = torch.zeros_like(flat).index_add(0, token, weighted).view(B, T, C)
-        if self.sequence_parallel:  # partial sums -> this rank's (B, T/tp, C) of the total
-            out = reduce_scatter_to_sequence(out, self.tp_group)
-        else:
-            out = reduce_from_tp(out, self.tp_group)
-        if out.requires_grad and (self.aux_coeff or self.z_coeff):
-            # identical on every tp rank, and the input/router gradients are summed over them;
-            # x N: the data-parallel reduction averages over the context ranks' chunks
-            scale = _AUX_GRAD_SCALE[0] * self.context_parallel / self.tensor_parallel
-            out = AuxLossGradient.apply(out, aux_loss, scale)
-        return out
+        weighted = (outputs * weight[:, None]).to(dtype)  # (M, C)
+        return torch.zeros_like(flat).index_add(0, token, weighted)
 
-    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        """Route this rank's token chunk, send each assignment to the rank holding its expert
-        and combine what comes back (`pretrain.model.expert_parallel`)."""
+    def _dispatch(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """(N, C): the tokens `flat` (N, C) sent to the ranks of the expert group holding their
+        experts, computed there and combined back here (`pretrain.model.expert_parallel`)."""
         group = self.expert_group
-        chunk = x if self.sequence_parallel else scatter_tokens(x, group)
-        B, T, C = chunk.shape
-        flat = chunk.reshape(-1, C)
-        routing, _, aux_loss = self.route(flat)
         counts = count_rows(routing.kept, group)  # the forward's one host read
         kept = sum(counts.kept)
         token, weight = routing.token[:kept], routing.weight[:kept]
@@ -454,25 +477,50 @@ class MoE(nn.Module):
             def compute(rows, sizes, on_device):
                 return looped_outputs(experts, rows, sizes)
         outputs = run_experts(compute, tokens, counts, group)
-        weighted = (outputs * weight[:, None]).to(x.dtype)
-        out = torch.zeros_like(flat).index_add(0, token, weighted).view(B, T, C)
+        weighted = (outputs * weight[:, None]).to(flat.dtype)
+        return torch.zeros_like(flat).index_add(0, token, weighted)
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Route this rank's token chunk, send each assignment to the rank holding its expert
+        and combine what comes back (`pretrain.model.expert_parallel`)."""
+        # this rank's chunk of the tokens its tensor group holds (all of them at tensor 1)
+        chunks = self.token_group
+        chunk = x if self.sequence_parallel or chunks is None else scatter_tokens(x, chunks)
+        B, T, C = chunk.shape
+        flat = chunk.reshape(-1, C)
+        routing, _, aux_loss = self.route(flat)
+        out = self._dispatch(flat, routing).view(B, T, C)
         if out.requires_grad and (self.aux_coeff or self.z_coeff):
-            # the same global value on every rank, each differentiating it through its own
-            # tokens' probabilities only: no share to divide (x N as above)
+            # the micro-batch's value on every rank routing part of it, each differentiating it
+            # through its own tokens' probabilities only: no share to divide (x N as above)
             out = AuxLossGradient.apply(out, aux_loss, _AUX_GRAD_SCALE[0] * self.context_parallel)
-        return out if self.sequence_parallel else gather_tokens(out, group)
+        return out if self.sequence_parallel or chunks is None else gather_tokens(out, chunks)
 
 
-def _local_experts(cfg: ModelConfig, *, group, project: Callable) -> nn.ModuleDict:
-    """This rank's whole experts under their global indices (`experts.M.*`), tagged so the
-    initialisation, gradient norm and checkpoints treat them as this rank's own shard."""
-    ep, rank = tp_world_size(group), tp_rank(group)
-    local = cfg.num_experts // ep
-    experts = nn.ModuleDict({str(rank * local + j): Expert(cfg, project=project)
+def expert_group_name(size: int) -> str:
+    """DeepSpeed's name of the expert groups of `size` expert ranks (`param.group_name`; its
+    `deepspeed.utils.groups` looks the largest up by this form)."""
+    return f"ep_size_{size}"
+
+
+def _local_experts(cfg: ModelConfig, *, rank: int, size: int, project: Callable, tp_group=None,
+                   reduced_apart: bool = False) -> nn.ModuleDict:
+    """Expert rank `rank` of `size`'s experts under their global indices (`experts.M.*`):
+    whole (tagged so the initialisation, gradient norm and checkpoints treat them as this
+    rank's own shard), or split over `tp_group` like the dense MLP. `reduced_apart`: their
+    gradients are reduced over the expert-data ranks, not the data group (DeepSpeed's MoE
+    parameters: `allreduce` False, `group_name`)."""
+    local = cfg.num_experts // size
+    experts = nn.ModuleDict({str(rank * local + j): Expert(cfg, tp_group=tp_group,
+                                                           project=project)
                              for j in range(local)})
     for param in experts.parameters():
-        param.expert_parallel = True  # whole, on one rank of the group
+        if tp_group is None:
+            param.expert_parallel = True  # whole, on one rank of the group
         param.tensor_model_parallel = True  # DeepSpeed's grad norm counts it on its rank
+        if reduced_apart:
+            param.allreduce = False
+            param.group_name = expert_group_name(size)
     return experts
 
 
@@ -527,7 +575,7 @@ def collect_stats(module: nn.Module, *, device, num_layers: int, num_experts: in
     for layer in moe_layers(module):
         if layer.stats is not None:  # a layer that ran a training forward this step
             # tensor ranks without expert parallelism route the same tokens: 1/tp each
-            copies = layer.tensor_parallel if layer.expert_group is None else 1
+            copies = layer.token_copies
             table[layer.layer_index] += torch.cat([layer.stats, layer.expert_tokens]).to(
                 device) / copies
         layer.reset_stats()

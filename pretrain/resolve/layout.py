@@ -173,19 +173,23 @@ def _check_allgather(model: ModelConfig, layout: Layout) -> None:
 
 
 def check_experts(model: ModelConfig, layout: Layout) -> None:
-    """Expert parallelism: the tensor-parallel ranks hold whole experts, an equal number each,
-    and exchange the tokens of their sequence chunks (of a context chunk under context
-    parallelism) by all-to-all (dropless routing only)."""
+    """Expert parallelism: the expert ranks hold an equal number of experts each and exchange
+    their tokens by all-to-all (dropless routing only). Either the tensor-parallel ranks hold
+    whole experts (expert = tensor, expert_tensor 1: every engine, stage, pipeline and context
+    layout), or the expert grid takes them from the data ranks too (`expert_grid_refusal`)."""
     ep, tp = layout.expert, layout.tensor
     if ep == 1:
         return
     if not model.num_experts:
         raise ConfigError(f"parallel.expert={ep}: the model has no experts (model.num_experts=0); "
                           "set parallel.expert=1 or model.num_experts")
-    if ep != tp or layout.expert_tensor not in (0, 1):
-        raise ConfigError(f"parallel.expert={ep} with parallel.tensor={tp} and "
-                          f"parallel.expert_tensor={layout.expert_tensor}: the expert ranks are "
-                          f"the tensor-parallel ranks; set parallel.expert to 1 or {tp}")
+    etp = layout.expert_tensor or 1  # 0: 1 at expert > 1
+    if etp not in (1, tp):
+        raise ConfigError(f"parallel.expert_tensor={etp}: must be 1 (whole experts) or "
+                          f"parallel.tensor={tp} (each expert split like the dense MLP)")
+    grid = not (ep == tp and etp == 1)  # the expert ranks are not the tensor group
+    if grid:
+        expert_grid_refusal(layout, ep=ep, etp=etp)
     if model.num_experts % ep:
         raise ConfigError(f"parallel.expert={ep}: must divide model.num_experts="
                           f"{model.num_experts} (each rank holds the same number of whole experts)")
@@ -195,15 +199,82 @@ def check_experts(model: ModelConfig, layout: Layout) -> None:
                           "whole micro-batch, which no rank sees; use the dropless router "
                           "(model.moe_capacity_factor=0) or parallel.expert=1")
     cp = layout.context
-    if model.seq_length % (ep * cp):
-        what = f"parallel.expert={ep}" if cp == 1 else \
-            f"parallel.expert x parallel.context = {ep} x {cp} = {ep * cp}"
+    chunks = (1 if etp > 1 else tp) if grid else ep  # ranks routing chunks of one sequence
+    if model.seq_length % (chunks * cp):
+        what = f"parallel.tensor={chunks}" if grid else f"parallel.expert={ep}"
+        if cp > 1:
+            what = f"parallel.expert x parallel.context = {ep} x {cp} = {ep * cp}"
         raise ConfigError(f"model.seq_length={model.seq_length}: must be divisible by {what} "
                           "(each expert rank routes an equal chunk of its context chunk)")
     if model.compile:
         raise ConfigError(f"model.compile=true with parallel.expert={ep}: not supported yet (the "
                           "token counts of the all-to-all are data-dependent: every step would "
                           "recompile); set model.compile=false or parallel.expert=1")
+
+
+def expert_grid(layout: Layout) -> bool:
+    """Whether the expert ranks go beyond the tensor group (`Topology.expert_groups`): expert
+    > 1 and not (expert = tensor with whole experts)."""
+    etp = layout.expert_tensor or (layout.tensor if layout.expert == 1 else 1)
+    return layout.expert > 1 and not (layout.expert == layout.tensor and etp == 1)
+
+
+def _grid_fix(layout: Layout) -> str:
+    tp = layout.tensor
+    return (f"use ds_configs/zero1.json or zero2.json, or the tensor ranks as expert ranks "
+            f"(parallel.expert={tp}, parallel.expert_tensor=1)" if tp > 1 else
+            "use ds_configs/zero1.json or zero2.json, or parallel.expert=1")
+
+
+def check_expert_grid_engine(layout: Layout) -> None:
+    """The expert grid's ZeRO stage: the experts' gradients are reduced and partitioned over
+    the expert-data ranks through DeepSpeed's MoE parameter groups, which its ZeRO-1/2
+    optimizer alone takes."""
+    if not expert_grid(layout) or layout.engine != "deepspeed":
+        return
+    what = f"parallel.expert={layout.expert} (expert ranks beyond the tensor group)"
+    if layout.zero_stage not in (1, 2):
+        reason = ("DeepSpeed refuses MoE parameter groups at ZeRO-3" if layout.zero_stage == 3
+                  else "ZeRO-0 all-reduces every gradient over the data group, experts included")
+        raise ConfigError(f"zero_optimization.stage={layout.zero_stage} with {what}: {reason}; "
+                          "the experts' gradients must be reduced over the ranks holding the "
+                          f"same experts; {_grid_fix(layout)}")
+    if layout.zero_stage == 1 and layout.precision is Precision.BF16:
+        raise ConfigError(f"bf16 at ZeRO-1 with {what}: DeepSpeed steps it with its BF16_Optimizer, "
+                          "whose gradients the engine all-reduces over the data group, experts "
+                          "included; use ds_configs/zero2.json (or train.precision=fp32)")
+    if layout.offload_optimizer != "none":
+        raise ConfigError(f"offload_optimizer={layout.offload_optimizer} with {what}: not "
+                          "verified with DeepSpeed's MoE groups; drop the offload, or "
+                          + _grid_fix(layout).split(", or ")[-1])
+
+
+def expert_grid_refusal(layout: Layout, *, ep: int, etp: int) -> None:
+    """The layouts the expert grid (expert ranks beyond the tensor group) cannot run yet, each
+    refused with its reason (its ZeRO stage: `check_expert_grid_engine`)."""
+    tp, what = layout.tensor, f"parallel.expert={ep} x parallel.expert_tensor={etp}"
+    fix = _grid_fix(layout)
+    if layout.engine != "deepspeed":
+        raise ConfigError(f"train.engine={layout.engine} with {what} (expert ranks beyond the "
+                          f"tensor group): the DeepSpeed engine runs it; set train.engine="
+                          f"deepspeed and {fix}")
+    if layout.pipeline > 1:
+        raise ConfigError(f"parallel.pipeline={layout.pipeline} with {what} (expert ranks beyond "
+                          "the tensor group): DeepSpeed's pipeline engine takes no MoE parameter "
+                          f"groups; set parallel.pipeline=1, or {fix.split(', or ')[-1]}")
+    if layout.context > 1:
+        raise ConfigError(f"parallel.context={layout.context} with {what} (expert ranks beyond "
+                          "the tensor group): not supported yet (the auxiliary losses and "
+                          "the expert gradients' scale over context chunks are not verified); "
+                          f"set parallel.context=1, or {fix.split(', or ')[-1]}")
+    if etp == 1 and ep % tp:
+        raise ConfigError(f"{what} with parallel.tensor={tp}: whole experts on expert ranks "
+                          "that do not span whole tensor groups; set parallel.expert to a "
+                          f"multiple of {tp}, or parallel.expert_tensor={tp}")
+    if layout.optimizer != "adamw":
+        raise ConfigError(f"train.optimizer={layout.optimizer} with {what}: the optimizer's "
+                          "groups are not split into DeepSpeed's MoE groups; use "
+                          "train.optimizer=adamw")
 
 
 def check_batch(layout: Layout) -> None:

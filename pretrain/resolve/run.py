@@ -29,7 +29,8 @@ from pretrain.resolve.batch_ramp import check_batch_ramp
 from pretrain.resolve.ds_config import engine_fields, fill_ds_config, read_run_json
 from pretrain.errors import CheckpointError, ConfigError
 from pretrain.hardware import PrecisionChoice, choose_precision, fp8_refusal
-from pretrain.resolve.layout import Layout, check_engine, check_layout, planned_precision
+from pretrain.resolve.layout import (Layout, check_engine, check_expert_grid_engine,
+                                     check_layout, expert_grid, planned_precision)
 from pretrain.resolve.run_checks import check_run
 from pretrain.resolve.topology import Topology
 
@@ -62,6 +63,7 @@ class ResolvedRun:
         lay = self.layout
         return {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
                 "context": lay.context, "expert": lay.expert, "world_size": lay.world_size,
+                **({"expert_tensor": lay.expert_tensor} if lay.expert_tensor else {}),
                 "zero_stage": lay.zero_stage, "offload": lay.offload_optimizer,
                 "precision": self.cfg.train.precision.value,
                 # only fsdp2 names itself: DeepSpeed's layouts stay as they were recorded
@@ -205,6 +207,14 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     virtual_stages=p.virtual_stages, fp8=Fp8Recipe(t.fp8).value,
                     optimizer=Optimizer(t.optimizer).value)
     check_layout(m, layout)
+    if expert_grid(layout) and (cfg.checkpoint.save_interval or
+                                cfg.checkpoint.save_interval_minutes):
+        raise ConfigError(
+            f"checkpoint.save_interval with parallel.expert={p.expert} (expert ranks beyond the "
+            "tensor group): step checkpoints of this layout are not resumable yet (DeepSpeed "
+            "writes the module states of the first data rank only, and its experts are not "
+            "every rank's); final/ is written; set checkpoint.save_interval=0 and "
+            "checkpoint.save_interval_minutes=0, or the tensor ranks as expert ranks")
     check_batch_ramp(cfg, micro_batch=layout.micro_batch, data=layout.data,
                      pipeline=layout.pipeline)
     if Fp8Recipe(t.fp8) is not Fp8Recipe.NONE and layout.precision is Precision.FP16:
@@ -222,6 +232,7 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
     try:
         layout = replace(layout, **engine_fields(ds_json))
         check_engine(layout)
+        check_expert_grid_engine(layout)
     except ConfigError as error:
         raise ConfigError(f"{where}: {error}") from None
     if (layout.recompute is Recompute.SELECTIVE and layout.zero_stage == 3

@@ -30,6 +30,8 @@ from pretrain.training import muon
 from pretrain.training.metrics import global_grad_norm
 from pretrain.model import (ModelForm, build_for_layout, compile_blocks,
                             defer_sequence_parallel_grads, tensor_parallel_group)
+from pretrain.model.expert_parallel import ExpertGroups, expert_groups_of
+from pretrain.model.moe import expert_group_name
 from pretrain.model.mup import describe, is_mup, optimizer_groups
 from pretrain.resolve.topology import ProcessGroups
 
@@ -188,6 +190,67 @@ def bf16_pipelines_sum_gradients_in_fp32() -> Iterator[None]:
             delattr(PipelineEngine, name)
 
 
+def expert_param_groups(parameters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The optimizer's groups with the experts reduced apart (`allreduce` False: the expert
+    grid's experts) in groups of their own, DeepSpeed's MoE groups (`moe`, `name`: the
+    expert-data group their gradients are reduced and their ZeRO state partitioned over);
+    `parameters` unchanged when there are none."""
+    out = []
+    for group in parameters:
+        experts = [p for p in group["params"] if getattr(p, "allreduce", True) is False]
+        rest = [p for p in group["params"] if getattr(p, "allreduce", True) is not False]
+        if rest or not experts:
+            out.append({**group, "params": rest})
+        if experts:
+            out.append({**group, "params": experts, "moe": True,
+                        "name": experts[0].group_name})
+    return out
+
+
+@contextlib.contextmanager
+def experts_reduced_over_expert_data(groups: ProcessGroups, name: str) -> Iterator[None]:
+    """Let DeepSpeed's ZeRO-1/2 optimizer reduce and partition the MoE groups
+    (`expert_param_groups`) over OUR expert-data groups while the engine is built.
+
+    DeepSpeed does this only for models holding its own MoE class (`has_moe_layers`, an
+    isinstance check), whose expert groups it would create itself in its own rank order. Here
+    its group registry (`deepspeed.utils.groups`, read by the engine for the broadcast of the
+    initial weights and by the optimizer) gets our `ProcessGroups.expert` and `expert_data`
+    under `name`, and `has_moe_layers` is true only while the ZeRO optimizer is built: the
+    engine's checkpoints stay its ordinary ones (not its MoE layout, which expects its class).
+    Its scaling is then one process's: every gradient is divided by the data-group size
+    before the sum over its reduction group (experts: sum over expert-data of what every
+    token of the expert group gave, / data = the mean over the data ranks' micro-batches),
+    and the gradient norm sums each partition's squares over the data and tensor groups,
+    which together hold every expert element once (`_average_expert_grad_norms` then
+    averages equal values)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import groups as ds_groups
+
+    registry = [(ds_groups._EXPERT_PARALLEL_GROUP, groups.expert),
+                (ds_groups._EXPERT_DATA_PARALLEL_GROUP, groups.expert_data)]
+    for table, group in registry:
+        table[name] = group
+    ranks = [(ds_groups._EXPERT_PARALLEL_GROUP_RANKS, groups.expert),
+             (ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, groups.expert_data)]
+    for table, group in ranks:
+        table[name] = torch.distributed.get_process_group_ranks(group)
+    original = DeepSpeedEngine._configure_zero_optimizer
+
+    def configure(engine, optimizer):
+        engine.has_moe_layers = True
+        try:
+            return original(engine, optimizer)
+        finally:
+            engine.has_moe_layers = False
+
+    DeepSpeedEngine._configure_zero_optimizer = configure
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_zero_optimizer = original
+
+
 class TimedBatches:
     """(inputs, labels) pairs from a loader's batches (the tuple DeepSpeed's pipeline engine
     takes: inputs are input_ids, or (input_ids, document_ids) under data.document_mask),
@@ -269,7 +332,12 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     # train.optimizer=muon: ours, handed to DeepSpeed (its JSON then has no "optimizer" block)
     optimizer = (muon.build_optimizer(model.named_parameters(), parameters, t)
                  if t.optimizer is Optimizer.MUON else None)
-    with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32():
+    grid = expert_groups_of(groups)
+    experts = contextlib.nullcontext()
+    if isinstance(grid, ExpertGroups):  # experts beyond the tensor group: reduced apart
+        parameters = expert_param_groups(parameters)
+        experts = experts_reduced_over_expert_data(groups, expert_group_name(grid.size))
+    with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32(), experts:
         engine, _, _, _ = deepspeed.initialize(
             model=model, config=ds_config, lr_scheduler=_lr_schedule(t, factor),
             optimizer=optimizer, model_parameters=None if optimizer else parameters,
