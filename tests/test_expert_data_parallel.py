@@ -164,10 +164,6 @@ def test_expert_grid_trains_like_one_process(layout, request, tiny_data, tmp_pat
 
 # ---- which group reduces which gradient ----------------------------------------------------------
 
-REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce",
-              "all_reduce_coalesced")
-
-
 def _grid_reductions_of_one_step(rank: int, world_size: int) -> dict:
     """One backward and step of expert 2 over 4 data ranks (tensor 1) under ZeRO-1, every
     reduction of torch.distributed recorded by group and size."""
@@ -177,6 +173,7 @@ def _grid_reductions_of_one_step(rank: int, world_size: int) -> dict:
     from pretrain.dist import init_deepspeed_comm
     from pretrain.training.engine import build_engine
     from pretrain.resolve.run import resolve_ds_config
+    from pretrain.testing.reductions import recorded_reductions
     from pretrain.testing.runs import REPO
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)
@@ -192,28 +189,10 @@ def _grid_reductions_of_one_step(rank: int, world_size: int) -> dict:
     names = {tuple(dist.get_process_group_ranks(g)): kind
              for kind, g in (("data", groups.data), ("expert_data", groups.expert_data),
                              ("expert", groups.expert))}
-    seen: list[tuple[str, str, int]] = []  # (op, group, elements)
-    originals = {op: getattr(dist, op) for op in REDUCTIONS}
-
-    def recording(op):
-        def reduce(*args, **kwargs):
-            tensor = kwargs.get("tensor", args[0] if args else None)
-            if op == "reduce_scatter_tensor":
-                tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
-            group = tuple(dist.get_process_group_ranks(kwargs.get("group") or
-                                                       dist.group.WORLD))
-            seen.append((op, names.get(group, str(group)), tensor.numel()))
-            return originals[op](*args, **kwargs)
-        return reduce
-
-    for op in REDUCTIONS:
-        setattr(dist, op, recording(op))
-    try:
+    with recorded_reductions(lambda op, group, tensor:  # (op, group, elements)
+                             (op, names.get(group, str(group)), tensor.numel())) as seen:
         engine.backward(loss)
         engine.step()
-    finally:
-        for op, function in originals.items():
-            setattr(dist, op, function)
     params = dict(engine.module.named_parameters())
     experts = {n: p.numel() for n, p in params.items() if getattr(p, "allreduce", True) is False}
     return {"seen": seen, "experts": sorted(experts), "expert_elements": sum(experts.values()),

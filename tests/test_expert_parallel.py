@@ -329,10 +329,6 @@ def test_expert2_with_pipeline2_equals_one_process_and_resumes_on_one_process(
 
 # ---- which group reduces which gradient ----------------------------------------------------------
 
-REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce",
-              "all_reduce_coalesced")
-
-
 def _gradients_in(flat: torch.Tensor, grads: dict[str, torch.Tensor]) -> list[str]:
     """The parameters whose local gradients `flat` is the concatenation of (a DeepSpeed bucket
     before its all-reduce), in order; "?" where nothing matches."""
@@ -360,6 +356,7 @@ def _reductions_of_one_step(rank: int, world_size: int) -> dict:
     from pretrain.model.llama import shard_range
     from pretrain.model.moe import moe_layers
     from pretrain.resolve.run import resolve_ds_config
+    from pretrain.testing.reductions import recorded_reductions
     from pretrain.testing.runs import REPO
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)
@@ -379,31 +376,18 @@ def _reductions_of_one_step(rank: int, world_size: int) -> dict:
     params = dict(engine.module.named_parameters())
     tensor_ranks, data_ranks = (tuple(dist.get_process_group_ranks(g))
                                 for g in (groups.tensor, groups.data))
-    seen: list[tuple[str, str, tuple[int, ...]]] = []  # (op, group, what was reduced)
-    originals = {op: getattr(dist, op) for op in REDUCTIONS}
+    def described(op, group, tensor) -> tuple[str, str, tuple]:  # (op, group, what was reduced)
+        where = {tensor_ranks: "tensor", data_ranks: "data"}.get(group, str(group))
+        grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+        if tensor.numel() == 1:  # the gradient norm's sums
+            what = ("norm",)
+        elif where == "data":
+            what = tuple(_gradients_in(tensor.flatten(), grads))
+        else:
+            what = tuple(tensor.shape)
+        return op, where, what
 
-    def recording(op):
-        def reduce(*args, **kwargs):
-            tensor = kwargs.get("tensor", args[0] if args else None)
-            if op == "reduce_scatter_tensor":
-                tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
-            group = tuple(dist.get_process_group_ranks(kwargs.get("group") or
-                                                       dist.group.WORLD))
-            where = {tensor_ranks: "tensor", data_ranks: "data"}.get(group, str(group))
-            grads = {n: p.grad for n, p in params.items() if p.grad is not None}
-            if tensor.numel() == 1:  # the gradient norm's sums
-                what = ("norm",)
-            elif where == "data":
-                what = tuple(_gradients_in(tensor.flatten(), grads))
-            else:
-                what = tuple(tensor.shape)
-            seen.append((op, where, what))
-            return originals[op](*args, **kwargs)
-        return reduce
-
-    for op in REDUCTIONS:
-        setattr(dist, op, recording(op))
-    try:
+    with recorded_reductions(described) as seen:
         engine.backward(loss)
         reference = dict(single.named_parameters())
         for name, p in params.items():  # reduced by now: one process's gradients
@@ -414,9 +398,6 @@ def _reductions_of_one_step(rank: int, world_size: int) -> dict:
                 expected = expected.narrow(part.dim, part.start, part.stop - part.start)
             _assert_close(p.grad, expected, name)
         engine.step()
-    finally:
-        for op, function in originals.items():
-            setattr(dist, op, function)
     routers = sum(layer.weight_grad.reductions for layer in moe_layers(engine.module))
     experts = sorted(n for n, p in params.items() if getattr(p, "expert_parallel", False))
     return {"seen": seen, "params": sorted(params), "experts": experts, "routers": routers}
