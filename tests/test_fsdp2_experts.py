@@ -135,14 +135,17 @@ def moe4_reference(tiny_data, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, virtual, json", [
-    ("1f1b", 1, "zero3"), ("interleaved_1f1b", 2, "zero3"), ("zero_bubble", 2, "zero2")])
+    ("1f1b", 1, "zero3"), ("interleaved_1f1b", 2, "zero3"), ("zero_bubble", 2, "zero2"),
+    ("zbv", 2, "zero2"), ("dualpipe_v", 2, "zero2")])
 def test_pipeline2_expert2_equals_one_process(schedule, virtual, json, moe4_reference, tiny_data,
                                               tmp_path):
-    """4 ranks: 2 stages (4 interleaved) of tensor 2 = expert 2: each stage's all-to-all inside
-    its forward, the auxiliary losses' gradients from its layers' backward (the loss divided by
-    the micro-batches before it; the zero-bubble schedule's backward split into input and weight
-    gradients, under ZeRO-2's JSON), the router summed over the tensor pair. Torch's metadata
-    inference at the first step (a forward of made-up tensors) counts in no statistic."""
+    """4 ranks: 2 stages (4 interleaved, or 4 in a V: the first pipeline rank holds the first
+    and the last, under zbv and dualpipe_v) of tensor 2 = expert 2: each stage's all-to-all
+    inside its forward, the auxiliary losses' gradients from its layers' backward (the loss
+    divided by the micro-batches before it; the zero-bubble schedules' backward split into input
+    and weight gradients, under ZeRO-2's JSON), the router summed over the tensor pair. Torch's
+    metadata inference at the first step (a forward of made-up tensors) counts in no
+    statistic."""
     run = _moe_train(tmp_path, tiny_data, name=schedule, nprocs=4, overrides=[
         *PIPE_MODEL, "train.engine=fsdp2", f"deepspeed=ds_configs/{json}.json",
         "parallel.pipeline=2", "parallel.tensor=2", "parallel.expert=2",
