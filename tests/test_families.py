@@ -78,11 +78,17 @@ SHAPES["qwen3_tied"] = [*SHAPES["qwen3"], "model.tie_embeddings=true"]  # as Qwe
 # trained: the balance loss and z-loss on, so that their gradients are compared too
 SHAPES["qwen3_moe_losses"] = [*SHAPES["qwen3_moe"], "model.moe_aux_loss_coeff=0.01",
                               "model.moe_z_loss_coeff=0.001"]
+# and with 8 experts (top-3 renormalised), so that 4 expert ranks hold 2 each
+SHAPES["qwen3_moe8_losses"] = [*SHAPES["qwen3_moe_losses"], "model.num_experts=8"]
+# shapes whose import and export the quick test leaves to their base: the same classes and
+# weight names, with another expert count or the bias moved in training
+TRAINED_ONLY = ("deepseek_v3_moe_bias", "qwen3_moe8_losses")
 HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
               "qwen3_tied": transformers.Qwen3ForCausalLM,
               "qwen3_moe": transformers.Qwen3MoeForCausalLM,
               "qwen3_moe_softmax": transformers.Qwen3MoeForCausalLM,
               "qwen3_moe_losses": transformers.Qwen3MoeForCausalLM,
+              "qwen3_moe8_losses": transformers.Qwen3MoeForCausalLM,
               "deepseek_v3": transformers.DeepseekV3ForCausalLM,
               "deepseek_v3_q_proj": transformers.DeepseekV3ForCausalLM,
               "deepseek_v3_moe": transformers.DeepseekV3ForCausalLM,
@@ -137,7 +143,7 @@ def _assert_equals_transformers(weights, hf, ids: torch.Tensor, *, prompt: int,
     return expected
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if not s.endswith("_bias")])  # = its base
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s not in TRAINED_ONLY])
 def test_imported_family_model_is_transformers_and_exports_back(shape, tmp_path, capsys):
     """transformers' model -> import-hf -> our model: the same fp32 logits and greedy tokens
     (and the `--set` options import-hf prints make a run the weights fit, Llama 3's scaling
@@ -311,6 +317,10 @@ def test_deepseek_v3_refuses_what_its_attention_cannot_be(setting, message):
 
 LAYOUT_STEPS = 4
 ZERO1 = "deepspeed=ds_configs/zero1.json"
+ZERO2 = "deepspeed=ds_configs/zero2.json"
+# 4 data ranks of the tiny config's micro-batch of 2; a layout with it is compared against one
+# process of the same global batch (4 micro-batches of 2 a step)
+BATCH8 = "train.global_batch_size=8"
 # (shape, layout): (ranks, overrides). Each family trains at tp 2 and on every layout whose code
 # path it changes (docs/verified.md says why these): llama3 changes the rotary frequencies only,
 # which every layer takes from one table of global positions, so tp 2 with sequence parallelism,
@@ -346,6 +356,10 @@ FAMILY_LAYOUTS = {
     ("qwen3_moe_losses", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
                                                      "parallel.expert=2",
                                                      "parallel.expert_tensor=2"]),
+    # expert 4 from 4 data ranks (2 of the 8 experts each), ZeRO-2: one micro-batch of 2 a
+    # rank, so against one process of the same micro-batches (global batch 8: the auxiliary
+    # losses are each micro-batch's)
+    ("qwen3_moe8_losses", "expert4_dp4"): (4, [ZERO2, "parallel.expert=4", BATCH8]),
     # DeepSeek-V3: the heads over two tensor ranks, the latents' projections and norms
     # replicated with their gradients summed over the pair (with sequence parallelism; under
     # ZeRO-3, which gathers them; fsdp2); a pipeline's stages
@@ -358,7 +372,8 @@ FAMILY_LAYOUTS = {
     # with the shared one (sequence parallelism; under ZeRO-3, whose gathers skip the bias
     # buffer), or whole on them (4 each); two data ranks; two pipeline stages (each stage's
     # layers' bias, named by stage); the bias moved from the loads of the whole batch, the
-    # same on every rank (fsdp2 refuses a mixture of experts)
+    # same on every rank (fsdp2's experts, at expert 1 or = tensor, with this family at dp 2:
+    # tests/test_fsdp2_experts.py)
     ("deepseek_v3_moe_bias", "tp2_sp"): (2, ["parallel.tensor=2",
                                              "parallel.sequence_parallel=true"]),
     ("deepseek_v3_moe_bias", "tp2_expert2"): (2, ["parallel.tensor=2", "parallel.expert=2"]),
@@ -372,23 +387,32 @@ FAMILY_LAYOUTS = {
     ("deepseek_v3_moe_bias", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
                                                          "parallel.expert=2",
                                                          "parallel.expert_tensor=2"]),
+    # expert 4 from 4 data ranks (2 experts each, the 4 groups one a rank), ZeRO-1, against
+    # one process of global batch 8; the bias moved from the loads of all 4 ranks
+    ("deepseek_v3_moe_bias", "expert4_dp4"): (4, [ZERO1, "parallel.expert=4", BATCH8]),
 }
 
 
 @pytest.fixture(scope="module")
 def family_runs(tiny_data, tmp_path_factory):
     """Per shape, made once: a random transformers model of its odd vocabulary (GQA),
-    imported (final/ format), and one process training it: (imported, single run)."""
-    made: dict[str, tuple[Path, object]] = {}
+    imported (final/ format); and per shape and batch settings (`train.*` overrides), one
+    process training it: (imported, single run)."""
+    imports: dict[str, Path] = {}
+    made: dict[tuple[str, tuple[str, ...]], tuple[Path, object]] = {}
 
-    def get(shape: str):
-        if shape not in made:
+    def get(shape: str, *batch: str):
+        if shape not in imports:
             root = tmp_path_factory.mktemp(f"{shape}_import")
             random_hf(shape, root / "hf")
             cli("import-hf", root / "hf", "--output", root / "init")
-            made[shape] = root / "init", _family_run(root, tiny_data, shape, root / "init",
-                                                     nprocs=1, overrides=[], name="single")
-        return made[shape]
+            imports[shape] = root / "init"
+        if (shape, batch) not in made:
+            root = tmp_path_factory.mktemp(f"{shape}_single")
+            made[shape, batch] = imports[shape], _family_run(
+                root, tiny_data, shape, imports[shape], nprocs=1, overrides=list(batch),
+                name="single")
+        return made[shape, batch]
     return get
 
 
@@ -411,8 +435,9 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
     exported, are transformers' class computing our fp32 logits and greedy tokens."""
     from pretrain.testing.runs import rel_diff
 
-    imported, single = family_runs(shape)
     nprocs, overrides = FAMILY_LAYOUTS[shape, layout]
+    # the reference of the same micro-batches: the layout's batch settings on one process
+    imported, single = family_runs(shape, *(o for o in overrides if o.startswith("train.")))
     run = _family_run(tmp_path, tiny_data, shape, imported, nprocs=nprocs, overrides=overrides,
                       name=layout)
     head = run.records[0]
@@ -432,6 +457,16 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
         for a, b in zip(*[[r["moe_expert_tokens"] for r in x.records if r["kind"] == "train"]
                           for x in (run, single)]):
             assert a == b
+        expert = next((int(o.split("=")[1]) for o in overrides
+                       if o.startswith("parallel.expert=")), 1)
+        if expert > 1:  # the layout's experts a rank: the first rank's last step holds its own
+            states = torch.load(run.run_dir / "checkpoints" / f"step{LAYOUT_STEPS}" /
+                                "mp_rank_00_model_states.pt", map_location="cpu",
+                                weights_only=False)["module"]
+            layer = family_of(cfg).moe_layers(cfg)[0]
+            held = {n.split(".")[5] for n in states
+                    if n.startswith(f"model.layers.{layer}.mlp.experts.")}
+            assert len(held) == cfg.num_experts // expert, (expert, sorted(held))
     if "bias" in shape:  # the expert bias, moved, is the one process's in the final weights
         bias = "model.layers.1.mlp.gate.e_score_correction_bias"
         start, ours, theirs = (load_weights(p).state[bias] for p in
