@@ -321,6 +321,8 @@ ZERO2 = "deepspeed=ds_configs/zero2.json"
 # 4 data ranks of the tiny config's micro-batch of 2; a layout with it is compared against one
 # process of the same global batch (4 micro-batches of 2 a step)
 BATCH8 = "train.global_batch_size=8"
+# the expert grid's rows: 10 steps, against one process of as many
+GRID_STEPS = "train.steps=10"
 # (shape, layout): (ranks, overrides). Each family trains at tp 2 and on every layout whose code
 # path it changes (docs/verified.md says why these): llama3 changes the rotary frequencies only,
 # which every layer takes from one table of global positions, so tp 2 with sequence parallelism,
@@ -352,14 +354,15 @@ FAMILY_LAYOUTS = {
     ("qwen3_moe_losses", "pp2"): (2, ["parallel.pipeline=2"]),
     # the expert grid: expert ranks from the data ranks (3 whole experts each; or each expert
     # split over the tensor pair too), the experts' gradients over the ranks holding them
-    ("qwen3_moe_losses", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2"]),
+    ("qwen3_moe_losses", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2", GRID_STEPS]),
     ("qwen3_moe_losses", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
                                                      "parallel.expert=2",
-                                                     "parallel.expert_tensor=2"]),
+                                                     "parallel.expert_tensor=2", GRID_STEPS]),
     # expert 4 from 4 data ranks (2 of the 8 experts each), ZeRO-2: one micro-batch of 2 a
     # rank, so against one process of the same micro-batches (global batch 8: the auxiliary
     # losses are each micro-batch's)
-    ("qwen3_moe8_losses", "expert4_dp4"): (4, [ZERO2, "parallel.expert=4", BATCH8]),
+    ("qwen3_moe8_losses", "expert4_dp4"): (4, [ZERO2, "parallel.expert=4", BATCH8,
+                                               GRID_STEPS]),
     # DeepSeek-V3: the heads over two tensor ranks, the latents' projections and norms
     # replicated with their gradients summed over the pair (with sequence parallelism; under
     # ZeRO-3, which gathers them; fsdp2); a pipeline's stages
@@ -383,36 +386,38 @@ FAMILY_LAYOUTS = {
                                                     "parallel.tensor=2"]),
     # the expert grid: experts from the data ranks (4 each), or split over the tensor pair
     # too; the bias moved from every rank's loads, the same everywhere
-    ("deepseek_v3_moe_bias", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2"]),
+    ("deepseek_v3_moe_bias", "expert2_dp2"): (2, [ZERO1, "parallel.expert=2", GRID_STEPS]),
     ("deepseek_v3_moe_bias", "expert2_tp2_etp2_dp2"): (4, [ZERO1, "parallel.tensor=2",
                                                          "parallel.expert=2",
-                                                         "parallel.expert_tensor=2"]),
+                                                         "parallel.expert_tensor=2",
+                                                         GRID_STEPS]),
     # expert 4 from 4 data ranks (2 experts each, the 4 groups one a rank), ZeRO-1, against
     # one process of global batch 8; the bias moved from the loads of all 4 ranks
-    ("deepseek_v3_moe_bias", "expert4_dp4"): (4, [ZERO1, "parallel.expert=4", BATCH8]),
+    ("deepseek_v3_moe_bias", "expert4_dp4"): (4, [ZERO1, "parallel.expert=4", BATCH8,
+                                                  GRID_STEPS]),
 }
 
 
 @pytest.fixture(scope="module")
 def family_runs(tiny_data, tmp_path_factory):
     """Per shape, made once: a random transformers model of its odd vocabulary (GQA),
-    imported (final/ format); and per shape and batch settings (`train.*` overrides), one
+    imported (final/ format); and per shape and `train.*` overrides (batch, steps), one
     process training it: (imported, single run)."""
     imports: dict[str, Path] = {}
     made: dict[tuple[str, tuple[str, ...]], tuple[Path, object]] = {}
 
-    def get(shape: str, *batch: str):
+    def get(shape: str, *train: str):
         if shape not in imports:
             root = tmp_path_factory.mktemp(f"{shape}_import")
             random_hf(shape, root / "hf")
             cli("import-hf", root / "hf", "--output", root / "init")
             imports[shape] = root / "init"
-        if (shape, batch) not in made:
+        if (shape, train) not in made:
             root = tmp_path_factory.mktemp(f"{shape}_single")
-            made[shape, batch] = imports[shape], _family_run(
-                root, tiny_data, shape, imports[shape], nprocs=1, overrides=list(batch),
+            made[shape, train] = imports[shape], _family_run(
+                root, tiny_data, shape, imports[shape], nprocs=1, overrides=list(train),
                 name="single")
-        return made[shape, batch]
+        return made[shape, train]
     return get
 
 
@@ -436,7 +441,7 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
     from pretrain.testing.runs import rel_diff
 
     nprocs, overrides = FAMILY_LAYOUTS[shape, layout]
-    # the reference of the same micro-batches: the layout's batch settings on one process
+    # the reference of the same micro-batches and steps: the layout's train.* on one process
     imported, single = family_runs(shape, *(o for o in overrides if o.startswith("train.")))
     run = _family_run(tmp_path, tiny_data, shape, imported, nprocs=nprocs, overrides=overrides,
                       name=layout)
@@ -446,6 +451,9 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
              if k in ("tensor", "pipeline", "context")}
     assert {k: head[k] for k in asked} == asked, head
     assert head["tensor"] * head["pipeline"] * head["context"] * head["data_parallel"] == nprocs
+    steps = next((int(o.split("=")[1]) for o in overrides if o.startswith("train.steps=")),
+                 LAYOUT_STEPS)
+    assert len(run.losses) == steps
     assert rel_diff(run.losses, single.losses) < 1e-5, (run.losses, single.losses)
     norms = [[r["grad_norm"] for r in x.records if r["kind"] == "train"] for x in (run, single)]
     assert rel_diff(*norms) < 1e-5, norms
@@ -460,7 +468,7 @@ def test_imported_family_trains_on_a_layout_like_one_process_and_exports_as_tran
         expert = next((int(o.split("=")[1]) for o in overrides
                        if o.startswith("parallel.expert=")), 1)
         if expert > 1:  # the layout's experts a rank: the first rank's last step holds its own
-            states = torch.load(run.run_dir / "checkpoints" / f"step{LAYOUT_STEPS}" /
+            states = torch.load(run.run_dir / "checkpoints" / f"step{steps}" /
                                 "mp_rank_00_model_states.pt", map_location="cpu",
                                 weights_only=False)["module"]
             layer = family_of(cfg).moe_layers(cfg)[0]
