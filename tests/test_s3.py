@@ -44,6 +44,16 @@ def test_unserved_path_refused_naming_the_setting(setting, value):
     assert value in str(info.value)
 
 
+def test_the_test_servers_ports_are_free_and_below_the_ephemeral_range():
+    """The scratch store's 8 ports: distinct, bindable, and never ones the kernel could hand to
+    another process's outgoing connection between the pick and the server's bind."""
+    from pretrain.testing.seaweedfs import _free_ports, ephemeral_low
+
+    ports = _free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(1024 <= port < ephemeral_low() for port in ports), (ports, ephemeral_low())
+
+
 def test_store_urls_kept_as_written():
     cfg = load_config(None, ["run_dir=s3://bucket/runs/a", "data.dataset=s3://bucket/data/c"])
     assert cfg.run_dir == "s3://bucket/runs/a"

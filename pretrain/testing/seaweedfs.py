@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -30,13 +31,39 @@ class ServerFailed(RuntimeError):
 
 
 def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
+    """`count` distinct ports of 127.0.0.1 that nothing listens on, taken below the kernel's
+    ephemeral range (`ip_local_port_range`). Between this check and the server's own binds, the
+    kernel may hand any free port of that range to another process's outgoing connection (a
+    gloo rank of the test beside this one) as its local port, and the server then fails with
+    "address already in use"; it never hands out a port below the range."""
+    low = ephemeral_low()
+    if low < 4096:  # a range starting that low leaves nothing below it: any free port
+        sockets = [socket.socket() for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+        for s in sockets:
+            s.close()
+        return ports
+    pick, ports = random.SystemRandom(), []
+    while len(ports) < count:
+        port = pick.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class SeaweedServer:
