@@ -218,7 +218,8 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
         moe_reference, tiny_data, tmp_path):
     import shutil
 
-    from tests.test_moe import SAVE_AT, STEPS, _assert_same_steps, _moe_train
+    from tests.test_moe import (SAVE_AT, _assert_final_is_last_checkpoint, _assert_same_steps,
+                                _moe_train)
 
     run = _moe_train(tmp_path, tiny_data, name="ep2", nprocs=2, overrides=[
         "parallel.tensor=2", "parallel.expert=2", f"checkpoint.save_interval={SAVE_AT}",
@@ -226,13 +227,10 @@ def test_expert2_and_expert2_with_zero3_equal_one_process_and_resume_on_expert1(
     assert "ep2" in run.stdout
     _assert_same_steps(run, moe_reference)
     # final/ holds every expert once, each from the rank that held it: the last checkpoint's
-    from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
+    from pretrain.checkpoint.weights import load_weights
 
+    _assert_final_is_last_checkpoint(run)
     final = load_weights(run.run_dir / "final").state
-    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{STEPS}").state
-    assert sorted(final) == sorted(last)
-    for name in last:
-        assert torch.equal(final[name], last[name]), name
     zero3 = _moe_train(tmp_path, tiny_data, name="ep2_zero3", nprocs=2, overrides=[
         "parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true",
         "deepspeed=ds_configs/zero3.json", "checkpoint.save_final=true"])
@@ -301,9 +299,9 @@ def test_expert2_with_pipeline2_equals_one_process_and_resumes_on_one_process(
     checkpoint continues on one process as the uninterrupted run does."""
     import shutil
 
-    from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
     from pretrain.checkpoint.zero_shards import load_checkpoint_file
-    from tests.test_moe import SAVE_AT, STEPS, _assert_same_steps, _moe_train
+    from tests.test_moe import (SAVE_AT, _assert_final_is_last_checkpoint, _assert_same_steps,
+                                _moe_train)
 
     run = _moe_train(tmp_path, tiny_data, name="ep2_pp2", nprocs=4, overrides=[
         "parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
@@ -316,11 +314,7 @@ def test_expert2_with_pipeline2_equals_one_process_and_resumes_on_one_process(
     held = load_checkpoint_file(saved / "layer_02-model_01-model_states.pt")
     assert sorted({n.split(".")[2] for n in held if n.startswith("mlp.experts.")}) == ["2", "3"]
     assert tuple(held["mlp.experts.3.down_proj.weight"].shape) == (64, 96)
-    final = load_weights(run.run_dir / "final").state
-    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{STEPS}").state
-    assert sorted(final) == sorted(last)
-    for name in last:
-        assert torch.equal(final[name], last[name]), name
+    _assert_final_is_last_checkpoint(run)
     shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
     resumed = _moe_train(tmp_path, tiny_data, name="resumed")
     assert "tp2 pp2 ep2 dp1 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1" in resumed.stdout

@@ -22,7 +22,8 @@ from pretrain.resolve.fsdp2_rules import layout_refusals
 from pretrain.resolve.run import lay_out_as_loaded
 from pretrain.testing.runs import REPO, rel_diff, train
 from tests.test_families import family_runs  # noqa: F401  (the DeepSeek-V3 reference)
-from tests.test_moe import SAVE_AT, STEPS, _assert_same_steps, _moe_train
+from tests.test_moe import (SAVE_AT, _assert_final_is_last_checkpoint,
+                             _assert_same_steps, _moe_train)
 
 FSDP2 = ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]
 SAVES = [f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=1",
@@ -57,7 +58,6 @@ def test_tp2_expert2_moe_equals_one_process_and_resumes_on_deepspeed(moe_referen
     all-to-all; the router's gradient is summed over the pair at the step's end. Its final/ is
     its last checkpoint, each expert from the rank that held it; its step-3 checkpoint (experts
     whole in one tensor rank's file) continues under DeepSpeed on one process."""
-    from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
     from pretrain.checkpoint.zero_shards import load_checkpoint_file
 
     run = _moe_train(tmp_path, tiny_data, name="ep2", nprocs=2, overrides=[
@@ -65,11 +65,7 @@ def test_tp2_expert2_moe_equals_one_process_and_resumes_on_deepspeed(moe_referen
         *SAVES, "checkpoint.save_final=true"])
     assert run.records[0]["engine"] == "fsdp2" and "ep2" in run.stdout
     _assert_same_steps(run, moe_reference)
-    final = load_weights(run.run_dir / "final").state
-    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{STEPS}").state
-    assert sorted(final) == sorted(last)
-    for name in last:
-        assert torch.equal(final[name], last[name]), name
+    _assert_final_is_last_checkpoint(run)
     saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
     held = load_checkpoint_file(saved / "fsdp2_rank00001.pt")["tensors"]
     experts = {n: e["shape"] for n, e in held.items() if ".mlp.experts." in n}

@@ -167,6 +167,18 @@ def _train_records(run) -> list[dict]:
     return [r for r in run.records if r["kind"] == "train"]
 
 
+def _assert_final_is_last_checkpoint(run) -> None:
+    """`final/` holds every tensor of the run's last step checkpoint, bitwise (each expert once,
+    from the rank that held it)."""
+    from pretrain.checkpoint.weights import consolidate_engine_checkpoint, load_weights
+
+    final = load_weights(run.run_dir / "final").state
+    last = consolidate_engine_checkpoint(run.run_dir / "checkpoints" / f"step{STEPS}").state
+    assert sorted(final) == sorted(last)
+    for name in last:
+        assert torch.equal(final[name], last[name]), name
+
+
 def _assert_same_steps(run, reference, *, first_step: int = 1) -> None:
     """Losses, gradient norms and the routers' statistics of each step within 1e-5."""
     from pretrain.testing.runs import rel_diff
