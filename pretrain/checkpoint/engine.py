@@ -397,7 +397,7 @@ def _final_expert(param, name: str, m, *, owner: tuple[int, int], groups, zero3:
     stage_size = topology.tensor * topology.context * topology.data
 
     def grid(rank: int) -> tuple[int, int, int]:  # (expert-tensor, expert, expert-data) index
-        return topology._expert_grid(rank)
+        return topology.expert_coords(rank)
 
     holders = [r for r in range(topology.world_size)
                if r // stage_size == stage and grid(r)[1] == expert]

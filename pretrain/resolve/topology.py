@@ -230,7 +230,7 @@ class Topology:
                  for d, c in self._replica_coords()]
                 for p in range(self.pipeline) for t in range(self.tensor)]
 
-    def _expert_grid(self, rank: int) -> tuple[int, int, int]:
+    def expert_coords(self, rank: int) -> tuple[int, int, int]:
         """(expert_tensor, expert, expert_data) index of `rank` in its stage's expert grid."""
         i = rank % (self.tensor * self.context * self.data)  # its index inside the stage
         etp, ep = self.expert_tensor, self.expert
@@ -242,7 +242,7 @@ class Topology:
         lists: dict[tuple, list[int]] = {}
         stage = self.tensor * self.context * self.data
         for rank in range(self.world_size):
-            grid = self._expert_grid(rank)
+            grid = self.expert_coords(rank)
             key = (rank // stage,) + grid[:axis] + grid[axis + 1:]
             lists.setdefault(key, []).append(rank)
         return sorted(lists.values())
@@ -265,7 +265,7 @@ class Topology:
 
     def expert_rank(self, rank: int) -> int:
         """`rank`'s index in its expert group: which 1/expert of the experts it holds."""
-        return self._expert_grid(rank)[1]
+        return self.expert_coords(rank)[1]
 
     def pipeline_groups(self) -> list[list[int]]:
         """The stages of one pipeline (same tensor, context and data index)."""
