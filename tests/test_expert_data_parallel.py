@@ -10,7 +10,9 @@ families' Qwen3-MoE and DeepSeek-V3 rows (tests/test_families.py's FAMILY_LAYOUT
 """
 from __future__ import annotations
 
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,18 +69,28 @@ def test_expert_grid_layouts_the_stack_cannot_run_are_refused_with_the_reason_an
             check_layout(dataclasses.replace(CFG, num_heads=8, num_kv_heads=4), layout)
 
 
-def test_step_checkpoints_of_the_expert_grid_are_refused_before_launch():
+def test_step_checkpoints_of_the_expert_grid_are_taken_and_their_layout_compared():
+    """The grid saves step checkpoints; resuming one compares its layout with each expert's
+    split (a run at expert = tensor 2 with the experts whole is another layout than expert 2 x
+    expert_tensor 2), and DeepSpeed's universal conversion of one is refused with the fix."""
+    from pretrain.checkpoint.engine import _check_convertible, expert_grid_layout
     from pretrain.config import load_config
-    from pretrain.resolve.run import resolve_layout
+    from pretrain.errors import CheckpointError
+    from pretrain.resolve.run import layout_change, resolve_layout
     from pretrain.testing.runs import REPO
 
     topo = Topology(tensor=1, pipeline=1, world_size=2, expert=2)
     cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"),
                       ["parallel.expert=2", "checkpoint.save_interval=3"])
-    with pytest.raises(ConfigError, match="checkpoint.save_interval with parallel.expert=2"):
-        resolve_layout(cfg, topo)
-    cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"), ["parallel.expert=2"])
     assert resolve_layout(cfg, topo).expert == 2
+    base = {"tensor": 2, "pipeline": 1, "data": 1, "expert": 2, "zero_stage": 1}
+    split = {**base, "expert_tensor": 2}
+    assert layout_change(base, {**base, "expert_tensor": 1}) is None
+    assert layout_change(base, split) == "tp2 pp1 ep2 dp1 ZeRO-1 -> tp2 pp1 ep2 etp2 dp1 ZeRO-1"
+    assert not expert_grid_layout(base) and expert_grid_layout(split)
+    assert expert_grid_layout({**base, "tensor": 1, "data": 2})
+    with pytest.raises(CheckpointError, match="universal conversion reads the first data rank"):
+        _check_convertible(Path("step3"), {"layout": {**split, "tensor": 1}})
 
 
 def test_the_plan_says_where_the_experts_of_the_grid_are():
@@ -119,8 +131,7 @@ def moe_reference_batch8(tiny_data, tmp_path_factory):
 def test_expert_grid_trains_like_one_process(layout, request, tiny_data, tmp_path):
     """The tiny mixture on each grid layout: 10 steps, ZeRO-1 (ZeRO-2 on the 4-rank expert 4),
     equal to one process (losses, gradient norms, auxiliary losses: 1e-5; tokens per expert);
-    final/ holds every expert once, one process's last weights (1e-5); the last step's
-    checkpoint of expert 2 x dp 2 is refused on resume."""
+    final/ holds every expert once, one process's last weights (1e-5)."""
     from pretrain.checkpoint.weights import load_weights
     from tests.test_moe import _assert_same_steps, _moe_train
 
@@ -138,7 +149,7 @@ def test_expert_grid_trains_like_one_process(layout, request, tiny_data, tmp_pat
         for layer in range(2) for e in range(4) for p in ("gate", "up", "down"))
     # the weights one process ends on (its last step checkpoint), each expert from its rank
     from pretrain.checkpoint.weights import consolidate_engine_checkpoint
-    from tests.test_moe import STEPS, TRAIN
+    from tests.test_moe import STEPS
 
     single = consolidate_engine_checkpoint(
         moe_reference.run_dir / "checkpoints" / f"step{STEPS}").state
@@ -146,20 +157,131 @@ def test_expert_grid_trains_like_one_process(layout, request, tiny_data, tmp_pat
     for name, tensor in single.items():
         # Adam's steps of gradients equal within 1e-7: the weights within 1e-5
         torch.testing.assert_close(final[name], tensor, rtol=0, atol=1e-5, msg=name)
-    if layout == "expert2_dp2":  # its last step's checkpoint: refused on resume, any layout
-        import shutil
 
-        from pretrain.testing.runs import run_pretrain, train_args
 
-        saved = run.run_dir / "checkpoints" / f"step{STEPS}"
-        resumed = tmp_path / "resumed"
-        shutil.copytree(saved, resumed / "checkpoints" / saved.name)
-        refused = run_pretrain(train_args(resumed, tiny_data, config="configs/tiny_moe.yaml",
-                                          overrides=[*TRAIN, "train.steps=12"]),
-                               run_dir=resumed, launcher="forked", nprocs=1)
-        assert refused.returncode != 0
-        assert "beyond the tensor group (the expert grid), whose step checkpoints are not " \
-               "resumable yet" in refused.stderr, refused.stderr[-3000:]
+# ---- step checkpoints of the grid, resumed on any layout -----------------------------------------
+
+# DeepSeek-V3 (tests/test_families.py's tiny shape: 8 experts in 4 groups, shared experts, layer
+# 0 dense, an odd vocabulary) balanced by the expert bias alone (no auxiliary loss: the losses do
+# not depend on how a step's batch is cut into micro-batches, so 4 data ranks of 1 sample
+# continue 2 of 2); the bias, a buffer moved outside the gradient, must come back with the
+# experts' masters and moments, or the experts chosen, so the losses, change
+RESUME_STEPS, RESUME_AT = 7, 3
+RESUME_RUN = [f"train.steps={RESUME_STEPS}", f"checkpoint.save_interval={RESUME_AT}",
+              "checkpoint.keep_last=1", f"checkpoint.keep_every={RESUME_AT}",
+              "model.moe_bias_update_rate=0.01", "model.moe_z_loss_coeff=0"]
+GRID_SOURCES = {  # name: (ranks, overrides) of an uninterrupted run saving at step 3
+    # expert 2 from 4 data ranks: each expert's state ZeRO-partitioned over 2 expert-data ranks
+    "expert2_dp4": (4, ["parallel.expert=2", "train.micro_batch_size=1"]),
+    "single": (1, []),
+}
+FSDP2_DP2 = (2, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"])
+GRID_RESUMES = {  # name: (source, (ranks, overrides) resuming its step 3, the layout change)
+    # its own layout: resharded too (DeepSpeed's load gives every rank the first data rank's
+    # module states, whose experts are not the others'), and bitwise the uninterrupted run
+    "expert2_dp4-same": ("expert2_dp4", GRID_SOURCES["expert2_dp4"],
+                         "tp1 pp1 ep2 dp4 ZeRO-1 fp32, its own layout"),
+    "expert2_dp4-expert4_dp4_zero2": ("expert2_dp4", (4, [
+        "parallel.expert=4", "train.micro_batch_size=1", "deepspeed=ds_configs/zero2.json"]),
+        "tp1 pp1 ep2 dp4 ZeRO-1 -> tp1 pp1 ep4 dp4 ZeRO-2"),
+    "expert2_dp4-single": ("expert2_dp4", (1, []), "tp1 pp1 ep2 dp4 ZeRO-1 -> tp1 pp1 dp1 ZeRO-1"),
+    # the fsdp2 engine (expert 1, each expert's rows over the data ranks); its own save of the
+    # resharded state then goes back onto the grid
+    "expert2_dp4-fsdp2_dp2": ("expert2_dp4", FSDP2_DP2,
+                              "tp1 pp1 ep2 dp4 ZeRO-1 -> tp1 pp1 dp2 ZeRO-3 fsdp2"),
+    "single-expert2_tp2_etp2_dp2": ("single", (4, [
+        "parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=2"]),
+        "tp1 pp1 dp1 ZeRO-1 -> tp2 pp1 ep2 etp2 dp2 ZeRO-1"),
+}
+
+
+def _deepseek(overrides: list[str]) -> list[str]:
+    """The overrides of configs/tiny_moe.yaml training the tiny DeepSeek-V3 with `overrides`."""
+    from tests.test_families import SHAPES, VOCAB
+
+    return [f"model.vocab_size={VOCAB}", "model.tie_embeddings=false",
+            *SHAPES["deepseek_v3_moe"], *RESUME_RUN, *overrides]
+
+
+def _deepseek_train(tmp_path, tiny_data, *, name: str, nprocs: int, overrides: list[str]):
+    from pretrain.testing.runs import train
+
+    return train(tmp_path, tiny_data, nprocs=nprocs, name=name, config="configs/tiny_moe.yaml",
+                 overrides=_deepseek(overrides))
+
+
+@pytest.fixture(scope="module")
+def grid_sources(tiny_data, tmp_path_factory):
+    """Per source layout, made once: its uninterrupted run, saving at step 3."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            nprocs, overrides = GRID_SOURCES[name]
+            made[name] = _deepseek_train(tmp_path_factory.mktemp(name), tiny_data, name=name,
+                                         nprocs=nprocs, overrides=overrides)
+        return made[name]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transition", GRID_RESUMES)
+def test_a_checkpoint_of_the_expert_grid_resumes_on_any_layout(transition, grid_sources,
+                                                               tiny_data, tmp_path):
+    """A step-3 checkpoint of the grid (or of one process) continues on another layout (or its
+    own): its 4 steps' losses are the uninterrupted run's within 1e-5 (bitwise on its own
+    layout), and so are the expert bias and tokens per expert of every step; the resharded
+    state, saved at once on the new layout, holds every master, Adam moment and the bias
+    bitwise as saved (so the grid's files, read back, hold every expert's state). The fsdp2
+    engine's save of it resumes on the grid bitwise as the uninterrupted grid run."""
+    from pretrain.testing.runs import rel_diff, train_args
+    from tests.test_reshard import _reshard_and_save
+
+    source, (nprocs, overrides), change = GRID_RESUMES[transition]
+    full = grid_sources(source)
+    saved = full.run_dir / "checkpoints" / f"step{RESUME_AT}"
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    resumed = _deepseek_train(tmp_path, tiny_data, name="resumed", nprocs=nprocs,
+                              overrides=overrides)
+    assert f"resharded {change}" in resumed.stdout, resumed.stdout[-2000:]
+    after, before = (_records(resumed), _records(full)[RESUME_AT:])
+    assert [r["step"] for r in after] == list(range(RESUME_AT + 1, RESUME_STEPS + 1))
+    losses = [r["loss"] for r in after], [r["loss"] for r in before]
+    assert losses[0] == losses[1] if transition.endswith("-same") else \
+        rel_diff(*losses) < 1e-5, losses
+    for key in ("moe_expert_tokens", "moe_expert_bias"):
+        assert [r[key] for r in after] == [r[key] for r in before], key
+
+    out = tmp_path / "resaved"
+    args = train_args(out, tiny_data, config="configs/tiny_moe.yaml",
+                      overrides=_deepseek(overrides))
+    run_on_ranks(_reshard_and_save, world_size=nprocs, tmp_path=tmp_path, args=(args, str(saved)))
+    resaved = out / "checkpoints" / f"step{RESUME_AT}"
+    _assert_same_state(saved, resaved)
+    if (nprocs, overrides) == FSDP2_DP2:  # fsdp2's files, back onto the grid
+        shutil.copytree(resaved, tmp_path / "back" / "checkpoints" / resaved.name)
+        back = _deepseek_train(tmp_path, tiny_data, name="back", nprocs=4,
+                               overrides=GRID_SOURCES["expert2_dp4"][1])
+        assert "resharded tp1 pp1 dp2 ZeRO-3 fsdp2 -> tp1 pp1 ep2 dp4 ZeRO-1" in back.stdout
+        assert [r["loss"] for r in _records(back)] == losses[1]
+
+
+def _assert_same_state(old: Path, new: Path) -> None:
+    """Every fp32 master, Adam moment and buffer (the expert bias) of two checkpoints, bitwise
+    (a buffer has no moments: its listing under a moment's key is the reader's filler)."""
+    from pretrain.checkpoint.reshard import ADAM_MOMENTS
+    from pretrain.checkpoint.weights import engine_tensors
+
+    for key in (None, *ADAM_MOMENTS):
+        a, b = engine_tensors(old, key), engine_tensors(new, key)
+        assert sorted(a) == sorted(b)
+        for name in a:
+            if key is None or not name.endswith("e_score_correction_bias"):
+                assert torch.equal(a[name], b[name]), (key, name)
+
+
+def _records(run) -> list[dict]:
+    return [r for r in run.records if r["kind"] == "train"]
 
 
 # ---- which group reduces which gradient ----------------------------------------------------------

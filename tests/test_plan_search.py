@@ -60,8 +60,7 @@ def test_each_recipe_is_within_10_percent_of_the_best_layout_with_the_margin(rec
     own = estimate(cfg.model, layout, cluster, engine=cfg.train.engine)
     plans = search(cfg.model, cluster, global_batch=layout.global_batch,
                    precision=layout.precision, engines=set(shipped_ds_configs()),
-                   memory_margin=DEFAULT_MEMORY_MARGIN, engine=cfg.train.engine,
-                   step_checkpoints=bool(cfg.checkpoint.save_interval))
+                   memory_margin=DEFAULT_MEMORY_MARGIN, engine=cfg.train.engine)
     assert keeps_margin(own, DEFAULT_MEMORY_MARGIN), own.memory.total / GB
     assert times_slower(own, plans[0]) <= 1 + SLOWER_THAN_BEST, plans[0].layout.describe()
 
@@ -70,8 +69,7 @@ def test_the_search_spreads_experts_over_the_expert_grid_within_what_runs():
     """A mixture of experts is searched with its experts sharded on each tensor rank (expert 1),
     whole on the tensor ranks (expert = tensor) and over the expert grid (expert ranks beyond the
     tensor group), the grid only where the run takes it (ZeRO-1/2, no pipeline, no context, ZeRO-1
-    in fp32 only) and never for a run saving step checkpoints, which the grid cannot resume
-    yet; a dense model only ever with expert 1."""
+    in fp32 only); a dense model only ever with expert 1."""
     moe = load_config(REPO / "configs" / "mixtral_8x7b.yaml").model
     cluster = make_cluster("h100-80gb", nodes=2)
     plans = search(moe, cluster, global_batch=64, micro_batches=(1,))
@@ -79,9 +77,6 @@ def test_the_search_spreads_experts_over_the_expert_grid_within_what_runs():
     grid = [p.layout for p in plans if expert_grid(p.layout)]
     assert on_tensor and {p.layout.tensor for p in plans if p.layout.expert == 1} & on_tensor
     assert grid and all(g.zero_stage == 2 and g.pipeline == 1 and g.context == 1 for g in grid)
-    assert not any(expert_grid(p.layout) for p in search(moe, cluster, global_batch=64,
-                                                         micro_batches=(1,),
-                                                         step_checkpoints=True))
     assert all(p.layout.expert == 1 for p in search(LLAMA_13B, cluster, global_batch=64,
                                                      micro_batches=(1,)))
 

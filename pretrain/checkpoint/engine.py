@@ -48,7 +48,7 @@ from pretrain.model.hf import EMBED, LM_HEAD, expected_hf_keys
 from pretrain.model.mup import comparable_model_fields
 from pretrain.model.expert_parallel import expert_owner
 from pretrain.model.llama import full_parameter_shape, gather_tensor_parallel_state
-from pretrain.resolve.run import layout_change
+from pretrain.resolve.run import describe, expert_tensor, layout_change
 
 # Model fields that do not change the saved tensors or their meaning: a resumed run may change
 # its recompute mode, and the initial weights / init scale only mattered at step 0.
@@ -201,21 +201,26 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
     layout change and what this rank read of the checkpoint when it was resharded
     (`tp2 pp1 dp1 ZeRO-1 -> tp1 pp1 dp2 ZeRO-3, read 1.2 GB of 9.6 GB`).
 
-    A checkpoint of this run's `layout` (or a universal one) is DeepSpeed's to load; any other
-    is resharded (`reshard.load_resharded`). RNG states are carried where every rank keeps its
+    A checkpoint of this run's `layout` (or a universal one) is DeepSpeed's to load; any other,
+    and any on the expert grid (whose experts differ between data ranks), is resharded
+    (`reshard.load_resharded`). RNG states are carried where every rank keeps its
     role (the same tp, pp and dp); otherwise each rank's generators are seeded from
     (train.seed, step, rank) (the model has no dropout: losses do not depend on them).
     """
-    for side, lay in (("was saved", point.meta["layout"]), ("is resumed", layout)):
-        if expert_grid_layout(lay):
-            raise CheckpointError(
-                f"checkpoint {str(point.path)!r} {side} with parallel.expert={lay['expert']} "
-                "beyond the tensor group (the expert grid), whose step checkpoints are not "
-                "resumable yet (DeepSpeed writes the first data rank's module states only, and "
-                "the experts' ZeRO partitions are over the expert-data ranks, which the "
-                "resharding reader does not read); resume on a layout whose expert ranks are the "
-                "tensor ranks (or expert 1), from a checkpoint saved on one")
+    deepspeed_grid = (expert_grid_layout(layout)
+                      and layout.get("engine", "deepspeed") == "deepspeed")
+    if point.universal and deepspeed_grid:
+        raise CheckpointError(
+            f"checkpoint {str(point.path)!r} is a universal checkpoint, and DeepSpeed's "
+            f"universal loader does not place the experts of parallel.expert={layout['expert']} "
+            "beyond the tensor group (the expert grid: our MoE groups, not DeepSpeed's MoE "
+            "layers); resume from the engine checkpoint it was converted from, which is "
+            "resharded onto any layout")
     change = None if point.universal else layout_change(point.meta["layout"], layout)
+    if change is None and not point.universal and deepspeed_grid:
+        # DeepSpeed's own load reads the module states of the first data rank into every rank,
+        # whose experts are not the others'; the resharder reads each rank's from its files
+        change = f"{describe(layout)}, its own layout"
     try:
         if getattr(engine, "name", None) == "fsdp2":  # its own files or DeepSpeed's, any layout
             volume = load_into_fsdp2(engine, point.path, point.meta, cfg=cfg, groups=groups)
@@ -242,7 +247,8 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
                               "model_states files are missing")
     saved = point.meta["layout"]
     same_roles = all(saved.get(k, 1) == layout.get(k, 1)
-                     for k in ("tensor", "pipeline", "data", "context", "expert"))
+                     for k in ("tensor", "pipeline", "data", "context", "expert")) and \
+        expert_tensor(saved) == expert_tensor(layout)
     rng = point.path / f"rng_rank{rank:05d}.pt"
     if same_roles and rng.is_file():
         _set_rng_state(safe_load.load(rng))
@@ -255,7 +261,7 @@ def load(engine, point: ResumePoint, *, cfg: RunConfig, groups, layout: dict[str
 def expert_grid_layout(layout: dict[str, Any]) -> bool:
     """Whether a checkpoint's recorded layout put experts beyond the tensor group."""
     expert = layout.get("expert", 1)
-    return expert > 1 and (expert != layout.get("tensor", 1) or layout.get("expert_tensor", 0) > 1)
+    return expert > 1 and (expert != layout.get("tensor", 1) or expert_tensor(layout) > 1)
 
 
 def to_universal(src: Path, dst: Path) -> Path:
@@ -296,6 +302,13 @@ def _check_convertible(tag_dir: Path, meta: dict[str, Any]) -> None:
             "DeepSpeed's universal conversion cannot read; it needs none: `pretrain train "
             "--resume-from` resumes it on any layout and under either engine, and export-hf "
             "reads it")
+    if expert_grid_layout(meta["layout"]):
+        raise CheckpointError(
+            f"{str(tag_dir)!r} was saved with parallel.expert={meta['layout']['expert']} beyond "
+            "the tensor group (the expert grid): DeepSpeed's universal conversion reads the "
+            "first data rank's module states and expert groups only, and each expert rank's "
+            "differ; it needs none: `pretrain train --resume-from` resumes it on any layout, "
+            "and export-hf reads it")
     if meta["layout"]["zero_stage"] == 0:
         raise CheckpointError(
             f"{str(tag_dir)!r} was saved with ZeRO-0, which DeepSpeed cannot convert to a universal "

@@ -42,7 +42,7 @@ from pretrain.checkpoint.paths import (FINAL, FINAL_CONFIG, FINAL_TOKENIZER, FIN
                                        FINAL_WEIGHTS, MANIFEST, step_dirs, verify)
 from pretrain.checkpoint.store import local_checkpoint, materialize
 from pretrain.checkpoint.safetensors_stream import LazyTensors, SafetensorsWriter
-from pretrain.checkpoint.zero_shards import ZeroMasters, load_checkpoint_file
+from pretrain.checkpoint.zero_shards import ExpertFiles, ZeroMasters, load_checkpoint_file
 from pretrain.config import ModelConfig, RunConfig, config_from_dict, load_config
 from pretrain.data.tokenizer import copy_tokenizer
 from pretrain.errors import CheckpointError
@@ -245,7 +245,7 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
         shards = fsdp2_shards(step_dir, key)
         return MergedShards(shards, cfg=run_cfg.model, tp=run_cfg.parallel.tensor,
                             source=str(step_dir) if key is None else f"{step_dir} ({key})",
-                            whole_experts=run_cfg.parallel.expert > 1)
+                            whole_experts=whole_experts(run_cfg.parallel))
     cfg, tp, pp = run_cfg.model, run_cfg.parallel.tensor, run_cfg.parallel.pipeline
     zero = int(meta.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
     if meta.get("mp_world_size", tp * pp) != tp * pp:
@@ -256,7 +256,9 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
     for mp_rank in range(tp * pp):
         tp_index = mp_rank % tp
         if zero >= 1:
-            local = ZeroMasters(step_dir, mp_rank=mp_rank, key=key)
+            local = ZeroMasters(step_dir, mp_rank=mp_rank, key=key,
+                                experts=expert_files(run_cfg, mp_rank=mp_rank,
+                                                     replicas=int(meta.get("dp_world_size", 1))))
         else:
             local = _zero0_optimizer_tensors(step_dir, mp_rank=mp_rank, key=key,
                                              pipelined=pp > 1)
@@ -282,7 +284,32 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
                 shards[canonical] = {tp_index: (module, name) for tp_index in range(tp)}
     what = str(step_dir) if key is None else f"{step_dir} ({key})"
     return MergedShards(shards, cfg=cfg, tp=tp, source=what,
-                        whole_experts=run_cfg.parallel.expert > 1)
+                        whole_experts=whole_experts(run_cfg.parallel))
+
+
+def whole_experts(parallel) -> bool:
+    """Whether a run's experts are whole on one rank each (expert parallelism with
+    parallel.expert_tensor 1), not split over the tensor ranks like the dense MLP."""
+    return parallel.expert > 1 and parallel.expert_tensor in (0, 1)
+
+
+def expert_files(run_cfg: RunConfig, *, mp_rank: int, replicas: int) -> ExpertFiles | None:
+    """Where the optimizer files of model-parallel rank `mp_rank` of a checkpoint saved on the
+    expert grid keep the experts (None: the experts, if any, are the data ranks' alike): each
+    file (data-parallel rank d, DeepSpeed's order of the stage's replicas) is global rank
+    `data_groups()[mp_rank][d]`, whose place in the grid (`Topology.expert_coords`) says which
+    experts it holds. Rank d = 0 wrote the model states, whose `param_shapes` name its experts."""
+    from pretrain.resolve.topology import Topology
+
+    p = run_cfg.parallel
+    if p.expert == 1 or (p.expert == p.tensor and p.expert_tensor in (0, 1)):
+        return None
+    topology = Topology.from_parallel_config(p, world_size=p.tensor * p.pipeline * replicas)
+    coords = [topology.expert_coords(rank) for rank in topology.data_groups()[mp_rank]]
+    local = run_cfg.model.num_experts // p.expert
+    return ExpertFiles(expert=tuple((etp, ep) for etp, ep, _ in coords),
+                       position=tuple(edp for _, _, edp in coords),
+                       shift=tuple((ep - coords[0][1]) * local for _, ep, _ in coords))
 
 
 def _zero0_optimizer_tensors(step_dir: Path, *, mp_rank: int, key: str | None,

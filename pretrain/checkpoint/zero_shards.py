@@ -19,10 +19,17 @@ The layout is DeepSpeed's (0.19.8; `deepspeed.utils.zero_to_fp32` reads the same
   (`param_alignment_paddings[g]`, when saved);
 - ZeRO-3: every parameter is split on its own into `ceil(numel / dp)` elements per rank; a rank's
   groups, concatenated, hold its piece of each parameter in `param_shapes` order.
+
+On the expert grid (experts beyond the tensor group) the experts are DeepSpeed's MoE groups,
+partitioned over the expert-data ranks only (`partition_count` of the group), and each file's
+group holds its own expert rank's experts: the files of one expert rank, in expert-data order,
+are that group's concatenation, under names the first data rank's `param_shapes` gives with the
+expert indices moved to that expert rank's (`ExpertFiles`).
 """
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +68,37 @@ class _Span:
     offset: int  # ZeRO-1/2: in the group's concatenated partitions; ZeRO-3: in each rank's groups
     numel: int
     shape: tuple[int, ...]
+    # the files whose partitions of `group` are concatenated, in order (None: every file); an
+    # expert group of the expert grid: the files of one expert rank
+    files: tuple[int, ...] | None = None
+
+
+_EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
+
+
+@dataclass(frozen=True)
+class ExpertFiles:
+    """Where one model-parallel rank's optimizer files of an expert-grid checkpoint keep the
+    experts, file by file (in data-parallel order): which expert rank's experts its MoE groups
+    hold (`expert`: (expert-tensor, expert) index, the same for the files of the same experts),
+    its index among those files (`position`: its expert-data rank), and how far its experts'
+    indices lie from those of the first file's (`shift`), whose names `param_shapes` holds."""
+
+    expert: tuple[tuple[int, int], ...]
+    position: tuple[int, ...]
+    shift: tuple[int, ...]
+
+    def families(self) -> list[tuple[int, ...]]:
+        """The files holding the same experts, each family in expert-data order."""
+        found: dict[tuple[int, int], list[int]] = {}
+        for file, key in enumerate(self.expert):
+            found.setdefault(key, []).append(file)
+        return [tuple(sorted(files, key=lambda f: self.position[f])) for files in found.values()]
+
+
+def shift_expert(name: str, shift: int) -> str:
+    """`name` with its expert index moved by `shift` (names of no expert unchanged)."""
+    return _EXPERT_INDEX.sub(lambda m: f"{m[1]}{int(m[2]) + shift}{m[3]}", name, count=1)
 
 
 def overlaps(sizes: list[int], start: int, length: int) -> list[tuple[int, int, int]]:
@@ -87,7 +125,8 @@ class ZeroMasters(Mapping):
     pieces copied: the process never keeps more than the one parameter (a mapping kept open
     would count every page read so far as resident memory)."""
 
-    def __init__(self, step_dir: Path, *, mp_rank: int, key: str | None = None) -> None:
+    def __init__(self, step_dir: Path, *, mp_rank: int, key: str | None = None,
+                 experts: ExpertFiles | None = None) -> None:
         tag = f"mp_rank_{mp_rank:02d}"
         model_files = sorted(step_dir.glob(f"*{tag}_model_states.pt"))
         self._files = sorted(step_dir.glob(f"*{tag}_optim_states.pt"), key=_rank_order)
@@ -97,9 +136,47 @@ class ZeroMasters(Mapping):
         self.source, self.key = f"{step_dir} ({tag})", key
         self.bytes_read = 0  # tensor bytes `read_runs` copied out
         param_shapes = load_checkpoint_file(model_files[0])["param_shapes"]
-        self.stage, self._sizes, paddings = _fp32_layout(self._files, source=self.source)
+        self.stage, self._sizes, paddings, counts = _fp32_layout(self._files, source=self.source)
         self._spans = (_zero3_spans(param_shapes, world=len(self._files))
                        if self.stage == 3 else _zero12_spans(param_shapes, paddings))
+        moe = [g for g, count in enumerate(counts) if count != len(self._files)]
+        if moe:
+            self._spans = self._expert_spans(moe, counts, experts)
+
+    def _expert_spans(self, moe: list[int], counts: list[int],
+                      experts: ExpertFiles | None) -> dict[str, _Span]:
+        """The spans with each MoE group's (partitioned over the expert-data ranks) once per
+        expert rank, under that rank's expert names, over its files; each file's own names
+        (`param_slice_mappings`) are checked to be its expert rank's."""
+        if experts is None or len(experts.expert) != len(self._files):
+            raise CheckpointError(f"{self.source}: groups {moe} are partitioned over "
+                                  f"{[counts[g] for g in moe]} of the {len(self._files)} "
+                                  "data-parallel ranks (expert parallelism beyond the tensor "
+                                  "group) but the checkpoint's config places no experts there")
+        spans = {n: s for n, s in self._spans.items() if s.group not in moe}
+        for files in experts.families():
+            for name, span in self._spans.items():
+                if span.group in moe:
+                    if len(files) != counts[span.group]:
+                        raise CheckpointError(
+                            f"{self.source}: group {span.group} is partitioned over "
+                            f"{counts[span.group]} ranks, {len(files)} files hold its experts")
+                    own = shift_expert(name, experts.shift[files[0]])
+                    spans[own] = _Span(group=span.group, offset=span.offset, numel=span.numel,
+                                       shape=span.shape, files=files)
+        from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS
+
+        for rank, file in enumerate(self._files):
+            mappings = load_checkpoint_file(file)[OPTIMIZER_STATE_DICT].get(PARAM_SLICE_MAPPINGS)
+            for name in (n for g in moe for n in mappings[g]) if mappings else ():
+                if name not in spans or rank not in spans[name].files:
+                    raise CheckpointError(f"{self.source}: {file.name} holds {name}, which its "
+                                          "place in the expert grid does not give it: the "
+                                          "checkpoint's layout is not the one its files have")
+        return spans
+
+    def _files_of(self, span: _Span) -> tuple[int, ...]:
+        return span.files if span.files is not None else tuple(range(len(self._files)))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         span = self._spans[name]
@@ -112,9 +189,10 @@ class ZeroMasters(Mapping):
             out = out[:span.numel]
         else:
             out, filled = torch.empty(span.numel), 0
-            sizes = [groups[span.group] for groups in self._sizes]
-            for rank, lo, hi in overlaps(sizes, span.offset, span.numel):
-                self._copy(rank, [(span.group, lo, hi)], into=out[filled:filled + hi - lo])
+            files = self._files_of(span)
+            sizes = [self._sizes[rank][span.group] for rank in files]
+            for piece, lo, hi in overlaps(sizes, span.offset, span.numel):
+                self._copy(files[piece], [(span.group, lo, hi)], into=out[filled:filled + hi - lo])
                 filled += hi - lo
         return out.view(span.shape)
 
@@ -149,9 +227,10 @@ class ZeroMasters(Mapping):
         """(rank, group, lo, hi): where elements [start, start + length) of a parameter lie, in
         order."""
         if self.stage != 3:
-            sizes = [groups[span.group] for groups in self._sizes]
-            return [(rank, span.group, lo, hi)
-                    for rank, lo, hi in overlaps(sizes, span.offset + start, length)]
+            files = self._files_of(span)
+            sizes = [self._sizes[rank][span.group] for rank in files]
+            return [(files[piece], span.group, lo, hi)
+                    for piece, lo, hi in overlaps(sizes, span.offset + start, length)]
         per_rank = math.ceil(span.numel / len(self._files))  # ZeRO-3: each rank a chunk
         found = []
         for rank in range(start // per_rank, (start + length - 1) // per_rank + 1):
@@ -235,8 +314,10 @@ def _flat_groups(state: dict, *, stage: int, key: str | None = None) -> list[tor
 
 def _fp32_layout(optim_files: list[Path], *, source: str):
     """(ZeRO stage, each data-parallel rank's element count per flat fp32 group, alignment
-    paddings). DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1 with fp32 gradient accumulation)
-    saves no zero_stage: it partitions and aligns its flat fp32 groups as ZeRO-1 does."""
+    paddings, each group's partition count: the data-parallel ranks, or an expert group's
+    expert-data ranks). DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1 with fp32 gradient
+    accumulation) saves no zero_stage: it partitions and aligns its flat fp32 groups as ZeRO-1
+    does."""
     from deepspeed.checkpoint.constants import (OPTIMIZER_STATE_DICT, PARAM_ALIGNMENT_PADDINGS,
                                                 PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS,
                                                 ZERO_STAGE)
@@ -249,11 +330,11 @@ def _fp32_layout(optim_files: list[Path], *, source: str):
     else:
         raise CheckpointError(f"{source}: {optim_files[0].name} holds no ZeRO optimizer "
                               "partitions")
-    world = first[PARTITION_COUNT]
-    world = max(world) if isinstance(world, list) else world
-    if world != len(optim_files):
-        raise CheckpointError(f"{source}: {len(optim_files)} optimizer files for {world} "
-                              "data-parallel ranks: a rank's file is missing")
+    counts = first[PARTITION_COUNT]
     sizes = [[t.numel() for t in _flat_groups(load_checkpoint_file(file), stage=stage)]
              for file in optim_files]
-    return stage, sizes, first.get(PARAM_ALIGNMENT_PADDINGS)
+    counts = counts if isinstance(counts, list) else [counts] * len(sizes[0])
+    if max(counts) != len(optim_files):
+        raise CheckpointError(f"{source}: {len(optim_files)} optimizer files for {max(counts)} "
+                              "data-parallel ranks: a rank's file is missing")
+    return stage, sizes, first.get(PARAM_ALIGNMENT_PADDINGS), counts

@@ -134,8 +134,7 @@ def _search(args: argparse.Namespace, settled, cluster: Cluster) -> None:
                    precision=planned_precision(cfg.train.precision), engines=set(engines),
                    memory_margin=margin, engine=cfg.train.engine,
                    fp8=Fp8Recipe(cfg.train.fp8).value,
-                   optimizer=Optimizer(cfg.train.optimizer).value,
-                   step_checkpoints=_step_checkpoints(cfg))
+                   optimizer=Optimizer(cfg.train.optimizer).value)
     if not plans:
         need = minimum_memory_gb(cfg.model, cluster,
                                  precision=planned_precision(cfg.train.precision))
@@ -209,8 +208,7 @@ def plan_run(args: argparse.Namespace):
     if args.accelerator == "cuda" and world == cluster.world_size and plan.fits:
         from pretrain.plan.report import slower_layout_warnings
 
-        warnings += slower_layout_warnings(cfg.model, plan, margin=_margin(args),
-                                           step_checkpoints=_step_checkpoints(cfg))
+        warnings += slower_layout_warnings(cfg.model, plan, margin=_margin(args))
     builds = None
     if args.build:
         from pretrain.plan.build_check import build_distinct_ranks
@@ -273,8 +271,3 @@ def _does_not_fit(plan, args: argparse.Namespace) -> str:
             f"({given}): raise ZeRO's stage, tensor or pipeline parallelism, turn on "
             "activation recomputation, or lower train.micro_batch_size (`pretrain plan "
             "--search` ranks the layouts that fit)")
-
-
-def _step_checkpoints(cfg) -> bool:
-    """Whether the run saves step checkpoints (layouts that cannot resume them are not offered)."""
-    return bool(cfg.checkpoint.save_interval or cfg.checkpoint.save_interval_minutes)

@@ -272,16 +272,14 @@ def slowdown_text(plan: Plan, best: Plan, *, best_is: str = "#1") -> str:
             f"{sum(diff.values()):.2f} s more per step, " + ", ".join(shown))
 
 
-def slower_layout_warnings(model: ModelConfig, plan: Plan, *, margin: float,
-                           step_checkpoints: bool = False) -> list[str]:
+def slower_layout_warnings(model: ModelConfig, plan: Plan, *, margin: float) -> list[str]:
     """`warnings_against_best` of `plan` and a search of its cluster with `margin` (the same
     global batch, precision and train.engine, the ZeRO stages and offloads a shipped DeepSpeed
     JSON selects)."""
     engines = shipped_ds_configs()
     plans = search(model, plan.cluster, global_batch=plan.layout.global_batch,
                    precision=plan.layout.precision, engines=set(engines), memory_margin=margin,
-                   engine=plan.engine, fp8=plan.layout.fp8, optimizer=plan.layout.optimizer,
-                   step_checkpoints=step_checkpoints)
+                   engine=plan.engine, fp8=plan.layout.fp8, optimizer=plan.layout.optimizer)
     return warnings_against_best(plan, plans, margin=margin, ds_configs=engines)
 
 

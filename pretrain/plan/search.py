@@ -17,7 +17,7 @@ from typing import Any
 from pretrain.arithmetic import stage_items
 from pretrain.config import Engine, ModelConfig, Precision, Recompute
 from pretrain.errors import ConfigError
-from pretrain.resolve.layout import Layout, check_expert_grid_engine, check_layout, expert_grid
+from pretrain.resolve.layout import Layout, check_expert_grid_engine, check_layout
 from pretrain.plan.clusters import MEMORY_USABLE_FRACTION, Cluster
 from pretrain.plan.memory import GB, MemoryBreakdown, fsdp2_stage_memory, stage_memory
 from pretrain.plan.step_time import TimeBreakdown, estimate_time
@@ -120,7 +120,7 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
            engines: set[tuple[int, str, str]] | None = None,
            contexts: tuple[int, ...] | None = None, memory_margin: float = 0.0,
            engine: Engine = Engine.DEEPSPEED, fp8: str = "none",
-           optimizer: str = "adamw", step_checkpoints: bool = False) -> list[Plan]:
+           optimizer: str = "adamw") -> list[Plan]:
     """Every valid layout of `cluster.world_size` GPUs that fits with `memory_margin` to spare
     (`keeps_margin`) under `engine`, fastest first.
 
@@ -137,8 +137,6 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     of the same offload is allowed (both mean the same FSDP2); HSDP's replica groups as
     `hsdp_replicas` gives them; a pipeline under each of `pipeline_schedules`' schedules.
     `fp8` and `optimizer` (the run's train.fp8 and train.optimizer) are kept, not searched.
-    `step_checkpoints`: the run saves step checkpoints (checkpoint.save_interval), which the
-    expert grid (expert ranks beyond the tensor group) cannot resume yet: those layouts skipped.
     """
     check_margin(memory_margin)
     world = cluster.world_size
@@ -157,9 +155,6 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
                 micro_batches, (0, 1, 2, 3), ("none", "opt", "opt+param"),
                 (Recompute.NONE, Recompute.FULL), expert_layouts(model, tp, tp * cp * dp)):
             if offload != "none" and not allow_offload:
-                continue
-            if step_checkpoints and expert_grid(replace(base, tensor=tp, expert=ep,
-                                                        expert_tensor=etp)):
                 continue
             layout = replace(base, tensor=tp, pipeline=pp, data=dp, context=cp, micro_batch=mbs,
                              expert=ep, expert_tensor=etp,

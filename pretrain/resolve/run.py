@@ -30,7 +30,7 @@ from pretrain.resolve.ds_config import engine_fields, fill_ds_config, read_run_j
 from pretrain.errors import CheckpointError, ConfigError
 from pretrain.hardware import PrecisionChoice, choose_precision, fp8_refusal
 from pretrain.resolve.layout import (Layout, check_engine, check_expert_grid_engine,
-                                     check_layout, expert_grid, planned_precision)
+                                     check_layout, planned_precision)
 from pretrain.resolve.run_checks import check_run
 from pretrain.resolve.topology import Topology
 
@@ -76,12 +76,20 @@ LAYOUT_KEYS = ("tensor", "pipeline", "data", "context", "expert", "zero_stage", 
                "precision", "engine")
 
 
+def expert_tensor(layout: dict[str, Any]) -> int:
+    """The ranks splitting each expert in a recorded layout (`Topology`'s rule for an unset
+    parallel.expert_tensor: the tensor ranks without expert parallelism, else 1)."""
+    return layout.get("expert_tensor") or (layout.get("tensor", 1)
+                                           if layout.get("expert", 1) == 1 else 1)
+
+
 def describe(layout: dict[str, Any], *, other: dict[str, Any] | None = None) -> str:
     """`tp2 pp2 dp1 ZeRO-1`, with offload and precision when set (and, given `other`, when
     they differ from it)."""
     cp, ep = layout.get("context", 1), layout.get("expert", 1)
+    etp = expert_tensor(layout) if ep > 1 else 1
     text = (f"tp{layout['tensor']} pp{layout['pipeline']}{f' cp{cp}' if cp > 1 else ''}"
-            f"{f' ep{ep}' if ep > 1 else ''} "
+            f"{f' ep{ep}' if ep > 1 else ''}{f' etp{etp}' if etp > 1 else ''} "
             f"dp{layout['data']} ZeRO-{layout['zero_stage']}")
     if layout.get("offload", "none") != "none":
         text += f" offload {layout['offload']}"
@@ -99,7 +107,8 @@ def layout_change(saved: dict[str, Any], run: dict[str, Any]) -> str | None:
     saved = {"context": 1, "expert": 1, **saved}
     # a layout without an engine is DeepSpeed's (every checkpoint before fsdp2, and DeepSpeed's)
     saved, run = {"engine": "deepspeed", **saved}, {"engine": "deepspeed", **run}
-    if all(saved[k] == run[k] for k in LAYOUT_KEYS if k in saved and k in run):
+    if all(saved[k] == run[k] for k in LAYOUT_KEYS if k in saved and k in run) and \
+            expert_tensor(saved) == expert_tensor(run):  # each expert whole or split
         return None
     return f"{describe(saved, other=run)} -> {describe(run, other=saved)}"
 
@@ -207,14 +216,6 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     virtual_stages=p.virtual_stages, fp8=Fp8Recipe(t.fp8).value,
                     optimizer=Optimizer(t.optimizer).value)
     check_layout(m, layout)
-    if expert_grid(layout) and (cfg.checkpoint.save_interval or
-                                cfg.checkpoint.save_interval_minutes):
-        raise ConfigError(
-            f"checkpoint.save_interval with parallel.expert={p.expert} (expert ranks beyond the "
-            "tensor group): step checkpoints of this layout are not resumable yet (DeepSpeed "
-            "writes the module states of the first data rank only, and its experts are not "
-            "every rank's); final/ is written; set checkpoint.save_interval=0 and "
-            "checkpoint.save_interval_minutes=0, or the tensor ranks as expert ranks")
     check_batch_ramp(cfg, micro_batch=layout.micro_batch, data=layout.data,
                      pipeline=layout.pipeline)
     if Fp8Recipe(t.fp8) is not Fp8Recipe.NONE and layout.precision is Precision.FP16:
