@@ -159,6 +159,73 @@ def test_expert_grid_trains_like_one_process(layout, request, tiny_data, tmp_pat
         torch.testing.assert_close(final[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
+def _grid_zero1_files(root: Path) -> None:
+    """The files DeepSpeed's ZeRO-1 writes for expert 2 from 4 data ranks (tensor 1), in
+    miniature: a dense group of one 8-element tensor partitioned over the 4 data ranks, a MoE
+    group of 2 experts of 5 elements partitioned over the 2 expert-data ranks (ranks d and
+    d + 2 hold experts 2 (d % 2) and 2 (d % 2) + 1, one each: `Topology.expert_coords`); the
+    model states (data rank 0's) name rank 0's experts. Every element of expert k is 100 k + its index (its
+    exp_avg the negative), the dense tensor's 1000 + its index."""
+    dense = "model.norm.weight"
+    expert = "model.layers.0.mlp.experts.{}.down_proj.weight"
+    torch.save({"param_shapes": [{dense: torch.Size([8])},
+                                 {expert.format(0): torch.Size([5]),
+                                  expert.format(1): torch.Size([5])}]},
+               root / "mp_rank_00_model_states.pt")
+    for d in range(4):
+        ep, edp = d % 2, d // 2
+        experts = torch.cat([100.0 * k + torch.arange(5.0) for k in (2 * ep, 2 * ep + 1)])
+        flat = [1000.0 + torch.arange(8.0)[2 * d:2 * d + 2], experts[5 * edp:5 * edp + 5]]
+        torch.save({"optimizer_state_dict": {
+            "zero_stage": 1, "partition_count": [4, 2], "single_partition_of_fp32_groups": flat,
+            "param_alignment_paddings": [[0], [0, 0]],
+            "param_slice_mappings": [{dense: None}, {expert.format(2 * ep + edp): None}],
+            "base_optimizer_state": {"state": {g: {"exp_avg": -t} for g, t in enumerate(flat)}}}},
+            root / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
+
+
+def test_the_reader_finds_every_expert_of_a_grid_checkpoint_in_its_expert_ranks_files(tmp_path):
+    """Each expert's master and moments are read from the files of the ranks holding it (its
+    expert rank's, concatenated in expert-data order, under names moved from the first rank's),
+    whole and by element runs across the two partitions; a file holding an expert its place in
+    the grid does not give it is refused."""
+    from pretrain.checkpoint.weights import expert_files
+    from pretrain.checkpoint.zero_shards import ZeroMasters
+    from pretrain.config import load_config
+    from pretrain.errors import CheckpointError
+    from pretrain.testing.runs import REPO
+
+    cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"), ["parallel.expert=2"])
+    placement = expert_files(cfg, mp_rank=0, replicas=4)
+    assert (placement.expert, placement.position, placement.shift) == (
+        ((0, 0), (0, 1), (0, 0), (0, 1)), (0, 0, 1, 1), (0, 2, 0, 2))
+    split = load_config(str(REPO / "configs" / "tiny_moe.yaml"), [
+        "parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=2"])
+    placement = expert_files(split, mp_rank=1, replicas=2)  # tensor rank 1: ranks 1 and 3
+    assert (placement.expert, placement.shift) == (((1, 0), (1, 1)), (0, 2))
+    assert expert_files(load_config(str(REPO / "configs" / "tiny_moe.yaml"), [
+        "parallel.tensor=2", "parallel.expert=2"]), mp_rank=0, replicas=1) is None
+
+    _grid_zero1_files(tmp_path)
+    grid = expert_files(cfg, mp_rank=0, replicas=4)
+    masters = ZeroMasters(tmp_path, mp_rank=0, experts=grid)
+    moments = ZeroMasters(tmp_path, mp_rank=0, key="exp_avg", experts=grid)
+    expert = "model.layers.0.mlp.experts.{}.down_proj.weight"
+    assert sorted(masters) == sorted(["model.norm.weight", *(expert.format(k) for k in range(4))])
+    for k in range(4):
+        assert torch.equal(masters[expert.format(k)], 100.0 * k + torch.arange(5.0)), k
+        assert torch.equal(moments[expert.format(k)], -(100.0 * k + torch.arange(5.0))), k
+    assert torch.equal(masters["model.norm.weight"], 1000.0 + torch.arange(8.0))
+    # a run of expert 3's elements: in rank 3's file (expert rank 1, expert-data rank 1)
+    assert masters.read_runs(expert.format(3), [(1, 4)]).tolist() == [301.0, 302.0, 303.0]
+    with pytest.raises(CheckpointError, match="config places no experts there"):
+        ZeroMasters(tmp_path, mp_rank=0)
+    swapped = expert_files(cfg, mp_rank=0, replicas=4)
+    swapped = type(swapped)(expert=swapped.expert, position=swapped.position, shift=(0, 0, 0, 0))
+    with pytest.raises(CheckpointError, match="which its place in the expert grid does not"):
+        ZeroMasters(tmp_path, mp_rank=0, experts=swapped)
+
+
 # ---- step checkpoints of the grid, resumed on any layout -----------------------------------------
 
 # DeepSeek-V3 (tests/test_families.py's tiny shape: 8 experts in 4 groups, shared experts, layer
