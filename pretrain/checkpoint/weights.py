@@ -256,9 +256,10 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
     for mp_rank in range(tp * pp):
         tp_index = mp_rank % tp
         if zero >= 1:
+            # each replica of the shard (data x context) wrote one optimizer file
+            replicas = len(list(step_dir.glob(f"*mp_rank_{mp_rank:02d}_optim_states.pt")))
             local = ZeroMasters(step_dir, mp_rank=mp_rank, key=key,
-                                experts=expert_files(run_cfg, mp_rank=mp_rank,
-                                                     replicas=int(meta.get("dp_world_size", 1))))
+                                experts=expert_files(run_cfg, mp_rank=mp_rank, replicas=replicas))
         else:
             local = _zero0_optimizer_tensors(step_dir, mp_rank=mp_rank, key=key,
                                              pipelined=pp > 1)
