@@ -245,7 +245,8 @@ def engine_tensors(step_dir: Path, key: str | None = None) -> "MergedShards":
         shards = fsdp2_shards(step_dir, key)
         return MergedShards(shards, cfg=run_cfg.model, tp=run_cfg.parallel.tensor,
                             source=str(step_dir) if key is None else f"{step_dir} ({key})",
-                            whole_experts=run_cfg.parallel.expert > 1)
+                            whole_experts=run_cfg.parallel.expert > 1
+                            and run_cfg.parallel.expert_tensor <= 1)  # else split like the MLP
     cfg, tp, pp = run_cfg.model, run_cfg.parallel.tensor, run_cfg.parallel.pipeline
     zero = int(meta.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
     if meta.get("mp_world_size", tp * pp) != tp * pp:

@@ -207,14 +207,15 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     virtual_stages=p.virtual_stages, fp8=Fp8Recipe(t.fp8).value,
                     optimizer=Optimizer(t.optimizer).value)
     check_layout(m, layout)
-    if expert_grid(layout) and (cfg.checkpoint.save_interval or
-                                cfg.checkpoint.save_interval_minutes):
+    if expert_grid(layout) and layout.engine != "fsdp2" and (
+            cfg.checkpoint.save_interval or cfg.checkpoint.save_interval_minutes):
         raise ConfigError(
             f"checkpoint.save_interval with parallel.expert={p.expert} (expert ranks beyond the "
             "tensor group): step checkpoints of this layout are not resumable yet (DeepSpeed "
             "writes the module states of the first data rank only, and its experts are not "
             "every rank's); final/ is written; set checkpoint.save_interval=0 and "
-            "checkpoint.save_interval_minutes=0, or the tensor ranks as expert ranks")
+            "checkpoint.save_interval_minutes=0, train.engine=fsdp2 (its step checkpoints of "
+            "the grid resume), or the tensor ranks as expert ranks")
     check_batch_ramp(cfg, micro_batch=layout.micro_batch, data=layout.data,
                      pipeline=layout.pipeline)
     if Fp8Recipe(t.fp8) is not Fp8Recipe.NONE and layout.precision is Precision.FP16:
