@@ -35,7 +35,8 @@ FSDP2_GRID = {  # name: (ranks, overrides)
 def test_fsdp2_runs_the_expert_grid_and_refuses_what_it_does_not_verify():
     """fsdp2 lays out every grid layout DeepSpeed's engine takes, at any ZeRO stage of its JSON
     (ZeRO-3 included, which DeepSpeed refuses and whose refusal names fsdp2), step checkpoints
-    on; pipelines and HSDP replicas of the grid are refused with the reason and the fix."""
+    on, and pipelines (fsdp2's schedules); HSDP replicas of the grid are refused with the
+    reason and the fix, as DeepSpeed's pipeline engine is (naming fsdp2)."""
     import dataclasses
 
     from pretrain.config import load_config
@@ -57,9 +58,9 @@ def test_fsdp2_runs_the_expert_grid_and_refuses_what_it_does_not_verify():
                                           r"set train.engine=fsdp2 \(the experts fully sharded"):
         check_expert_grid_engine(_grid(zero_stage=3))
     wide = dataclasses.replace(CFG, num_heads=8, num_kv_heads=4)
+    check_layout(wide, _grid(engine="fsdp2", pipeline=2))  # fsdp2's schedules, not DeepSpeed's
     for layout, message in (
-            (_grid(engine="fsdp2", pipeline=2),
-             "parallel.pipeline=2 with .* under train.engine=fsdp2: .*set parallel.pipeline=1"),
+            (_grid(pipeline=2), "DeepSpeed's pipeline engine .*set train.engine=fsdp2"),
             (_grid(engine="fsdp2", data=4, fsdp2_replicas=2),
              "train.fsdp2_replicas=2 with .*set train.fsdp2_replicas=1")):
         with pytest.raises(ConfigError, match=message):
@@ -242,3 +243,37 @@ def test_each_gradient_is_reduce_scattered_over_its_group_under_fsdp2(tmp_path):
                 sizes[where] += elements
         assert sizes == {"expert_data": result["expert_elements"],
                          "data": result["other_elements"]}, (rank, sizes)
+
+
+# ---- pipelines ------------------------------------------------------------------------------------
+
+# 4 layers (4 stages of a V need a layer each), 8 micro-batches of 1 a step: 4 a data rank,
+# as many as DualPipeV's stages
+PIPE_MODEL = ["model.num_layers=4", "train.micro_batch_size=1", "train.global_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def moe4_reference_batch8(tiny_data, tmp_path_factory):
+    """One process under DeepSpeed, tiny_moe with `PIPE_MODEL`'s layers and batch."""
+    return _moe_train(tmp_path_factory.mktemp("moe4_b8"), tiny_data, name="single",
+                      overrides=PIPE_MODEL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, virtual, json", [
+    ("1f1b", 1, "zero3"), ("interleaved_1f1b", 2, "zero3"), ("zero_bubble", 2, "zero2"),
+    ("zbv", 2, "zero2"), ("dualpipe_v", 2, "zero2")])
+def test_pipeline2_expert_grid_equals_one_process(schedule, virtual, json, moe4_reference_batch8,
+                                                  tiny_data, tmp_path):
+    """4 ranks: 2 stages (4 interleaved or in a V) of 2 data ranks, which are each stage's
+    expert ranks (2 whole experts each): each stage's expert units sharded over their
+    expert-data ranks (here one), their gradients accumulated over the schedule's micro-batches
+    (the zero-bubble schedules' weight gradients apart) and reduced at its end."""
+    run = _moe_train(tmp_path, tiny_data, name=schedule, nprocs=4, overrides=[
+        *PIPE_MODEL, "train.engine=fsdp2", f"deepspeed=ds_configs/{json}.json",
+        "parallel.pipeline=2", "parallel.expert=2",
+        f"parallel.pipeline_schedule={schedule}", f"parallel.virtual_stages={virtual}"])
+    head = run.records[0]
+    assert (head["engine"], head["pipeline"], head["data_parallel"]) == ("fsdp2", 2, 2)
+    assert f"[pipeline] {schedule}" in run.stdout
+    _assert_same_steps(run, moe4_reference_batch8)

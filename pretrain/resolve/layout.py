@@ -259,20 +259,16 @@ def expert_grid_refusal(layout: Layout, *, ep: int, etp: int) -> None:
     shards the experts over their expert-data ranks at any ZeRO stage of its JSON)."""
     tp, what = layout.tensor, f"parallel.expert={ep} x parallel.expert_tensor={etp}"
     fix = _grid_fix(layout)
-    if layout.engine == "fsdp2" and layout.pipeline > 1:
-        raise ConfigError(f"parallel.pipeline={layout.pipeline} with {what} (expert ranks beyond "
-                          "the tensor group) under train.engine=fsdp2: the pipeline stages' "
-                          "expert units are not verified yet; set parallel.pipeline=1, or "
-                          f"{fix.split(', or ')[-1]}")
     if layout.engine == "fsdp2" and layout.fsdp2_replicas > 1:
         raise ConfigError(f"train.fsdp2_replicas={layout.fsdp2_replicas} with {what} (expert "
                           "ranks beyond the tensor group): the experts are sharded over their "
                           "expert-data ranks, not over HSDP's replica x shard mesh; set "
                           "train.fsdp2_replicas=1")
-    if layout.pipeline > 1:
+    if layout.pipeline > 1 and layout.engine == "deepspeed":
         raise ConfigError(f"parallel.pipeline={layout.pipeline} with {what} (expert ranks beyond "
                           "the tensor group): DeepSpeed's pipeline engine takes no MoE parameter "
-                          f"groups; set parallel.pipeline=1, or {fix.split(', or ')[-1]}")
+                          f"groups; set train.engine=fsdp2 or parallel.pipeline=1, or "
+                          f"{fix.split(', or ')[-1]}")
     if layout.context > 1:
         raise ConfigError(f"parallel.context={layout.context} with {what} (expert ranks beyond "
                           "the tensor group): not supported yet (the auxiliary losses and "
