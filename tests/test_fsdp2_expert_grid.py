@@ -74,6 +74,38 @@ def test_fsdp2_runs_the_expert_grid_and_refuses_what_it_does_not_verify():
         resolve_layout(cfg, topo)
 
 
+def test_the_planner_shards_fsdp2_experts_over_the_expert_data_ranks_and_searches_the_grid():
+    """Under fsdp2 a grid layout's routed experts are sharded over the expert-data ranks, the
+    rest over the data ranks; the search spreads experts over the grid at ZeRO-3 and in
+    pipelines too, with step checkpoints (fsdp2's resume)."""
+    from dataclasses import replace
+
+    from pretrain.arithmetic import stage_expert_parameters, stage_items, stage_parameters
+    from pretrain.config import Engine, Precision, load_config
+    from pretrain.plan.clusters import make_cluster
+    from pretrain.plan.memory import fsdp2_stage_memory
+    from pretrain.plan.search import search
+    from pretrain.resolve.layout import Layout, expert_grid
+    from pretrain.testing.runs import REPO
+
+    moe = load_config(REPO / "configs" / "mixtral_8x7b.yaml").model
+    layout = Layout(data=16, expert=8, global_batch=64, zero_stage=3, engine="fsdp2",
+                    precision=Precision.BF16)
+    (items,) = stage_items(moe, layout)
+    n, experts = stage_parameters(moe, layout, items), stage_expert_parameters(moe, layout, items)
+    memory = fsdp2_stage_memory(moe, layout, items)
+    assert memory.params == pytest.approx(4 * (n - experts) / 16 + 4 * experts / 2)
+    # the same shard as all experts over 16 ranks; what a layer gathers is 1/8 of the experts
+    dense = replace(layout, expert=1)
+    assert memory.buffers < fsdp2_stage_memory(moe, dense, stage_items(moe, dense)[0]).buffers
+    plans = search(moe, make_cluster("h100-80gb", nodes=2), global_batch=64,
+                   micro_batches=(1,), engine=Engine.FSDP2, step_checkpoints=True)
+    grid = [p.layout for p in plans if expert_grid(p.layout)]
+    assert grid and {g.zero_stage for g in grid} >= {3}, {g.zero_stage for g in grid}
+    assert any(g.pipeline > 1 for g in grid)
+    assert all(g.fsdp2_replicas == 1 for g in grid)
+
+
 # where each layout's step-3 checkpoint resumes: (name, ranks, overrides); None: not resumed
 RESUMES = {
     "expert2_dp2": ("same_layout", 2, [*FSDP2, "parallel.expert=2"]),

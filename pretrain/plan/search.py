@@ -138,7 +138,8 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
     `hsdp_replicas` gives them; a pipeline under each of `pipeline_schedules`' schedules.
     `fp8` and `optimizer` (the run's train.fp8 and train.optimizer) are kept, not searched.
     `step_checkpoints`: the run saves step checkpoints (checkpoint.save_interval), which the
-    expert grid (expert ranks beyond the tensor group) cannot resume yet: those layouts skipped.
+    expert grid (expert ranks beyond the tensor group) cannot resume yet under DeepSpeed: those
+    layouts skipped (fsdp2's resume).
     """
     check_margin(memory_margin)
     world = cluster.world_size
@@ -158,8 +159,8 @@ def search(model: ModelConfig, cluster: Cluster, *, global_batch: int,
                 (Recompute.NONE, Recompute.FULL), expert_layouts(model, tp, tp * cp * dp)):
             if offload != "none" and not allow_offload:
                 continue
-            if step_checkpoints and expert_grid(replace(base, tensor=tp, expert=ep,
-                                                        expert_tensor=etp)):
+            if step_checkpoints and engine is not Engine.FSDP2 and expert_grid(replace(
+                    base, tensor=tp, expert=ep, expert_tensor=etp)):
                 continue
             layout = replace(base, tensor=tp, pipeline=pp, data=dp, context=cp, micro_batch=mbs,
                              expert=ep, expert_tensor=etp,
