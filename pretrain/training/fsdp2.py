@@ -24,6 +24,13 @@ FSDP2 reduce-scatters a gradient in the row and all-reduces the shard over the c
 replica groups hold the same shards: the gradient norm sums over one row, and the first row
 alone writes checkpoints (files as at dp = the row's size).
 
+The expert grid (expert ranks taken from the data ranks, `ProcessGroups.expert_data`): each MoE
+layer's local experts (`moe.LocalExperts`, whose forward runs them, so FSDP2's hooks fire) are a
+unit of their own over the expert-data ranks, inside the layer's unit over the data group
+(`_shard_experts`); their gradients are divided by the data size, not the expert-data size. Each
+expert element then lives on one rank of the stage, so the gradient norm and the checkpoint
+files (rows by name, each expert in the files of the ranks holding it) need nothing new.
+
 What a step does matches DeepSpeed's engine: the loss of each micro-batch is divided by the
 gradient accumulation before backward, FSDP2 reduce-scatters the gradients (averaged over the
 replicas, in fp32 under bf16's `MixedPrecisionPolicy`), and at the last micro-batch the
