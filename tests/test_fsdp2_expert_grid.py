@@ -158,6 +158,19 @@ def test_fsdp2_expert_grid_trains_like_one_process_and_resumes(layout, request, 
     _assert_same_steps(resumed, reference, first_step=4)
 
 
+@pytest.mark.slow
+def test_a_deepspeed_checkpoint_of_one_process_continues_on_the_fsdp2_grid(moe_reference,
+                                                                            tiny_data, tmp_path):
+    """The one process's DeepSpeed step-3 checkpoint continued by fsdp2 at expert 2 x dp 2:
+    each rank reads its experts' rows by name from DeepSpeed's flat partitions."""
+    saved = moe_reference.run_dir / "checkpoints" / "step3"
+    shutil.copytree(saved, tmp_path / "grid" / "checkpoints" / saved.name)
+    resumed = _moe_train(tmp_path, tiny_data, name="grid", nprocs=2,
+                         overrides=[*FSDP2, "parallel.expert=2"])
+    assert resumed.records[0]["engine"] == "fsdp2" and "resharded" in resumed.stdout
+    _assert_same_steps(resumed, moe_reference, first_step=4)
+
+
 # ---- the families -------------------------------------------------------------------------------
 
 def _family_grid_layouts() -> dict:
