@@ -60,7 +60,6 @@ def test_expert_grid_layouts_the_stack_cannot_run_are_refused_with_the_reason_an
     layout_refusals = [
         (_grid(pipeline=2), "parallel.pipeline=2 with .*MoE parameter groups"),
         (_grid(context=2), "parallel.context=2 with parallel.expert=2"),
-        (_grid(engine="fsdp2"), "train.engine=fsdp2 with parallel.expert=2"),
         (_grid(tensor=4, data=2, expert=2), r"set parallel.expert to a multiple of 4"),
         (_grid(optimizer="muon"), "train.optimizer=muon with"),
     ]

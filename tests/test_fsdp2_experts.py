@@ -168,14 +168,12 @@ def test_fsdp2_lays_out_experts_over_the_tensor_ranks_and_refuses_the_rest():
         _lay_out(["parallel.tensor=2", "parallel.expert=2", "train.optimizer=muon"])
     with pytest.raises(ConfigError, match="model.compile=true"):
         _lay_out(["model.compile=true"])
-    # expert ranks from the data ranks (the layout the DeepSpeed engine takes): fsdp2 does not
-    # shard experts over expert-data groups; said whatever the general layout rules say
+    # expert ranks from the data ranks (the expert grid): its own rules
+    # (tests/test_fsdp2_expert_grid.py), none of these
     common = dict(num_experts=4, fp16=False, zero_stage=3, offload=["none", "none"],
                   where="zero3.json")
     assert layout_refusals(**common, expert=2, tensor=2) == []
     assert layout_refusals(**common) == []
-    for refused in (dict(expert=2, tensor=1), dict(expert=4, tensor=2),
-                    dict(expert=2, tensor=2, expert_tensor=2)):
-        (reason,) = layout_refusals(**common, **refused)
-        assert "expert-data groups, which fsdp2 does not do yet" in reason, reason
-        assert f"parallel.expert={refused['expert']}" in reason
+    for grid in (dict(expert=2, tensor=1), dict(expert=4, tensor=2),
+                 dict(expert=2, tensor=2, expert_tensor=2)):
+        assert layout_refusals(**common, **grid) == []

@@ -36,6 +36,7 @@ from deepspeed.checkpoint import ds_to_universal
 import pretrain.checkpoint.safe_load as safe_load
 from pretrain.checkpoint.paths import (FINAL, read_meta, step_dirs, verify, write_latest,
                                        write_manifest)
+from pretrain.checkpoint.fsdp2_state import is_fsdp2_checkpoint
 from pretrain.checkpoint.reshard import (_resume_schedule, derived_rng_seed, load_into_fsdp2,
                                          load_resharded, seed_generators)
 from pretrain.checkpoint.weights import writing_final
@@ -416,12 +417,13 @@ def _final_expert(param, name: str, m, *, owner: tuple[int, int], groups, zero3:
                if r // stage_size == stage and grid(r)[1] == expert]
     sender = next(r for r in holders if grid(r)[0] == 0 and grid(r)[2] == 0)
     full = None
-    if topology.rank in holders and isinstance(param, DTensor):
-        full = param.detach().full_tensor()  # fsdp2: all-gathered over the data group
-    elif topology.rank in holders:
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None) if zero3 \
-                else contextlib.nullcontext():
-            full = param.detach().clone()
+    if topology.rank in holders:
+        if isinstance(param, DTensor):  # fsdp2: all-gathered over its (expert-)data group
+            full = param.detach().full_tensor()
+        else:
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None) if zero3 \
+                    else contextlib.nullcontext():
+                full = param.detach().clone()
         if topology.expert_tensor > 1 and topology.expert > 1:  # split over the tensor group
             full = (gather_tensor_parallel_state({name: full}, cfg=m,
                                                  tp_group=tensor_parallel_group(groups))[name]

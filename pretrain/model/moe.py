@@ -196,6 +196,25 @@ def looped_outputs(experts: list[Expert], rows: torch.Tensor, sizes: list[int]) 
     return torch.cat([expert(part) for expert, part in zip(experts, rows.split(sizes))])
 
 
+class LocalExperts(nn.ModuleDict):
+    """An expert-parallel rank's experts under their global indices (`experts.M`, so the
+    parameter names are the layer's own), whose forward runs them all over the rows it is
+    given: the unit `fully_shard` shards apart from the rest of its layer on the expert grid
+    (`pretrain.training.fsdp2`), whose hooks fire on a module's forward."""
+
+    # set by `_local_experts`: the gradients are reduced over the expert-data ranks
+    reduced_apart = False
+
+    def forward(self, rows: torch.Tensor, sizes: list[int], counts: torch.Tensor,
+                grouped: bool) -> torch.Tensor:
+        """The outputs of `rows` grouped by local expert: `sizes` (host ints) or `counts` (the
+        same on the device) rows each, as `grouped_outputs` or `looped_outputs`."""
+        experts = list(self.values())
+        if grouped:
+            return grouped_outputs(experts, rows, counts)
+        return looped_outputs(experts, rows, sizes)
+
+
 class Routing:
     """The router's decisions for N tokens: which expert each kept assignment goes to."""
 
@@ -469,13 +488,10 @@ class MoE(nn.Module):
         kept = sum(counts.kept)
         token, weight = routing.token[:kept], routing.weight[:kept]
         tokens = flat.index_select(0, token)  # (M, C) grouped by expert
-        experts = list(self.experts.values())
-        if self._grouped(flat, experts):
-            def compute(rows, sizes, on_device):
-                return grouped_outputs(experts, rows, on_device)
-        else:
-            def compute(rows, sizes, on_device):
-                return looped_outputs(experts, rows, sizes)
+        grouped = self._grouped(flat, list(self.experts.values()))
+
+        def compute(rows, sizes, on_device):  # through the container's forward (FSDP2's unit)
+            return self.experts(rows, sizes, on_device, grouped)
         outputs = run_experts(compute, tokens, counts, group)
         weighted = (outputs * weight[:, None]).to(flat.dtype)
         return torch.zeros_like(flat).index_add(0, token, weighted)
@@ -504,16 +520,17 @@ def expert_group_name(size: int) -> str:
 
 
 def _local_experts(cfg: ModelConfig, *, rank: int, size: int, project: Callable, tp_group=None,
-                   reduced_apart: bool = False) -> nn.ModuleDict:
+                   reduced_apart: bool = False) -> LocalExperts:
     """Expert rank `rank` of `size`'s experts under their global indices (`experts.M.*`):
     whole (tagged so the initialisation, gradient norm and checkpoints treat them as this
     rank's own shard), or split over `tp_group` like the dense MLP. `reduced_apart`: their
     gradients are reduced over the expert-data ranks, not the data group (DeepSpeed's MoE
     parameters: `allreduce` False, `group_name`)."""
     local = cfg.num_experts // size
-    experts = nn.ModuleDict({str(rank * local + j): Expert(cfg, tp_group=tp_group,
-                                                           project=project)
-                             for j in range(local)})
+    experts = LocalExperts({str(rank * local + j): Expert(cfg, tp_group=tp_group,
+                                                          project=project)
+                            for j in range(local)})
+    experts.reduced_apart = reduced_apart
     for param in experts.parameters():
         if tp_group is None:
             param.expert_parallel = True  # whole, on one rank of the group

@@ -12,8 +12,9 @@ The DeepSpeed JSON stays the one place that chooses sharding and offload, read t
 - `offload_optimizer` or `offload_param` on "cpu": `CPUOffloadPolicy` (parameters, gradients
   and optimizer state in host memory, the optimizer step on the CPU); "nvme" is refused.
 
-Mixtures of experts (`model.num_experts` > 0) run with expert parallelism 1 or equal to the
-tensor ranks (`layout_refusals` says what else is refused); the engine does for them what
+Mixtures of experts (`model.num_experts` > 0) run with expert parallelism 1, equal to the
+tensor ranks, or on the expert grid (experts sharded over their expert-data ranks;
+`layout_refusals` says what else is refused); the engine does for them what
 DeepSpeed's does: the auxiliary losses' gradient scale, the router's gradient summed over the
 tensor group once per step, whole experts counted once in the gradient norm, the DeepSeek-V3
 bias stepped after each step and carried in the checkpoints.
@@ -104,21 +105,13 @@ def layout_refusals(*, num_experts: int, fp16: bool, zero_stage: int, offload: l
     """Why fsdp2 cannot run a layout (empty: it can): what the planner checks of a layout it
     plans, and `check_fsdp2` of a run config.
 
-    Mixtures of experts run with expert parallelism 1 or over the tensor ranks (each tensor
-    rank's experts, split or whole, sharded over its data group like every other parameter);
-    expert ranks taken from the data ranks would need the experts fully_shard over their
-    expert-data groups while the model's dispatch sends tokens over the expert group: refused
-    until both exist, as are FP8 matmuls of experts and Muon over whole experts (not verified
-    under fully_shard)."""
+    Mixtures of experts run with expert parallelism 1, over the tensor ranks (each tensor rank's
+    experts, split or whole, sharded over its data group like every other parameter) or on the
+    expert grid (expert ranks taken from the data ranks: each layer's local experts a unit of
+    their own, sharded over their expert-data ranks; `resolve.layout.expert_grid_refusal` says
+    what of it is refused); FP8 matmuls of experts and Muon over whole experts are refused (not
+    verified under fully_shard)."""
     refusals = []
-    if num_experts and expert > 1 and (expert != tensor or expert_tensor > 1):
-        refusals.append(
-            f"parallel.expert={expert} with parallel.tensor={tensor} and parallel.expert_tensor="
-            f"{expert_tensor}: fsdp2 runs experts whose expert ranks are the tensor ranks "
-            f"(parallel.expert=1 or {tensor}, parallel.expert_tensor 0 or 1); expert ranks "
-            "taken from the data ranks need the experts sharded over their expert-data groups, "
-            "which fsdp2 does not do yet; use train.engine=deepspeed or parallel.expert="
-            f"{tensor}")
     if num_experts and fp8 != "none":
         refusals.append(f"train.fp8={fp8} with model.num_experts={num_experts}: the experts' FP8 "
                         "matmuls under fully_shard are not verified; set train.fp8=none or use "

@@ -236,9 +236,13 @@ def check_expert_grid_engine(layout: Layout) -> None:
     if layout.zero_stage not in (1, 2):
         reason = ("DeepSpeed refuses MoE parameter groups at ZeRO-3" if layout.zero_stage == 3
                   else "ZeRO-0 all-reduces every gradient over the data group, experts included")
+        fix = _grid_fix(layout)
+        if layout.zero_stage == 3:  # fully sharded experts: fsdp2's unit over expert-data ranks
+            fix = fix.replace("use ds_configs", "set train.engine=fsdp2 (the experts fully "
+                              "sharded over their expert-data ranks), or use ds_configs", 1)
         raise ConfigError(f"zero_optimization.stage={layout.zero_stage} with {what}: {reason}; "
                           "the experts' gradients must be reduced over the ranks holding the "
-                          f"same experts; {_grid_fix(layout)}")
+                          f"same experts; {fix}")
     if layout.zero_stage == 1 and layout.precision is Precision.BF16:
         raise ConfigError(f"bf16 at ZeRO-1 with {what}: DeepSpeed steps it with its BF16_Optimizer, "
                           "whose gradients the engine all-reduces over the data group, experts "
@@ -251,17 +255,20 @@ def check_expert_grid_engine(layout: Layout) -> None:
 
 def expert_grid_refusal(layout: Layout, *, ep: int, etp: int) -> None:
     """The layouts the expert grid (expert ranks beyond the tensor group) cannot run yet, each
-    refused with its reason (its ZeRO stage: `check_expert_grid_engine`)."""
+    refused with its reason (its ZeRO stage under DeepSpeed: `check_expert_grid_engine`; fsdp2
+    shards the experts over their expert-data ranks at any ZeRO stage of its JSON)."""
     tp, what = layout.tensor, f"parallel.expert={ep} x parallel.expert_tensor={etp}"
     fix = _grid_fix(layout)
-    if layout.engine != "deepspeed":
-        raise ConfigError(f"train.engine={layout.engine} with {what} (expert ranks beyond the "
-                          f"tensor group): the DeepSpeed engine runs it; set train.engine="
-                          f"deepspeed and {fix}")
-    if layout.pipeline > 1:
+    if layout.engine == "fsdp2" and layout.fsdp2_replicas > 1:
+        raise ConfigError(f"train.fsdp2_replicas={layout.fsdp2_replicas} with {what} (expert "
+                          "ranks beyond the tensor group): the experts are sharded over their "
+                          "expert-data ranks, not over HSDP's replica x shard mesh; set "
+                          "train.fsdp2_replicas=1")
+    if layout.pipeline > 1 and layout.engine == "deepspeed":
         raise ConfigError(f"parallel.pipeline={layout.pipeline} with {what} (expert ranks beyond "
                           "the tensor group): DeepSpeed's pipeline engine takes no MoE parameter "
-                          f"groups; set parallel.pipeline=1, or {fix.split(', or ')[-1]}")
+                          f"groups; set train.engine=fsdp2 or parallel.pipeline=1, or "
+                          f"{fix.split(', or ')[-1]}")
     if layout.context > 1:
         raise ConfigError(f"parallel.context={layout.context} with {what} (expert ranks beyond "
                           "the tensor group): not supported yet (the auxiliary losses and "

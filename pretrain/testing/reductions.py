@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce",
-              "all_reduce_coalesced")
+# reduce_scatter_single: torch 2.13's name of reduce_scatter_tensor, which FSDP2 calls
+REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter",
+              "reduce", "all_reduce_coalesced")
 
 
 @contextlib.contextmanager
@@ -25,7 +26,7 @@ def recorded_reductions(describe: Callable[[str, tuple[int, ...], Any], Any]) ->
     def recording(op):
         def reduce(*args, **kwargs):
             tensor = kwargs.get("tensor", args[0] if args else None)
-            if op == "reduce_scatter_tensor":
+            if op in ("reduce_scatter_tensor", "reduce_scatter_single"):
                 tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
             group = tuple(dist.get_process_group_ranks(kwargs.get("group") or
                                                        dist.group.WORLD))

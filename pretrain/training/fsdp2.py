@@ -24,6 +24,13 @@ FSDP2 reduce-scatters a gradient in the row and all-reduces the shard over the c
 replica groups hold the same shards: the gradient norm sums over one row, and the first row
 alone writes checkpoints (files as at dp = the row's size).
 
+The expert grid (expert ranks taken from the data ranks, `ProcessGroups.expert_data`): each MoE
+layer's local experts (`moe.LocalExperts`, whose forward runs them, so FSDP2's hooks fire) are a
+unit of their own over the expert-data ranks, inside the layer's unit over the data group
+(`_shard_experts`); their gradients are divided by the data size, not the expert-data size. Each
+expert element then lives on one rank of the stage, so the gradient norm and the checkpoint
+files (rows by name, each expert in the files of the ranks holding it) need nothing new.
+
 What a step does matches DeepSpeed's engine: the loss of each micro-batch is divided by the
 gradient accumulation before backward, FSDP2 reduce-scatters the gradients (averaged over the
 replicas, in fp32 under bf16's `MixedPrecisionPolicy`), and at the last micro-batch the
@@ -59,6 +66,7 @@ from pretrain.model import canonical_buffers, canonical_parameters
 from pretrain.model.build import construct_for_layout, tensor_parallel_group
 from pretrain.model.layers import RotaryEmbedding, rotary_embedding
 from pretrain.model.llama import INIT_BLOCK, DecoderLayer, _draw_init, shard_range
+from pretrain.model.expert_parallel import ExpertGroups, expert_groups_of
 from pretrain.model.moe import MoE
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_rank, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
@@ -69,21 +77,48 @@ FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step director
 
 
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
-                bf16: bool, offload: bool) -> torch.nn.Module:
+                bf16: bool, offload: bool, experts: tuple[DeviceMesh, int] | None = None
+                ) -> torch.nn.Module:
     """`fully_shard` each decoder layer of `model`, then the model itself (embedding, final norm
     and head: the root unit), in place; returns it. A 2-D `mesh` ("replicate", "shard"): HSDP.
-    Pipeline stages (`PipelineStages`): each stage is a root unit over its own layers."""
+    Pipeline stages (`PipelineStages`): each stage is a root unit over its own layers.
+
+    `experts` (the expert grid: (expert-data mesh, data-group size)): each MoE layer's local
+    experts (`LocalExperts`, reduced apart) are a unit of their own first, sharded over the
+    ranks holding the same experts, so the layer's unit leaves them out (`_shard_experts`)."""
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if bf16:  # bf16 compute, fp32 reduce-scatter; the sharded fp32 parameters are the masters
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                     reduce_dtype=torch.float32)
     if offload:  # pinned host memory for the copies to the accelerator (none on CPU ranks)
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    if experts is not None:
+        _shard_experts(model, *experts, options=options)
     for layer in (m for m in model.modules() if isinstance(m, DecoderLayer)):
         fully_shard(layer, **options)
     for root in (model.stages.values() if isinstance(model, PipelineStages) else [model]):
         fully_shard(root, **options)
     return model
+
+
+def _shard_experts(model: torch.nn.Module, mesh: DeviceMesh, data_size: int, *,
+                   options: dict[str, Any]) -> None:
+    """`fully_shard` the expert grid's local experts of every MoE layer over `mesh` (this rank's
+    expert-data group), their gradients divided by `data_size` (the data x context ranks)
+    instead of the mesh's size: each rank's expert gradient already sums what every token of
+    its expert group gave through the all-to-all, so summed over the expert-data ranks it is
+    the whole batch's, and / data is the mean over the data ranks' micro-batches that every
+    other gradient is (DeepSpeed's scaling of its MoE groups)."""
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        if not getattr(moe.experts, "reduced_apart", False):
+            continue
+        unit = fully_shard(moe.experts, **{**options, "mesh": mesh})
+        unit.set_gradient_divide_factor(float(data_size))
+        if mesh.size() > 1:
+            # sum, then divide: gloo has no PREMUL_SUM, which a factor other than the group's
+            # size asks for otherwise (on one rank FSDP2 divides once by itself, and forcing
+            # the sum there would divide twice)
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 class FSDP2Engine:
@@ -470,8 +505,12 @@ def build_fsdp2_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: Proces
                        if getattr(p, "tensor_model_parallel", False)}
     whole_experts = frozenset(name for name, p in canonical_parameters(model, cfg.model)
                               if getattr(p, "expert_parallel", False))
+    experts = None
+    if isinstance(expert_groups_of(groups), ExpertGroups):  # experts beyond the tensor group
+        experts = (DeviceMesh.from_group(groups.expert_data, device_type=device.type),
+                   torch_dist.get_world_size(groups.data))
     shard_model(model, mesh, reshard_after_forward=reshards_after_forward(zero_stage(ds_config)),
-                bf16=cfg.train.precision is Precision.BF16, offload=offload)
+                bf16=cfg.train.precision is Precision.BF16, offload=offload, experts=experts)
     # under CPUOffloadPolicy the shards live in host memory, the buffers beside the compute
     model.to_empty(device=torch.device("cpu") if offload else device)
     for name, p in canonical_parameters(model, cfg.model):  # the parameters now held: whole
