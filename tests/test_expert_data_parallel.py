@@ -39,7 +39,10 @@ def test_expert_grid_layouts_the_stack_cannot_run_are_refused_with_the_reason_an
 
     for ok in (_grid(), _grid(zero_stage=2), _grid(tensor=2, expert=2, expert_tensor=2),
                _grid(tensor=2, data=2, expert=4), _grid(data=4, expert=4),
-               _grid(precision=Precision.BF16, zero_stage=2)):
+               _grid(precision=Precision.BF16, zero_stage=2),
+               # what composes with the grid: context (ulysses, all-gather), CPU Adam, Muon
+               _grid(context=2, data=1), _grid(context=2, context_kind="allgather", expert=4),
+               _grid(zero_stage=2, offload_optimizer="cpu"), _grid(optimizer="muon")):
         check_layout(CFG, ok)
         check_expert_grid_engine(ok)
         assert expert_grid(ok)
@@ -52,16 +55,14 @@ def test_expert_grid_layouts_the_stack_cannot_run_are_refused_with_the_reason_an
         (_grid(tensor=2, expert=2, expert_tensor=2, zero_stage=3),
          r"or the tensor ranks as expert ranks \(parallel.expert=2, parallel.expert_tensor=1\)"),
         (_grid(precision=Precision.BF16), "bf16 at ZeRO-1 .*BF16_Optimizer.*zero2.json"),
-        (_grid(offload_optimizer="cpu"), "offload_optimizer=cpu with parallel.expert=2"),
     ]
     for layout, message in engine_refusals:
         with pytest.raises(ConfigError, match=message):
             check_expert_grid_engine(layout)
     layout_refusals = [
         (_grid(pipeline=2), "parallel.pipeline=2 with .*MoE parameter groups"),
-        (_grid(context=2), "parallel.context=2 with parallel.expert=2"),
+        (_grid(context=2, engine="fsdp2"), "parallel.context=2 with .*under train.engine=fsdp2"),
         (_grid(tensor=4, data=2, expert=2), r"set parallel.expert to a multiple of 4"),
-        (_grid(optimizer="muon"), "train.optimizer=muon with"),
     ]
     for layout, message in layout_refusals:
         with pytest.raises(ConfigError, match=message):
@@ -113,7 +114,35 @@ GRID_LAYOUTS = {  # name: (ranks, overrides)
     # 4 data ranks of one micro-batch of 2 each: against one process of global batch 8 (the
     # auxiliary losses are each micro-batch's: the micro-batch must be one process's)
     "expert4_dp4": (4, ["parallel.expert=4", "train.global_batch_size=8"]),
+    # the expert ranks are the context pair: the two chunks of each sequence swap their tokens,
+    # the auxiliary losses pooled over them (one micro-batch); alone, or with an expert-data
+    # peer (the other data rank's pair), the experts' gradients summed over the two
+    "expert2_cp2": (2, ["parallel.context=2", "parallel.expert=2"]),
+    "expert2_cp2_dp2": (4, ["parallel.context=2", "parallel.expert=2"]),
+    # expert 4 over both context chunks of both data ranks' micro-batches (all-gather
+    # attention): the all-to-all mixes micro-batches, the losses pool over the chunks only
+    "expert4_cp2_dp2_allgather": (4, ["parallel.context=2", "parallel.context_kind=allgather",
+                                      "parallel.expert=4"]),
+    # DeepSpeed's CPU Adam stepping each expert-data pair's halves of the experts (expert 2
+    # over 4 data ranks, global batch 8 as expert4_dp4)
+    "expert2_dp4_offload": (4, ["parallel.expert=2", "train.global_batch_size=8",
+                                "deepspeed=ds_configs/zero2_offload_cpu.json"]),
+    # Muon: each expert's matrices orthogonalised whole, gathered from the expert-data pair's
+    # ZeRO-1 partitions; against one process of Muon (Newton-Schulz in fp32 on both sides)
+    "expert2_dp4_muon": (4, ["parallel.expert=2", "train.global_batch_size=8",
+                             "train.optimizer=muon", "train.muon_ns_dtype=fp32"]),
 }
+# the one process each row is compared with: the same micro-batches and optimizer
+REFERENCES = {"expert4_dp4": "moe_reference_batch8", "expert2_dp4_offload": "moe_reference_batch8",
+              "expert2_dp4_muon": "moe_reference_muon_batch8"}
+# what the engine must have built (the run record's facts), where the row asks for it
+BUILT = {"expert2_cp2": {"context": 2, "data_parallel": 1},
+         "expert4_cp2_dp2_allgather": {"context": 2, "context_kind": "allgather",
+                                       "data_parallel": 2},
+         "expert2_cp2_dp2": {"context": 2, "data_parallel": 2},
+         "expert2_dp4_offload": {"zero_stage": 2, "offload_optimizer": "cpu",
+                                 "optimizer": "DeepSpeedCPUAdam"},
+         "expert2_dp4_muon": {"zero_stage": 1, "optimizer": "MuonAdamW"}}
 
 
 @pytest.fixture(scope="module")
@@ -125,22 +154,34 @@ def moe_reference_batch8(tiny_data, tmp_path_factory):
                       overrides=["train.global_batch_size=8"])  # its last step saved
 
 
+@pytest.fixture(scope="module")
+def moe_reference_muon_batch8(tiny_data, tmp_path_factory):
+    """One process, as `moe_reference_batch8` stepped by Muon (Newton-Schulz in fp32)."""
+    from tests.test_moe import _moe_train
+
+    return _moe_train(tmp_path_factory.mktemp("moe_ref_muon"), tiny_data, name="single",
+                      overrides=["train.global_batch_size=8", "train.optimizer=muon",
+                                 "train.muon_ns_dtype=fp32"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", GRID_LAYOUTS)
 def test_expert_grid_trains_like_one_process(layout, request, tiny_data, tmp_path):
-    """The tiny mixture on each grid layout: 10 steps, ZeRO-1 (ZeRO-2 on the 4-rank expert 4),
+    """The tiny mixture on each grid layout: 10 steps, ZeRO-1 (ZeRO-2 on the 4-rank expert 4
+    and under optimizer offload), with context parallelism, DeepSpeed's CPU Adam or Muon,
     equal to one process (losses, gradient norms, auxiliary losses: 1e-5; tokens per expert);
     final/ holds every expert once, one process's last weights (1e-5)."""
     from pretrain.checkpoint.weights import load_weights
     from tests.test_moe import _assert_same_steps, _moe_train
 
     nprocs, overrides = GRID_LAYOUTS[layout]
-    moe_reference = request.getfixturevalue(
-        "moe_reference_batch8" if layout == "expert4_dp4" else "moe_reference")
+    moe_reference = request.getfixturevalue(REFERENCES.get(layout, "moe_reference"))
     if layout == "expert4_dp4":
         overrides = [*overrides, "deepspeed=ds_configs/zero2.json"]
     run = _moe_train(tmp_path, tiny_data, name=layout, nprocs=nprocs,
                      overrides=[*overrides, "checkpoint.save_final=true"])
+    head = next(r for r in run.records if r["kind"] == "run")
+    assert {k: head[k] for k in BUILT.get(layout, {})} == BUILT.get(layout, {}), head
     _assert_same_steps(run, moe_reference)
     final = load_weights(run.run_dir / "final").state  # every expert once, whole
     assert sorted(n for n in final if ".mlp.experts." in n) == sorted(

@@ -247,10 +247,6 @@ def check_expert_grid_engine(layout: Layout) -> None:
         raise ConfigError(f"bf16 at ZeRO-1 with {what}: DeepSpeed steps it with its BF16_Optimizer, "
                           "whose gradients the engine all-reduces over the data group, experts "
                           "included; use ds_configs/zero2.json (or train.precision=fp32)")
-    if layout.offload_optimizer != "none":
-        raise ConfigError(f"offload_optimizer={layout.offload_optimizer} with {what}: not "
-                          "verified with DeepSpeed's MoE groups; drop the offload, or "
-                          + _grid_fix(layout).split(", or ")[-1])
 
 
 def expert_grid_refusal(layout: Layout, *, ep: int, etp: int) -> None:
@@ -269,19 +265,15 @@ def expert_grid_refusal(layout: Layout, *, ep: int, etp: int) -> None:
                           "the tensor group): DeepSpeed's pipeline engine takes no MoE parameter "
                           f"groups; set train.engine=fsdp2 or parallel.pipeline=1, or "
                           f"{fix.split(', or ')[-1]}")
-    if layout.context > 1:
+    if layout.context > 1 and layout.engine == "fsdp2":
         raise ConfigError(f"parallel.context={layout.context} with {what} (expert ranks beyond "
-                          "the tensor group): not supported yet (the auxiliary losses and "
-                          "the expert gradients' scale over context chunks are not verified); "
-                          f"set parallel.context=1, or {fix.split(', or ')[-1]}")
+                          "the tensor group) under train.engine=fsdp2: not verified (the experts' "
+                          "gradient divide factor over context chunks); set parallel.context=1, "
+                          "or train.engine=deepspeed")
     if etp == 1 and ep % tp:
         raise ConfigError(f"{what} with parallel.tensor={tp}: whole experts on expert ranks "
                           "that do not span whole tensor groups; set parallel.expert to a "
                           f"multiple of {tp}, or parallel.expert_tensor={tp}")
-    if layout.optimizer != "adamw":
-        raise ConfigError(f"train.optimizer={layout.optimizer} with {what}: the optimizer's "
-                          "groups are not split into DeepSpeed's MoE groups; use "
-                          "train.optimizer=adamw")
 
 
 def check_batch(layout: Layout) -> None:

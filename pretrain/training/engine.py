@@ -329,14 +329,15 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     flat = ModelForm.of(model) is ModelForm.FLAT
     deepspeed_imports.import_muon_uncompiled()
     parameters = optimizer_groups(model, lr=t.lr, weight_decay=t.weight_decay, cfg=cfg.model)
-    # train.optimizer=muon: ours, handed to DeepSpeed (its JSON then has no "optimizer" block)
-    optimizer = (muon.build_optimizer(model.named_parameters(), parameters, t)
-                 if t.optimizer is Optimizer.MUON else None)
     grid = expert_groups_of(groups)
     experts = contextlib.nullcontext()
     if isinstance(grid, ExpertGroups):  # experts beyond the tensor group: reduced apart
         parameters = expert_param_groups(parameters)
         experts = experts_reduced_over_expert_data(groups, expert_group_name(grid.size))
+    # train.optimizer=muon: ours, handed to DeepSpeed (its JSON then has no "optimizer" block);
+    # built on the MoE groups, so that the expert grid's matrices keep groups of their own
+    optimizer = (muon.build_optimizer(model.named_parameters(), parameters, t)
+                 if t.optimizer is Optimizer.MUON else None)
     with contextlib.nullcontext() if flat else bf16_pipelines_sum_gradients_in_fp32(), experts:
         engine, _, _, _ = deepspeed.initialize(
             model=model, config=ds_config, lr_scheduler=_lr_schedule(t, factor),

@@ -70,9 +70,17 @@ def split_groups(groups: list[dict[str, Any]], names: dict[int, str], *, muon_lr
         if hidden:
             muon.append({**group, "params": hidden, "lr": muon_lr,
                          "weight_decay": muon_weight_decay, "muon": True})
-    if len(muon) > 1:  # one Muon group: its hyper-parameters are the same for every matrix
-        muon = [{**muon[0], "params": [p for g in muon for p in g["params"]]}]
-    return adamw + muon
+    # one Muon group: its hyper-parameters are the same for every matrix; the expert grid's
+    # experts in one of their own (`engine.expert_param_groups`: DeepSpeed's MoE group,
+    # partitioned over the expert-data ranks)
+    merged: dict[Any, dict[str, Any]] = {}
+    for group in muon:
+        key = group.get("name") if group.get("moe") else None
+        if key in merged:
+            merged[key]["params"] = merged[key]["params"] + group["params"]
+        else:
+            merged[key] = group
+    return adamw + list(merged.values())
 
 
 def newton_schulz(update: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -275,6 +283,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _tensor_shard(param: torch.nn.Parameter, tp_group, dim: int | None = None) -> TensorShard | None:
     if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return None
+    if getattr(param, "expert_parallel", False):  # a whole expert on its tensor rank
         return None
     if dim is None:
         if not getattr(param, "tensor_model_parallel", False):
