@@ -121,6 +121,52 @@ def test_the_blocks_projections_convert_and_the_head_embedding_and_router_stay()
     assert type(moe.model.layers[0].mlp.gate) is nn.Linear
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_experts_cast_for_the_rows_they_get_and_the_grouped_matmul_casts_none(recipe,
+                                                                                  monkeypatch):
+    """A mixture layer under FP8, its 16 tokens all routed to experts 0 and 1 of 8. On the loop
+    those two run gate, up and down each through an FP8 matmul: each of the 6 casts its input,
+    weight and output gradient twice (forward and backward: 36 casts); the 6 experts without
+    rows cast nothing (a dynamic scale of an empty tensor has no maximum: torchao raises) and
+    their weights get zero gradients. The grouped matmul casts nothing: it multiplies in the
+    run's precision (`grouped_outputs`)."""
+    import torchao.float8.float8_linear as float8_linear
+
+    from pretrain.model.moe import moe_layers
+
+    casts = []
+    cast = float8_linear.hp_tensor_to_float8_dynamic
+
+    def counted(tensor, *args, **kwargs):
+        casts.append((tensor.data_ptr(), kwargs["gemm_input_role"].name))
+        return cast(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", counted)
+    cfg = ModelConfig(**{**MODEL_PRESETS["tiny"], "family": "qwen3", "num_layers": 1,
+                         "num_experts": 8, "experts_per_token": 2, "moe_ffn_hidden_size": 32})
+    for grouped in (False, True):
+        model = build_model(cfg, seed=1)
+        convert_to_fp8(model, recipe, emulate=True)
+        moe = moe_layers(model)[0]
+        moe.grouped = grouped
+        with torch.no_grad():  # every token's two largest logits: experts 0 and 1
+            moe.gate.weight.zero_()
+            moe.gate.weight[0], moe.gate.weight[1] = 1.0, 0.5
+        casts.clear()
+        moe(torch.ones(1, 16, 64)).sum().backward()
+        if grouped:
+            assert casts == []
+            continue
+        projections = [getattr(moe.experts[e], name)
+                       for e in range(8) for name in ("gate_proj", "up_proj", "down_proj")]
+        assert len(casts) == 36
+        assert {role for _, role in casts} == {"INPUT", "WEIGHT", "GRAD_OUTPUT"}
+        weights = {ptr for ptr, role in casts if role == "WEIGHT"}
+        assert weights == {p.weight.data_ptr() for p in projections[:6]}
+        assert all(p.weight.grad.abs().sum() > 0 for p in projections[:6])
+        assert all(not p.weight.grad.any() for p in projections[6:])
+
+
 def test_fsdp2_all_gathers_tensorwise_weights_in_fp8_and_rowwise_in_their_dtype():
     """torchao's FP8 all-gather is tensorwise's only: its weights (tensor-parallel ones too) are
     torchao's casting subclass; rowwise's stay plain parameters."""

@@ -20,7 +20,9 @@ from pretrain.plan.memory import expert_dispatch_buffers, stage_memory
 from pretrain.plan.report import _experts_line
 from pretrain.plan.search import expert_layouts
 from pretrain.plan.step_time import (_data_comm, _MicroBatch, estimate_time,
-                                     expert_router_flops_per_token)
+                                     experts_in_fp8, experts_with_rows,
+                                     expert_router_flops_per_token, fp8_cast_elements,
+                                     fp8_flops_per_token)
 from pretrain.resolve.layout import Layout
 from pretrain.resolve.topology import Topology
 
@@ -218,3 +220,44 @@ def test_every_rank_of_the_qwen3_30b_a3b_recipe_builds_as_planned():
     vocab = 152064 * H // 2  # 151936 padded to a multiple of 128 x 2, untied embedding and head
     expected = [12 * layer + vocab, 12 * layer, 12 * layer, 12 * layer + H + vocab]
     assert all(b["built"] == b["planned"] == expected[b["stage"]] for b in builds)
+
+
+def test_fp8_costs_the_experts_that_run_and_their_routed_rows_on_the_loop_only():
+    """tp 2 (SP, each expert split over the two), one layer, FP8. The loop casts, forward and
+    twice in backward: attention's inputs (2 x 2048 + 4096) / 2 a token, the k x tokens routed
+    rows (every tensor rank routes the whole sequence) at gate's and up's full 2048 and down's
+    768 / 2, attention's weights / 2 and the weights of the experts that got a row: of 16
+    tokens, each expert misses all of them with probability (1 - 8/128)^16. Its FP8 FLOPs are
+    attention's and the k experts'. On H100s in bf16 the experts run as the grouped matmul:
+    neither their casts nor their FLOPs count; in fp32, with no grouped kernel, or at an expert
+    width that is no multiple of 16 bytes, they run as the loop."""
+    layout = _layout(tensor=2, data=16, fp8="tensorwise")
+    h100 = make_cluster("h100-80gb", nodes=4)
+    running = 1 - (1 - K / E) ** 16
+    assert experts_with_rows(QWEN3_MOE, layout, 16) == pytest.approx(running, rel=1e-12)
+    assert experts_with_rows(QWEN3_MOE, layout, 4096) == 1.0
+    mb = _MicroBatch(tokens=16, act_bytes=2, layers=1, compute=0.0)
+    attention = 16 * (2 * H + 4096) / 2 + ATTENTION / 2
+    experts = 16 * K * (2 * H + F / 2) + running * E * EXPERT / 2
+    assert fp8_cast_elements(QWEN3_MOE, layout, mb) == pytest.approx(3 * (attention + experts),
+                                                                     rel=1e-12)
+    assert fp8_cast_elements(QWEN3_MOE, layout, mb, experts=False) == pytest.approx(
+        3 * attention, rel=1e-12)
+    # expert ranks from the data ranks (ep 8, whole experts): 16 of the 128 on a GPU, the
+    # group's 8 ranks' rows to them, their k x 8 x 16 / 8 rows on this GPU
+    ep8 = _layout(tensor=1, data=32, expert=8, fp8="tensorwise")
+    running8 = 1 - (1 - K / E) ** (8 * 16)
+    assert fp8_cast_elements(QWEN3_MOE, ep8, mb) == pytest.approx(
+        3 * (16 * (2 * H + 4096) + ATTENTION + 16 * K * (2 * H + F)
+             + running8 * 16 * EXPERT), rel=1e-12)
+    assert fp8_flops_per_token(QWEN3_MOE, layout, 1) == 3 * 2 * (ATTENTION + K * EXPERT) / 2
+    assert fp8_flops_per_token(QWEN3_MOE, layout, 1, experts=False) == 3 * 2 * ATTENTION / 2
+    assert not experts_in_fp8(QWEN3_MOE, layout, h100)
+    assert experts_in_fp8(QWEN3_MOE, _layout(tensor=2, fp8="tensorwise",
+                                             precision=Precision.FP32), h100)
+    assert experts_in_fp8(QWEN3_MOE, layout, make_cluster("h100-80gb", nodes=4,
+                                                          grouped_mm=False))
+    odd = ModelConfig(**{**MODEL_PRESETS["qwen3_30b_a3b"], "moe_ffn_hidden_size": 772})
+    assert experts_in_fp8(odd, layout, h100)  # 386 a tensor rank: not 8 bf16 elements' multiple
+    assert not experts_in_fp8(QWEN3_MOE, _layout(tensor=2), make_cluster("h100-80gb", nodes=4,
+                                                                         grouped_mm=False))

@@ -17,6 +17,10 @@ Which layers and why:
   the same FP8 products on its shard;
 - the fused q/k/v and gate/up matmul (`model.fused_projections`) is unfused: each projection
   casts its own weight with its own scale, as torchtitan's float8 blocks do;
+- a mixture's experts (`moe.Expert.fp8`): on the loop over the experts each expert with rows
+  calls its gate, up and down layers (the tensor-parallel ones' local FP8 product), one without
+  rows casts nothing (a dynamic scale of an empty tensor has no maximum); the grouped matmul
+  (`moe.grouped_outputs`, Hopper GPUs in bf16) multiplies in bf16, FP8 or not;
 - they stay in the run's precision: the embedding (a lookup, no matmul), the lm_head (its
   logits feed the softmax directly; torchtitan and torchao's recipes leave the output layer
   out for the loss's accuracy), the mixture of experts' router (a few outputs, far below the
@@ -146,6 +150,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, *, emulate: bool,
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from pretrain.model.llama import DecoderLayer
+    from pretrain.model.moe import Expert
 
     done = Fp8Conversion(Fp8Recipe(recipe))
     if done.recipe is Fp8Recipe.NONE:
@@ -160,6 +165,8 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, *, emulate: bool,
             if kind is None:
                 if hasattr(module, "project"):  # attention, MLP, expert: unfused under FP8
                     module.project = separate_projections
+                if isinstance(module, Expert):  # its layers called, down_proj's too
+                    module.fp8 = True
                 continue
             if name.endswith("mlp.gate"):
                 done.kept[full] = "router"

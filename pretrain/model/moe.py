@@ -38,6 +38,9 @@ are copied into the stacks once per forward (and the gradient split back in back
 `fused_projections` does. torch 2.13's CPU build runs `_grouped_mm` too (fp32, and bf16 with
 aligned rows), as one matmul per group: bitwise the loop's result and a little slower (the
 stacks), so CPUs keep the loop; the tests run both and compare them. `MoE.grouped` (None: by device) forces either.
+Under `train.fp8` the grouped matmul still multiplies in the run's precision (it takes no FP8
+scales); the loop calls each expert's three projections through their own FP8 matmuls
+(`Expert.fp8`), and an expert without rows casts nothing.
 
 Host reads: a looped forward reads the device once, the rows of each expert its split needs (one
 `tolist` of the counts; under expert parallelism of the counts sent and received, grouped or
@@ -155,13 +158,29 @@ class Expert(nn.Module):
         self.fused = cfg.fused_projections
         self.project = project  # `compile_blocks` swaps in an eager one at ZeRO-3
         self.gate_up_sizes = [f // tp_world_size(tp_group)] * 2
+        self.fp8 = False  # `fp8.convert_to_fp8`: each projection through its own FP8 matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.fp8 and x.shape[0]:
+            # the layers' own matmuls (the tensor-parallel ones' local product, no collective:
+            # `MoE` reduces once); each casts its input and weight with a scale of its own
+            gate, up = _local_product(self.gate_proj, x), _local_product(self.up_proj, x)
+            return _local_product(self.down_proj, F.silu(gate) * up)
+        # an expert no row went to computes nothing and, under FP8, casts nothing: a dynamic
+        # scale of an empty tensor has no maximum (torchao raises) and no product needs one;
+        # its weights are still read, in the same order on every rank (ZeRO-3's gathers)
+        if self.fused and not self.fp8:
             gate, up = self.project(x, [self.gate_proj, self.up_proj], self.gate_up_sizes)
         else:
             gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
         return F.linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+def _local_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer`'s matmul of `x` on this rank: a tensor-parallel layer's local product (`linear`,
+    FP8's when converted) without its collective, a plain (or torchao's FP8) linear called."""
+    linear = getattr(layer, "linear", None)
+    return linear(x, layer.weight) if linear is not None else layer(x)
 
 
 def grouped_mm_runs(tokens: torch.Tensor, experts: list[Expert]) -> bool:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pretrain.arithmetic import (expert_data_size, expert_share, expert_tensor_size,
-                                 layer_active_matmul_parameters, layer_projection_shapes,
+                                 layer_active_matmul_parameters, layer_experts_on_gpu,
+                                 layer_projection_shapes,
                                  layout_recomputed_layers, mean,
                                  mean_projection_elements_on_gpu, model_flops_per_token,
                                  newton_schulz_flops, partitioned_parameters,
@@ -420,18 +421,37 @@ def _memory_bound(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
     return nbytes / (cluster.memory_gbps * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY)
 
 
-def fp8_flops_per_token(model: ModelConfig, layout: Layout, layers: int) -> float:
+def experts_in_fp8(model: ModelConfig, layout: Layout, cluster: Cluster) -> bool:
+    """Whether `train.fp8` reaches the routed experts: their loop calls each expert that has
+    rows, each of its three projections through its own FP8 matmul; where they run as torch's
+    grouped matmul instead (`Cluster.grouped_mm`, bf16, the rows and this rank's expert width
+    multiples of 16 bytes: `pretrain.model.moe.grouped_mm_runs`) they multiply in bf16."""
+    if layout.fp8 == "none" or not model.num_experts:
+        return False
+    align = 8  # bf16 elements in 16 bytes
+    grouped = (cluster.grouped_mm and layout.precision in (Precision.BF16, Precision.AUTO)
+               and model.hidden_size % align == 0
+               and model.expert_ffn_hidden_size // expert_tensor_size(layout) % align == 0)
+    return not grouped
+
+
+def fp8_flops_per_token(model: ModelConfig, layout: Layout, layers: int, *,
+                        experts: bool = True) -> float:
     """Training FLOPs per token on one GPU of `layers` decoder layers that `train.fp8` runs in
     FP8: every block projection's three matmuls (forward, and backward's two), a token's
-    experts_per_token experts under a mixture of experts, once more per recomputed layer's
-    forward; attention's products, the router and the head stay in the run's precision."""
+    experts_per_token experts under a mixture of experts (`experts`: False where they run as
+    the grouped matmul, in bf16: `experts_in_fp8`), once more per recomputed layer's forward;
+    attention's products, the router and the head stay in the run's precision."""
     if layout.fp8 == "none":
         return 0.0
-    # a token's projections: the layer's active matrices less the router (num_experts x h)
-    # (the model's mean layer: a family may mix dense and mixture layers)
+    # a token's projections: the layer's active matrices less the router (num_experts x h),
+    # and less its routed experts' where they stay bf16 (the model's mean layer: a family may
+    # mix dense and mixture layers)
     family = family_of(model)
+    routed = 0 if experts else \
+        model.experts_per_token * 3 * model.hidden_size * model.expert_ffn_hidden_size
     per_token = 2.0 * mean([layer_active_matmul_parameters(model, i)
-                            - (model.num_experts * model.hidden_size
+                            - (model.num_experts * model.hidden_size + routed
                                if family.moe_layer(model, i) else 0)
                             for i in range(model.num_layers)])
     passes = 3 * layers + layout_recomputed_layers(layout, layers)
@@ -443,20 +463,52 @@ def fp8_flops_per_token(model: ModelConfig, layout: Layout, layers: int) -> floa
 FP8_CAST_BYTES = 5.0
 
 
-def fp8_cast_elements(model: ModelConfig, layout: Layout, mb: _MicroBatch) -> float:
+def experts_with_rows(model: ModelConfig, layout: Layout, tokens: float) -> float:
+    """The expected share of a GPU's routed experts that get at least one row of a
+    micro-batch of `tokens` a rank (uniform routing: each of the tokens its expert group
+    routes picks a given expert with probability k/E). The group routes expert x
+    expert_tensor / tp ranks' tokens: a rank's own without expert parallelism or with the
+    experts on the tensor ranks, each data rank's where the expert ranks come from them."""
+    if not model.num_experts:
+        return 0.0
+    routed = tokens * layout.expert * expert_tensor_size(layout) / layout.tensor
+    return 1.0 - (1.0 - model.experts_per_token / model.num_experts) ** routed
+
+
+def fp8_cast_elements(model: ModelConfig, layout: Layout, mb: _MicroBatch, *,
+                      experts: bool = True) -> float:
     """Elements one micro-batch casts to FP8 on the slowest stage (`train.fp8`), each a
     memory-bound pass of `FP8_CAST_BYTES`: per layer forward the projections' inputs (h for
-    q/k/v and gate/up, heads x head_dim for o, f for down; k copies of the MLP's under a mixture
-    of experts) and weights; backward casts the output gradients (as many as the outputs) and
-    the inputs and weights again along their other dimension: twice forward's."""
+    q/k/v and gate/up, heads x head_dim for o, f for down) and weights; backward casts the
+    output gradients (as many as the outputs) and the inputs and weights again along their
+    other dimension: twice forward's. A mixture layer's routed experts (`experts`: where they
+    compute in FP8, `experts_in_fp8`) cast the rows routed to this GPU's experts (the whole h
+    for gate and up, this rank's width for down) and the weights of the experts that got rows
+    (`experts_with_rows`): an expert called with none casts nothing. Its shared experts count
+    as a dense MLP of their width."""
     if layout.fp8 == "none":
         return 0.0
-    h, f = model.hidden_size, model.ffn_hidden_size
+    h = model.hidden_size
     q = model.num_heads * model.head_dim
-    copies = model.experts_per_token if model.num_experts else 1
-    inputs = mb.tokens * (2 * h + q + copies * (2 * h + f)) / layout.tensor
-    # every weight a GPU holds (of each expert 1/tp, or E/ep whole: the same count)
-    weights = mean_projection_elements_on_gpu(model, layout)
+    family = family_of(model)
+    etp = expert_tensor_size(layout)
+
+    def mlp_inputs(index: int) -> float:
+        if not family.moe_layer(model, index):
+            return mb.tokens * (2 * h + model.ffn_hidden_size) / layout.tensor
+        shared = model.num_shared_experts * model.expert_ffn_hidden_size
+        elements = mb.tokens * (2 * h + shared) / layout.tensor if shared else 0.0
+        if experts:  # the k x tokens rows over the expert group, this rank's share of them
+            rows = mb.tokens * model.experts_per_token * etp / layout.tensor
+            elements += rows * (2 * h + model.expert_ffn_hidden_size / etp)
+        return elements
+
+    inputs = mb.tokens * (2 * h + q) / layout.tensor \
+        + mean([mlp_inputs(i) for i in range(model.num_layers)])
+    # every weight a GPU holds, its routed experts' only those that run
+    routed = mean([layer_experts_on_gpu(model, layout, i) for i in range(model.num_layers)])
+    running = experts_with_rows(model, layout, mb.tokens) if experts else 0.0
+    weights = mean_projection_elements_on_gpu(model, layout) - routed + running * routed
     passes = 3 * mb.layers + 3 * layout_recomputed_layers(layout, mb.layers)
     return passes * (inputs + weights)
 
@@ -504,7 +556,9 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
     slow_model, slow_hw = flops[slow_index]
     tokens = layout.micro_batch * model.seq_length / layout.context
     layers = max(items.count("layer") for items in stages)
-    fp8_flops = fp8_flops_per_token(model, layout, stages[slow_index].count("layer"))
+    experts_fp8 = experts_in_fp8(model, layout, cluster)
+    fp8_flops = fp8_flops_per_token(model, layout, stages[slow_index].count("layer"),
+                                    experts=experts_fp8)
     peak = cluster.peak_tflops * 1e12 * MATMUL_EFFICIENCY
     compute = (slow_hw - fp8_flops) * tokens / peak
     # the router replicated on the tensor ranks without expert parallelism (0 with it)
@@ -523,7 +577,7 @@ def estimate_time(model: ModelConfig, layout: Layout, cluster: Cluster,
     deepspeed = engine is not Engine.FSDP2
     copies_mb = _memory_bound(model, layout, cluster, mb, stage_params=stage_params,
                               bf16_optimizer=deepspeed and steps_with_bf16_optimizer(layout, ds))
-    copies_mb += fp8_cast_elements(model, layout, mb) * FP8_CAST_BYTES \
+    copies_mb += fp8_cast_elements(model, layout, mb, experts=experts_fp8) * FP8_CAST_BYTES \
         / (cluster.memory_gbps * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY)
     grad_bytes = DTYPE_BYTES[gradient_dtypes(layout, ds)[1]]
     if deepspeed:
