@@ -21,7 +21,7 @@ from pretrain.errors import ConfigError
 from pretrain.families import family_of
 from pretrain.model import build_model
 from pretrain.model.hf import to_hf_config, to_hf_state_dict
-from pretrain.model.llama import gather_full_state_dict
+from pretrain.model.llama import DecoderLayer, gather_full_state_dict
 from pretrain.model.mtp import MultiTokenPrediction, collect_losses, reset_losses
 
 VOCAB = 515  # odd: padded rows
@@ -78,7 +78,7 @@ def _by_hand(model, inputs: torch.Tensor, labels: torch.Tensor):
         module, n = layers[N + k - 1], T - k
         token = _rms(F.embedding(inputs[:, k:], embedding), module.enorm.weight, cfg.norm_eps)
         joined = torch.cat((token, _rms(h[:, :n], module.hnorm.weight, cfg.norm_eps)), dim=-1)
-        h = module(joined @ module.eh_proj.weight.T, cos[:n], sin[:n])  # its decoder layer
+        h = DecoderLayer.forward(module, joined @ module.eh_proj.weight.T, cos[:n], sin[:n])
         depths.append(cross_entropy(_rms(h, module.shared_head.norm.weight, cfg.norm_eps),
                                     labels[:, k:]))
     return main, depths, main + cfg.mtp_loss_weight / cfg.mtp_depth * sum(depths)
@@ -203,3 +203,85 @@ def test_export_is_deepseek_v3s_layout_transformers_loads_and_imports_back_bitwi
     assert set(back.state) == set(state)
     for name, tensor in state.items():
         assert torch.equal(back.state[name], tensor), name
+
+
+# ---- training on layouts (slow) ---------------------------------------------------------------
+
+STEPS = 4
+# the mixture every layer but the first, the modules' blocks too; the bias balancing and the
+# balance loss on, so that the router statistics of the modules' layers are compared too
+RUN = [f"model.vocab_size={VOCAB}", "model.tie_embeddings=false", *MOE, "model.mtp_depth=2",
+       "model.mtp_loss_weight=0.3", "model.moe_bias_update_rate=0.01",
+       "model.moe_aux_loss_coeff=0.01", f"train.steps={STEPS}", "checkpoint.save_final=true"]
+LAYOUTS = {
+    # the heads over two tensor ranks, the positions too (the projection's and the norms'
+    # gradients summed over the pair)
+    "tp2_sp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    "dp2_zero2": (2, ["deepspeed=ds_configs/zero2.json"]),
+    # whole experts on the tensor ranks, the modules' mixture's too
+    "tp2_expert2": (2, ["parallel.tensor=2", "parallel.expert=2"]),
+    # ZeRO-3 gathers the embedding and head for each of their calls; fsdp2's units
+    "zero3_tp2_dp2": (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
+    "fsdp2_dp2": (2, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]),
+    # saved at step 2 for the resume below
+    "dp2_zero1": (2, ["checkpoint.save_interval=2", "checkpoint.keep_last=1",
+                      "checkpoint.keep_every=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def single_mtp(tiny_data, tmp_path_factory):
+    from pretrain.testing.runs import train
+
+    return train(tmp_path_factory.mktemp("mtp_single"), tiny_data, name="single", overrides=RUN)
+
+
+def _train_records(run) -> list[dict]:
+    return [r for r in run.records if r["kind"] == "train"]
+
+
+def _assert_same_run(run, single) -> None:
+    """Losses, gradient norms, the modules' losses and the router's counts of one process
+    (1e-5: the reduction order differs); the final weights' modules too."""
+    from pretrain.checkpoint.weights import load_weights
+    from pretrain.testing.runs import rel_diff
+
+    assert rel_diff(run.losses, single.losses[-len(run.losses):]) < 1e-5, (run.losses,
+                                                                           single.losses)
+    ours, theirs = _train_records(run), _train_records(single)[-len(run.losses):]
+    for name in ("grad_norm", "mtp_loss"):
+        assert rel_diff([r[name] for r in ours], [r[name] for r in theirs]) < 1e-5, name
+    for a, b in zip(ours, theirs):
+        assert len(a["mtp_losses"]) == 2
+        assert rel_diff(a["mtp_losses"], b["mtp_losses"]) < 1e-5
+        assert a["moe_expert_tokens"] == b["moe_expert_tokens"]
+        assert len(a["moe_expert_tokens"]) == 3  # layer 1 and the two modules' blocks
+        assert a["mtp_loss"] != a["loss"]
+    final, reference = (load_weights(r.run_dir / "final").state for r in (run, single))
+    names = [n for n in reference if n.startswith(("model.layers.2.", "model.layers.3."))]
+    assert "model.layers.3.eh_proj.weight" in names and set(final) == set(reference)
+    for name in names:
+        scale = reference[name].abs().max().item()
+        assert (final[name] - reference[name]).abs().max().item() <= 1e-5 * max(scale, 1e-6), name
+
+
+@pytest.mark.slow  # `pretrain train` on 2 forked ranks
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mtp_trains_on_a_layout_as_one_process(layout, tiny_data, tmp_path, single_mtp):
+    """Depth 2 on tensor, data (ZeRO-1, ZeRO-2) and expert = tensor ranks: everything one
+    process logs and saves, within 1e-5 over 4 steps."""
+    from pretrain.testing.runs import train
+
+    nprocs, overrides = LAYOUTS[layout]
+    run = train(tmp_path, tiny_data, nprocs=nprocs, name=layout, overrides=[*RUN, *overrides])
+    _assert_same_run(run, single_mtp)
+    if layout == "dp2_zero1":  # resumed from step 2 on tensor 2 = expert 2: resharded
+        import shutil
+
+        step = run.run_dir / "checkpoints" / "step2"
+        shutil.copytree(step, tmp_path / "tp2" / "checkpoints" / step.name)
+        resumed = train(tmp_path, tiny_data, nprocs=2, name="tp2", overrides=[
+            *RUN, "parallel.tensor=2", "parallel.expert=2"])
+        assert "tp1 pp1 dp2 ZeRO-1 -> tp2 pp1 ep2 dp1 ZeRO-1" in resumed.stdout
+        assert len(resumed.losses) == STEPS - 2
+        _assert_same_run(resumed, single_mtp)

@@ -479,10 +479,10 @@ class LlamaModel(nn.Module):
             k = module.depth + 1
             embedded = self.model.embed_tokens(mtp.shifted(input_ids, k, 0))  # token i + k
             if checkpointing and self.recomputes_layer(self.cfg.num_layers + module.depth):
-                x = self.checkpoint_fn(module.predict, x, embedded, cos, sin, *masked)
+                x, head_input = self.checkpoint_fn(module, x, embedded, cos, sin, *masked)
             else:
-                x = module.predict(x, embedded, cos, sin, *masked)
-            loss = self.lm_head(module.head_input(x), mtp.shifted(labels, k, IGNORE_INDEX))
+                x, head_input = module(x, embedded, cos, sin, *masked)
+            loss = self.lm_head(head_input, mtp.shifted(labels, k, IGNORE_INDEX))
             module.count(loss)
             total = loss if total is None else total + loss
         return total * (self.cfg.mtp_loss_weight / self.cfg.mtp_depth)

@@ -90,17 +90,17 @@ class MultiTokenPrediction(DecoderLayer):
         """Forget the step's sums (`collect_losses`)."""
         self.loss_sum: torch.Tensor | None = None  # (CE_k summed, training forwards)
 
-    def predict(self, hidden: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, document_ids: torch.Tensor | None = None,
-                boundaries=None) -> torch.Tensor:
-        """h^k of h^{k-1} (`hidden`) and the embedding of the tokens k ahead (`embedded`)."""
+                boundaries=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h^k, the lm_head's input of h^k) of h^{k-1} (`hidden`) and the embedding of the
+        tokens k ahead (`embedded`). The head's input is normed by the module's own norm and
+        whole on every tensor rank. One call of the module, so that whatever wraps its
+        forward (fsdp2's gathers, compilation, recomputation) covers all of it."""
         x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
-        return DecoderLayer.forward(self, x, cos, sin, None, document_ids, boundaries)
-
-    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The lm_head's input of h^k: its own norm, whole positions on every tensor rank."""
-        return column_parallel_input(self.shared_head.norm(hidden), self.tp_group,
-                                     sequence_parallel=self.sequence_parallel)
+        x = super().forward(x, cos, sin, None, document_ids, boundaries)
+        return x, column_parallel_input(self.shared_head.norm(x), self.tp_group,
+                                        sequence_parallel=self.sequence_parallel)
 
     def count(self, loss: torch.Tensor) -> None:
         """Add a training forward's CE_k to the step's sums, on the device (nothing read)."""
