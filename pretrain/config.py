@@ -252,6 +252,12 @@ class ModelConfig(_Freezable):
     qk_rope_head_dim: int = 64  # each head's rotary features (the key's shared by the heads);
     # model.head_dim is this width in deepseek_v3
     v_head_dim: int = 128  # each head's value width
+    mtp_depth: int = 0  # deepseek_v3: multi-token prediction modules after the decoder
+    # (DeepSeek-V3's num_nextn_predict_layers; pretrain/model/mtp.py): module k predicts the
+    # token k + 1 after the next from module k - 1's hidden states and token k's embedding;
+    # training only, generation uses the main head; 0: none
+    mtp_loss_weight: float = 0.3  # lambda: the back-propagated loss is the LM loss + lambda x
+    # the mean over the mtp_depth modules of their cross entropies (metrics: loss, mtp_loss)
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -328,6 +334,9 @@ class ModelConfig(_Freezable):
         for name in ("moe_bias_update_rate", "num_shared_experts", "moe_first_dense_layers"):
             if getattr(self, name) < 0:
                 _fail("model", name, getattr(self, name), "must be 0 (off) or positive")
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            _fail("model", "mtp_depth/mtp_loss_weight", (self.mtp_depth, self.mtp_loss_weight),
+                  "must be 0 (off) or positive")
         if self.moe_routed_scaling_factor <= 0:
             _fail("model", "moe_routed_scaling_factor", self.moe_routed_scaling_factor,
                   "must be positive (1: the weights as chosen)")
@@ -411,7 +420,7 @@ class ModelConfig(_Freezable):
             _fail("model", "moe_router", self.moe_router,
                   "deepseek_v3's experts are routed by sigmoid scores: set model.moe_router=sigmoid")
         if self.family != "deepseek_v3":
-            for name in ("num_shared_experts", "moe_first_dense_layers"):
+            for name in ("num_shared_experts", "moe_first_dense_layers", "mtp_depth"):
                 if getattr(self, name):
                     _fail("model", name, getattr(self, name),
                           f"is DeepSeek-V3's (model.family=deepseek_v3); model.family="
@@ -1084,6 +1093,8 @@ _OTHER_STACKS_NAMES = {
     "n_shared_experts": "num_shared_experts", "n_group": "moe_groups",
     "topk_group": "moe_topk_groups", "routed_scaling_factor": "moe_routed_scaling_factor",
     "first_k_dense_replace": "moe_first_dense_layers",
+    "num_nextn_predict_layers": "mtp_depth", "mtp_num_layers": "mtp_depth",
+    "mtp_loss_scaling_factor": "mtp_loss_weight",
 }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -33,7 +34,7 @@ from pretrain.data.tokenizer import copy_tokenizer_files
 from pretrain.errors import CheckpointError
 from pretrain.families import family_of
 from pretrain.files import atomic_directory
-from pretrain.model import DTYPES
+from pretrain.model import DTYPES, mtp
 from pretrain.model.hf import hf_architecture, to_hf_config
 from pretrain.model.mup import check_exportable, fold_for_export
 
@@ -116,6 +117,9 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
     family = family_of(model)
     state = family.module("hf_export")(weights.state, model) \
         if model.num_experts and "hf_export" in family.modules else weights.state
+    if model.mtp_depth:  # each prediction module's copy of the embedding and head
+        copies = mtp.checkpoint_copies(model)
+        state = _WithCopies(state, copies)
     shapes = {name: tensor_shape(state, name) for name in sorted(state)}
     shards = _shards(shapes, itemsize=torch_dtype.itemsize, max_bytes=parse_size(max_shard_size))
     with atomic_directory(out) as tmp:
@@ -139,6 +143,27 @@ def export_hf(weights: Weights, out: Path, *, dtype: str = "bf16",
         config.save_pretrained(tmp)
         _export_tokenizer(weights.tokenizer, ours, tmp)
     return out
+
+
+class _WithCopies(Mapping):
+    """`state` and, under more names, some of its tensors (`copies`: {name: its source}),
+    read when asked as `state`'s are."""
+
+    def __init__(self, state: Mapping, copies: dict[str, str]) -> None:
+        self.state, self.copies = state, copies
+
+    def __getitem__(self, name: str):
+        return self.state[self.copies.get(name, name)]
+
+    def __iter__(self):
+        yield from self.state
+        yield from self.copies
+
+    def __len__(self) -> int:
+        return len(self.state) + len(self.copies)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tensor_shape(self.state, self.copies.get(name, name))
 
 
 def parse_size(text: str) -> int:

@@ -25,6 +25,7 @@ tensor when it is asked for, so a writer going tensor by tensor holds one whole 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -48,6 +49,7 @@ from pretrain.data.tokenizer import copy_tokenizer
 from pretrain.errors import CheckpointError
 from pretrain.files import atomic_directory
 from pretrain.families import family_of
+from pretrain.model import mtp
 from pretrain.model.mixtral import MixtralImport
 from pretrain.model.hf import (EMBED, LM_HEAD, check_keys, check_same_architecture,
                                expected_hf_keys, model_fields_from_hf_config)
@@ -160,7 +162,9 @@ def read_hf_dir(path: Path) -> Weights:
     # some tied checkpoints store the head too: it is the embedding
     state = _lazy_tensors([path / f for f in _hf_weight_files(path)],
                           skip=lambda k: k.endswith("rotary_emb.inv_freq")
-                          or (cfg.tie_embeddings and k == LM_HEAD))
+                          or (cfg.tie_embeddings and k == LM_HEAD) or mtp.is_checkpoint_copy(k))
+    if cfg.mtp_depth:  # the multi-token prediction modules whose weights are there
+        cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_present(set(state), cfg))
     if cfg.num_experts:  # Mixtral's stacked experts under our per-expert names
         state = MixtralImport(state, cfg)
     check_shapes(state, cfg, source=str(path))

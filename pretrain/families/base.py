@@ -107,6 +107,11 @@ class Family:
     # the widths attention computes at and caches (`pretrain.arithmetic`, the planner)
     attention_widths: Callable[[ModelConfig], AttentionWidths] = grouped_query_widths
 
+    # multi-token prediction module `depth`'s parameter names after model.layers.N. (N =
+    # num_layers + depth: a decoder layer's and the module's own); None: the family has none
+    # (model.mtp_depth is refused)
+    mtp_layer: Callable[[ModelConfig, int], list[str]] | None = None
+
     def fields_to_agree(self, *cfgs: ModelConfig) -> tuple[str, ...]:
         """The `ModelConfig` fields weights and a run must agree on: `architecture_fields` and
         the settings of the rotary scaling either config uses."""
@@ -166,10 +171,32 @@ class Family:
         names = [EMBED]
         for i in range(cfg.num_layers):
             names += [f"model.layers.{i}.{n}" for n in self.layer(cfg, i)]
+        names += self.mtp_parameter_names(cfg)
         names.append("model.norm.weight")
         if not cfg.tie_embeddings:
             names.append(LM_HEAD)
         return names
+
+    def mtp_parameter_names(self, cfg: ModelConfig) -> list[str]:
+        """The multi-token prediction modules' parameters (model.mtp_depth), numbered after
+        the decoder layers as DeepSeek-V3's checkpoints number them."""
+        if not cfg.mtp_depth:
+            return []
+        return [f"model.layers.{cfg.num_layers + k}.{n}" for k in range(cfg.mtp_depth)
+                for n in self.mtp_layer(cfg, k)]
+
+    def mtp_parameters(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(tensor-parallel-sharded, replicated) parameters of the multi-token prediction
+        modules, buffers left out, from the table."""
+        sharded = replicated = 0
+        for name in self.mtp_parameter_names(cfg):
+            row, buffer = self._row(name)
+            if not buffer:
+                if row.tp_dim is None:
+                    replicated += _product(row.shape(cfg))
+                else:
+                    sharded += _product(row.shape(cfg))
+        return sharded, replicated
 
     def layer_parameters(self, cfg: ModelConfig, index: int) -> tuple[int, int]:
         """(tensor-parallel-sharded, replicated) parameters of decoder layer `index`, from

@@ -73,7 +73,17 @@ PARAMETERS: dict[str, Parameter] = {
     "shared_experts.down_proj": Parameter(lambda c: (c.hidden_size, _shared(c)), 1, RESIDUAL,
                                           HIDDEN, muon=True),
     "e_score_correction_bias": Parameter(lambda c: (c.num_experts,), None, ZEROS, NORM),
+    # a multi-token prediction module's own (`pretrain.model.mtp`): the norms of the token's
+    # embedding and of the hidden state it continues, and their projection [e; h] -> h,
+    # replicated (its output enters a decoder layer whole, as the residual stream does); its
+    # head's norm, `shared_head.norm`, is the final norm's row
+    "enorm": Parameter(lambda c: (c.hidden_size,), None, ONES, NORM),
+    "hnorm": Parameter(lambda c: (c.hidden_size,), None, ONES, NORM),
+    "eh_proj": Parameter(lambda c: (c.hidden_size, 2 * c.hidden_size), None, NORMAL, HIDDEN,
+                         muon=True),
 }
+
+MTP_NAMES = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
 
 def _shared(cfg: ModelConfig) -> int:
@@ -102,6 +112,15 @@ def layer(cfg: ModelConfig, index: int) -> list[str]:
     shared = [f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")] \
         if cfg.num_shared_experts else []
     return names + mlp_names(cfg, True) + ["mlp.gate.e_score_correction_bias"] + shared
+
+
+def mtp_layer(cfg: ModelConfig, depth: int) -> list[str]:
+    """Multi-token prediction module `depth`'s tensors: a decoder layer's (numbered after
+    the decoder's: DeepSeek-V3's MTP block is a mixture when the model has experts) and its own
+    norms, projection and head norm. Its embedding and head are the model's (DeepSeek-V3's
+    checkpoints carry copies, `embed_tokens` and `shared_head.head`: written on export, skipped
+    on import)."""
+    return [*layer(cfg, cfg.num_layers + depth), *MTP_NAMES]
 
 
 def attention_widths(cfg: ModelConfig) -> AttentionWidths:
@@ -134,7 +153,7 @@ def hf_config(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
         **fields, "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
         "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "v_head_dim": cfg.v_head_dim, **experts,
-        "num_nextn_predict_layers": 0, "rope_interleave": True}
+        "num_nextn_predict_layers": cfg.mtp_depth, "rope_interleave": True}
 
 
 def from_hf_config(hf: dict, source: str) -> dict[str, Any]:
@@ -154,7 +173,10 @@ def from_hf_config(hf: dict, source: str) -> dict[str, Any]:
             qk_rope_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]))
     except KeyError as exc:
         raise CheckpointError(f"{source} lacks the config field {exc.args[0]!r}") from None
-    fields.update(family="deepseek_v3", head_dim=fields["qk_rope_head_dim"])
+    # the modules config.json counts; `read_hf_dir` keeps those whose weights are there
+    # (transformers' config counts one by default and saves none)
+    fields.update(family="deepseek_v3", head_dim=fields["qk_rope_head_dim"],
+                  mtp_depth=int(hf.get("num_nextn_predict_layers") or 0))
     if experts and first_dense < layers:
         try:
             fields.update(
@@ -175,7 +197,7 @@ def from_hf_config(hf: dict, source: str) -> dict[str, Any]:
 ARCHITECTURE_FIELDS = (*LLAMA_FIELDS, "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                        "qk_rope_head_dim", "v_head_dim", "moe_router", "num_shared_experts",
                        "moe_groups", "moe_topk_groups", "moe_routed_scaling_factor",
-                       "moe_first_dense_layers")
+                       "moe_first_dense_layers", "mtp_depth")
 
 DEEPSEEK_V3 = Family(
     name="deepseek_v3",
@@ -186,7 +208,8 @@ DEEPSEEK_V3 = Family(
             "with a balancing bias, the first layers dense",
     parameters=PARAMETERS,
     layer=layer,
-    modules={**MODULES, "attention": "pretrain.model.mla:LatentAttention"},
+    modules={**MODULES, "attention": "pretrain.model.mla:LatentAttention",
+             "mtp": "pretrain.model.mtp:MultiTokenPrediction"},
     moe_layer=moe_layer,
     buffers=("e_score_correction_bias",),
     hf_config=hf_config,
@@ -194,4 +217,5 @@ DEEPSEEK_V3 = Family(
     query_scale="self_attn.q_b_proj.weight",  # muP's fold: unused, the family refuses muP
     architecture_fields=ARCHITECTURE_FIELDS,
     attention_widths=attention_widths,
+    mtp_layer=mtp_layer,
 )

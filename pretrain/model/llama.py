@@ -69,7 +69,7 @@ from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, apply_rotary, column_linear, rotary_embedding,
                                    row_linear, vocab_embedding)
 # the loss of whole logits lives with the chunked one; imported here for both model forms
-from pretrain.model.loss import LMHead, causal_lm_loss, lm_loss  # noqa: F401
+from pretrain.model.loss import IGNORE_INDEX, LMHead, causal_lm_loss, lm_loss  # noqa: F401
 from pretrain.model.moe import MoE
 from pretrain.model.recompute import selective_checkpoint
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
@@ -339,6 +339,12 @@ class LlamaBackbone(nn.Module):
                          cp_group=cp_group, expert_parallel=expert_parallel, layer_index=i,
                          context_kind=context_kind)
             for i in range(cfg.num_layers))
+        if cfg.mtp_depth:  # after the decoder's, under DeepSeek-V3's names (`pretrain.model.mtp`)
+            mtp = family_of(cfg).module("mtp")
+            self.layers.extend(
+                mtp(cfg, depth=k, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                    cp_group=cp_group, expert_parallel=expert_parallel, context_kind=context_kind)
+                for k in range(cfg.mtp_depth))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps,
                             sequence_parallel_group=tp_group if sequence_parallel else None)
         self.rotary_emb = rotary_embedding(cfg)
@@ -419,6 +425,12 @@ class LlamaModel(nn.Module):
         this rank's shard (B, T/tp, C) of them. With `cache` (generation, one per layer) the ids
         continue the cached positions. `document_ids` (B, whole sequence; `documents`): positions
         restart and attention stays inside each document."""
+        return self.model.norm(self._decoded(input_ids, cache, document_ids)[0])
+
+    def _decoded(self, input_ids: torch.Tensor, cache: list[LayerCache] | None = None,
+                 document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+        """(the last decoder layer's output before the final norm, (cos, sin, document_ids,
+        boundaries): what the multi-token prediction modules run with)."""
         T = input_ids.shape[1]
         if self.sequence_parallel and T % self.tensor_parallel:
             raise ValueError(f"sequence parallelism splits each sequence over the "
@@ -445,13 +457,35 @@ class LlamaModel(nn.Module):
         boundaries = (None if document_ids is None
                       else documents.document_boundaries(document_ids, x))
         masked = () if document_ids is None else (None, document_ids, boundaries)  # no cache
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.layers[:self.cfg.num_layers]):  # not the MTP's
             if checkpointing and self.recomputes_layer(i):
                 x = self.checkpoint_fn(layer, x, cos, sin, *masked)
             else:
                 x = layer(x, cos, sin, None if cache is None else cache[i], document_ids,
                           boundaries)
-        return self.model.norm(x)
+        return x, (cos, sin, document_ids, boundaries)
+
+    def _mtp_loss(self, x: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                  rope: tuple) -> torch.Tensor:
+        """lambda / D x the sum of the multi-token prediction modules' cross entropies
+        (`pretrain.model.mtp`), from the decoder's output x before the final norm."""
+        from pretrain.model import mtp  # its modules are decoder layers: imported after this
+
+        cos, sin, document_ids, boundaries = rope
+        masked = () if document_ids is None else (document_ids, boundaries)
+        checkpointing = torch.is_grad_enabled()
+        total = None
+        for module in self.model.layers[self.cfg.num_layers:]:
+            k = module.depth + 1
+            embedded = self.model.embed_tokens(mtp.shifted(input_ids, k, 0))  # token i + k
+            if checkpointing and self.recomputes_layer(self.cfg.num_layers + module.depth):
+                x, head_input = self.checkpoint_fn(module, x, embedded, cos, sin, *masked)
+            else:
+                x, head_input = module(x, embedded, cos, sin, *masked)
+            loss = self.lm_head(head_input, mtp.shifted(labels, k, IGNORE_INDEX))
+            module.count(loss)
+            total = loss if total is None else total + loss
+        return total * (self.cfg.mtp_loss_weight / self.cfg.mtp_depth)
 
     def _last_hidden_recomputed(self, ids: torch.Tensor) -> torch.Tensor:
         """The last position's hidden state (B, C), the last `seq_length` tokens run again."""
@@ -475,7 +509,8 @@ class LlamaModel(nn.Module):
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The loss with labels, else the logits; `document_ids` (B, T of the whole sequence,
         `data.document_mask`) keep attention and positions inside each document."""
-        hidden = self.hidden_states(input_ids, document_ids=document_ids)
+        decoded, rope = self._decoded(input_ids, document_ids=document_ids)
+        hidden = self.model.norm(decoded)
         if labels is None:  # evaluation / generation: gather the vocabulary shards
             logits = self.vocab_logits(hidden)  # (B, T, V_padded/tp)
             return gather_from_tp(logits, self.tp_group)[..., :self.cfg.vocab_size]  # (B, T, V)
@@ -484,8 +519,14 @@ class LlamaModel(nn.Module):
         # the loss from the head's input: with cfg.loss_chunk_tokens > 0 the logits of the
         # whole micro-batch never exist (`pretrain.model.loss`)
         if self.cp_group is None:
-            return self.lm_head(hidden, labels)
-        return self.lm_head(hidden, labels) * chunk_loss_scale(labels, self.cp_group)
+            loss = self.lm_head(hidden, labels)
+        else:
+            loss = self.lm_head(hidden, labels) * chunk_loss_scale(labels, self.cp_group)
+        if self.cfg.mtp_depth and self.training and torch.is_grad_enabled():
+            # training only; the returned loss stays the main head's (`pretrain.model.mtp`)
+            from pretrain.model.mtp import with_gradient_of
+            loss = with_gradient_of(loss, self._mtp_loss(decoded, input_ids, labels, rope))
+        return loss
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
@@ -506,7 +547,8 @@ class LlamaModel(nn.Module):
         vocab = self.cfg.vocab_size
         ids = input_ids
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        cache = None if self.sequence_parallel else [LayerCache() for _ in self.model.layers]
+        cache = None if self.sequence_parallel else [LayerCache()
+                                                     for _ in range(self.cfg.num_layers)]
         cached = 0  # positions in the cache
         for _ in range(max_new_tokens):
             if cache is not None and ids.shape[1] <= self.cfg.seq_length:

@@ -94,6 +94,7 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
     check_batch(lay)
     check_context(model, lay)
     check_experts(model, lay)
+    check_mtp(model, lay)
     if lay.sequence_parallel and lay.tensor == 1:
         raise ConfigError("parallel.sequence_parallel=True: needs parallel.tensor > 1 (set "
                           "parallel.sequence_parallel=false or raise parallel.tensor)")
@@ -106,6 +107,23 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
                           "recomputes every decoder layer of a stage)")
     check_fsdp2_replicas(lay)
     check_engine(lay)
+
+
+def check_mtp(model: ModelConfig, layout: Layout) -> None:
+    """Multi-token prediction (`pretrain.model.mtp`) runs after the decoder with the
+    model's embedding and head, on whole sequences."""
+    if not model.mtp_depth:
+        return
+    if layout.pipeline > 1:
+        raise ConfigError(f"model.mtp_depth={model.mtp_depth} with parallel.pipeline="
+                          f"{layout.pipeline}: not supported (the prediction modules need the "
+                          "token embedding on the last stage, which the first stage holds); "
+                          "set parallel.pipeline=1 or model.mtp_depth=0")
+    if layout.context > 1:
+        raise ConfigError(f"model.mtp_depth={model.mtp_depth} with parallel.context="
+                          f"{layout.context}: not supported (module k reads the token k "
+                          "positions ahead, which crosses the context ranks' chunks); set "
+                          "parallel.context=1 or model.mtp_depth=0")
 
 
 def check_fsdp2_replicas(layout: Layout) -> None:

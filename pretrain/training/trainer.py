@@ -31,7 +31,7 @@ from pretrain.errors import EXIT_REQUEUE, ConfigError
 from pretrain.files import git_commit
 from pretrain.hardware import PrecisionChoice
 from pretrain.log import log, show_progress_bar
-from pretrain.model import ModelForm, compile_report, moe
+from pretrain.model import ModelForm, compile_report, moe, mtp
 from pretrain.resolve.batch_ramp import RampSchedule
 from pretrain.resolve.run import ResolvedRun
 from pretrain.resolve.topology import ProcessGroups
@@ -441,6 +441,8 @@ class Trainer:
         if self.cfg.model.num_experts:
             moe.set_aux_loss_grad_scale(moe.aux_loss_grad_scale(self.engine))
             moe.reset_stats(self.engine.module)
+        if self.cfg.model.mtp_depth:  # nor the prediction modules' losses
+            mtp.reset_losses(self.engine.module)
 
     def _end_router_step(self, *, skipped: bool) -> dict[str, Any]:
         """After a step of an MoE model (every rank: the sums are all-reduced): the router's
@@ -449,14 +451,22 @@ class Trainer:
         non-finite or overflowed step, a spike skipped): the bias belongs to the weights, and
         stays with them."""
         model = self.cfg.model
+        record = {}
+        if model.mtp_depth:  # the prediction modules' cross entropies, averaged as the loss is
+            record.update(mtp.collect_losses(
+                self.engine.module, depth=model.mtp_depth, device=self.device,
+                group=self.groups.data if self.replicas > 1 else None))
         if not model.num_experts:
-            return {}
+            return record
         rate = None  # softmax routers: no bias
         if model.moe_router == "sigmoid":
             rate = 0.0 if skipped else model.moe_bias_update_rate
-        return moe.collect_stats(self.engine.module, device=self.device,
-                                 num_layers=model.num_layers, num_experts=model.num_experts,
-                                 bias_update_rate=rate)
+        # the prediction modules' layers are numbered after the decoder's
+        record.update(moe.collect_stats(
+            self.engine.module, device=self.device,
+            num_layers=model.num_layers + model.mtp_depth, num_experts=model.num_experts,
+            bias_update_rate=rate))
+        return record
 
     def _replay_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float | None, float]:
         """`train_step` as a spike's rollback replays a step (`spikes.roll_back`, through the
