@@ -32,6 +32,7 @@ lists replayed (`pretrain.testing.schedule_replay`).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -133,6 +134,7 @@ def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: i
         held["now"] -= size
 
     hooks = (lambda t: Saved(t), lambda saved: saved.tensor)
+    parts = _time_the_step()
     torch.manual_seed(0)
     blocks = [Block() for _ in range(layers)]
     results = {}
@@ -171,34 +173,72 @@ def _schedule_rank(rank: int, world_size: int, micro_counts: list[int], steps: i
                 for module in modules.values():
                     module.zero_grad(set_to_none=True)
 
-            def alone():
-                """The rank's own work of the step, without the pipeline: each micro-batch's
-                forward and backward through each of its stages."""
-                for micro in batch.chunk(m):
-                    for i in mine:
-                        out = modules[i](micro.clone().requires_grad_())
-                        out.backward(torch.ones_like(out))
-                for module in modules.values():
-                    module.zero_grad(set_to_none=True)
-
             step()  # warm-up (and torch's shape inference)
-            alone()
-            times, busy, peaks = [], [], []
+            records, peaks = [], []
             for _ in range(steps):
-                torch.distributed.barrier()
-                start = time.perf_counter()
-                alone()
-                busy.append(time.perf_counter() - start)
                 torch.distributed.barrier()
                 with torch.autograd.graph.saved_tensors_hooks(*hooks):
                     held.update(now=0, peak=0)
+                    parts.clear()
                     start = time.perf_counter()
                     step()
-                    times.append(time.perf_counter() - start)
+                    records.append(dict(parts, step=time.perf_counter() - start))
                     peaks.append(held["peak"])
-            # the fastest of the steps: the least disturbed by other processes on the cores
-            results[(schedule_name, v, m)] = (min(times), max(peaks), min(busy))
+            results[(schedule_name, v, m)] = {"records": records, "peak": max(peaks)}
+    parts.restore()
     return results
+
+
+class _StepParts(dict):
+    """Seconds a rank's pipelined step spends in each part, accumulated while the schedule runs
+    (torch's own stages and schedule runtime, timed at their methods): the stages' compute
+    (`forward`: the stage module's forward; `backward`, `input`, `weight`: the autograd calls
+    of a full backward, a split backward's input pass and its weight pass; `loss`), `post`
+    (posting sends and receives to gloo) and `wait` (blocked on a message). The rest of the
+    step is the runtime's own work (`runtime`, derived). `restore()` puts torch's methods back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._undo = []
+
+    def wrap(self, owner, name: str, part) -> None:
+        original = getattr(owner, name)
+        parts = self
+
+        def timed(*args, **kwargs):
+            key = part(args, kwargs) if callable(part) else part
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - start
+                parts[key + "_n"] = parts.get(key + "_n", 0) + 1
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, original))
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+
+def _time_the_step() -> _StepParts:
+    from torch.distributed.pipelining import schedules, stage
+
+    parts = _StepParts()
+    base = stage._PipelineStageBase
+    parts.wrap(base, "forward_maybe_with_nosync", "forward")
+    parts.wrap(base, "backward_maybe_with_nosync",
+               lambda args, kwargs: {"full": "backward"}.get(args[1], args[1]))
+    parts.wrap(schedules._PipelineSchedule, "_compute_loss", "loss")
+    # module globals: the schedules call them by name
+    parts.wrap(schedules, "_batch_p2p", "post")
+    parts.wrap(schedules, "_wait_batch_p2p", "wait")
+    return parts
+
+
+COMPUTE = ("forward", "backward", "input", "weight", "loss")
 
 
 def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict:
@@ -274,12 +314,12 @@ def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict
     backward = big["full"] - big["forward"]
     split_fraction = (big["split"] - big["full"] - blocks * split_per_block) / backward
     m = 8
-    step, _, busy = _schedule_rank(rank, world_size, [m], steps, layers, tiny, tiny,
-                                   (("1f1b", 1),))[("1f1b", 1, m)]
+    records = _schedule_rank(rank, world_size, [m], steps, layers, tiny, tiny,
+                             (("1f1b", 1),))[("1f1b", 1, m)]["records"]
     return {"one_way": one_way, "boundary_way": boundary_way,
             "boundary_bytes": boundary.numel() * boundary.element_size(),
-            "split_per_block": split_per_block, "split_fraction": split_fraction, "step": step,
-            "busy": busy, "m": m}
+            "split_per_block": split_per_block, "split_fraction": split_fraction,
+            "records": records, "m": m}
 
 
 def _bench_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
@@ -289,6 +329,22 @@ def _bench_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
     results = _schedule_rank(rank, world_size, micro_counts, steps, layers)
     results["calibration"] = calibration
     return results
+
+
+def _per_step(ranks: list[list[dict]]) -> dict[str, list[float]]:
+    """Each step's parts (seconds), the mean of the ranks' (the ranks' steps are the same steps:
+    a barrier starts each): `step`, `compute` (the stages' work), `wait` (blocked on messages)
+    and `overhead` (the rest: posting messages and the schedule runtime's own work)."""
+    out: dict[str, list[float]] = {"step": [], "compute": [], "wait": [], "overhead": []}
+    for records in zip(*ranks):
+        step = statistics.fmean(r["step"] for r in records)
+        compute = statistics.fmean(sum(r.get(k, 0.0) for k in COMPUTE) for r in records)
+        wait = statistics.fmean(r.get("wait", 0.0) for r in records)
+        out["step"].append(step)
+        out["compute"].append(compute)
+        out["wait"].append(wait)
+        out["overhead"].append(step - compute - wait)
+    return out
 
 
 def _constants(calibrations: list[dict], layers: int) -> dict:
@@ -306,8 +362,9 @@ def _constants(calibrations: list[dict], layers: int) -> dict:
     m = calibrations[0]["m"]
     layout = Layout(pipeline=len(calibrations), global_batch=m, engine="fsdp2",
                     schedule="1f1b", virtual_stages=1, recompute=Recompute.NONE)
-    step = statistics.fmean(r["step"] for r in calibrations)
-    busy = statistics.fmean(r["busy"] for r in calibrations)
+    steps = _per_step([r["records"] for r in calibrations])
+    step = statistics.median(steps["step"])
+    busy = statistics.median(steps["compute"])
     per_micro = step / (m + pipeline_bubble_slots(layout)) - busy / m
     action = (per_micro - pipeline_messages_per_micro_batch(layout) * one_way) \
         / pipeline_actions_per_micro_batch(layout)
@@ -355,6 +412,7 @@ def _schedules(args) -> None:
     from pretrain.testing.schedule_replay import replay
 
     pp = 2
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         results = run_on_ranks(_bench_rank, world_size=pp, tmp_path=Path(tmp),
                                timeout_s=1200, args=(args.micro_batches, args.steps, args.layers))
@@ -365,9 +423,11 @@ def _schedules(args) -> None:
         **{k: constants[k] for k in ("p2p_latency_us", "pipeline_action_us",
                                      "split_backward_layer_us", "split_backward_fraction",
                                      "intra_node_gbps")})
+    no_split = dataclasses.replace(cluster, split_backward_layer_us=0.0,
+                                   split_backward_fraction=0.0)
     boundary = TOKENS * HIDDEN * 4
-    print(f"machine: {machine()}; 2 ranks x 1 thread, gloo; shared load (other engineers' jobs "
-          "may run beside it)")
+    print(f"machine: {machine()}; 2 ranks x 1 thread, gloo; load average (1 min) "
+          f"{load:.1f} before the run, {os.getloadavg()[0]:.1f} after")
     print(f"model: {args.layers} residual MLP blocks (hidden {HIDDEN}, inner {INNER}), "
           f"{TOKENS} tokens a micro-batch, fp32, pp={pp}; m = {args.micro_batches}")
     print(f"calibration (same run): message {constants['p2p_latency_us']:.0f} us + bytes at "
@@ -376,40 +436,58 @@ def _schedules(args) -> None:
           f"{constants['tiny_per_micro_us']:.0f} us a micro-batch), split backward "
           f"{constants['split_backward_layer_us']:.0f} us a block + "
           f"{constants['split_backward_fraction']:.3f} of the backward")
-    print("bubble = 1 - busy / step; ideal = b / (m + b); planner = 1 - busy / (busy (m + b) / m"
-          " + pipeline_overhead + p2p bytes); ratio = bubble / planner")
-    print(f"{'schedule':<18}{'v':>2}" + "".join(
-        f"{f'step m={m}':>11}{'busy':>8}{'bubble':>8}{'ideal':>7}{'planner':>8}{'ratio':>7}"
-        for m in args.micro_batches)
-        + f"{'in flight r0/r1 (m=' + str(max(args.micro_batches)) + ')':>28}{'planner':>10}"
-        f"{'replay':>10}")
+    print("per step (each the mean of the two ranks'): busy = the stages' compute, timed inside "
+          "the step; bubble = 1 - busy / step (min-median over the steps); ideal = b / (m + b); "
+          "planner = 1 - busy / (busy (m + b) / m + pipeline_overhead + p2p bytes), at the median "
+          "busy; ratio = median bubble / planner")
+    print("the step's parts (medians, ms): wait = blocked on messages, overhead = the rest "
+          "(posting messages, the runtime's work); planner's: overhead = m x its fixed costs a "
+          "micro-batch + the bytes, wait = the b slots' busy and fixed costs")
+    header = (f"{'schedule':<18}{'v':>2}{'m':>3}{'step':>7}{'busy':>7}{'bubble':>13}{'ideal':>7}"
+              f"{'planner':>8}{'ratio':>7}{'overhead':>14}{'wait':>14}")
+    print(header)
+    rows = {}
     for name, v in SCHEDULES:
-        m_top = max(args.micro_batches)
-        row = f"{name:<18}{v:>2}"
         for m in args.micro_batches:
             layout = Layout(pipeline=pp, global_batch=m, engine="fsdp2", schedule=name,
                             virtual_stages=v, recompute=Recompute.NONE)
             b = pipeline_bubble_slots(layout)
-            step = statistics.fmean(r[(name, v, m)][0] for r in results)
-            busy = statistics.fmean(r[(name, v, m)][2] for r in results)
-            predicted = (busy * (m + b) / m
-                         + pipeline_overhead(layout, cluster, rank_layers=args.layers // pp,
-                                             micro_batch_seconds=busy / m)
-                         + pipeline_p2p_bytes(layout, boundary)
-                         / (cluster.intra_node_gbps * 1e9 * COLLECTIVE_EFFICIENCY))
-            measured, planned = 1 - busy / step, 1 - busy / predicted
-            row += (f"{step * 1e3:>9.0f}ms{busy * 1e3:>6.0f}ms{measured:>8.3f}{b / (m + b):>7.3f}"
-                    f"{planned:>8.3f}{measured / planned:>7.2f}")
+            parts = _per_step([r[(name, v, m)]["records"] for r in results])
+            bubbles = sorted(1 - c / t for c, t in zip(parts["compute"], parts["step"]))
+            busy = statistics.median(parts["compute"])
+            # the split backward's extra work is in the measured busy (its passes' compute,
+            # timed): the planner's fixed costs without it
+            fixed = pipeline_overhead(layout, no_split, rank_layers=args.layers // pp,
+                                      micro_batch_seconds=busy / m)
+            sent = pipeline_p2p_bytes(layout, boundary) / (
+                cluster.intra_node_gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+            predicted = busy * (m + b) / m + fixed + sent
+            planned = 1 - busy / predicted
+            measured = statistics.median(bubbles)
+            rows[(name, v, m)] = (measured, planned)
+            per_slot = fixed / (m + b)
+            overhead = (f"{statistics.median(parts['overhead']) * 1e3:.1f}/"
+                        f"{(m * per_slot + sent) * 1e3:.1f}")
+            wait = f"{statistics.median(parts['wait']) * 1e3:.1f}/{b * (busy / m + per_slot) * 1e3:.1f}"
+            print(f"{name:<18}{v:>2}{m:>3}{statistics.median(parts['step']) * 1e3:>7.0f}"
+                  f"{busy * 1e3:>7.0f}{f'{bubbles[0]:.3f}-{measured:.3f}':>13}"
+                  f"{b / (m + b):>7.3f}{planned:>8.3f}{measured / planned:>7.2f}"
+                  f"{overhead:>14}{wait:>14}")
+    within = sum(0.8 <= measured / planned <= 1.2 for measured, planned in rows.values())
+    print(f"within 20%: {within} of {len(rows)}")
+    m_top = max(args.micro_batches)
+    print(f"micro-batches in flight at m = {m_top} (measured peak saved bytes over one "
+          "micro-batch's; planner; torch's action lists replayed), ranks 0/1:")
+    for name, v in SCHEDULES:
         layout = Layout(pipeline=pp, global_batch=m_top, engine="fsdp2", schedule=name,
                         virtual_stages=v, recompute=Recompute.NONE)
-        flight = [r[(name, v, m_top)][1] / r[(name, v, "per_micro")] for r in results]
+        flight = [r[(name, v, m_top)]["peak"] / r[(name, v, "per_micro")] for r in results]
         planned_flight = [micro_batches_in_flight(layout, rank) for rank in range(pp)]
         replayed = (replay(name, pipeline=pp, virtual_stages=v, micro_batches=m_top)
                     .peak_in_flight if name != "1f1b" else planned_flight)
-        row += (f"{'/'.join(f'{f:.2f}' for f in flight):>28}"
-                f"{'/'.join(f'{f:.1f}' for f in planned_flight):>10}"
-                f"{'/'.join(f'{f:.1f}' for f in replayed):>10}")
-        print(row)
+        print(f"{name:<18}{v:>2}{'/'.join(f'{f:.2f}' for f in flight):>12}"
+              f"{'/'.join(f'{f:.1f}' for f in planned_flight):>10}"
+              f"{'/'.join(f'{f:.1f}' for f in replayed):>10}")
 
 
 def main() -> None:
@@ -429,7 +507,7 @@ def main() -> None:
         return
     if args.schedules:
         args.micro_batches = args.micro_batches or [4, 8]
-        args.steps = args.steps or 5
+        args.steps = args.steps or 7
         _schedules(args)
         return
     args.micro_batches = args.micro_batches or [1, 2, 4, 8]

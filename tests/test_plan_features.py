@@ -17,7 +17,7 @@ from pretrain.plan.search import FSDP2_SCHEDULES, estimate, search
 from pretrain.plan.step_time import (fp8_flops_per_token, muon_step_seconds,
                                      pipeline_actions_per_micro_batch, pipeline_bubble_slots,
                                      pipeline_messages_per_micro_batch, pipeline_overhead,
-                                     pipeline_p2p_bytes)
+                                     pipeline_p2p_bytes, pipeline_split_share)
 from pretrain.resolve.layout import Layout
 
 # a small model whose counts are easy by hand: h 64, 4 heads of 16 (2 kv heads), f 128
@@ -116,7 +116,8 @@ def test_point_to_point_bytes_double_with_the_virtual_stages():
     ("fsdp2", 2, "interleaved_1f1b", 4, 8, 14), ("fsdp2", 2, "zero_bubble", 1, 3, 2),
     ("fsdp2", 2, "zero_bubble", 2, 6, 6),
     ("fsdp2", 2, "zbv", 2, 6, 4),  # stages 1 and 2 on one rank: the V's turn sends nothing
-    ("fsdp2", 2, "dualpipe_v", 2, 6, 4)])
+    # DualPipeV: rank 0 splits 2 pp - 1 = 3 of its 2 x 8 backwards, the rest are full
+    ("fsdp2", 2, "dualpipe_v", 2, 4 + 3 / 8, 4)])
 def test_a_schedule_s_actions_and_messages_per_micro_batch(engine, pipeline, schedule, virtual,
                                                            actions, messages):
     """Per micro-batch a rank runs a forward and a backward per stage (and a weight backward
@@ -126,6 +127,28 @@ def test_a_schedule_s_actions_and_messages_per_micro_batch(engine, pipeline, sch
                     virtual_stages=virtual)
     assert pipeline_actions_per_micro_batch(layout) == actions
     assert pipeline_messages_per_micro_batch(layout) == messages
+
+
+@pytest.mark.parametrize("pipeline, micro_batches", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16)])
+def test_dualpipe_v_splits_the_backwards_torch_s_action_list_splits(pipeline, micro_batches):
+    """DualPipeV defers a weight pass only for the backwards that fill its drain: rank 0 (the
+    busiest) 2 pp - 1 of its 2 m, whatever m, as torch's own action list counts them; the zero
+    bubble schedules split every backward, 1F1B none."""
+    from pretrain.testing.schedule_replay import pipeline_order
+
+    layout = _fsdp2(pipeline=pipeline, global_batch=micro_batches, schedule="dualpipe_v",
+                    virtual_stages=2)
+    order = pipeline_order("dualpipe_v", pipeline=pipeline, virtual_stages=2,
+                           micro_batches=micro_batches)
+    overlapped = "OVERLAP_F_B"  # a forward and a full backward, run one after the other
+    actions = [sub for a in order[0] if a is not None
+               for sub in (a.sub_actions if a.computation_type.name == overlapped else [a])]
+    weights = sum(a.computation_type.name == "BACKWARD_WEIGHT" for a in actions)
+    assert weights == 2 * pipeline - 1
+    assert pipeline_split_share(layout) == weights / (2 * micro_batches)
+    assert pipeline_actions_per_micro_batch(layout) == len(actions) / micro_batches
+    assert pipeline_split_share(replace(layout, schedule="zbv")) == 1.0
+    assert pipeline_split_share(replace(layout, schedule="interleaved_1f1b")) == 0.0
 
 
 def test_pipeline_overhead_lengthens_every_slot_of_the_step():

@@ -216,14 +216,27 @@ def pipeline_bubble_slots(layout: Layout) -> float:
 SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipe_v")
 
 
-def pipeline_actions_per_micro_batch(layout: Layout) -> int:
+def pipeline_split_share(layout: Layout) -> float:
+    """The share of the busiest pipeline rank's backwards that its schedule splits into an input
+    pass and a deferred weight pass (torch's action lists): all of them under `zero_bubble` and
+    `zbv`; under `dualpipe_v` only the 2 pp - 1 of rank 0's that fill its drain (its other
+    backwards are full, paired with a forward in its overlapped F&B actions), of the rank's
+    v m; none under the other schedules."""
+    if layout.engine != "fsdp2" or layout.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return 0.0
+    if layout.schedule == "dualpipe_v":
+        return min(1.0, (2 * layout.pipeline - 1)
+                   / (layout.virtual_stages * layout.grad_accum))
+    return 1.0
+
+
+def pipeline_actions_per_micro_batch(layout: Layout) -> float:
     """The schedule actions one pipeline rank runs per micro-batch: a forward and a backward of
-    each of its v stages, and a weight-gradient backward of each under the schedules that split
-    the backward (`SPLIT_BACKWARD_SCHEDULES`; DualPipeV's overlapped forward-backward pairs run
-    their two actions one after the other)."""
+    each of its v stages, and a weight-gradient backward of each backward its schedule splits
+    (`pipeline_split_share`; DualPipeV's overlapped forward-backward pairs run their two actions
+    one after the other)."""
     v = layout.virtual_stages if layout.engine == "fsdp2" else 1
-    split = layout.engine == "fsdp2" and layout.schedule in SPLIT_BACKWARD_SCHEDULES
-    return v * (3 if split else 2)
+    return v * (2 + pipeline_split_share(layout))
 
 
 def pipeline_messages_per_micro_batch(layout: Layout) -> int:
@@ -247,21 +260,21 @@ def pipeline_overhead(layout: Layout, cluster: Cluster, *, rank_layers: int,
     """Seconds a step's pipeline schedule spends on fixed costs, independent of the stages' work:
     per micro-batch, each action's runtime cost (`pipeline_actions_per_micro_batch` x the
     cluster's `pipeline_action_us`), each message's latency (`pipeline_messages_per_micro_batch`
-    x `p2p_latency_us`; the bytes are `pipeline_comm`'s) and, under a split backward, its weight
-    pass's graph walk (`rank_layers` x `split_backward_layer_us`) and its share
-    `split_backward_fraction` of the backward's time (two thirds of `micro_batch_seconds`, a
-    micro-batch's forward and backward on the rank). They lengthen every slot of
+    x `p2p_latency_us`; the bytes are `pipeline_comm`'s) and, for each backward split
+    (`pipeline_split_share`), its weight pass's graph walk (`rank_layers` x
+    `split_backward_layer_us`) and its share `split_backward_fraction` of the backward's time
+    (two thirds of `micro_batch_seconds`, a micro-batch's forward and backward on the rank).
+    They lengthen every slot of
     the step, the m micro-batches' and the bubble's (`pipeline_bubble_slots`): the more actions
     a schedule runs to shrink its bubble, the more it pays here (`bench/pipeline_bubble.py`
     measures both against these terms)."""
     if layout.pipeline == 1:
         return 0.0
-    split = layout.engine == "fsdp2" and layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    split = pipeline_split_share(layout)
     per_micro = (pipeline_actions_per_micro_batch(layout) * cluster.pipeline_action_us
                  + pipeline_messages_per_micro_batch(layout) * cluster.p2p_latency_us
-                 + (rank_layers * cluster.split_backward_layer_us if split else 0.0)) * 1e-6
-    if split:
-        per_micro += cluster.split_backward_fraction * micro_batch_seconds * 2.0 / 3.0
+                 + split * rank_layers * cluster.split_backward_layer_us) * 1e-6
+    per_micro += split * cluster.split_backward_fraction * micro_batch_seconds * 2.0 / 3.0
     return (layout.grad_accum + pipeline_bubble_slots(layout)) * per_micro
 
 
