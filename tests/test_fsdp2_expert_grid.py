@@ -70,17 +70,16 @@ def test_fsdp2_runs_the_expert_grid_and_refuses_what_it_does_not_verify():
             check_layout(wide, layout)
     topo = Topology(tensor=1, pipeline=1, world_size=2, expert=2)
     saving = ["parallel.expert=2", "checkpoint.save_interval=3"]
-    cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"), [*saving, "train.engine=fsdp2"])
-    assert resolve_layout(cfg, topo).engine == "fsdp2"  # its step checkpoints resume
-    cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"), saving)
-    with pytest.raises(ConfigError, match=r"checkpoint.save_interval with .*train.engine=fsdp2"):
-        resolve_layout(cfg, topo)
+    for engine in ("fsdp2", "deepspeed"):  # the grid's step checkpoints resume under either
+        cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"),
+                          [*saving, f"train.engine={engine}"])
+        assert resolve_layout(cfg, topo).engine == engine
 
 
 def test_the_planner_shards_fsdp2_experts_over_the_expert_data_ranks_and_searches_the_grid():
     """Under fsdp2 a grid layout's routed experts are sharded over the expert-data ranks, the
     rest over the data ranks; the search spreads experts over the grid at ZeRO-3 and in
-    pipelines too, with step checkpoints (fsdp2's resume), under ZeRO-3's JSON."""
+    pipelines too, under ZeRO-3's JSON."""
     from dataclasses import replace
 
     from pretrain.arithmetic import stage_expert_parameters, stage_items, stage_parameters
@@ -102,7 +101,7 @@ def test_the_planner_shards_fsdp2_experts_over_the_expert_data_ranks_and_searche
     dense = replace(layout, expert=1)
     assert memory.buffers < fsdp2_stage_memory(moe, dense, stage_items(moe, dense)[0]).buffers
     plans = search(moe, make_cluster("h100-80gb", nodes=2), global_batch=64,
-                   micro_batches=(1,), engine=Engine.FSDP2, step_checkpoints=True,
+                   micro_batches=(1,), engine=Engine.FSDP2,
                    engines={(3, "none", "none")}, allow_offload=False)  # ZeRO-3's JSON only
     grid = [p.layout for p in plans if expert_grid(p.layout)]
     assert grid and any(g.pipeline > 1 for g in grid)

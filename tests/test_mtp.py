@@ -220,6 +220,8 @@ LAYOUTS = {
     "dp2_zero2": (2, ["deepspeed=ds_configs/zero2.json"]),
     # whole experts on the tensor ranks, the modules' mixture's too
     "tp2_expert2": (2, ["parallel.tensor=2", "parallel.expert=2"]),
+    # the expert grid: whole experts on data ranks, the modules' in DeepSpeed's MoE groups too
+    "expert2_dp2_grid": (2, ["parallel.expert=2"]),
     # ZeRO-3 gathers the embedding and head for each of their calls; fsdp2's units
     "zero3_tp2_dp2": (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
     "fsdp2_dp2": (2, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]),

@@ -107,6 +107,8 @@ REGISTRY: dict[str, str] = {
                      "model.moe_first_dense_layers"], T_FAMILY_HF),
     "model.moe_bias_update_rate":
         "tests/test_families.py::test_deepseek_v3_expert_bias_is_saved_and_resumed",
+    **dict.fromkeys(["model.mtp_depth", "model.mtp_loss_weight"],
+                    "tests/test_mtp.py::test_mtp_loss_is_deepseek_v3s_formula_by_hand"),
     # parallel.*
     "parallel.tensor": "tests/test_tensor_parallel.py::test_model_tp2_matches_tp1",
     "parallel.pipeline": "tests/test_pipeline.py::test_pp2_matches_single_process",
@@ -343,6 +345,8 @@ MUTANT_OF: dict[str, str] = {
     "model.num_shared_experts": "dsmoe-shared-width-ignored",
     "model.moe_first_dense_layers": "dsmoe-first-dense-layers-ignored",
     "model.moe_bias_update_rate": "dsmoe-bias-not-updated",
+    "model.mtp_depth": "mtp-every-module-predicts-the-next-token",
+    "model.mtp_loss_weight": "mtp-loss-weight-ignored",
     "parallel.tensor": "model-tp-forward-not-reduced",
     "parallel.context": "context-chunk-positions-from-zero",
     "parallel.context_kind": "context-allgather-kind-ignored",

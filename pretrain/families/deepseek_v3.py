@@ -135,8 +135,9 @@ def attention_widths(cfg: ModelConfig) -> AttentionWidths:
 
 def hf_config(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
     """`DeepseekV3Config` fields: without experts every layer dense (`first_k_dense_replace` =
-    the layers); no multi-token prediction layer, the interleaved rotary layout; transformers
-    sets head_dim."""
+    the layers); `num_nextn_predict_layers` the multi-token prediction modules (`model.mtp_depth`:
+    transformers builds none and skips their weights), the interleaved rotary layout;
+    transformers sets head_dim."""
     fields = common_hf_fields(cfg)
     fields.pop("head_dim")
     experts = {"first_k_dense_replace": cfg.num_layers}

@@ -69,7 +69,8 @@ from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import (RMSNorm, apply_rotary, column_linear, rotary_embedding,
                                    row_linear, vocab_embedding)
 # the loss of whole logits lives with the chunked one; imported here for both model forms
-from pretrain.model.loss import IGNORE_INDEX, LMHead, causal_lm_loss, lm_loss  # noqa: F401
+from pretrain.model.loss import (IGNORE_INDEX, LMHead, causal_lm_loss, lm_loss,  # noqa: F401
+                                 shifted, with_gradient_of)
 from pretrain.model.moe import MoE
 from pretrain.model.recompute import selective_checkpoint
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,
@@ -469,20 +470,18 @@ class LlamaModel(nn.Module):
                   rope: tuple) -> torch.Tensor:
         """lambda / D x the sum of the multi-token prediction modules' cross entropies
         (`pretrain.model.mtp`), from the decoder's output x before the final norm."""
-        from pretrain.model import mtp  # its modules are decoder layers: imported after this
-
         cos, sin, document_ids, boundaries = rope
         masked = () if document_ids is None else (document_ids, boundaries)
         checkpointing = torch.is_grad_enabled()
         total = None
         for module in self.model.layers[self.cfg.num_layers:]:
             k = module.depth + 1
-            embedded = self.model.embed_tokens(mtp.shifted(input_ids, k, 0))  # token i + k
+            embedded = self.model.embed_tokens(shifted(input_ids, k, 0))  # token i + k
             if checkpointing and self.recomputes_layer(self.cfg.num_layers + module.depth):
                 x, head_input = self.checkpoint_fn(module, x, embedded, cos, sin, *masked)
             else:
                 x, head_input = module(x, embedded, cos, sin, *masked)
-            loss = self.lm_head(head_input, mtp.shifted(labels, k, IGNORE_INDEX))
+            loss = self.lm_head(head_input, shifted(labels, k, IGNORE_INDEX))
             module.count(loss)
             total = loss if total is None else total + loss
         return total * (self.cfg.mtp_loss_weight / self.cfg.mtp_depth)
@@ -524,7 +523,6 @@ class LlamaModel(nn.Module):
             loss = self.lm_head(hidden, labels) * chunk_loss_scale(labels, self.cp_group)
         if self.cfg.mtp_depth and self.training and torch.is_grad_enabled():
             # training only; the returned loss stays the main head's (`pretrain.model.mtp`)
-            from pretrain.model.mtp import with_gradient_of
             loss = with_gradient_of(loss, self._mtp_loss(decoded, input_ids, labels, rope))
         return loss
 

@@ -273,6 +273,30 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return lm_loss(F.linear(hidden, weight), labels, vocab_size=vocab_size, tp_group=tp_group)
 
 
+def shifted(ids: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """ids (B, T) moved k positions left, the last k filled with `fill`: position i holds
+    ids[i + k]."""
+    return torch.cat((ids[:, k:], ids.new_full((ids.shape[0], k), fill)), dim=1)
+
+
+class _WithGradient(torch.autograd.Function):
+    """`loss` itself; in backward `extra` gets the gradient `loss` gets."""
+
+    @staticmethod
+    def forward(ctx, loss, extra):
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad
+
+
+def with_gradient_of(loss: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """`loss`, bitwise, whose backward also back-propagates `extra` (same incoming gradient):
+    multi-token prediction's losses ride on the language-model loss (`pretrain.model.mtp`)."""
+    return _WithGradient.apply(loss, extra)
+
+
 def scaled_head_input(hidden: torch.Tensor, output_multiplier: float) -> torch.Tensor:
     """`hidden` x `output_multiplier`: logits of the result are the logits x the multiplier
     (muP's 1/m on the output layer); 1 returns `hidden` itself (the standard model, bitwise)."""

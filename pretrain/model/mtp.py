@@ -50,7 +50,7 @@ from pretrain.config import ModelConfig
 from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import RMSNorm
 from pretrain.model.llama import DecoderLayer
-from pretrain.model.loss import IGNORE_INDEX
+from pretrain.model.loss import IGNORE_INDEX, shifted, with_gradient_of  # noqa: F401
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, column_parallel_input
 
 
@@ -106,29 +106,6 @@ class MultiTokenPrediction(DecoderLayer):
         """Add a training forward's CE_k to the step's sums, on the device (nothing read)."""
         row = torch.stack((loss.detach().double(), loss.new_ones((), dtype=torch.float64)))
         self.loss_sum = row if self.loss_sum is None else self.loss_sum + row
-
-
-def shifted(ids: torch.Tensor, k: int, fill: int) -> torch.Tensor:
-    """ids (B, T) moved k positions left, the last k filled with `fill`: position i holds
-    ids[i + k]."""
-    return torch.cat((ids[:, k:], ids.new_full((ids.shape[0], k), fill)), dim=1)
-
-
-class _WithGradient(torch.autograd.Function):
-    """`loss` itself; in backward `extra` gets the gradient `loss` gets."""
-
-    @staticmethod
-    def forward(ctx, loss, extra):
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad
-
-
-def with_gradient_of(loss: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-    """`loss`, bitwise, whose backward also back-propagates `extra` (same incoming gradient)."""
-    return _WithGradient.apply(loss, extra)
 
 
 def mtp_modules(module: nn.Module) -> list[MultiTokenPrediction]:
