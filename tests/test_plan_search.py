@@ -68,15 +68,21 @@ def test_each_recipe_is_within_10_percent_of_the_best_layout_with_the_margin(rec
 def test_the_search_spreads_experts_over_the_expert_grid_within_what_runs():
     """A mixture of experts is searched with its experts sharded on each tensor rank (expert 1),
     whole on the tensor ranks (expert = tensor) and over the expert grid (expert ranks beyond the
-    tensor group), the grid only where the run takes it (ZeRO-1/2, no pipeline, no context, ZeRO-1
-    in fp32 only); a dense model only ever with expert 1."""
+    tensor group), the grid only where the run takes it (ZeRO-1/2, no pipeline, ZeRO-1 in fp32
+    only), with optimizer offload, context parallelism and Muon too; a dense model only ever
+    with expert 1."""
     moe = load_config(REPO / "configs" / "mixtral_8x7b.yaml").model
     cluster = make_cluster("h100-80gb", nodes=2)
     plans = search(moe, cluster, global_batch=64, micro_batches=(1,))
     on_tensor = {p.layout.tensor for p in plans if p.layout.expert > 1 and not expert_grid(p.layout)}
     grid = [p.layout for p in plans if expert_grid(p.layout)]
     assert on_tensor and {p.layout.tensor for p in plans if p.layout.expert == 1} & on_tensor
-    assert grid and all(g.zero_stage == 2 and g.pipeline == 1 and g.context == 1 for g in grid)
+    assert grid and all(g.zero_stage == 2 and g.pipeline == 1 for g in grid)
+    assert {g.offload_optimizer for g in grid} == {"none", "cpu"}
+    grid = [p.layout for p in search(moe, cluster, global_batch=64, micro_batches=(1,),
+                                     contexts=(2,), optimizer="muon", allow_offload=False)
+            if expert_grid(p.layout)]
+    assert grid and all(g.context == 2 and g.optimizer == "muon" for g in grid)
     assert all(p.layout.expert == 1 for p in search(LLAMA_13B, cluster, global_batch=64,
                                                      micro_batches=(1,)))
 
