@@ -54,7 +54,7 @@ _LAYER_COUNTS: dict[tuple[str, str, int], object] = {}
 
 
 def _layer_count(what: str, m: ModelConfig, index: int, count):
-    key = (what, repr(m), index)
+    key = (what, m.key(), index)
     if key not in _LAYER_COUNTS:
         if len(_LAYER_COUNTS) > 65536:
             _LAYER_COUNTS.clear()

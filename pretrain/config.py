@@ -139,7 +139,17 @@ class _Freezable:
                 f"cannot assign {type(self).__name__}.{name}: the run config is resolved and "
                 "frozen (pretrain.resolve.run.resolve_run settles every field once; change the config "
                 "file or --set, or the rule in pretrain/resolve/run.py)")
+        self.__dict__.pop("_key", None)  # `key()`'s text no longer says what the fields hold
         object.__setattr__(self, name, value)
+
+    def key(self) -> str:
+        """The section's fields as text (its repr), kept until a field is assigned: a hashable
+        name of its values for caches the planner consults per layer of every layout."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = repr(self)
+            object.__setattr__(self, "_key", key)
+        return key
 
 
 def freeze(cfg: "RunConfig") -> "RunConfig":

@@ -256,8 +256,8 @@ def test_fp8_costs_the_experts_that_run_and_their_routed_rows_on_the_loop_only()
     assert experts_in_fp8(QWEN3_MOE, _layout(tensor=2, fp8="tensorwise",
                                              precision=Precision.FP32), h100)
     assert experts_in_fp8(QWEN3_MOE, layout, make_cluster("h100-80gb", nodes=4,
-                                                          grouped_mm=False))
+                                                          grouped_matmul=False))
     odd = ModelConfig(**{**MODEL_PRESETS["qwen3_30b_a3b"], "moe_ffn_hidden_size": 772})
     assert experts_in_fp8(odd, layout, h100)  # 386 a tensor rank: not 8 bf16 elements' multiple
     assert not experts_in_fp8(QWEN3_MOE, _layout(tensor=2), make_cluster("h100-80gb", nodes=4,
-                                                                         grouped_mm=False))
+                                                                         grouped_matmul=False))

@@ -304,12 +304,12 @@ def expert_files(run_cfg: RunConfig, *, mp_rank: int, replicas: int) -> ExpertFi
     file (data-parallel rank d, DeepSpeed's order of the stage's replicas) is global rank
     `data_groups()[mp_rank][d]`, whose place in the grid (`Topology.expert_coords`) says which
     experts it holds. Rank d = 0 wrote the model states, whose `param_shapes` name its experts."""
-    from pretrain.resolve.topology import Topology
+    from pretrain.resolve.run import saved_topology
 
     p = run_cfg.parallel
     if p.expert == 1 or (p.expert == p.tensor and p.expert_tensor in (0, 1)):
         return None
-    topology = Topology.from_parallel_config(p, world_size=p.tensor * p.pipeline * replicas)
+    topology = saved_topology(run_cfg, world_size=p.tensor * p.pipeline * replicas)
     coords = [topology.expert_coords(rank) for rank in topology.data_groups()[mp_rank]]
     local = run_cfg.model.num_experts // p.expert
     return ExpertFiles(expert=tuple((etp, ep) for etp, ep, _ in coords),

@@ -76,7 +76,7 @@ class Cluster:
     # torch's grouped matmul kernel (CUDA compute capability 9.0 on, bf16): a mixture of
     # experts runs its routed experts as one grouped matmul, in bf16 even under train.fp8
     # (`pretrain.model.moe.grouped_mm_runs`); elsewhere as a loop over the experts
-    grouped_mm: bool = False
+    grouped_matmul: bool = False
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -107,7 +107,7 @@ CLUSTER_PRESETS: dict[str, dict] = {
                       memory_gbps=2039.0),
     "h100-80gb": dict(gpus_per_node=8, gpu_memory_gb=80.0, peak_tflops=989.0,
                       intra_node_gbps=450.0, inter_node_gbps=50.0, pcie_gbps=50.0,
-                      memory_gbps=3350.0, fp8_tflops=1979.0, grouped_mm=True),
+                      memory_gbps=3350.0, fp8_tflops=1979.0, grouped_matmul=True),
 }
 
 

@@ -437,12 +437,12 @@ def _memory_bound(model: ModelConfig, layout: Layout, cluster: Cluster, mb: _Mic
 def experts_in_fp8(model: ModelConfig, layout: Layout, cluster: Cluster) -> bool:
     """Whether `train.fp8` reaches the routed experts: their loop calls each expert that has
     rows, each of its three projections through its own FP8 matmul; where they run as torch's
-    grouped matmul instead (`Cluster.grouped_mm`, bf16, the rows and this rank's expert width
+    grouped matmul instead (`Cluster.grouped_matmul`, bf16, the rows and this rank's expert width
     multiples of 16 bytes: `pretrain.model.moe.grouped_mm_runs`) they multiply in bf16."""
     if layout.fp8 == "none" or not model.num_experts:
         return False
     align = 8  # bf16 elements in 16 bytes
-    grouped = (cluster.grouped_mm and layout.precision in (Precision.BF16, Precision.AUTO)
+    grouped = (cluster.grouped_matmul and layout.precision in (Precision.BF16, Precision.AUTO)
                and model.hidden_size % align == 0
                and model.expert_ffn_hidden_size // expert_tensor_size(layout) % align == 0)
     return not grouped

@@ -256,9 +256,15 @@ def lay_out_as_loaded(cfg: RunConfig, *, world_size: int, accelerator: str = "cp
                    device_type=accelerator, ds_json=source)
 
 
+def saved_topology(cfg: RunConfig, *, world_size: int) -> Topology:
+    """The ranks' places of a saved run's config on `world_size` ranks (where a checkpoint's
+    reader finds each rank's files)."""
+    return Topology.from_parallel_config(cfg.parallel, world_size=world_size)
+
+
 def layout_on(cfg: RunConfig, *, world_size: int) -> Layout:
     """The layout of `cfg` as loaded on `world_size` ranks, without the DeepSpeed JSON (ZeRO 0)."""
-    return resolve_layout(cfg, Topology.from_parallel_config(cfg.parallel, world_size=world_size))
+    return resolve_layout(cfg, saved_topology(cfg, world_size=world_size))
 
 
 def resolve_ds_config(cfg: RunConfig, *, world_size: int, accelerator: str = "cpu",
