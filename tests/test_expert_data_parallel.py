@@ -395,9 +395,10 @@ def _records(run) -> list[dict]:
 
 # ---- which group reduces which gradient ----------------------------------------------------------
 
-def _grid_reductions_of_one_step(rank: int, world_size: int) -> dict:
+def _grid_reductions_of_one_step(rank: int, world_size: int, family: tuple = ()) -> dict:
     """One backward and step of expert 2 over 4 data ranks (tensor 1) under ZeRO-1, every
-    reduction of torch.distributed recorded by group and size."""
+    reduction of torch.distributed recorded by group and size (`family`: the overrides of
+    another family's tiny mixture)."""
     import torch.distributed as dist
 
     from pretrain.config import load_config
@@ -411,7 +412,7 @@ def _grid_reductions_of_one_step(rank: int, world_size: int) -> dict:
     cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"), [
         "model.moe_aux_loss_coeff=1.0", "parallel.expert=2",
         f"deepspeed={REPO / 'ds_configs' / 'zero1.json'}", "train.micro_batch_size=1",
-        "train.global_batch_size=4"])
+        "train.global_batch_size=4", *family])
     groups = Topology(tensor=1, pipeline=1, world_size=world_size, rank=rank,
                       expert=2).create_groups()
     engine = build_engine(cfg, resolve_ds_config(cfg, world_size=world_size), groups, main=False)
@@ -426,23 +427,39 @@ def _grid_reductions_of_one_step(rank: int, world_size: int) -> dict:
         engine.step()
     params = dict(engine.module.named_parameters())
     experts = {n: p.numel() for n, p in params.items() if getattr(p, "allreduce", True) is False}
+    from pretrain.families import family_of
+
+    moe_layers = sum(family_of(cfg.model).moe_layer(cfg.model, i)
+                     for i in range(cfg.model.num_layers))
     return {"seen": seen, "experts": sorted(experts), "expert_elements": sum(experts.values()),
+            "local": cfg.model.num_experts // 2, "moe_layers": moe_layers,
             "other_elements": sum(p.numel() for n, p in params.items() if n not in experts),
             "expert_data": sorted(dist.get_process_group_ranks(groups.expert_data))}
 
 
 @pytest.mark.slow
-def test_each_gradient_is_reduced_over_its_group_on_the_expert_grid(tmp_path):
-    """expert 2 over 4 data ranks, ZeRO-1: each rank holds 2 of the 4 experts of each layer;
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe8_losses", "deepseek_v3_moe_bias"])
+def test_each_gradient_is_reduced_over_its_group_on_the_expert_grid(family, tmp_path):
+    """expert 2 over 4 data ranks, ZeRO-1: each rank holds half the experts of each MoE layer;
     their gradients are reduced over the 2 ranks holding the same experts (rank r and r + 2),
-    every element once, and every other gradient over the 4 data ranks, every element once;
-    nothing is reduced over the expert group (the all-to-all only swaps tokens)."""
-    results = run_on_ranks(_grid_reductions_of_one_step, world_size=4, tmp_path=tmp_path)
+    every element once, and every other gradient (DeepSeek-V3's shared experts and router
+    included) over the 4 data ranks, every element once; nothing is reduced over the expert
+    group (the all-to-all only swaps tokens). The tiny Mixtral-style mixture, Qwen3-MoE (8
+    experts, every second layer) and the bias-balanced DeepSeek-V3 (8 experts, layer 0 dense,
+    2 shared)."""
+    from tests.test_families import SHAPES, VOCAB
+
+    overrides = () if family == "mixtral" else (f"model.vocab_size={VOCAB}", *SHAPES[family])
+    results = run_on_ranks(_grid_reductions_of_one_step, world_size=4, tmp_path=tmp_path,
+                           args=(overrides,))
     for rank, result in enumerate(results):
         assert result["expert_data"] == [rank % 2, rank % 2 + 2]
-        held = sorted({n.split(".")[5] for n in result["experts"]})
-        assert held == [str(2 * (rank % 2)), str(2 * (rank % 2) + 1)], (rank, held)
-        assert len(result["experts"]) == 2 * 2 * 3  # 2 experts x 3 matrices x 2 layers
+        local = result["local"]
+        held = sorted({int(n.split(".")[5]) for n in result["experts"]})
+        assert held == list(range(local * (rank % 2), local * (rank % 2 + 1))), (rank, held)
+        assert result["moe_layers"] == {"mixtral": 2, "qwen3_moe8_losses": 1,
+                                        "deepseek_v3_moe_bias": 2}[family]
+        assert len(result["experts"]) == local * 3 * result["moe_layers"]  # 3 matrices each
         sizes = Counter()
         for op, where, elements in result["seen"]:
             if elements > 1:  # the gradient norm's sums are single values
