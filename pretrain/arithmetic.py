@@ -128,9 +128,22 @@ def kv_cache_elements_per_token(m: ModelConfig) -> int:
     return m.num_layers * family_of(m).attention_widths(m).cached
 
 
+def mtp_own_parameters(m: ModelConfig) -> int:
+    """Parameters of one multi-token prediction module beside its decoder layer (`model.mtp_depth`:
+    its input projection 2h x h and three norms, whole on every tensor rank); its decoder layer
+    counts as layer num_layers + depth (`stage_items`), its embedding and head are the model's."""
+    if not m.mtp_depth:
+        return 0
+    module = sum(family_of(m).mtp_parameters(m))
+    layers = sum(sum(layer_parameters(m, m.num_layers + k)) for k in range(m.mtp_depth))
+    return (module - layers) // m.mtp_depth
+
+
 def num_parameters(m: ModelConfig, *, include_embeddings: bool = True) -> int:
-    """Parameter count of the unpadded model (what a Hugging Face export holds)."""
-    n = sum(sum(layer_parameters(m, i)) for i in range(m.num_layers)) + m.hidden_size  # + norm
+    """Parameter count of the unpadded model (what a Hugging Face export holds, its
+    multi-token prediction modules included)."""
+    n = sum(sum(layer_parameters(m, i)) for i in range(m.num_layers + m.mtp_depth)) \
+        + m.hidden_size + m.mtp_depth * mtp_own_parameters(m)  # + norm
     if include_embeddings:
         n += m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
     return n
@@ -212,10 +225,14 @@ def stage_items(m: ModelConfig, layout: Layout) -> list[list[str]]:
     as DeepSpeed's `PipelineModule` cuts them for `parallel.pipeline_partition`: 'uniform' gives
     every stage the same number of specs, 'parameters' balances the specs' parameters on one
     GPU, 'type:DecoderLayerPipe' balances decoder layers only. Under `train.engine: fsdp2`
-    one list per pipeline rank: the specs of its virtual stages (`pipeline_rank_items`)."""
+    one list per pipeline rank: the specs of its virtual stages (`pipeline_rank_items`).
+    Multi-token prediction (`model.mtp_depth`, one stage only) adds its modules: decoder layers
+    num_layers .. num_layers + depth - 1 and an "mtp" item each (its projection, norms and one
+    more pass of the head)."""
     items = ["embed"] + [LayerItem(i) for i in range(m.num_layers)] + ["norm", "head"]
     if layout.pipeline == 1:
-        return [items]
+        mtp = [LayerItem(m.num_layers + k) for k in range(m.mtp_depth)] + ["mtp"] * m.mtp_depth
+        return [items + mtp]
     if layout.engine == "fsdp2":
         return pipeline_rank_items(m, layout)
     if layout.partition == "uniform":
@@ -324,7 +341,7 @@ def stage_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
     n += vocab * items.count("embed") + m.hidden_size * items.count("norm")
     if "head" in items:  # the output projection: its own copy unless tied in the same stage
         n += 0 if m.tie_embeddings and "embed" in items else vocab
-    return n
+    return n + items.count("mtp") * mtp_own_parameters(m)
 
 
 def layer_on_gpu(m: ModelConfig, layout: Layout, index: int) -> int:
@@ -456,6 +473,11 @@ def stage_flops_per_token(m: ModelConfig, layout: Layout, items: list[str]) -> t
     model = 3.0 * sum(layer_forward_flops_per_token(m, i) for i in indices)
     if "head" in items:
         model += 6.0 * m.vocab_size * m.hidden_size
+    # each multi-token prediction module: the head once more, and its projection (2h -> h,
+    # whole on every tensor rank)
+    model += items.count("mtp") * 6.0 * m.vocab_size * m.hidden_size
+    projection = items.count("mtp") * 6.0 * 2 * m.hidden_size * m.hidden_size
     hardware = model + mean_layer_forward_flops_per_token(m, indices) \
         * layout_recomputed_layers(layout, len(indices))
-    return model / layout.tensor, hardware / layout.tensor
+    return (model / layout.tensor + projection,
+            hardware / layout.tensor + projection)

@@ -148,6 +148,41 @@ def test_without_depth_everything_is_as_before_and_inference_uses_the_main_head(
                if isinstance(m, MultiTokenPrediction))
 
 
+def test_the_planner_counts_the_modules_parameters_and_flops_as_built_and_run():
+    """Depth 2 on the tiny mixture: the planner's stage (`stage_items`: the modules' decoder
+    layers and an "mtp" item each) holds the built model's parameters exactly, the export's
+    count too; a training forward's matmul FLOPs (torch's count) grow over depth 0 by each
+    module's decoder layer and projection as the planner counts them, and the head once more
+    per module (the planner's head term, once more per "mtp" item)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pretrain.arithmetic import (layer_forward_flops_per_token, num_parameters, stage_items,
+                                     stage_flops_per_token, stage_parameters)
+    from pretrain.config import Precision
+    from pretrain.resolve.layout import Layout
+
+    layout = Layout(global_batch=1, micro_batch=1, precision=Precision.FP32)
+    ids = torch.randint(0, VOCAB, (1, 65), generator=torch.Generator().manual_seed(0))
+    counted, planned = {}, {}
+    for depth in (0, 2):
+        cfg = model_cfg("moe", f"model.mtp_depth={depth}")
+        model = _model(cfg).train()
+        (items,) = stage_items(cfg, layout)
+        assert items.count("mtp") == depth and items.count("layer") == cfg.num_layers + depth
+        assert stage_parameters(cfg, layout, items) == sum(p.numel() for p in model.parameters())
+        assert num_parameters(cfg) == model.num_parameters()
+        with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):
+            model(ids[:, :-1], labels=ids[:, 1:])
+        counted[depth], planned[depth] = counter.get_total_flops(), \
+            stage_flops_per_token(cfg, layout, items)[0]
+    T, h, N, V = cfg.seq_length, cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    head = counted[0] - T * sum(layer_forward_flops_per_token(cfg, i) for i in range(N))
+    modules = T * sum(layer_forward_flops_per_token(cfg, N + k) + 4 * h * h for k in range(2))
+    assert counted[2] - counted[0] == modules + 2 * head
+    assert planned[2] - planned[0] == pytest.approx(3 * modules / T + 2 * 6 * V * h, rel=1e-12)
+
+
 @pytest.mark.parametrize("setting, message", [
     ("model.family=llama model.num_kv_heads=4", "model.mtp_depth=1: is DeepSeek-V3's"),
     ("parallel.pipeline=2", "model.mtp_depth=1 with parallel.pipeline=2: not supported"),

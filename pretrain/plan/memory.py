@@ -394,9 +394,13 @@ def stage_activations(m: ModelConfig, layout: Layout, stage: int, items: list[st
         activations += max(w - sum(k) for w, k in zip(whole, kept)) * tokens * act_bytes
     if "embed" in items:
         activations += in_flight * layer_input
-    if "head" in items:  # logits shard in the compute dtype + fp32 softmax of the loss
-        vocab = m.padded_vocab_size(lay.tensor) // lay.tensor
-        activations += tokens * vocab * (act_bytes + 4) + tokens * m.hidden_size * act_bytes
+    # the head's logits shard in the compute dtype + fp32 softmax of the loss: the main head's,
+    # and each multi-token prediction module's (kept until the backward) with its joined input
+    # (embedding and hidden state, 2h) and projection
+    heads = ("head" in items) + items.count("mtp")
+    vocab = m.padded_vocab_size(lay.tensor) // lay.tensor
+    activations += heads * (tokens * vocab * (act_bytes + 4) + tokens * m.hidden_size * act_bytes)
+    activations += items.count("mtp") * tokens * 3 * m.hidden_size * act_bytes
     return activations
 
 
