@@ -157,6 +157,14 @@ def test_deepspeed_refuses_schedules_other_than_its_1f1b_before_launch():
     ([*PIPELINE, "eval.tasks=[python_next_line]"], "not fsdp2's schedules yet"),
     ([*PIPELINE, ZERO3, "parallel.pipeline_schedule=zbv", "parallel.virtual_stages=2"],
      "zero-bubble schedules compute weight gradients apart"),
+    # torch's constructors would raise after launch: too few micro-batches for DualPipeV's 4
+    # stages, or a count that is no multiple of the interleaved schedule's rounds
+    ([*PIPELINE, "parallel.pipeline_schedule=dualpipe_v", "parallel.virtual_stages=2",
+      "model.num_layers=4", "train.micro_batch_size=1", "train.global_batch_size=2"],
+     "dualpipe_v with 2 micro-batches a step: DualPipeV needs at least its 4 stages"),
+    ([*PIPELINE, "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+      "model.num_layers=4", "train.micro_batch_size=1", "train.global_batch_size=5"],
+     "multiple of its 2 rounds"),
 ])
 def test_schedule_settings_are_checked(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -239,7 +239,7 @@ def test_a_pipeline_of_fsdp2_plans_each_schedule_and_refuses_what_torch_refuses(
     with pytest.raises(ConfigError, match="ZeRO stage 3"):
         estimate(SMALL, replace(base, schedule="zbv", virtual_stages=2, zero_stage=3), H100,
                  engine=Engine.FSDP2)
-    with pytest.raises(ConfigError, match="DualPipeV needs at least the 4 stages"):
+    with pytest.raises(ConfigError, match="DualPipeV needs at least its 4 stages"):
         estimate(SMALL, replace(base, schedule="dualpipe_v", virtual_stages=2, global_batch=2),
                  H100, engine=Engine.FSDP2)
     with pytest.raises(ConfigError, match="tie_embeddings"):

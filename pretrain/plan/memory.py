@@ -65,7 +65,8 @@ from pretrain.arithmetic import (expert_data_size, expert_share, largest_layer_o
 from pretrain.config import ModelConfig, Precision, Recompute
 from pretrain.families import family_of
 from pretrain.resolve.ds_config import gradient_dtypes, immediate_grad_update
-from pretrain.resolve.fsdp2_rules import (SPLIT_BACKWARD, layout_refusals, raise_refusals,
+from pretrain.resolve.fsdp2_rules import (SPLIT_BACKWARD, layout_refusals,
+                                          micro_batch_refusals, raise_refusals,
                                           reshards_after_forward)
 from pretrain.errors import ConfigError
 from pretrain.families import family_of
@@ -434,16 +435,9 @@ def pipeline_refusals(m: ModelConfig, layout: Layout) -> list[str]:
     if m.tie_embeddings:
         refusals.append(f"model.tie_embeddings=true with parallel.pipeline={p}: fsdp2's "
                         "pipeline does not sum the tied gradient")
-    stages = p * layout.virtual_stages
-    if schedule == "dualpipe_v" and micro < stages:
-        refusals.append(f"parallel.pipeline_schedule=dualpipe_v with {micro} micro-batches a "
-                        f"step: DualPipeV needs at least the {stages} stages")
-    rounds = max(1, micro // p)
-    if schedule in ("interleaved_1f1b", "zero_bubble") and micro % rounds:
-        refusals.append(f"parallel.pipeline_schedule={schedule} with {micro} micro-batches a "
-                        f"step: torch needs a multiple of its {rounds} rounds (micro-batches // "
-                        f"parallel.pipeline)")
-    return refusals
+    return refusals + micro_batch_refusals(schedule=schedule, pipeline=p,
+                                           virtual_stages=layout.virtual_stages,
+                                           micro_batches=micro)
 
 
 def fsdp2_units(m: ModelConfig, layout: Layout, items: list[str]) -> tuple[int, int, int]:

@@ -82,6 +82,26 @@ def check_fsdp2(cfg, ds: dict[str, Any], *, where: str) -> None:
     raise_refusals(refusals)
 
 
+def micro_batch_refusals(*, schedule: str, pipeline: int, virtual_stages: int,
+                         micro_batches: int) -> list[str]:
+    """The micro-batch counts a step of torch's schedules takes (what their constructors raise
+    after launch): DualPipeV at least its stages; the interleaved ones a multiple of their
+    rounds (micro-batches // pipeline, at least 1)."""
+    refusals = []
+    stages = pipeline * virtual_stages
+    if schedule == "dualpipe_v" and micro_batches < stages:
+        refusals.append(f"parallel.pipeline_schedule=dualpipe_v with {micro_batches} "
+                        f"micro-batches a step: DualPipeV needs at least its {stages} stages "
+                        "(train.global_batch_size / (train.micro_batch_size x data ranks)); raise "
+                        "train.global_batch_size or choose parallel.pipeline_schedule=zbv")
+    rounds = max(1, micro_batches // pipeline)
+    if schedule in ("interleaved_1f1b", "zero_bubble") and micro_batches % rounds:
+        refusals.append(f"parallel.pipeline_schedule={schedule} with {micro_batches} "
+                        f"micro-batches a step: torch needs a multiple of its {rounds} rounds "
+                        "(micro-batches // parallel.pipeline)")
+    return refusals
+
+
 def raise_refusals(refusals: list[str]) -> None:
     if refusals:
         raise ConfigError("train.engine=fsdp2 cannot run this config: " + "; ".join(refusals))

@@ -27,6 +27,7 @@ from pretrain.config import (Engine, Fp8Recipe, Optimizer, Precision, Recompute,
 from pretrain.data.build import check_run_data
 from pretrain.resolve.batch_ramp import check_batch_ramp
 from pretrain.resolve.ds_config import engine_fields, fill_ds_config, read_run_json
+from pretrain.resolve.fsdp2_rules import micro_batch_refusals, raise_refusals
 from pretrain.errors import CheckpointError, ConfigError
 from pretrain.hardware import PrecisionChoice, choose_precision, fp8_refusal
 from pretrain.resolve.layout import (Layout, check_engine, check_expert_grid_engine,
@@ -216,6 +217,10 @@ def resolve_layout(cfg: RunConfig, topology: Topology, *, ds_json: dict[str, Any
                     virtual_stages=p.virtual_stages, fp8=Fp8Recipe(t.fp8).value,
                     optimizer=Optimizer(t.optimizer).value)
     check_layout(m, layout)
+    if layout.engine == "fsdp2" and layout.pipeline > 1:  # what torch's schedules raise late
+        raise_refusals(micro_batch_refusals(
+            schedule=layout.schedule, pipeline=layout.pipeline,
+            virtual_stages=layout.virtual_stages, micro_batches=layout.grad_accum))
     check_batch_ramp(cfg, micro_batch=layout.micro_batch, data=layout.data,
                      pipeline=layout.pipeline)
     if Fp8Recipe(t.fp8) is not Fp8Recipe.NONE and layout.precision is Precision.FP16:
