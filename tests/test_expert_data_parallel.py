@@ -395,10 +395,10 @@ def _records(run) -> list[dict]:
 
 # ---- which group reduces which gradient ----------------------------------------------------------
 
-def _grid_reductions_of_one_step(rank: int, world_size: int, family: tuple = ()) -> dict:
-    """One backward and step of expert 2 over 4 data ranks (tensor 1) under ZeRO-1, every
-    reduction of torch.distributed recorded by group and size (`family`: the overrides of
-    another family's tiny mixture)."""
+def one_grid_step_recorded(rank: int, world_size: int, overrides: list[str]):
+    """One backward and step of the tiny mixture at expert 2 over 4 data ranks (tensor 1), every
+    reduction of torch.distributed recorded as (op, group: data / expert_data / expert, elements);
+    returns (engine, cfg, groups, recorded). `overrides`: the engine, its JSON, a family."""
     import torch.distributed as dist
 
     from pretrain.config import load_config
@@ -410,9 +410,8 @@ def _grid_reductions_of_one_step(rank: int, world_size: int, family: tuple = ())
 
     init_deepspeed_comm(dist_backend="gloo", verbose=False)
     cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"), [
-        "model.moe_aux_loss_coeff=1.0", "parallel.expert=2",
-        f"deepspeed={REPO / 'ds_configs' / 'zero1.json'}", "train.micro_batch_size=1",
-        "train.global_batch_size=4", *family])
+        "model.moe_aux_loss_coeff=1.0", "parallel.expert=2", "train.micro_batch_size=1",
+        "train.global_batch_size=4", *overrides])
     groups = Topology(tensor=1, pipeline=1, world_size=world_size, rank=rank,
                       expert=2).create_groups()
     engine = build_engine(cfg, resolve_ds_config(cfg, world_size=world_size), groups, main=False)
@@ -425,10 +424,21 @@ def _grid_reductions_of_one_step(rank: int, world_size: int, family: tuple = ())
                              (op, names.get(group, str(group)), tensor.numel())) as seen:
         engine.backward(loss)
         engine.step()
+    return engine, cfg, groups, seen
+
+
+def _grid_reductions_of_one_step(rank: int, world_size: int, family: tuple = ()) -> dict:
+    """One ZeRO-1 step of expert 2 over 4 data ranks (`one_grid_step_recorded`; `family`: the
+    overrides of another family's tiny mixture): the reductions and the experts held."""
+    import torch.distributed as dist
+
+    from pretrain.families import family_of
+    from pretrain.testing.runs import REPO
+
+    engine, cfg, groups, seen = one_grid_step_recorded(
+        rank, world_size, [f"deepspeed={REPO / 'ds_configs' / 'zero1.json'}", *family])
     params = dict(engine.module.named_parameters())
     experts = {n: p.numel() for n, p in params.items() if getattr(p, "allreduce", True) is False}
-    from pretrain.families import family_of
-
     moe_layers = sum(family_of(cfg.model).moe_layer(cfg.model, i)
                      for i in range(cfg.model.num_layers))
     return {"seen": seen, "experts": sorted(experts), "expert_elements": sum(experts.values()),

@@ -233,31 +233,11 @@ def _fsdp2_grid_reductions_of_one_step(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from pretrain.config import load_config
-    from pretrain.dist import init_deepspeed_comm
-    from pretrain.resolve.run import resolve_ds_config
-    from pretrain.resolve.topology import Topology
-    from pretrain.testing.reductions import recorded_reductions
     from pretrain.testing.runs import REPO
-    from pretrain.training.engine import build_engine
+    from tests.test_expert_data_parallel import one_grid_step_recorded
 
-    init_deepspeed_comm(dist_backend="gloo", verbose=False)
-    cfg = load_config(str(REPO / "configs" / "tiny_moe.yaml"), [
-        "model.moe_aux_loss_coeff=1.0", "parallel.expert=2", "train.engine=fsdp2",
-        f"deepspeed={REPO / 'ds_configs' / 'zero3.json'}", "train.micro_batch_size=1",
-        "train.global_batch_size=4"])
-    groups = Topology(tensor=1, pipeline=1, world_size=world_size, rank=rank,
-                      expert=2).create_groups()
-    engine = build_engine(cfg, resolve_ds_config(cfg, world_size=world_size), groups, main=False)
-    ids = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(3))
-    loss = engine(ids[rank:rank + 1, :-1], labels=ids[rank:rank + 1, 1:])
-    names = {tuple(dist.get_process_group_ranks(g)): kind
-             for kind, g in (("data", groups.data), ("expert_data", groups.expert_data),
-                             ("expert", groups.expert))}
-    with recorded_reductions(lambda op, group, tensor:  # (op, group, elements)
-                             (op, names.get(group, str(group)), tensor.numel())) as seen:
-        engine.backward(loss)
-        engine.step()
+    engine, _, groups, seen = one_grid_step_recorded(
+        rank, world_size, ["train.engine=fsdp2", f"deepspeed={REPO / 'ds_configs' / 'zero3.json'}"])
     params = dict(engine.module.named_parameters())
     experts = {n: p for n, p in params.items() if ".mlp.experts." in n}
     return {"seen": seen, "experts": sorted(experts),
