@@ -25,8 +25,9 @@ from tests.test_moe import STEPS, _assert_final_is_last_checkpoint, _assert_same
 
 FSDP2 = ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]
 
-FSDP2_GRID = {  # name: (ranks, overrides)
-    **GRID_LAYOUTS,
+FSDP2_GRID = {  # name: (ranks, overrides): DeepSpeed's grid layouts (not its context, offload
+    # and Muon rows: those are its engine's own) and fsdp2's
+    **{name: GRID_LAYOUTS[name] for name in ("expert2_dp2", "expert2_tp2_etp2_dp2", "expert4_dp4")},
     # 2 ranks hold each expert: its unit sharded over them, its gradient reduce-scattered
     "expert2_dp4": (4, ["parallel.expert=2", "train.global_batch_size=8"]),
     # CPUOffloadPolicy: the expert units' shards, gradients and Adam's moments in host memory
