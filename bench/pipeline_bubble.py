@@ -12,14 +12,15 @@ line through all m), and the measured bubble fraction of m is 1 - m * slope / st
 `--schedules`: two gloo ranks (one core each) run torch's schedules (`1f1b`, `interleaved_1f1b`
 with 2 and 4 stages a rank, `zero_bubble` with 1 and 2, `zbv`, `dualpipe_v`) over a stack of 8
 residual MLP blocks (hidden 256, 1024 inner, 256 tokens a micro-batch, fp32) cut into pp x v
-stages, for m = 4 and 8 micro-batches a step. Each rank also times its own work of the step
-alone (each micro-batch's forward and backward through its stages, no pipeline: "busy"); the
-measured bubble fraction is 1 - busy / step time (each the fastest of the steps, the least
-disturbed by other processes; the mean of the two ranks'), beside the ideal b / (m + b),
-b = `pipeline_bubble_slots`, and the planner's: 1 - busy / (busy (m + b) / m +
-`pipeline_overhead`), the schedule's fixed costs from the CPU cluster's constants measured in
-the same run before the schedules (`--calibrate`'s: a gloo ping-pong, the split backward
-against a full one, 1F1B over stages of nearly no work), none fitted to the schedules they
+stages, for m = 4 and 8 micro-batches a step. Each rank times its stages' work inside the
+pipelined step ("busy": the stages' forward and backward calls, wrapped); the measured bubble
+fraction is 1 - busy / step time (the mean of the two ranks', the median over the steps),
+beside the ideal b / (m + b), b = `pipeline_bubble_slots`, and the planner's: 1 - busy /
+(busiest (m + b) / m + `pipeline_overhead`), the step set by the busier rank as the planner's
+by the busiest stage, and the schedule's fixed costs from the CPU cluster's constants measured
+in the same run before the schedules (`--calibrate`'s: a gloo ping-pong, the split backward
+against a full one, 1F1B at m = 6 over the same blocks for the runtime's cost per action),
+none fitted to the schedules they
 predict. The peak activation memory of each rank is the most
 bytes autograd holds saved at once (`saved_tensors_hooks`: each saved tensor counted from its
 save to its release, kept detached), over one micro-batch's saved bytes through the rank's stages: the
@@ -245,7 +246,10 @@ def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict
     """The CPU cluster's pipeline overheads, measured apart from the schedules they predict:
     gloo's one-way message time (a ping-pong of a 4-byte tensor), the split backward's extra
     per block (input and weight passes against a full backward, one process, nearly no work)
-    and 1F1B's step over stages of nearly no work (hidden 16)."""
+    and the runtime's own time in 1F1B's steps over the bench's blocks at m = 6, a count the
+    schedules' rows do not use (the step less the stages' compute and the waits: the runtime's
+    cost per action under the stages' real load, which stages of nearly no work understate by
+    up to 5x on two shared cores and measure unsteadily)."""
     import torch
     import torch.nn as nn
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -313,9 +317,9 @@ def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict
     big = passes(HIDDEN, INNER, 15)  # the bench's blocks: the share of the backward's time
     backward = big["full"] - big["forward"]
     split_fraction = (big["split"] - big["full"] - blocks * split_per_block) / backward
-    m = 8
-    records = _schedule_rank(rank, world_size, [m], steps, layers, tiny, tiny,
-                             (("1f1b", 1),))[("1f1b", 1, m)]["records"]
+    m = 6
+    records = _schedule_rank(rank, world_size, [m], steps, layers,
+                             schedules=(("1f1b", 1),))[("1f1b", 1, m)]["records"]
     return {"one_way": one_way, "boundary_way": boundary_way,
             "boundary_bytes": boundary.numel() * boundary.element_size(),
             "split_per_block": split_per_block, "split_fraction": split_fraction,
@@ -335,13 +339,16 @@ def _per_step(ranks: list[list[dict]]) -> dict[str, list[float]]:
     """Each step's parts (seconds), the mean of the ranks' (the ranks' steps are the same steps:
     a barrier starts each): `step`, `compute` (the stages' work), `wait` (blocked on messages)
     and `overhead` (the rest: posting messages and the schedule runtime's own work)."""
-    out: dict[str, list[float]] = {"step": [], "compute": [], "wait": [], "overhead": []}
+    out: dict[str, list[float]] = {"step": [], "compute": [], "busiest": [], "wait": [],
+                                   "overhead": []}
     for records in zip(*ranks):
         step = statistics.fmean(r["step"] for r in records)
-        compute = statistics.fmean(sum(r.get(k, 0.0) for k in COMPUTE) for r in records)
+        computes = [sum(r.get(k, 0.0) for k in COMPUTE) for r in records]
+        compute = statistics.fmean(computes)
         wait = statistics.fmean(r.get("wait", 0.0) for r in records)
         out["step"].append(step)
         out["compute"].append(compute)
+        out["busiest"].append(max(computes))
         out["wait"].append(wait)
         out["overhead"].append(step - compute - wait)
     return out
@@ -350,11 +357,11 @@ def _per_step(ranks: list[list[dict]]) -> dict[str, list[float]]:
 def _constants(calibrations: list[dict], layers: int) -> dict:
     """The CPU cluster's overhead constants (microseconds) from each rank's calibration: the
     message's one-way time, the split backward's extra per block, and the runtime per action
-    (1F1B's overhead per micro-batch, `step / (m + b) - busy / m`, less its messages)."""
+    (1F1B's step less its compute and waits, the median over the steps, over the m x
+    `pipeline_actions_per_micro_batch` actions a rank ran)."""
     from pretrain.config import Recompute
     from pretrain.plan.clusters import COLLECTIVE_EFFICIENCY
-    from pretrain.plan.step_time import (pipeline_actions_per_micro_batch,
-                                         pipeline_bubble_slots, pipeline_messages_per_micro_batch)
+    from pretrain.plan.step_time import pipeline_actions_per_micro_batch
     from pretrain.resolve.layout import Layout
 
     one_way = statistics.fmean(r["one_way"] for r in calibrations)
@@ -363,11 +370,8 @@ def _constants(calibrations: list[dict], layers: int) -> dict:
     layout = Layout(pipeline=len(calibrations), global_batch=m, engine="fsdp2",
                     schedule="1f1b", virtual_stages=1, recompute=Recompute.NONE)
     steps = _per_step([r["records"] for r in calibrations])
-    step = statistics.median(steps["step"])
-    busy = statistics.median(steps["compute"])
-    per_micro = step / (m + pipeline_bubble_slots(layout)) - busy / m
-    action = (per_micro - pipeline_messages_per_micro_batch(layout) * one_way) \
-        / pipeline_actions_per_micro_batch(layout)
+    overhead = statistics.median(steps["overhead"])
+    action = overhead / (m * pipeline_actions_per_micro_batch(layout))
     fraction = statistics.fmean(r["split_fraction"] for r in calibrations)
     boundary_way = statistics.fmean(r["boundary_way"] for r in calibrations)
     # a boundary's bytes over the link: the planner's intra-node bandwidth at its efficiency
@@ -376,7 +380,8 @@ def _constants(calibrations: list[dict], layers: int) -> dict:
     return {"p2p_latency_us": one_way * 1e6, "pipeline_action_us": max(action, 0.0) * 1e6,
             "split_backward_layer_us": max(split, 0.0) * 1e6,
             "split_backward_fraction": max(fraction, 0.0), "intra_node_gbps": gbps,
-            "tiny_step_ms": step * 1e3, "tiny_per_micro_us": per_micro * 1e6}
+            "calibration_step_ms": statistics.median(steps["step"]) * 1e3,
+            "calibration_overhead_ms": overhead * 1e3, "calibration_m": m}
 
 
 def _calibrate(args) -> None:
@@ -388,9 +393,9 @@ def _calibrate(args) -> None:
     print(f"machine: {machine()}; 2 ranks x 1 thread, gloo; shared load")
     print(f"gloo one-way message (4 bytes, ping-pong):    {c['p2p_latency_us']:8.0f} us "
           "(CPU_P2P_LATENCY_US)")
-    print(f"1F1B, m=8, hidden 16: step {c['tiny_step_ms']:.2f} ms, overhead per micro-batch "
-          f"{c['tiny_per_micro_us']:.0f} us")
-    print(f"runtime per action (1F1B less its messages): {c['pipeline_action_us']:8.0f} us "
+    print(f"1F1B, m={c['calibration_m']}, the bench's blocks: step {c['calibration_step_ms']:.1f} "
+          f"ms, the runtime's own part {c['calibration_overhead_ms']:.1f} ms")
+    print(f"runtime per action (that part over its actions): {c['pipeline_action_us']:8.0f} us "
           "(CPU_PIPELINE_ACTION_US)")
     print(f"split backward's extra per block:             {c['split_backward_layer_us']:8.0f} us "
           "(CPU_SPLIT_BACKWARD_LAYER_US)")
@@ -432,13 +437,14 @@ def _schedules(args) -> None:
           f"{TOKENS} tokens a micro-batch, fp32, pp={pp}; m = {args.micro_batches}")
     print(f"calibration (same run): message {constants['p2p_latency_us']:.0f} us + bytes at "
           f"{constants['intra_node_gbps']:.2f} GB/s, action "
-          f"{constants['pipeline_action_us']:.0f} us (1F1B at hidden 16: "
-          f"{constants['tiny_per_micro_us']:.0f} us a micro-batch), split backward "
+          f"{constants['pipeline_action_us']:.0f} us (1F1B at m = {constants['calibration_m']}: "
+          f"the runtime's part {constants['calibration_overhead_ms']:.1f} ms of "
+          f"{constants['calibration_step_ms']:.0f}), split backward "
           f"{constants['split_backward_layer_us']:.0f} us a block + "
           f"{constants['split_backward_fraction']:.3f} of the backward")
     print("per step (each the mean of the two ranks'): busy = the stages' compute, timed inside "
           "the step; bubble = 1 - busy / step (min-median over the steps); ideal = b / (m + b); "
-          "planner = 1 - busy / (busy (m + b) / m + pipeline_overhead + p2p bytes), at the median "
+          "planner = 1 - busy / (busiest (m + b) / m + pipeline_overhead + p2p bytes), at the median "
           "busy; ratio = median bubble / planner")
     print("the step's parts (medians, ms): wait = blocked on messages, overhead = the rest "
           "(posting messages, the runtime's work); planner's: overhead = m x its fixed costs a "
@@ -455,13 +461,14 @@ def _schedules(args) -> None:
             parts = _per_step([r[(name, v, m)]["records"] for r in results])
             bubbles = sorted(1 - c / t for c, t in zip(parts["compute"], parts["step"]))
             busy = statistics.median(parts["compute"])
+            busiest = statistics.median(parts["busiest"])
             # the split backward's extra work is in the measured busy (its passes' compute,
             # timed): the planner's fixed costs without it
             fixed = pipeline_overhead(layout, no_split, rank_layers=args.layers // pp,
                                       micro_batch_seconds=busy / m)
             sent = pipeline_p2p_bytes(layout, boundary) / (
                 cluster.intra_node_gbps * 1e9 * COLLECTIVE_EFFICIENCY)
-            predicted = busy * (m + b) / m + fixed + sent
+            predicted = busiest * (m + b) / m + fixed + sent
             planned = 1 - busy / predicted
             measured = statistics.median(bubbles)
             rows[(name, v, m)] = (measured, planned)
