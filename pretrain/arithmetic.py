@@ -376,6 +376,17 @@ def expert_tensor_size(layout: Layout) -> int:
     return layout.tensor if layout.expert == 1 else 1
 
 
+def expert_layout_label(layout: Layout) -> str:
+    """' (ep 8: the tp ranks)', ' (ep 16 x etp 1 of a stage's ranks)', or '' at expert 1: where
+    the experts lie, as the plan and the run's first line say it."""
+    if layout.expert == 1:
+        return ""
+    etp = expert_tensor_size(layout)
+    if layout.expert == layout.tensor and etp == 1:
+        return f" (ep {layout.expert}: the tp ranks)"
+    return f" (ep {layout.expert} x etp {etp} of a stage's ranks)"
+
+
 def expert_data_size(layout: Layout) -> int:
     """The ranks holding the same experts (`Topology.expert_data_groups`): a stage's tensor x
     context x data ranks over expert x expert_tensor. The experts' gradients are reduced, and

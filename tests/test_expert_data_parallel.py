@@ -94,17 +94,18 @@ def test_step_checkpoints_of_the_expert_grid_are_taken_and_their_layout_compared
 
 
 def test_the_plan_says_where_the_experts_of_the_grid_are():
-    from pretrain.plan.report import _expert_layout, _experts_line
+    from pretrain.arithmetic import expert_layout_label
+    from pretrain.plan.report import _experts_line
 
     split = _grid(tensor=2, expert=2, expert_tensor=2)
-    assert _expert_layout(split) == " (ep 2 x etp 2 of a stage's ranks)"
+    assert expert_layout_label(split) == " (ep 2 x etp 2 of a stage's ranks)"
     line = _experts_line(CFG, split)
     assert line.startswith("experts 2 of 4 experts each split over 2 ranks per GPU"), line
     assert "all-to-all over expert groups like [0, 2]" in line
     assert "expert-data groups of 1 like [0]" in line
     assert "over expert groups like [0, 1], experts reduced and partitioned over expert-data " \
         "groups of 2 like [0, 2]" in _experts_line(CFG, _grid(data=4))
-    assert _expert_layout(_grid(tensor=2, expert=2)) == " (ep 2: the tp ranks)"
+    assert expert_layout_label(_grid(tensor=2, expert=2)) == " (ep 2: the tp ranks)"
 
 
 GRID_LAYOUTS = {  # name: (ranks, overrides)

@@ -260,6 +260,9 @@ LAYOUTS = {
     # ZeRO-3 gathers the embedding and head for each of their calls; fsdp2's units
     "zero3_tp2_dp2": (4, ["deepspeed=ds_configs/zero3.json", "parallel.tensor=2"]),
     "fsdp2_dp2": (2, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]),
+    # fsdp2's expert grid: the modules' experts sharded over their expert-data ranks too
+    "fsdp2_expert2_grid": (2, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json",
+                               "parallel.expert=2"]),
     # saved at step 2 for the resume below
     "dp2_zero1": (2, ["checkpoint.save_interval=2", "checkpoint.keep_last=1",
                       "checkpoint.keep_every=2"]),
@@ -311,6 +314,10 @@ def test_mtp_trains_on_a_layout_as_one_process(layout, tiny_data, tmp_path, sing
 
     nprocs, overrides = LAYOUTS[layout]
     run = train(tmp_path, tiny_data, nprocs=nprocs, name=layout, overrides=[*RUN, *overrides])
+    if layout.endswith("_grid"):  # the experts on the data ranks, not on tensor ones
+        assert "dp 2 (ep 2 x etp 1 of a stage's ranks) |" in run.stdout, run.stdout
+        record = next(r for r in run.records if r["kind"] == "run")
+        assert (record["expert"], record["expert_tensor"]) == (2, 1)
     _assert_same_run(run, single_mtp)
     if layout == "dp2_zero1":  # resumed from step 2 on tensor 2 = expert 2: resharded
         import shutil

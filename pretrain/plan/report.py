@@ -1,8 +1,9 @@
 """The text `pretrain plan` prints: one planned layout, or the ranking of a search."""
 from __future__ import annotations
 
-from pretrain.arithmetic import (expert_data_size, expert_parameters_per_rank,
-                                 expert_tensor_size, model_flops_per_token,
+from pretrain.arithmetic import (expert_data_size, expert_layout_label,
+                                 expert_parameters_per_rank, expert_tensor_size,
+                                 model_flops_per_token,
                                  num_active_parameters, num_parameters)
 from pretrain.config import Engine, ModelConfig, RunConfig
 from pretrain.families import family_of
@@ -23,7 +24,7 @@ def format_run(plan: Plan, cfg: RunConfig, *, config_path: str | None, accelerat
         "resolves; nothing was launched",
         f"layout  tp {layout.tensor} x pp {layout.pipeline}"
         f"{f' x cp {layout.context}' if layout.context > 1 else ''}"
-        f"{_expert_layout(layout)} "
+        f"{expert_layout_label(layout)} "
         f"x dp {layout.data} = "
         f"{world} ranks | "
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum "
@@ -63,16 +64,6 @@ def _active(m) -> str:
         return ""
     return (f" ({_count(num_active_parameters(m))} active: {m.num_experts} experts, "
             f"top {m.experts_per_token})")
-
-
-def _expert_layout(layout: Layout) -> str:
-    """' (ep 8: the tp ranks)', ' (ep 16 x etp 1 of a stage's ranks)', or '' at expert 1."""
-    if layout.expert == 1:
-        return ""
-    etp = expert_tensor_size(layout)
-    if layout.expert == layout.tensor and etp == 1:
-        return f" (ep {layout.expert}: the tp ranks)"
-    return f" (ep {layout.expert} x etp {etp} of a stage's ranks)"
 
 
 def _experts_line(m: ModelConfig, layout: Layout) -> str:

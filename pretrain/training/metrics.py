@@ -14,7 +14,8 @@ import deepspeed
 import torch
 import torch.distributed as torch_dist
 
-from pretrain.arithmetic import hardware_flops_per_token, model_flops_per_token, num_parameters
+from pretrain.arithmetic import (expert_layout_label, expert_tensor_size,
+                                 hardware_flops_per_token, model_flops_per_token, num_parameters)
 from pretrain.config import Precision, RunConfig
 from pretrain.data import BlendedSamples
 from pretrain.data.build import Samples
@@ -292,6 +293,7 @@ def announce_run(sink: MetricsSink, cfg: RunConfig, world: World,
     sink.write({"kind": "run", "world_size": world.world_size, "launcher": world.launcher,
                 "tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
                 "context": cfg.parallel.context, "context_kind": cfg.parallel.context_kind,
+                "expert": layout.expert, "expert_tensor": expert_tensor_size(layout),
                 "data_parallel": dp_size, **facts,
                 "parameters": n_params, "global_batch": global_batch,
                 "grad_accum": grad_accum, "precision": cfg.train.precision.value,
@@ -306,7 +308,7 @@ def announce_run(sink: MetricsSink, cfg: RunConfig, world: World,
     log(
         f"[run] {n_params / 1e6:.1f}M parameters | world {world.world_size} ({world.launcher}) = "
         f"tp {cfg.parallel.tensor} x pp {cfg.parallel.pipeline}"
-        f"{context} x dp {dp_size} | "
+        f"{context} x dp {dp_size}{expert_layout_label(layout)} | "
         f"ZeRO-{facts['zero_stage']} offload opt={facts['offload_optimizer']} "
         f"param={facts['offload_param']} | {cfg.train.precision.value} | "
         f"global batch {global_batch} = micro {cfg.train.micro_batch_size} x accum "
