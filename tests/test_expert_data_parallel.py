@@ -61,7 +61,6 @@ def test_expert_grid_layouts_the_stack_cannot_run_are_refused_with_the_reason_an
             check_expert_grid_engine(layout)
     layout_refusals = [
         (_grid(pipeline=2), "parallel.pipeline=2 with .*MoE parameter groups"),
-        (_grid(context=2, engine="fsdp2"), "parallel.context=2 with .*under train.engine=fsdp2"),
         (_grid(tensor=4, data=2, expert=2), r"set parallel.expert to a multiple of 4"),
     ]
     for layout, message in layout_refusals:

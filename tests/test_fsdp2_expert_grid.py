@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from pretrain.testing.ranks import run_on_ranks
-from tests.test_expert_data_parallel import GRID_LAYOUTS, moe_reference_batch8  # noqa: F401
+from tests.test_expert_data_parallel import (BUILT, GRID_LAYOUTS,
+                                             moe_reference_batch8)  # noqa: F401
 from tests.test_families import family_runs  # noqa: F401  (the families' references)
 from tests.test_moe import STEPS, _assert_final_is_last_checkpoint, _assert_same_steps, _moe_train
 
@@ -27,7 +28,8 @@ FSDP2 = ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]
 
 FSDP2_GRID = {  # name: (ranks, overrides): DeepSpeed's grid layouts (not its context, offload
     # and Muon rows: those are its engine's own) and fsdp2's
-    **{name: GRID_LAYOUTS[name] for name in ("expert2_dp2", "expert2_tp2_etp2_dp2", "expert4_dp4")},
+    **{name: GRID_LAYOUTS[name] for name in ("expert2_dp2", "expert2_tp2_etp2_dp2", "expert4_dp4",
+                                             "expert2_cp2_dp2", "expert4_cp2_dp2_allgather")},
     # 2 ranks hold each expert: its unit sharded over them, its gradient reduce-scattered
     "expert2_dp4": (4, ["parallel.expert=2", "train.global_batch_size=8"]),
     # CPUOffloadPolicy: the expert units' shards, gradients and Adam's moments in host memory
@@ -79,8 +81,8 @@ def test_fsdp2_runs_the_expert_grid_and_refuses_what_it_does_not_verify():
 
 def test_the_planner_shards_fsdp2_experts_over_the_expert_data_ranks_and_searches_the_grid():
     """Under fsdp2 a grid layout's routed experts are sharded over the expert-data ranks, the
-    rest over the data ranks; the search spreads experts over the grid at ZeRO-3 and in
-    pipelines too, under ZeRO-3's JSON."""
+    rest over the data ranks; the search spreads experts over the grid at ZeRO-3, in pipelines
+    and with context parallelism too, under ZeRO-3's JSON."""
     from dataclasses import replace
 
     from pretrain.arithmetic import stage_expert_parameters, stage_items, stage_parameters
@@ -103,9 +105,10 @@ def test_the_planner_shards_fsdp2_experts_over_the_expert_data_ranks_and_searche
     assert memory.buffers < fsdp2_stage_memory(moe, dense, stage_items(moe, dense)[0]).buffers
     plans = search(moe, make_cluster("h100-80gb", nodes=2), global_batch=64,
                    micro_batches=(1,), engine=Engine.FSDP2,
-                   engines={(3, "none", "none")}, allow_offload=False)  # ZeRO-3's JSON only
+                   engines={(3, "none", "none")}, allow_offload=False,  # ZeRO-3's JSON only
+                   contexts=(1, 2))
     grid = [p.layout for p in plans if expert_grid(p.layout)]
-    assert grid and any(g.pipeline > 1 for g in grid)
+    assert grid and any(g.pipeline > 1 for g in grid) and any(g.context > 1 for g in grid)
     assert all(g.fsdp2_replicas == 1 for g in grid)
 
 
@@ -117,6 +120,8 @@ RESUMES = {
     # the other engine, one process
     "expert2_dp4": ("on_deepspeed", 1, ["train.global_batch_size=8"]),
     "expert4_dp4": None,
+    "expert2_cp2_dp2": None,
+    "expert4_cp2_dp2_allgather": None,
     "expert2_dp2_offload": None,
 }
 
@@ -138,7 +143,9 @@ def test_fsdp2_expert_grid_trains_like_one_process_and_resumes(layout, request, 
     reference = request.getfixturevalue("moe_reference_batch8" if batch8 else "moe_reference")
     run = _moe_train(tmp_path, tiny_data, name=layout, nprocs=nprocs,
                      overrides=[*FSDP2, *overrides, *SAVES, "checkpoint.save_final=true"])
-    assert run.records[0]["engine"] == "fsdp2"
+    built = {"engine": "fsdp2", "expert": int(next(o for o in overrides if o.startswith(
+        "parallel.expert=")).split("=")[1]), **BUILT.get(layout, {})}
+    assert {key: run.records[0][key] for key in built} == built
     _assert_same_steps(run, reference)
     _assert_final_is_last_checkpoint(run)
     final = load_weights(run.run_dir / "final").state

@@ -283,11 +283,6 @@ def expert_grid_refusal(layout: Layout, *, ep: int, etp: int) -> None:
                           "the tensor group): DeepSpeed's pipeline engine takes no MoE parameter "
                           f"groups; set train.engine=fsdp2 or parallel.pipeline=1, or "
                           f"{fix.split(', or ')[-1]}")
-    if layout.context > 1 and layout.engine == "fsdp2":
-        raise ConfigError(f"parallel.context={layout.context} with {what} (expert ranks beyond "
-                          "the tensor group) under train.engine=fsdp2: not verified (the experts' "
-                          "gradient divide factor over context chunks); set parallel.context=1, "
-                          "or train.engine=deepspeed")
     if etp == 1 and ep % tp:
         raise ConfigError(f"{what} with parallel.tensor={tp}: whole experts on expert ranks "
                           "that do not span whole tensor groups; set parallel.expert to a "
