@@ -328,9 +328,17 @@ def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict
 
 def _bench_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
                 layers: int) -> dict:
-    """The calibration, then the schedules, in one run: the same machine state for both."""
+    """The calibration and the schedules in one run, the same machine state for both: the
+    calibration's 1F1B steps at m = 6 run again before each schedule, all of them pooled (the
+    runtime's cost per action follows the machine through the run, as the rows do)."""
     calibration = _calibrate_rank(rank, world_size, steps, layers)
-    results = _schedule_rank(rank, world_size, micro_counts, steps, layers)
+    m = calibration["m"]
+    results = {}
+    for schedule in SCHEDULES:
+        results.update(_schedule_rank(rank, world_size, micro_counts, steps, layers,
+                                      schedules=(schedule,)))
+        calibration["records"] += _schedule_rank(
+            rank, world_size, [m], steps, layers, schedules=(("1f1b", 1),))[("1f1b", 1, m)]["records"]
     results["calibration"] = calibration
     return results
 
