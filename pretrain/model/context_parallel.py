@@ -125,6 +125,27 @@ def chunk_loss_scale(labels: torch.Tensor, group, ignore_index: int = -100) -> t
     return (kept * n / total).float()
 
 
+def lookahead(input_ids: torch.Tensor, labels: torch.Tensor, depth: int, group, *,
+              ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's contiguous chunk (Ulysses) of input_ids and labels (B, L) with the `depth`
+    positions after it appended (B, L + depth): the first `depth` of the next context rank's
+    chunk, on the last rank (and without context parallelism) 0 and `ignore_index`, the
+    sequence's end. `x[:, k:k + L]` is then x k positions ahead of every position of the chunk
+    (multi-token prediction's `shifted` across the chunks). One all-gather of the chunks'
+    heads (2 x B x depth integers) over the group; `depth` <= L (`resolve.layout.check_mtp`)."""
+    B = input_ids.shape[0]
+    ends = (input_ids.new_zeros(B, depth), labels.new_full((B, depth), ignore_index))
+    n = cp_world_size(group)
+    if n == 1:
+        return tuple(torch.cat((x, end), dim=1) for x, end in zip((input_ids, labels), ends))
+    head = torch.stack((input_ids[:, :depth], labels[:, :depth]))  # (2, B, depth)
+    heads = [torch.empty_like(head) for _ in range(n)]
+    dist.all_gather(heads, head.contiguous(), group=group)
+    rank = cp_rank(group)
+    after = heads[rank + 1] if rank + 1 < n else torch.stack(ends)
+    return torch.cat((input_ids, after[0]), dim=1), torch.cat((labels, after[1]), dim=1)
+
+
 # ---- all-gather context parallelism --------------------------------------------------------------
 
 def token_positions(tokens: int, group, kind: str, device=None) -> torch.Tensor:

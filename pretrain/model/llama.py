@@ -60,7 +60,7 @@ import pretrain.model.mup as mup
 import pretrain.model.documents as documents
 from pretrain.model.context_parallel import (ALLGATHER, ULYSSES, allgather_attention,
                                              chunk_loss_scale, chunk_offset, cp_world_size,
-                                             heads_to_sequence, sequence_to_heads,
+                                             heads_to_sequence, lookahead, sequence_to_heads,
                                              token_positions)
 from pretrain.model.documents import Boundaries, document_attention, document_positions
 from pretrain.families import (ONES, RESIDUAL, ZEROS, check_tensor_split, family_of,
@@ -469,19 +469,28 @@ class LlamaModel(nn.Module):
     def _mtp_loss(self, x: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                   rope: tuple) -> torch.Tensor:
         """lambda / D x the sum of the multi-token prediction modules' cross entropies
-        (`pretrain.model.mtp`), from the decoder's output x before the final norm."""
+        (`pretrain.model.mtp`), from the decoder's output x before the final norm. Under context
+        parallelism the tokens k ahead of a chunk's last k positions are the next chunk's
+        (`context_parallel.lookahead`), and each module's loss is its chunk's share as the main
+        loss is (`chunk_loss_scale`)."""
         cos, sin, document_ids, boundaries = rope
         masked = () if document_ids is None else (document_ids, boundaries)
         checkpointing = torch.is_grad_enabled()
+        length = input_ids.shape[1]
+        ahead_ids, ahead_labels = lookahead(input_ids, labels, self.cfg.mtp_depth, self.cp_group,
+                                            ignore_index=IGNORE_INDEX)
         total = None
         for module in self.model.layers[self.cfg.num_layers:]:
             k = module.depth + 1
-            embedded = self.model.embed_tokens(shifted(input_ids, k, 0))  # token i + k
+            embedded = self.model.embed_tokens(ahead_ids[:, k:k + length])  # token i + k
             if checkpointing and self.recomputes_layer(self.cfg.num_layers + module.depth):
                 x, head_input = self.checkpoint_fn(module, x, embedded, cos, sin, *masked)
             else:
                 x, head_input = module(x, embedded, cos, sin, *masked)
-            loss = self.lm_head(head_input, shifted(labels, k, IGNORE_INDEX))
+            targets = ahead_labels[:, k:k + length]
+            loss = self.lm_head(head_input, targets)
+            if self.cp_group is not None:
+                loss = loss * chunk_loss_scale(targets, self.cp_group)
             module.count(loss)
             total = loss if total is None else total + loss
         return total * (self.cfg.mtp_loss_weight / self.cfg.mtp_depth)

@@ -36,8 +36,14 @@ Tensor parallelism: the projection's input is the whole hidden state on every ra
 output enters the layer as the residual stream does, so its gradient is whole there; under
 sequence parallelism each rank holds T/tp positions of it (the shifted tokens' embedding comes
 out of the vocab-parallel embedding in the same shards) and the projection's and the norms'
-gradients are summed over the group once per step (`SequenceShardedWeightGrad`). Pipeline and
-context parallelism are refused (`pretrain.resolve.layout`).
+gradients are summed over the group once per step (`SequenceShardedWeightGrad`).
+
+Context parallelism (Ulysses' contiguous chunks): a rank's last k positions need the tokens
+after its chunk, the first k of the next rank's (`context_parallel.lookahead`: one all-gather of
+the chunks' first D input ids and labels; past the sequence's end 0 and ignored, as one process
+fills them), and each module's loss is its chunk's share of the sequence's as the main loss is
+(`chunk_loss_scale`). The module's decoder layer attends over the whole sequence as every layer
+does. Pipeline parallelism is refused (`pretrain.resolve.layout`).
 """
 from __future__ import annotations
 

@@ -111,7 +111,9 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
 
 def check_mtp(model: ModelConfig, layout: Layout) -> None:
     """Multi-token prediction (`pretrain.model.mtp`) runs after the decoder with the
-    model's embedding and head, on whole sequences."""
+    model's embedding and head; under context parallelism each rank reads the tokens after its
+    chunk from the next rank's (Ulysses' contiguous chunks: DeepSeek-V3's latent attention
+    refuses all-gather context), at most a chunk ahead."""
     if not model.mtp_depth:
         return
     if layout.pipeline > 1:
@@ -119,11 +121,12 @@ def check_mtp(model: ModelConfig, layout: Layout) -> None:
                           f"{layout.pipeline}: not supported (the prediction modules need the "
                           "token embedding on the last stage, which the first stage holds); "
                           "set parallel.pipeline=1 or model.mtp_depth=0")
-    if layout.context > 1:
+    chunk = model.seq_length // layout.context
+    if layout.context > 1 and chunk < model.mtp_depth:
         raise ConfigError(f"model.mtp_depth={model.mtp_depth} with parallel.context="
-                          f"{layout.context}: not supported (module k reads the token k "
-                          "positions ahead, which crosses the context ranks' chunks); set "
-                          "parallel.context=1 or model.mtp_depth=0")
+                          f"{layout.context}: each rank's chunk of model.seq_length="
+                          f"{model.seq_length} is {chunk} tokens, fewer than the modules read "
+                          "ahead; lower parallel.context or model.mtp_depth")
 
 
 def check_fsdp2_replicas(layout: Layout) -> None:
