@@ -27,8 +27,8 @@ save to its release, kept detached), over one micro-batch's saved bytes through 
 micro-batches in flight, beside the planner's (`micro_batches_in_flight`) and torch's action
 lists replayed (`pretrain.testing.schedule_replay`).
 
-    .venv/bin/python bench/pipeline_bubble.py --schedules   # ~2 minutes on 2 cores
-    .venv/bin/python bench/pipeline_bubble.py --calibrate   # the CPU constants alone, ~20 s
+    .venv/bin/python bench/pipeline_bubble.py --schedules   # ~65 s on 2 cores
+    .venv/bin/python bench/pipeline_bubble.py --calibrate   # the CPU constants alone, ~25 s
 """
 from __future__ import annotations
 
