@@ -337,8 +337,8 @@ def _bench_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
     for schedule in SCHEDULES:
         results.update(_schedule_rank(rank, world_size, micro_counts, steps, layers,
                                       schedules=(schedule,)))
-        calibration["records"] += _schedule_rank(
-            rank, world_size, [m], steps, layers, schedules=(("1f1b", 1),))[("1f1b", 1, m)]["records"]
+        again = _schedule_rank(rank, world_size, [m], steps, layers, schedules=(("1f1b", 1),))
+        calibration["records"] += again[("1f1b", 1, m)]["records"]
     results["calibration"] = calibration
     return results
 
@@ -452,8 +452,8 @@ def _schedules(args) -> None:
           f"{constants['split_backward_fraction']:.3f} of the backward")
     print("per step (each the mean of the two ranks'): busy = the stages' compute, timed inside "
           "the step; bubble = 1 - busy / step (min-median over the steps); ideal = b / (m + b); "
-          "planner = 1 - busy / (busiest (m + b) / m + pipeline_overhead + p2p bytes), at the median "
-          "busy; ratio = median bubble / planner")
+          "planner = 1 - busy / (busiest (m + b) / m + pipeline_overhead + p2p bytes), at the "
+          "median busy; ratio = median bubble / planner")
     print("the step's parts (medians, ms): wait = blocked on messages, overhead = the rest "
           "(posting messages, the runtime's work); planner's: overhead = m x its fixed costs a "
           "micro-batch + the bytes, wait = the b slots' busy and fixed costs")

@@ -130,9 +130,10 @@ def lookahead(input_ids: torch.Tensor, labels: torch.Tensor, depth: int, group, 
     """This rank's contiguous chunk (Ulysses) of input_ids and labels (B, L) with the `depth`
     positions after it appended (B, L + depth): the first `depth` of the next context rank's
     chunk, on the last rank (and without context parallelism) 0 and `ignore_index`, the
-    sequence's end. `x[:, k:k + L]` is then x k positions ahead of every position of the chunk
-    (multi-token prediction's `shifted` across the chunks). One all-gather of the chunks'
-    heads (2 x B x depth integers) over the group; `depth` <= L (`resolve.layout.check_mtp`)."""
+    sequence's end. `x[:, k:k + L]` is then x k positions ahead of every position of the chunk,
+    across the chunks (multi-token prediction's inputs and targets). One all-gather of the
+    chunks' heads (2 x B x depth integers) over the group; `depth` <= L
+    (`resolve.layout.check_mtp`)."""
     B = input_ids.shape[0]
     ends = (input_ids.new_zeros(B, depth), labels.new_full((B, depth), ignore_index))
     n = cp_world_size(group)

@@ -70,7 +70,7 @@ from pretrain.model.layers import (RMSNorm, apply_rotary, column_linear, rotary_
                                    row_linear, vocab_embedding)
 # the loss of whole logits lives with the chunked one; imported here for both model forms
 from pretrain.model.loss import (IGNORE_INDEX, LMHead, causal_lm_loss, lm_loss,  # noqa: F401
-                                 shifted, with_gradient_of)
+                                 with_gradient_of)
 from pretrain.model.moe import MoE
 from pretrain.model.recompute import selective_checkpoint
 from pretrain.model.tensor_parallel import (all_gather_along, column_parallel_input,

@@ -273,12 +273,6 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return lm_loss(F.linear(hidden, weight), labels, vocab_size=vocab_size, tp_group=tp_group)
 
 
-def shifted(ids: torch.Tensor, k: int, fill: int) -> torch.Tensor:
-    """ids (B, T) moved k positions left, the last k filled with `fill`: position i holds
-    ids[i + k]."""
-    return torch.cat((ids[:, k:], ids.new_full((ids.shape[0], k), fill)), dim=1)
-
-
 class _WithGradient(torch.autograd.Function):
     """`loss` itself; in backward `extra` gets the gradient `loss` gets."""
 

@@ -56,7 +56,6 @@ from pretrain.config import ModelConfig
 from pretrain.model.hf import EMBED, LM_HEAD
 from pretrain.model.layers import RMSNorm
 from pretrain.model.llama import DecoderLayer
-from pretrain.model.loss import IGNORE_INDEX, shifted, with_gradient_of  # noqa: F401
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, column_parallel_input
 
 

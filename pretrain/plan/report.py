@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from pretrain.arithmetic import (expert_data_size, expert_layout_label,
                                  expert_parameters_per_rank, expert_tensor_size,
-                                 model_flops_per_token,
-                                 num_active_parameters, num_parameters)
+                                 model_flops_per_token, num_active_parameters, num_parameters)
 from pretrain.config import Engine, ModelConfig, RunConfig
 from pretrain.families import family_of
 from pretrain.resolve.ds_config import shipped_ds_configs
