@@ -1,7 +1,8 @@
 """Downstream evaluation (pretrain/evaluation): the lm-eval adapter over this stack's model
 against lm-eval's own HFLM on the same checkpoint exported to Hugging Face (fp32), in one
-process, in a tensor-parallel run and in a pipeline run; an evaluation inside training leaves
-the training bitwise unchanged; an unknown task is refused before launch."""
+process, in a tensor-parallel run and in pipeline runs (DeepSpeed's, fsdp2's); an evaluation
+inside training leaves the training bitwise unchanged; an unknown task is refused before
+launch."""
 from __future__ import annotations
 
 import math
@@ -19,21 +20,27 @@ LIMIT = 4
 STEPS = 4
 EVAL = [f"eval.tasks=[{','.join(TASKS)}]", "eval.interval=2", f"eval.limit={LIMIT}",
         f"train.steps={STEPS}", "checkpoint.save_final=true"]
-LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"]}
+# fsdp2's ZBV: 4 stages in a V over 2 ranks (rank 0 holds stages 0 and 3, rank 1 stages 1 and
+# 2), so a forward outside the schedule both sends between ranks and hands on within one
+FSDP2_PP2 = ["train.engine=fsdp2", "deepspeed=ds_configs/zero2.json", "parallel.pipeline=2",
+             "parallel.pipeline_schedule=zbv", "parallel.virtual_stages=2", "model.num_layers=4"]
+LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"], "fsdp2_pp2": FSDP2_PP2}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory) -> dict:
-    """The tiny model trained 4 steps at tp 2 and at pp 2, both evaluating TASKS every 2 steps,
-    and the pp 2 run again without them; each run's final weights exported to Hugging Face."""
+    """The tiny model trained 4 steps at tp 2, at pp 2 and on fsdp2's ZBV pipeline, each
+    evaluating TASKS every 2 steps, and the two pipelines again without them; each run's final
+    weights exported to Hugging Face."""
     from pretrain.checkpoint.hf import export_hf
     from pretrain.checkpoint.weights import load_weights
 
     tmp = tmp_path_factory.mktemp("eval_runs")
     out = {name: train(tmp, tiny_data, overrides=overrides + EVAL, nprocs=2, name=name)
            for name, overrides in LAYOUTS.items()}
-    out["pp2_without"] = train(tmp, tiny_data, overrides=LAYOUTS["pp2"] + EVAL[3:], nprocs=2,
-                               name="pp2_without")
+    for name in ("pp2", "fsdp2_pp2"):
+        out[f"{name}_without"] = train(tmp, tiny_data, overrides=LAYOUTS[name] + EVAL[3:],
+                                       nprocs=2, name=f"{name}_without")
     for name in LAYOUTS:
         export_hf(load_weights(out[name].run_dir / "final"), tmp / f"{name}_hf", dtype="fp32")
     out["tmp"] = tmp
@@ -239,7 +246,7 @@ def test_replicas_share_batches_only_where_each_holds_whole_weights():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_in_run_scores_equal_hflms_on_the_exported_checkpoint(runs, layout):
-    """The scores a tp 2 / pp 2 run wrote after its last step are HFLM's (same tasks, same
+    """The scores a tp 2 / pp 2 / fsdp2 ZBV run wrote after its last step are HFLM's (same tasks, same
     limit) on its final weights; the step lines and the sinks' record carry them."""
     from lm_eval import simple_evaluate
 
@@ -258,12 +265,17 @@ def test_in_run_scores_equal_hflms_on_the_exported_checkpoint(runs, layout):
 
 
 @pytest.mark.slow
-def test_an_evaluation_inside_training_changes_no_training_loss(runs):
-    """The pp 2 run with evaluations after steps 2 and 4 has bitwise the losses of the same run
-    without them (the pipeline's buffers, the modules' modes and the generators restored)."""
-    with_eval, without = runs["pp2"].losses, runs["pp2_without"].losses
-    assert len(with_eval) == STEPS and with_eval == without
-    assert not [r for r in runs["pp2_without"].records if r["kind"] == "tasks"]
+@pytest.mark.parametrize("layout", ["pp2", "fsdp2_pp2"])
+def test_an_evaluation_inside_training_changes_no_training_loss(runs, layout):
+    """A pipeline run with evaluations after steps 2 and 4 has bitwise the losses and gradient
+    norms of the same run without them (DeepSpeed's buffers, torch's schedule and FSDP2's
+    units, the modules' modes and the generators as they were)."""
+    with_eval, without = runs[layout], runs[f"{layout}_without"]
+    assert len(with_eval.losses) == STEPS and with_eval.losses == without.losses
+    norms = [[r["grad_norm"] for r in run.records if r["kind"] == "train"]
+             for run in (with_eval, without)]
+    assert norms[0] == norms[1]
+    assert not [r for r in without.records if r["kind"] == "tasks"]
 
 
 @pytest.mark.slow

@@ -18,12 +18,13 @@ stopped; each row's tokens end where it stopped.
 
 Shapes: a flat model (one process, tensor parallel, ZeRO) takes each batch right-padded to its
 longest row (a multiple of the tensor-parallel size under sequence parallelism): causal attention
-keeps every real position exact. A pipeline scores batches of exactly its training shape
-(train.micro_batch_size x model.seq_length) through DeepSpeed's `eval_batch`, because its
-stages keep the activation buffers of their first send; its last stage computes the results,
+keeps every real position exact. A DeepSpeed pipeline scores batches of exactly its training
+shape (train.micro_batch_size x model.seq_length) through its `eval_batch`, because its stages
+keep the activation buffers of their first send; fsdp2's pipelines score padded batches as a
+flat model does, stage by stage outside torch's schedule. The last stage computes the results,
 which reach every rank of the replica through one all-reduce (MAX over identical values and
 -inf/-1 elsewhere: exact). A pipeline decodes with a key/value cache, the prompt once and then
-(B, 1) per token, its stages sending hidden states to each other outside DeepSpeed's schedule
+(B, 1) per token, its stages sending hidden states to each other outside the engine's schedule
 (`pretrain.evaluation.pipeline_decoding`).
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
-from pretrain.evaluation.pipeline_decoding import PipelineDecoder, from_last_stage
+from pretrain.evaluation.pipeline_decoding import (PipelineDecoder, deepspeed_hops,
+                                                   from_last_stage)
 from pretrain.model.form import ModelForm
 
 _STOP, _ERROR = "stop", "error"
@@ -90,10 +92,11 @@ class Replicas:
 
 class ModelRunner:
     """Batched log-likelihoods and greedy decoding of `model`: a `LlamaModel`, a DeepSpeed engine
-    over one (flat), or a DeepSpeed `PipelineEngine`. `distributed`: whether several processes
+    over one (flat), a DeepSpeed `PipelineEngine`, or fsdp2's engine (flat or pipelined). `distributed`: whether several processes
     take part (then every rank must construct one and the others call `serve`); `replicas`: how
     they share the batches (default: read from the engine, `Replicas.of_model`). `batch_size` is
-    the rows per forward of a flat model; a pipeline uses `pipeline_shape` (rows, length);
+    the rows per forward of a flat model or fsdp2's pipeline; DeepSpeed's pipeline uses
+    `pipeline_shape` (rows, length);
     `tp_multiple`: a flat model's padded length is a multiple of it (sequence parallelism).
     `decode` (token ids to text) is needed on every rank to stop generations at their `until`
     strings (`pretrain.evaluation.tasks.evaluate` sets it from the run's tokenizer)."""
@@ -106,10 +109,14 @@ class ModelRunner:
         self.model, self.vocab_size, self.seq_length = model, vocab_size, seq_length
         self.device, self.tp_multiple, self.distributed = device, tp_multiple, distributed
         self.pipelined = ModelForm.of(model) is ModelForm.PIPELINE
+        # fsdp2's pipelines (a `PipelineDriver`) run any shape stage by stage
+        self.staged = self.pipelined and hasattr(getattr(model, "pipeline", None),
+                                                 "inference_hops")
         self.pipeline_shape, self.document_mask = pipeline_shape, document_mask
         self.tp_group = tp_group  # a pipeline's head gives this rank's vocabulary shard
-        self.batch_size = pipeline_shape[0] if self.pipelined else batch_size
-        if self.pipelined and pipeline_shape is None:
+        fixed = self.pipelined and not self.staged  # DeepSpeed's: its training shape
+        self.batch_size = pipeline_shape[0] if fixed else batch_size
+        if fixed and pipeline_shape is None:
             raise ValueError("a pipeline engine needs pipeline_shape=(micro_batch_size, seq_length)")
         if replicas is None:
             replicas = Replicas.of_model(model) if distributed else Replicas()
@@ -173,7 +180,7 @@ class ModelRunner:
     # ---- forwards ----------------------------------------------------------------------------
     def _padded(self, sequences: list[list[int]]) -> torch.Tensor:
         """(rows, length) ids, right-padded with 0 to the flat model's or the pipeline's shape."""
-        if self.pipelined:
+        if self.pipelined and not self.staged:
             rows, length = self.pipeline_shape
         else:
             rows, length = len(sequences), max(map(len, sequences))
@@ -188,6 +195,8 @@ class ModelRunner:
         (None on its other stages)."""
         if not self.pipelined:
             return self.model(ids).float()[..., :self.vocab_size]
+        if self.staged:
+            return self._pipeline_decoder().logits(ids)
         from pretrain.model.pipeline import head_logits
         from pretrain.model.tensor_parallel import gather_from_tp
 
@@ -248,8 +257,10 @@ class ModelRunner:
 
     def _pipeline_decoder(self) -> PipelineDecoder:
         if self._decoder is None:
+            hops = (self.model.pipeline.inference_hops() if self.staged
+                    else deepspeed_hops(self.model))
             self._decoder = PipelineDecoder(
-                self.model, vocab_size=self.vocab_size, seq_length=self.seq_length,
+                hops, vocab_size=self.vocab_size, seq_length=self.seq_length,
                 tp_group=self.tp_group, replica_group=self.replicas.group,
                 sequence_shards=self.tp_multiple, device=self.device)
         return self._decoder

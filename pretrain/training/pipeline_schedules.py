@@ -44,8 +44,8 @@ import torch.nn as nn
 from pretrain.arithmetic import V_SHAPED, stage_indices, stage_spans
 from pretrain.config import Precision, RunConfig
 from pretrain.model.moe import reset_stats
-from pretrain.model.pipeline import (PipelineLoss, SequentialPipeline, StageActivations,
-                                     pipeline_layer_specs)
+from pretrain.model.pipeline import (DecoderLayerPipe, PipelineLoss, SequentialPipeline,
+                                     StageActivations, head_logits, pipeline_layer_specs)
 
 # parallel.pipeline_schedule -> torch.distributed.pipelining's schedule class name
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
@@ -61,13 +61,20 @@ class StageModule(nn.Module):
             self.add_module(str(index), layer)
         self.first, self.last, self.loss = first, last, loss
 
-    def forward(self, *inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | tuple:
+    def forward(self, *inputs: torch.Tensor, labels: torch.Tensor | None,
+                logits_at: int | None = None) -> torch.Tensor | tuple:
         """The stage's layers on `inputs` (the previous stage's wire tensors; the first stage:
         input_ids, with document_ids under data.document_mask); the last stage returns the
-        loss of `labels`, the others the wire tensors for the next stage."""
+        loss of `labels`, or with `labels=None` (evaluation) this rank's vocabulary shard of
+        the logits, at position `logits_at` only where one is given; the others return the
+        wire tensors for the next stage. Inside the forward, while FSDP2 holds the head's
+        weight gathered."""
         x: Any = inputs if len(inputs) > 1 or not self.first else inputs[0]
         for layer in self.children():
             x = layer(x)
+        if self.last and labels is None:
+            hidden, weight = x  # the head's pair
+            return head_logits((hidden if logits_at is None else hidden[:, logits_at], weight))
         if self.last:
             return self.loss(x, labels)
         return StageActivations.from_tuple(x).wire()
@@ -240,6 +247,32 @@ class PipelineDriver:
                         torch_dist.send(tensor.contiguous(),
                                         group_dst=self.owner(stage + 1), group=self.group)
         return self._mean_over_pipeline(losses).reshape(1)
+
+    def inference_hops(self) -> list:
+        """This rank's stages for forwards outside the schedule (`pretrain.evaluation
+        .pipeline_decoding`: scoring and cached decoding), in pipeline order, each run as its
+        FSDP2 root's forward; the neighbours' ranks are global."""
+        from pretrain.evaluation.pipeline_decoding import StageHop
+
+        me = torch_dist.get_rank(self.group)
+        last = self.num_stages - 1
+
+        def neighbour(stage: int) -> int | None:  # another rank's stage, by global rank
+            owner = self.owner(stage)
+            return None if owner == me else torch_dist.get_global_rank(self.group, owner)
+
+        def runner(module: StageModule):
+            def run(x, position):
+                inputs = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+                return module(*inputs, labels=None, logits_at=position)
+            return run
+
+        return [StageHop(run=runner(module), first=stage == 0, last=stage == last,
+                         source=None if stage == 0 else neighbour(stage - 1),
+                         destination=None if stage == last else neighbour(stage + 1),
+                         layers=tuple(m for m in module.modules()
+                                      if isinstance(m, DecoderLayerPipe)))
+                for stage, module in sorted(self.model.stages.items())]
 
     def _receive(self, inputs, labels, dtype, *, src: int) -> tuple[torch.Tensor, ...]:
         """The previous stage's wire tensors: hidden (B, T / sequence shards, C), and the
