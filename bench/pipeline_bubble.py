@@ -18,17 +18,17 @@ fraction is 1 - busy / step time (the mean of the two ranks', the median over th
 beside the ideal b / (m + b), b = `pipeline_bubble_slots`, and the planner's: 1 - busy /
 (busiest (m + b) / m + `pipeline_overhead`), the step set by the busier rank as the planner's
 by the busiest stage, and the schedule's fixed costs from the CPU cluster's constants measured
-in the same run before the schedules (`--calibrate`'s: a gloo ping-pong, the split backward
-against a full one, 1F1B at m = 6 over the same blocks for the runtime's cost per action),
-none fitted to the schedules they
-predict. The peak activation memory of each rank is the most
+in the same run (`--calibrate`'s: the split backward against a full one, and the runtime's
+costs on a schedule no row runs, interleaved 1F1B with 3 stages a rank at m = 6 over the same
+blocks: its work per entry of torch's action list, where each send and receive is an entry of
+its own, and a message's entry and post to gloo), none fitted to the schedules they predict. The peak activation memory of each rank is the most
 bytes autograd holds saved at once (`saved_tensors_hooks`: each saved tensor counted from its
 save to its release, kept detached), over one micro-batch's saved bytes through the rank's stages: the
 micro-batches in flight, beside the planner's (`micro_batches_in_flight`) and torch's action
 lists replayed (`pretrain.testing.schedule_replay`).
 
     .venv/bin/python bench/pipeline_bubble.py --schedules   # ~65 s on 2 cores
-    .venv/bin/python bench/pipeline_bubble.py --calibrate   # the CPU constants alone, ~25 s
+    .venv/bin/python bench/pipeline_bubble.py --calibrate   # the CPU constants alone, ~15 s
 """
 from __future__ import annotations
 
@@ -91,6 +91,10 @@ def _rank(rank: int, world_size: int, micro_counts: list[int], steps: int, layer
 
 SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 1),
              ("zero_bubble", 2), ("zbv", 2), ("dualpipe_v", 2))
+# the runtime's costs are measured on a schedule no row runs: torch's action-list runtime (the
+# one every row but 1F1B runs), 3 stages a rank (every boundary crosses ranks: 10 messages and 6
+# actions a micro-batch on each), at m = 6
+CALIBRATION = ("interleaved_1f1b", 3)
 HIDDEN, INNER, TOKENS = 256, 1024, 256
 
 
@@ -244,12 +248,14 @@ COMPUTE = ("forward", "backward", "input", "weight", "loss")
 
 def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict:
     """The CPU cluster's pipeline overheads, measured apart from the schedules they predict:
-    gloo's one-way message time (a ping-pong of a 4-byte tensor), the split backward's extra
-    per block (input and weight passes against a full backward, one process, nearly no work)
-    and the runtime's own time in 1F1B's steps over the bench's blocks at m = 6, a count the
-    schedules' rows do not use (the step less the stages' compute and the waits: the runtime's
-    cost per action under the stages' real load, which stages of nearly no work understate by
-    up to 5x on two shared cores and measure unsteadily)."""
+    gloo's one-way message time (a ping-pong of a 4-byte tensor, printed beside them), the
+    split backward's extra per block (input and weight passes against a full backward, one
+    process, nearly no work) and the parts of `CALIBRATION`'s steps over the bench's blocks at
+    m = 6, a schedule and count no row uses (the step less the stages' compute and the waits,
+    and the posts of its messages: the runtime's costs under the stages' real load, which
+    stages of nearly no work understate by up to 5x on two shared cores and measure
+    unsteadily). Torch's 1F1B (`Schedule1F1B`) is not its own action list's runtime, which
+    every other schedule runs: its fixed cost barely grows with m."""
     import torch
     import torch.nn as nn
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -319,7 +325,7 @@ def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict
     split_fraction = (big["split"] - big["full"] - blocks * split_per_block) / backward
     m = 6
     records = _schedule_rank(rank, world_size, [m], steps, layers,
-                             schedules=(("1f1b", 1),))[("1f1b", 1, m)]["records"]
+                             schedules=(CALIBRATION,))[(*CALIBRATION, m)]["records"]
     return {"one_way": one_way, "boundary_way": boundary_way,
             "boundary_bytes": boundary.numel() * boundary.element_size(),
             "split_per_block": split_per_block, "split_fraction": split_fraction,
@@ -329,16 +335,16 @@ def _calibrate_rank(rank: int, world_size: int, steps: int, layers: int) -> dict
 def _bench_rank(rank: int, world_size: int, micro_counts: list[int], steps: int,
                 layers: int) -> dict:
     """The calibration and the schedules in one run, the same machine state for both: the
-    calibration's 1F1B steps at m = 6 run again before each schedule, all of them pooled (the
-    runtime's cost per action follows the machine through the run, as the rows do)."""
+    calibration's steps (`CALIBRATION` at m = 6) run again after each schedule, all of them
+    pooled (the runtime's costs follow the machine through the run, as the rows do)."""
     calibration = _calibrate_rank(rank, world_size, steps, layers)
     m = calibration["m"]
     results = {}
     for schedule in SCHEDULES:
         results.update(_schedule_rank(rank, world_size, micro_counts, steps, layers,
                                       schedules=(schedule,)))
-        again = _schedule_rank(rank, world_size, [m], steps, layers, schedules=(("1f1b", 1),))
-        calibration["records"] += again[("1f1b", 1, m)]["records"]
+        again = _schedule_rank(rank, world_size, [m], steps, layers, schedules=(CALIBRATION,))
+        calibration["records"] += again[(*CALIBRATION, m)]["records"]
     results["calibration"] = calibration
     return results
 
@@ -348,7 +354,7 @@ def _per_step(ranks: list[list[dict]]) -> dict[str, list[float]]:
     a barrier starts each): `step`, `compute` (the stages' work), `wait` (blocked on messages)
     and `overhead` (the rest: posting messages and the schedule runtime's own work)."""
     out: dict[str, list[float]] = {"step": [], "compute": [], "busiest": [], "wait": [],
-                                   "overhead": []}
+                                   "overhead": [], "post": []}
     for records in zip(*ranks):
         step = statistics.fmean(r["step"] for r in records)
         computes = [sum(r.get(k, 0.0) for k in COMPUTE) for r in records]
@@ -359,37 +365,48 @@ def _per_step(ranks: list[list[dict]]) -> dict[str, list[float]]:
         out["busiest"].append(max(computes))
         out["wait"].append(wait)
         out["overhead"].append(step - compute - wait)
+        out["post"].append(statistics.fmean(r.get("post", 0.0) for r in records))
     return out
 
 
 def _constants(calibrations: list[dict], layers: int) -> dict:
-    """The CPU cluster's overhead constants (microseconds) from each rank's calibration: the
-    message's one-way time, the split backward's extra per block, and the runtime per action
-    (1F1B's step less its compute and waits, the median over the steps, over the m x
-    `pipeline_actions_per_micro_batch` actions a rank ran)."""
+    """The CPU cluster's overhead constants (microseconds) from each rank's calibration, in the
+    calibration schedule's steps (medians over the steps): the runtime's own work per entry of
+    its action list (the step less its compute, its waits and its posts, over the m x
+    (`pipeline_actions_per_micro_batch` + `pipeline_messages_per_micro_batch`) entries of a
+    rank: torch lists each send and receive as an action of its own), which is the planner's
+    cost per action, and a message's (its entry and its post to gloo: the posts' time over the
+    m x `pipeline_messages_per_micro_batch` messages a rank posted); and the split backward's
+    extra per block."""
     from pretrain.config import Recompute
     from pretrain.plan.clusters import COLLECTIVE_EFFICIENCY
-    from pretrain.plan.step_time import pipeline_actions_per_micro_batch
+    from pretrain.plan.step_time import (pipeline_actions_per_micro_batch,
+                                         pipeline_messages_per_micro_batch)
     from pretrain.resolve.layout import Layout
 
     one_way = statistics.fmean(r["one_way"] for r in calibrations)
     split = statistics.fmean(r["split_per_block"] for r in calibrations)
     m = calibrations[0]["m"]
+    name, v = CALIBRATION
     layout = Layout(pipeline=len(calibrations), global_batch=m, engine="fsdp2",
-                    schedule="1f1b", virtual_stages=1, recompute=Recompute.NONE)
+                    schedule=name, virtual_stages=v, recompute=Recompute.NONE)
     steps = _per_step([r["records"] for r in calibrations])
-    overhead = statistics.median(steps["overhead"])
-    action = overhead / (m * pipeline_actions_per_micro_batch(layout))
+    overhead, post = statistics.median(steps["overhead"]), statistics.median(steps["post"])
+    messages = m * pipeline_messages_per_micro_batch(layout)
+    action = (overhead - post) / (m * pipeline_actions_per_micro_batch(layout) + messages)
+    message = action + post / messages
     fraction = statistics.fmean(r["split_fraction"] for r in calibrations)
     boundary_way = statistics.fmean(r["boundary_way"] for r in calibrations)
     # a boundary's bytes over the link: the planner's intra-node bandwidth at its efficiency
     gbps = calibrations[0]["boundary_bytes"] / max(boundary_way - one_way, 1e-9) / 1e9 \
         / COLLECTIVE_EFFICIENCY
-    return {"p2p_latency_us": one_way * 1e6, "pipeline_action_us": max(action, 0.0) * 1e6,
+    return {"p2p_latency_us": message * 1e6, "ping_pong_us": one_way * 1e6,
+            "pipeline_action_us": max(action, 0.0) * 1e6,
             "split_backward_layer_us": max(split, 0.0) * 1e6,
             "split_backward_fraction": max(fraction, 0.0), "intra_node_gbps": gbps,
             "calibration_step_ms": statistics.median(steps["step"]) * 1e3,
-            "calibration_overhead_ms": overhead * 1e3, "calibration_m": m}
+            "calibration_overhead_ms": overhead * 1e3, "calibration_post_ms": post * 1e3,
+            "calibration_m": m}
 
 
 def _calibrate(args) -> None:
@@ -399,12 +416,15 @@ def _calibrate(args) -> None:
                                timeout_s=1200, args=(args.steps, args.layers))
     c = _constants(results, args.layers)
     print(f"machine: {machine()}; 2 ranks x 1 thread, gloo; shared load")
-    print(f"gloo one-way message (4 bytes, ping-pong):    {c['p2p_latency_us']:8.0f} us "
-          "(CPU_P2P_LATENCY_US)")
-    print(f"1F1B, m={c['calibration_m']}, the bench's blocks: step {c['calibration_step_ms']:.1f} "
-          f"ms, the runtime's own part {c['calibration_overhead_ms']:.1f} ms")
-    print(f"runtime per action (that part over its actions): {c['pipeline_action_us']:8.0f} us "
-          "(CPU_PIPELINE_ACTION_US)")
+    name, v = CALIBRATION
+    print(f"gloo one-way message (4 bytes, ping-pong):    {c['ping_pong_us']:8.0f} us")
+    print(f"{name} with {v} stages a rank, m={c['calibration_m']}, the bench's blocks: step "
+          f"{c['calibration_step_ms']:.1f} ms, the runtime's part {c['calibration_overhead_ms']:.1f}"
+          f" ms, of which posting messages {c['calibration_post_ms']:.1f} ms")
+    print(f"runtime per action (the rest over its actions and messages): "
+          f"{c['pipeline_action_us']:5.0f} us (CPU_PIPELINE_ACTION_US)")
+    print(f"a message (its action and its post: the posts over its messages): "
+          f"{c['p2p_latency_us']:5.0f} us (CPU_P2P_LATENCY_US)")
     print(f"split backward's extra per block:             {c['split_backward_layer_us']:8.0f} us "
           "(CPU_SPLIT_BACKWARD_LAYER_US)")
     print(f"split backward's extra share of the backward: {c['split_backward_fraction']:8.3f} "
@@ -443,11 +463,14 @@ def _schedules(args) -> None:
           f"{load:.1f} before the run, {os.getloadavg()[0]:.1f} after")
     print(f"model: {args.layers} residual MLP blocks (hidden {HIDDEN}, inner {INNER}), "
           f"{TOKENS} tokens a micro-batch, fp32, pp={pp}; m = {args.micro_batches}")
-    print(f"calibration (same run): message {constants['p2p_latency_us']:.0f} us + bytes at "
+    print(f"calibration (same run; {CALIBRATION[0]} with {CALIBRATION[1]} stages a rank at m = "
+          f"{constants['calibration_m']}, the runtime's part "
+          f"{constants['calibration_overhead_ms']:.1f} ms of "
+          f"{constants['calibration_step_ms']:.0f}, posts {constants['calibration_post_ms']:.1f}):"
+          f" message {constants['p2p_latency_us']:.0f} us (ping-pong "
+          f"{constants['ping_pong_us']:.0f}) + bytes at "
           f"{constants['intra_node_gbps']:.2f} GB/s, action "
-          f"{constants['pipeline_action_us']:.0f} us (1F1B at m = {constants['calibration_m']}: "
-          f"the runtime's part {constants['calibration_overhead_ms']:.1f} ms of "
-          f"{constants['calibration_step_ms']:.0f}), split backward "
+          f"{constants['pipeline_action_us']:.0f} us, split backward "
           f"{constants['split_backward_layer_us']:.0f} us a block + "
           f"{constants['split_backward_fraction']:.3f} of the backward")
     print("per step (each the mean of the two ranks'): busy = the stages' compute, timed inside "

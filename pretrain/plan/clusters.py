@@ -120,15 +120,17 @@ CPU_INTER_NODE_GBPS = 1.25
 CPU_HOST_GBPS = 1000.0
 CPU_MEMORY_GBPS = 20.0  # one rank's share of the node's DRAM bandwidth
 # A pipeline schedule's fixed costs on gloo CPU ranks, measured by `bench/pipeline_bubble.py
-# --calibrate` (2 ranks, 1 thread each, on 2 shared cores: BENCHMARKS.md): a gloo message's
-# one-way time (ping-pong of a 4-byte tensor: 29 and 28 us on the Xeon), the runtime's cost per
-# action (1F1B over the bench's residual MLP blocks at m = 6, its step less the stages' compute
-# and the waits, over its actions: 774, 744, 830 and 784 us on the AMD EPYC; stages of nearly no
-# work measured 206-787 us, unsteadily), the split backward's extra per layer (a residual MLP
-# block of width 16's input and weight passes against one full backward: 140 and 154 us) and
+# --calibrate` (2 ranks, 1 thread each, on 2 shared cores: BENCHMARKS.md) on a schedule no
+# planner row is compared at (interleaved 1F1B with 3 stages a rank, m = 6, over the bench's
+# residual MLP blocks): the runtime's own work per entry of torch's action list, which holds
+# each send and receive as an action of its own (the step less the stages' compute, the waits
+# and the posts, over the actions and messages: 134-171 us, mean 152, in seven runs on the AMD
+# EPYC), and a message's cost, its entry and its post to gloo (492-589 us, mean 526; a gloo
+# ping-pong's one-way time is 60-90 us of it); the split backward's extra per layer (a residual
+# MLP block of width 16's input and weight passes against one full backward: 140 and 154 us) and
 # its share of the backward at width 256 (0.040 and 0.084).
-CPU_P2P_LATENCY_US = 30.0
-CPU_PIPELINE_ACTION_US = 780.0
+CPU_P2P_LATENCY_US = 525.0
+CPU_PIPELINE_ACTION_US = 150.0
 CPU_SPLIT_BACKWARD_LAYER_US = 150.0
 CPU_SPLIT_BACKWARD_FRACTION = 0.06
 

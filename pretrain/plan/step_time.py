@@ -231,12 +231,17 @@ def pipeline_split_share(layout: Layout) -> float:
 
 
 def pipeline_actions_per_micro_batch(layout: Layout) -> float:
-    """The schedule actions one pipeline rank runs per micro-batch: a forward and a backward of
-    each of its v stages, and a weight-gradient backward of each backward its schedule splits
-    (`pipeline_split_share`; DualPipeV's overlapped forward-backward pairs run their two actions
-    one after the other)."""
+    """The schedule actions one pipeline rank runs per micro-batch, as torch's action list
+    holds them: a forward and a backward of each of its v stages, and a weight-gradient backward
+    of each backward its schedule splits (`pipeline_split_share`). DualPipeV pairs a forward
+    with a full backward in one overlapped action wherever its steady state can: 2 m - 3 pp + 1
+    of them on rank 0 (the busiest), whose list then holds 2 m + 5 pp - 2 actions."""
     v = layout.virtual_stages if layout.engine == "fsdp2" else 1
-    return v * (2 + pipeline_split_share(layout))
+    actions = v * (2 + pipeline_split_share(layout))
+    if layout.engine == "fsdp2" and layout.schedule == "dualpipe_v":
+        m = layout.grad_accum
+        actions -= max(0, 2 * m - 3 * layout.pipeline + 1) / m
+    return actions
 
 
 def pipeline_messages_per_micro_batch(layout: Layout) -> int:
@@ -259,8 +264,9 @@ def pipeline_overhead(layout: Layout, cluster: Cluster, *, rank_layers: int,
                       micro_batch_seconds: float) -> float:
     """Seconds a step's pipeline schedule spends on fixed costs, independent of the stages' work:
     per micro-batch, each action's runtime cost (`pipeline_actions_per_micro_batch` x the
-    cluster's `pipeline_action_us`), each message's latency (`pipeline_messages_per_micro_batch`
-    x `p2p_latency_us`; the bytes are `pipeline_comm`'s) and, for each backward split
+    cluster's `pipeline_action_us`), each message's fixed cost (`pipeline_messages_per_micro_batch`
+    x `p2p_latency_us`: the link's latency, and on CPU ranks the runtime's work to post it; the
+    bytes are `pipeline_comm`'s) and, for each backward split
     (`pipeline_split_share`), its weight pass's graph walk (`rank_layers` x
     `split_backward_layer_us`) and its share `split_backward_fraction` of the backward's time
     (two thirds of `micro_batch_seconds`, a micro-batch's forward and backward on the rank).
