@@ -5,7 +5,8 @@ Compiling changes how the layers compute, not what: the parameters, their names 
 checkpoints are those of the eager model, and fp32 training gives the eager run's losses within
 1e-5 at every step in each layout that reaches the layers differently: one process, tensor
 parallelism (collectives inside the compiled layers), pipeline stages (DeepSpeed's stage
-modules), ZeRO-3 (parameters gathered by DeepSpeed's hooks around the compiled modules). The
+modules), ZeRO-3 (parameters gathered by DeepSpeed's hooks around the compiled modules), and
+fsdp2 (`fully_shard`'s hooks around each compiled layer, and its pipelines' stages). The
 compiled runs use the fused projections and the chunked loss (the defaults); the reference is
 the eager model with neither, so one comparison covers the three levers together.
 
@@ -63,12 +64,23 @@ def test_compiled_layers_keep_the_model_and_its_gradients(tmp_path, monkeypatch)
         assert float((p.grad - q.grad).abs().max()) <= 1e-5 * scale, name
 
 
-@pytest.mark.parametrize("layout", list(LEVER_LAYOUTS))
+# fsdp2: each compiled layer a `fully_shard` unit (its all-gather and reduce-scatter hooks left
+# to eager code by dynamo) under ZeRO-3's JSON (parameters freed after each layer's forward), and
+# a pipeline's stages under torch's interleaved schedule (2 stages a rank, 4 layers)
+FSDP2_LAYOUTS = {
+    "fsdp2_dp2": (2, ["train.engine=fsdp2", "deepspeed=ds_configs/zero3.json"]),
+    "fsdp2_pp2": (2, ["train.engine=fsdp2", "deepspeed=ds_configs/zero2.json",
+                      "parallel.pipeline=2", "parallel.pipeline_schedule=interleaved_1f1b",
+                      "parallel.virtual_stages=2", "model.num_layers=4"]),
+}
+
+
+@pytest.mark.parametrize("layout", [*LEVER_LAYOUTS, *FSDP2_LAYOUTS])
 def test_compiled_training_matches_eager(layout, tiny_data, tmp_path):
     """10 fp32 steps of `pretrain train`: compiled + fused projections + chunked loss against
     the eager, unfused, whole-logits model, losses within 1e-5 relative at every step and grad
     norms within 1e-4; the run line reports the layers compiled and the compile time."""
-    nprocs, overrides = LEVER_LAYOUTS[layout]
+    nprocs, overrides = {**LEVER_LAYOUTS, **FSDP2_LAYOUTS}[layout]
     common = [f"train.steps={STEPS}", *overrides]
     compiled = train(tmp_path, tiny_data, nprocs=nprocs, name=f"{layout}_compiled",
                      overrides=[*common, "model.compile=true"])
@@ -83,7 +95,7 @@ def test_compiled_training_matches_eager(layout, tiny_data, tmp_path):
     out = compiled.stdout + compiled.stderr
     assert "decoder layers compiled by torch.compile" in out, out[-3000:]
     assert "[compile]" in out and "s of the first step" in out, out[-3000:]
-    if layout == "flat":  # nothing left to eager Python inside a layer
+    if layout in ("flat", "fsdp2_dp2"):  # nothing left to eager Python inside a layer
         assert "(0 graph breaks)" in out, out[-3000:]
     assert "[compile]" not in eager.stdout + eager.stderr
 

@@ -70,9 +70,6 @@ def check_fsdp2(cfg, ds: dict[str, Any], *, where: str) -> None:
         refusals.append(f"model.tie_embeddings=true with parallel.pipeline={p.pipeline}: the "
                         "embedding and the head sit on different stages, whose tied gradient "
                         "fsdp2's pipeline does not sum; untie them or use train.engine=deepspeed")
-    if m.compile:
-        refusals.append("model.compile=true: compiled blocks under fully_shard are not "
-                        "verified here; set model.compile=false or use train.engine=deepspeed")
     refusals += _json_refusals(ds, where=where)
     raise_refusals(refusals)
 

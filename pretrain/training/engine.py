@@ -300,6 +300,14 @@ def log_fp8(model: torch.nn.Module, *, main: bool) -> None:
         log(f"[fp8] {conversion.line()}", main=main)
 
 
+def _compile_layers(module, cfg: RunConfig, *, main: bool) -> None:
+    """model.compile: each decoder layer of the engine's model compiled (`compile_blocks`), its
+    kernels cached in the run directory."""
+    layers = compile_blocks(module, cache_dir=Path(cfg.run_dir) / "torch_compile")
+    log(f"[compile] {layers} decoder layers compiled by torch.compile at the first "
+        f"step (inductor cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']})", main=main)
+
+
 def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroups, *,
                  main: bool) -> deepspeed.DeepSpeedEngine:
     """This rank's engine over the run's model (`model.build_for_layout`), with the weights of
@@ -319,6 +327,8 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
         if cfg.model.init_from:
             log(f"[init] weights from {engine.load_initial_weights()}", main=main)
         log_fp8(engine.module, main=main)
+        if cfg.model.compile:  # after fully_shard: its hooks stay eager around each graph
+            _compile_layers(engine.module, cfg, main=main)
         return engine
     model = build_for_layout(cfg, groups,
                              zero3_config=ds_config if zero_stage(ds_config) == 3 else None)
@@ -354,10 +364,7 @@ def build_engine(cfg: RunConfig, ds_config: dict[str, Any], groups: ProcessGroup
     defer_sequence_parallel_grads(engine.module,
                                   micro_batches=engine.gradient_accumulation_steps())
     if cfg.model.compile:
-        cache = Path(cfg.run_dir) / "torch_compile"
-        layers = compile_blocks(engine.module, cache_dir=cache)
-        log(f"[compile] {layers} decoder layers compiled by torch.compile at the first "
-                      f"step (inductor cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']})", main=main)
+        _compile_layers(engine.module, cfg, main=main)
     if groups.topology.replicas == 1 and zero_stage(ds_config) == 0 and flat:
         # One replica: DeepSpeed's bucketed gradient all-reduce would only copy gradients
         # in and out of flat buffers (measured ~2% of a step of the quickstart model).
