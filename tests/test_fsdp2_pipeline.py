@@ -84,12 +84,18 @@ def test_each_schedule_trains_like_one_process(schedule, virtual, zero3, referen
 @pytest.mark.parametrize("overrides", [
     ["parallel.tensor=2", "parallel.sequence_parallel=true"],  # the norms' grads summed over tp
     ["parallel.context=2"],  # each stage's context ranks send their chunk
-], ids=["tp2-sp", "cp2"])
+    # HSDP on each stage: its 2 data ranks as 2 replica groups of 1 shard (the gradients
+    # all-reduced over the replicas, the norm and the checkpoint from the first group's)
+    ["train.fsdp2_replicas=2"],
+], ids=["tp2-sp", "cp2", "hsdp2"])
 def test_interleaved_pipeline_composes_with_tensor_and_context_parallelism(
         overrides, reference, tiny_data, tmp_path):
     run = train(tmp_path, tiny_data, nprocs=4, name="pp2", overrides=[
         *MODEL, *PIPELINE, ZERO3, "parallel.pipeline_schedule=interleaved_1f1b",
         "parallel.virtual_stages=2", *overrides])
+    if "train.fsdp2_replicas=2" in overrides:  # built, not only asked for
+        assert run.records[0]["fsdp2_replicas"] == 2
+        assert "x dp 2 (hsdp: 2 replica groups x 1 shard)" in run.stdout
     _assert_trains_like(run, reference)
 
 

@@ -166,6 +166,8 @@ class FSDP2Engine:
         self.whole_experts = whole_experts
         self._sequence_parallel_norms = sequence_parallel_norms(model)
         hsdp = mesh.ndim == 2
+        # HSDP's replica groups as built (the run record's `fsdp2_replicas`)
+        self.replica_groups = mesh.size(0) if hsdp else 1
         self._shard_group = mesh.get_group("shard" if hsdp else 0)
         # HSDP's replica groups hold the same shards: the first one's ranks write checkpoints
         self._writes_checkpoints = not hsdp or mesh.get_local_rank("replicate") == 0

@@ -263,7 +263,7 @@ def engine_facts(engine: deepspeed.DeepSpeedEngine) -> dict[str, Any]:
     optimizer state is offloaded), the dtypes of the module's parameters (what forward computes
     in) and of the tensors the optimizer steps (the fp32 masters of a bf16 run at ZeRO >= 1),
     where the optimizer state and parameters are offloaded, and whether every layer of the
-    model splits sequences over the tensor-parallel ranks."""
+    model splits sequences over the tensor-parallel ranks, and fsdp2's HSDP replica groups."""
     wrapper = engine.optimizer
     inner = getattr(wrapper, "optimizer", wrapper)
     offload_state, offload_params = (engine.offload_targets() if hasattr(engine, "offload_targets")
@@ -277,7 +277,8 @@ def engine_facts(engine: deepspeed.DeepSpeedEngine) -> dict[str, Any]:
                              else _dtype_names(engine.module.parameters())),
             "master_dtypes": _dtype_names(_stepped_tensors(wrapper, inner)),
             "offload_optimizer": offload_state, "offload_param": offload_params,
-            "sequence_parallel": flags == {True}}
+            "sequence_parallel": flags == {True},
+            "fsdp2_replicas": getattr(engine, "replica_groups", 1)}  # HSDP's replica groups
 
 
 def announce_run(sink: MetricsSink, cfg: RunConfig, world: World,
@@ -305,10 +306,14 @@ def announce_run(sink: MetricsSink, cfg: RunConfig, world: World,
     p = cfg.parallel
     context = (f" x cp {p.context}{' (allgather)' if p.context_kind == 'allgather' else ''}"
                if p.context > 1 else "")
+    replicas = facts["fsdp2_replicas"]
+    shards = dp_size * p.context // replicas
+    hsdp = (f" (hsdp: {replicas} replica groups x {shards} shard{'s' * (shards > 1)})"
+            if replicas > 1 else "")
     log(
         f"[run] {n_params / 1e6:.1f}M parameters | world {world.world_size} ({world.launcher}) = "
         f"tp {cfg.parallel.tensor} x pp {cfg.parallel.pipeline}"
-        f"{context} x dp {dp_size}{expert_layout_label(layout)} | "
+        f"{context} x dp {dp_size}{hsdp}{expert_layout_label(layout)} | "
         f"ZeRO-{facts['zero_stage']} offload opt={facts['offload_optimizer']} "
         f"param={facts['offload_param']} | {cfg.train.precision.value} | "
         f"global batch {global_batch} = micro {cfg.train.micro_batch_size} x accum "
