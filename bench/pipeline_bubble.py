@@ -27,7 +27,7 @@ save to its release, kept detached), over one micro-batch's saved bytes through 
 micro-batches in flight, beside the planner's (`micro_batches_in_flight`) and torch's action
 lists replayed (`pretrain.testing.schedule_replay`).
 
-    .venv/bin/python bench/pipeline_bubble.py --schedules   # ~65 s on 2 cores
+    .venv/bin/python bench/pipeline_bubble.py --schedules   # ~2 minutes on 2 cores
     .venv/bin/python bench/pipeline_bubble.py --calibrate   # the CPU constants alone, ~15 s
 """
 from __future__ import annotations
@@ -545,7 +545,7 @@ def main() -> None:
         return
     if args.schedules:
         args.micro_batches = args.micro_batches or [4, 8]
-        args.steps = args.steps or 7
+        args.steps = args.steps or 15  # 7 steps' medians moved rows by 20% between runs
         _schedules(args)
         return
     args.micro_batches = args.micro_batches or [1, 2, 4, 8]
