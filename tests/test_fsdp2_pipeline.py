@@ -127,6 +127,49 @@ def test_a_checkpoint_resumes_under_another_schedule_and_on_one_process(referenc
         _assert_trains_like(run, reference, last=STEPS - SAVE_AT)
 
 
+TIED = [*MODEL, "model.tie_embeddings=true"]
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tiny_data, tmp_path_factory):
+    """One process of the tied model (the head is the embedding), final/ kept."""
+    return train(tmp_path_factory.mktemp("tied_ref"), tiny_data, name="single",
+                 overrides=[*TIED, "checkpoint.save_final=true"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, virtual, json, ranks", [
+    ("interleaved_1f1b", 2, ZERO3, 2),  # the embedding on rank 0, the head's copy on rank 1
+    ("zbv", 2, "deepspeed=ds_configs/zero2.json", 2),  # the V: both on rank 0, two FSDP2 roots
+    ("1f1b", 1, ZERO3, 4),  # pipeline 4: the pair (ranks 0 and 3) a group of its own
+])
+def test_tied_embeddings_train_like_one_process(schedule, virtual, json, ranks, tied_reference,
+                                                tiny_data, tmp_path):
+    """The head's copy of the embedding starts equal to it and takes the summed gradient of
+    both, counted once in the norm and written once: losses and gradient norms within 1e-5,
+    final/ holds the reference's tensors, and the step-5 checkpoint resumes on one process
+    under DeepSpeed as the reference's steps."""
+    from safetensors.torch import load_file
+
+    run = train(tmp_path, tiny_data, nprocs=ranks, name=schedule, overrides=[
+        *TIED, *PIPELINE, json, f"parallel.pipeline={ranks}",
+        f"parallel.pipeline_schedule={schedule}", f"parallel.virtual_stages={virtual}",
+        "checkpoint.save_final=true",
+        f"checkpoint.save_interval={SAVE_AT}", "checkpoint.keep_last=2"])
+    _assert_trains_like(run, tied_reference)
+    ours = load_file(str(run.run_dir / "final" / "model.safetensors"))
+    ref = load_file(str(tied_reference.run_dir / "final" / "model.safetensors"))
+    assert sorted(ours) == sorted(ref)
+    for name, tensor in ref.items():
+        assert torch.allclose(ours[name], tensor, rtol=1e-4, atol=1e-6), name
+    saved = run.run_dir / "checkpoints" / f"step{SAVE_AT}"
+    where = tmp_path / "resumed"
+    shutil.copytree(saved, where / "run" / "checkpoints" / saved.name)
+    resumed = train(where, tiny_data, name="run", overrides=TIED)
+    assert f"[resume] from {where / 'run' / 'checkpoints' / saved.name}" in resumed.stdout
+    _assert_trains_like(resumed, tied_reference, last=STEPS - SAVE_AT)
+
+
 def test_stages_are_split_and_placed_as_torch_runs_them():
     # 4 layers on 4 stages: one each; the embedding opens, norm and head close the list
     assert stage_spans(4, 4) == [(0, 2), (2, 3), (3, 4), (4, 7)]
@@ -159,7 +202,6 @@ def test_deepspeed_refuses_schedules_other_than_its_1f1b_before_launch():
     (["parallel.pipeline_schedule=gpipe"], "choose one of 1f1b"),
     (["parallel.pipeline_schedule=zbv"], "parallel.virtual_stages=2"),
     (["parallel.virtual_stages=2"], "parallel.virtual_stages=1"),
-    ([*PIPELINE, "model.tie_embeddings=true"], "tie_embeddings"),
     ([*PIPELINE, ZERO3, "parallel.pipeline_schedule=zbv", "parallel.virtual_stages=2"],
      "zero-bubble schedules compute weight gradients apart"),
     # torch's constructors would raise after launch: too few micro-batches for DualPipeV's 4

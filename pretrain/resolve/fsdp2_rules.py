@@ -66,10 +66,6 @@ def check_fsdp2(cfg, ds: dict[str, Any], *, where: str) -> None:
                         "ZeRO-3 frees after it (the weights' gradients would be lost); use a "
                         "ZeRO-1/2 JSON (ds_configs/zero2.json: weights kept gathered from "
                         "forward to backward) or parallel.pipeline_schedule=interleaved_1f1b")
-    if p.pipeline > 1 and m.tie_embeddings:
-        refusals.append(f"model.tie_embeddings=true with parallel.pipeline={p.pipeline}: the "
-                        "embedding and the head sit on different stages, whose tied gradient "
-                        "fsdp2's pipeline does not sum; untie them or use train.engine=deepspeed")
     refusals += _json_refusals(ds, where=where)
     raise_refusals(refusals)
 

@@ -71,7 +71,8 @@ from pretrain.model.moe import MoE
 from pretrain.model.tensor_parallel import SequenceShardedWeightGrad, tp_rank, tp_world_size
 from pretrain.resolve.topology import ProcessGroups
 from pretrain.training import muon
-from pretrain.training.pipeline_schedules import PipelineDriver, PipelineStages, construct_stages
+from pretrain.training.pipeline_schedules import (PipelineDriver, PipelineStages, construct_stages,
+                                                   tied_embedding_copies)
 
 FILE = "fsdp2_rank{rank:05d}.pt"  # one per rank in a checkpoint's step directory
 
@@ -175,6 +176,10 @@ class FSDP2Engine:
         self.pipeline = (PipelineDriver(cfg, model, groups, micro_batches=self._micro_batches,
                                         device=self.device)
                          if isinstance(model, PipelineStages) else None)
+        # tied embeddings over a pipeline: the first stage's weight and the head's copy of it
+        self._tied = tied_embedding_copies(model, cfg)
+        self._tied_group = (_tied_pair_group(groups, self.pipeline)
+                            if cfg.model.tie_embeddings and self.pipeline is not None else None)
 
     # ---- what DeepSpeed's engine answers ----------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -291,6 +296,7 @@ class FSDP2Engine:
             return
         self._micro = 0
         self._sum_sequence_parallel_grads()
+        self._sum_tied_grads()
         self._norm = self.grad_norm()
         if math.isfinite(self._norm):
             if self._clip > 0 and self._norm > self._clip:
@@ -333,6 +339,26 @@ class FSDP2Engine:
             grad.copy_(total.view_as(grad))
 
     @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        """Tied embeddings over a pipeline: the embedding's gradient (first stage) and its
+        copy's (the head, last stage) summed into both, once per step, so both copies take the
+        same update and stay equal. On one rank (the V schedules hold both ends) the two
+        shards are added; across ranks the copy's shard is all-reduced with the embedding's
+        over their pair of ranks (the same data coordinate, so the same FSDP2 rows), through
+        an accelerator buffer (CPU offload keeps the shards in host memory)."""
+        held = [p for p in self._tied if p is not None]
+        if not held:
+            return
+        grads = [_local(p.grad) for p in held]
+        total = grads[0].to(self.device, copy=True)
+        for grad in grads[1:]:
+            total += grad.to(self.device)
+        if len(held) == 1:  # the other end is another rank's
+            torch_dist.all_reduce(total, group=self._tied_group)
+        for grad in grads:
+            grad.copy_(total)
+
+    @torch.no_grad()
     def grad_norm(self) -> float:
         """L2 norm of the whole model's gradient, each element counted once: this rank's FSDP2
         shard of each gradient summed over its shard group (the data group, or one HSDP replica
@@ -343,6 +369,8 @@ class FSDP2Engine:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for name, p in canonical_parameters(self.module, self.cfg.model):
             if p.grad is None or not (name in self._tensor_parallel or tp_rank0):
+                continue
+            if p is self._tied[1]:  # the tied head's copy: counted once, as the embedding
                 continue
             total += _local(p.grad).float().pow(2).sum().to(self.device)
         if torch_dist.get_world_size(self._shard_group) > 1:
@@ -363,6 +391,8 @@ class FSDP2Engine:
         pieces: dict[str, dict[str, Any]] = {}
         adam_step = 0
         for name, p in canonical_parameters(self.module, self.cfg.model):
+            if p is self._tied[1]:  # the tied head's copy: written once, as the embedding
+                continue
             state = self.optimizer.state.get(p, {})
             entry = {"master": _local(p.detach()), "row": _first_row(p),
                      "shape": tuple(p.shape)}
@@ -428,6 +458,23 @@ class FSDP2Engine:
             from pretrain.checkpoint.reshard import _resume_schedule
 
             _resume_schedule(self.lr_scheduler, schedule, self.optimizer.param_groups)
+
+
+def _tied_pair_group(groups: ProcessGroups, driver: PipelineDriver):
+    """The process group of this rank's pair of tied-embedding ranks (the first stage's and the
+    last stage's in its pipeline), None where one rank holds both (the V schedules). Collective:
+    every rank creates every pair's group, in the same order (a pair that is already a group,
+    the pipeline of 2 ranks, reuses it)."""
+    last = driver.owner(driver.num_stages - 1)
+    if last == driver.owner(0):
+        return None
+    mine = None
+    for ranks in groups.topology.pipeline_groups():
+        key = tuple(sorted((ranks[driver.owner(0)], ranks[last])))
+        group = groups.by_ranks.get(key) or torch_dist.new_group(ranks=list(key))
+        if torch_dist.get_rank() in key:
+            mine = group
+    return mine
 
 
 def sequence_parallel_norms(model: torch.nn.Module) -> list[torch.nn.Module]:

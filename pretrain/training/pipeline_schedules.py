@@ -35,6 +35,7 @@ gradients filling the bubble), `zbv` (ScheduleZBVZeroBubble), `dualpipe_v` (Sche
 """
 from __future__ import annotations
 
+import types
 from typing import Any, Iterator
 
 import torch
@@ -118,9 +119,32 @@ def construct_stages(cfg: RunConfig, groups) -> PipelineStages:
     for stage in stage_indices(groups.topology.my_coords.pipeline, pipeline=p.pipeline,
                                virtual_stages=p.virtual_stages, schedule=p.pipeline_schedule):
         start, stop = spans[stage]
-        stages[stage] = StageModule({i: specs[i].build() for i in range(start, stop)},
+        stages[stage] = StageModule({i: _build(specs[i]) for i in range(start, stop)},
                                     first=stage == 0, last=stage == num_stages - 1, loss=loss)
     return PipelineStages(stages)
+
+
+def _build(spec) -> nn.Module:
+    """A layer spec's module; the tied head (`model.tie_embeddings`) is a copy of the embedding
+    module whose forward projects to the vocabulary (the spec's `forward_fn`), its weight kept
+    equal to the first stage's by `FSDP2Engine` (one initial value by name, the two gradients
+    summed every step)."""
+    module = spec.build()
+    forward_fn = getattr(spec, "forward_fn", None)
+    if forward_fn is not None:
+        module.forward = types.MethodType(forward_fn, module)
+    return module
+
+
+def tied_embedding_copies(model: nn.Module, cfg: RunConfig) -> tuple[Any, Any]:
+    """(the embedding's weight, the tied head's copy of it) of this rank's stages under
+    model.tie_embeddings: each None where the rank does not hold that stage; (None, None)
+    without tied embeddings or a pipeline."""
+    if not (cfg.model.tie_embeddings and isinstance(model, PipelineStages)):
+        return None, None
+    head = str(cfg.model.num_layers + 2)  # the layer spec index of the head
+    params = dict(model.named_parameters())
+    return params.get("0.embed_tokens.weight"), params.get(f"{head}.embed_tokens.weight")
 
 
 class PipelineDriver:
