@@ -340,7 +340,9 @@ def stage_parameters(m: ModelConfig, layout: Layout, items: list[str]) -> int:
     n = sum(layer_on_gpu(m, layout, i) for i in layer_indices(items))
     n += vocab * items.count("embed") + m.hidden_size * items.count("norm")
     if "head" in items:  # the output projection: its own copy unless tied in the same stage
-        n += 0 if m.tie_embeddings and "embed" in items else vocab
+        # (fsdp2's V schedules put the first and last stages on one rank: two stages, two copies)
+        shared = "embed" in items and not (layout.engine == "fsdp2" and layout.pipeline > 1)
+        n += 0 if m.tie_embeddings and shared else vocab
     return n + items.count("mtp") * mtp_own_parameters(m)
 
 

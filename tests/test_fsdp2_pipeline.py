@@ -170,6 +170,34 @@ def test_tied_embeddings_train_like_one_process(schedule, virtual, json, ranks, 
     _assert_trains_like(resumed, tied_reference, last=STEPS - SAVE_AT)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_the_planner_counts_each_rank_s_stages_as_built_with_tied_embeddings(schedule):
+    """The planner's parameters of each pipeline rank equal its stages built on the meta
+    device: the head's stage holds its own copy of the tied embedding, on another rank
+    (interleaved) or beside the embedding's stage on the same one (the V)."""
+    from types import SimpleNamespace
+
+    from pretrain.arithmetic import num_parameters, stage_items, stage_parameters
+    from pretrain.resolve.topology import Topology
+    from pretrain.training.pipeline_schedules import construct_stages
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        *TIED, *PIPELINE, f"parallel.pipeline_schedule={schedule}", "parallel.virtual_stages=2"])
+    layout = lay_out_as_loaded(cfg, world_size=2).layout
+    planned = [stage_parameters(cfg.model, layout, items)
+               for items in stage_items(cfg.model, layout)]
+    built = []
+    for rank in range(2):
+        groups = SimpleNamespace(topology=Topology(tensor=1, pipeline=2, world_size=2,
+                                                   rank=rank), tensor=None, context=None)
+        with torch.device("meta"):
+            stages = construct_stages(cfg, groups)
+        built.append(sum(p.numel() for p in stages.parameters()))
+    assert planned == built
+    vocab = cfg.model.padded_vocab_size(1) * cfg.model.hidden_size
+    assert sum(built) == num_parameters(cfg.model) + vocab  # one more copy of the embedding
+
+
 def test_stages_are_split_and_placed_as_torch_runs_them():
     # 4 layers on 4 stages: one each; the embedding opens, norm and head close the list
     assert stage_spans(4, 4) == [(0, 2), (2, 3), (3, 4), (4, 7)]

@@ -423,7 +423,7 @@ def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
 
 def pipeline_refusals(m: ModelConfig, layout: Layout) -> list[str]:
     """Why fsdp2's pipeline cannot run `layout`'s schedule: `fsdp2_rules.check_fsdp2`'s rules
-    of a layout (zero-bubble schedules under ZeRO-3, tied embeddings) and the micro-batch counts
+    of a layout (zero-bubble schedules under ZeRO-3) and the micro-batch counts
     torch's schedules take (DualPipeV: at least the stages; the interleaved ones: a multiple of
     their rounds, max(1, micro-batches // pp))."""
     p, micro, schedule = layout.pipeline, layout.grad_accum, layout.schedule
@@ -432,9 +432,6 @@ def pipeline_refusals(m: ModelConfig, layout: Layout) -> list[str]:
         refusals.append(f"parallel.pipeline_schedule={schedule} with ZeRO stage 3: the "
                         "zero-bubble schedules need the weights kept gathered from forward to "
                         "backward (a ZeRO-1/2 JSON)")
-    if m.tie_embeddings:
-        refusals.append(f"model.tie_embeddings=true with parallel.pipeline={p}: fsdp2's "
-                        "pipeline does not sum the tied gradient")
     return refusals + micro_batch_refusals(schedule=schedule, pipeline=p,
                                            virtual_stages=layout.virtual_stages,
                                            micro_batches=micro)
