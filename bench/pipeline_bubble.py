@@ -21,11 +21,12 @@ by the busiest stage, and the schedule's fixed costs from the CPU cluster's cons
 in the same run (`--calibrate`'s: the split backward against a full one, and the runtime's
 costs on a schedule no row runs, interleaved 1F1B with 3 stages a rank at m = 6 over the same
 blocks: its work per entry of torch's action list, where each send and receive is an entry of
-its own, and a message's entry and post to gloo), none fitted to the schedules they predict. The peak activation memory of each rank is the most
-bytes autograd holds saved at once (`saved_tensors_hooks`: each saved tensor counted from its
-save to its release, kept detached), over one micro-batch's saved bytes through the rank's stages: the
-micro-batches in flight, beside the planner's (`micro_batches_in_flight`) and torch's action
-lists replayed (`pretrain.testing.schedule_replay`).
+its own, and a message's entry and post to gloo), none fitted to the schedules they predict.
+The peak activation memory of each rank is the most bytes autograd holds saved at once
+(`saved_tensors_hooks`: each saved tensor counted from its save to its release, kept detached),
+over one micro-batch's saved bytes through the rank's stages: the micro-batches in flight,
+beside the planner's (`micro_batches_in_flight`) and torch's action lists replayed
+(`pretrain.testing.schedule_replay`).
 
     .venv/bin/python bench/pipeline_bubble.py --schedules   # ~2 minutes on 2 cores
     .venv/bin/python bench/pipeline_bubble.py --calibrate   # the CPU constants alone, ~15 s

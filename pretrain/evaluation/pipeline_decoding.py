@@ -33,7 +33,7 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 
 from pretrain.model.llama import LayerCache
-from pretrain.model.pipeline import DecoderLayerPipe, StageActivations
+from pretrain.model.pipeline import DecoderLayerPipe, StageActivations, head_logits
 from pretrain.model.tensor_parallel import gather_from_tp
 
 # the activation dtypes a header can name, by index
@@ -77,10 +77,7 @@ def deepspeed_hops(engine) -> list[StageHop]:
     def run(x, position):
         for function in functions:
             x = function(x)
-        if not last:
-            return x
-        hidden, weight = x  # the head's pair
-        return F.linear(hidden if position is None else hidden[:, position], weight)
+        return head_logits(x, position) if last else x  # the head's (hidden, weight) pair
 
     return [StageHop(run=run, source=None if first else grid.stage_to_global(stage - 1),
                      destination=None if last else grid.stage_to_global(stage + 1),

@@ -282,10 +282,12 @@ class LMHeadPipe(nn.Module):
         return scaled_head_input(hidden, self.lm_head.output_multiplier), self.lm_head.weight
 
 
-def head_logits(outputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """This rank's logits (B, T, V_padded/tp) from the head's (hidden, weight) pair."""
+def head_logits(outputs: tuple[torch.Tensor, torch.Tensor],
+                position: int | None = None) -> torch.Tensor:
+    """This rank's logits (B, T, V_padded/tp) from the head's (hidden, weight) pair; at one
+    `position` only (B, V_padded/tp) where one is given."""
     hidden, weight = outputs
-    return F.linear(hidden, weight)
+    return F.linear(hidden if position is None else hidden[:, position], weight)
 
 
 class PipelineLoss:

@@ -417,11 +417,11 @@ def check_fsdp2_layout(m: ModelConfig, layout: Layout) -> None:
         where="the DeepSpeed config", expert=layout.expert, tensor=layout.tensor,
         expert_tensor=layout.expert_tensor, fp8=layout.fp8, optimizer=layout.optimizer)
     if layout.pipeline > 1:
-        refusals += pipeline_refusals(m, layout)
+        refusals += pipeline_refusals(layout)
     raise_refusals(refusals)
 
 
-def pipeline_refusals(m: ModelConfig, layout: Layout) -> list[str]:
+def pipeline_refusals(layout: Layout) -> list[str]:
     """Why fsdp2's pipeline cannot run `layout`'s schedule: `fsdp2_rules.check_fsdp2`'s rules
     of a layout (zero-bubble schedules under ZeRO-3) and the micro-batch counts
     torch's schedules take (DualPipeV: at least the stages; the interleaved ones: a multiple of

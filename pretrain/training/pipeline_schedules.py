@@ -73,9 +73,8 @@ class StageModule(nn.Module):
         x: Any = inputs if len(inputs) > 1 or not self.first else inputs[0]
         for layer in self.children():
             x = layer(x)
-        if self.last and labels is None:
-            hidden, weight = x  # the head's pair
-            return head_logits((hidden if logits_at is None else hidden[:, logits_at], weight))
+        if self.last and labels is None:  # x: the head's (hidden, weight) pair
+            return head_logits(x, logits_at)
         if self.last:
             return self.loss(x, labels)
         return StageActivations.from_tuple(x).wire()
